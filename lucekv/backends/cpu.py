@@ -1,0 +1,130 @@
+"""CPU backend: quantized weights through numba kernels, KV in a slot pool of host arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lucekv.kernels.cpu.attention import attend_batch, attend_decode
+from lucekv.kernels.cpu.matvec import matmul, matvec
+from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, dequantize_rows, pack_tensor
+from lucekv.model.arch import ModelSpec
+from lucekv.model.decoder import Weights, forward, load_weights
+from lucekv.model.gguf import GGUFFile, TensorInfo
+
+KV_DTYPES = {"f16": np.float16, "f32": np.float32}
+GELU_C = np.float32(np.sqrt(2.0 / np.pi))
+
+
+class KVPool:
+    """K and V of every layer in `size` slots; slot_pos[s] is the logical position slot s holds (-1 free)."""
+
+    def __init__(self, spec: ModelSpec, size: int, dtype: str):
+        shape = (size, spec.n_kv_head, spec.head_dim)
+        self.dtype = KV_DTYPES[dtype]
+        # np.zeros maps untouched pages lazily, so a pool sized to the whole context costs what is used.
+        self.k = [np.zeros(shape, self.dtype) for _ in range(spec.n_layer)]
+        self.v = [np.zeros(shape, self.dtype) for _ in range(spec.n_layer)]
+        self.slot_pos = np.full(size, -1, np.int32)
+        self.high_water = 0  # slots at or above this index have never been written
+
+    @property
+    def size(self) -> int:
+        return len(self.slot_pos)
+
+    def clear(self) -> None:
+        self.slot_pos[:] = -1
+        self.high_water = 0
+
+    def assign(self, slots: np.ndarray, positions: np.ndarray) -> None:
+        self.slot_pos[slots] = positions
+        self.high_water = max(self.high_water, int(slots.max()) + 1)
+
+
+class CpuOps:
+    """The decoder's ops on numpy arrays [n_tokens, width] (see lucekv.model.decoder.Ops)."""
+
+    def __init__(self, spec: ModelSpec, pool: KVPool):
+        self.spec = spec
+        self.pool = pool
+        self._inv_freq: dict[float, np.ndarray] = {}
+
+    def matrix(self, t: TensorInfo) -> PackedMatrix:
+        return pack_tensor(t)
+
+    def vector(self, t: TensorInfo) -> np.ndarray:
+        return dequantize(t.data, t.qtype, t.shape).reshape(-1)
+
+    def embed(self, table: PackedMatrix, tokens: np.ndarray, scale: float) -> np.ndarray:
+        x = np.concatenate([dequantize_rows(table, int(t), int(t) + 1) for t in tokens])
+        return x * np.float32(scale) if scale != 1.0 else x
+
+    def linear(self, w: PackedMatrix, x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        y = matvec(w, x[0])[None, :] if len(x) == 1 else matmul(w, x)
+        return y + bias if bias is not None else y
+
+    def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float, groups: int = 1) -> np.ndarray:
+        xs = x.reshape(len(x), groups, -1)
+        ms = np.mean(xs * xs, axis=-1, keepdims=True, dtype=np.float32)
+        return (xs / np.sqrt(ms + np.float32(eps)) * w).reshape(x.shape).astype(np.float32, copy=False)
+
+    def rope(self, x: np.ndarray, n_heads: int, positions: np.ndarray, base: float) -> np.ndarray:
+        spec = self.spec
+        rd = spec.rope_dim
+        inv = self._inv_freq.get(base)
+        if inv is None:
+            inv = self._inv_freq[base] = 1.0 / base ** (np.arange(0, rd, 2, dtype=np.float64) / rd)
+        ang = (positions.astype(np.float64)[:, None] / spec.rope_scale) * inv[None, :]  # [n, rd/2]
+        cos = np.cos(ang).astype(np.float32)[:, None, :]
+        sin = np.sin(ang).astype(np.float32)[:, None, :]
+        xh = x.reshape(len(x), n_heads, spec.head_dim).copy()
+        if spec.arch.rope_style == "neox":
+            a, b = xh[..., : rd // 2].copy(), xh[..., rd // 2 : rd].copy()
+            xh[..., : rd // 2] = a * cos - b * sin
+            xh[..., rd // 2 : rd] = a * sin + b * cos
+        else:
+            a, b = xh[..., 0:rd:2].copy(), xh[..., 1:rd:2].copy()
+            xh[..., 0:rd:2] = a * cos - b * sin
+            xh[..., 1:rd:2] = a * sin + b * cos
+        return xh.reshape(x.shape)
+
+    def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
+                  slots: np.ndarray, window: int) -> np.ndarray:
+        spec, pool = self.spec, self.pool
+        kp, vp = pool.k[layer], pool.v[layer]
+        kp[slots] = k.reshape(len(k), spec.n_kv_head, spec.head_dim)
+        vp[slots] = v.reshape(len(v), spec.n_kv_head, spec.head_dim)
+        qh = q.reshape(len(q), spec.n_head, spec.head_dim)
+        if len(q) == 1:
+            out = attend_decode(qh[0], kp, vp, pool.slot_pos, pool.high_water, int(positions[0]), window,
+                                spec.attn_scale)[None]
+        else:
+            out = attend_batch(qh, kp, vp, pool.slot_pos, pool.high_water, positions, window, spec.attn_scale)
+        return out.reshape(len(q), -1)
+
+    def gated_act(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        if self.spec.arch.activation == "silu":
+            return gate / (1.0 + np.exp(-gate)) * up
+        g = gate
+        return 0.5 * g * (1.0 + np.tanh(GELU_C * (g + np.float32(0.044715) * g * g * g))) * up
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return x + y
+
+    def rows(self, x: np.ndarray, idx: slice) -> np.ndarray:
+        return x[idx]
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, g: GGUFFile, spec: ModelSpec, kv_dtype: str = "f16", pool_size: int | None = None):
+        self.spec = spec
+        self.pool = KVPool(spec, pool_size or spec.n_ctx, kv_dtype)
+        self.ops = CpuOps(spec, self.pool)
+        self.weights: Weights = load_weights(g, spec, self.ops)
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                all_logits: bool = False) -> np.ndarray:
+        """Logits [1 or n, vocab] float32 for `tokens` at `positions`, their K/V written to `slots`."""
+        self.pool.assign(slots, positions)
+        return forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, all_logits)

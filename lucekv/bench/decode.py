@@ -1,0 +1,86 @@
+"""`lucekv bench decode`: prefill and decode tokens per second through the public generate path."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lucekv
+from lucekv.engine.sampling import SamplingParams
+
+FILLER = ("The quick brown fox jumps over the lazy dog while the committee reviews the budget for next "
+          "year. def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n")
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "machine": platform.machine()}
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+        info["cpu"] = name
+    except (OSError, StopIteration):
+        pass
+    import os
+
+    info["cores"] = os.cpu_count()
+    return info
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def prompt_ids(engine: lucekv.Engine, n: int) -> list[int]:
+    ids = engine.tokenizer.encode(FILLER * (n // 20 + 2))
+    return ids[:n]
+
+
+def run(model: str, backend: str, prompt_tokens: int, gen_tokens: int, repeats: int, kv_dtype: str) -> dict:
+    engine = lucekv.load(model, backend=backend, kv_dtype=kv_dtype)
+    ids = prompt_ids(engine, prompt_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
+    prefill, decode = [], []
+    for i in range(repeats + 1):  # the first run warms up numba's caches and is not counted
+        t0 = time.perf_counter()
+        last = list(engine.generate(ids, params))[-1]
+        if i == 0:
+            print(f"warm-up done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+            continue
+        prefill.append(len(ids) / last.usage.time_to_first_token_s)
+        decode.append(last.usage.decode_tokens_per_s)
+        print(f"run {i}: prefill {prefill[-1]:.1f} tok/s, decode {decode[-1]:.1f} tok/s", file=sys.stderr)
+    return {
+        "bench": "decode",
+        "commit": git_commit(),
+        "machine": machine(),
+        "model": {"name": engine.info.model_name, "arch": engine.info.arch, "fingerprint": engine.info.fingerprint},
+        "backend": engine.info.backend,
+        "kv_dtype": kv_dtype,
+        "command": " ".join(sys.argv),
+        "prompt_tokens": len(ids),
+        "gen_tokens": gen_tokens,
+        "repeats": repeats,
+        "prefill_tok_s_median": statistics.median(prefill),
+        "decode_tok_s_median": statistics.median(decode),
+        "prefill_tok_s": prefill,
+        "decode_tok_s": decode,
+    }
+
+
+def main(args) -> int:
+    result = run(args.model, args.backend, args.prompt_tokens, args.gen_tokens, args.repeats, args.kv_dtype)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    return 0

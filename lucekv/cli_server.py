@@ -1,0 +1,164 @@
+"""`lucekv serve`, and the client commands `lucekv generate` and `lucekv info` that talk to a server.
+
+Each command stores its handler as `func` in the parsed namespace; the handler returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import grpc
+
+from lucekv.client import DEFAULT_ADDRESS, FINISH_REASON_NAMES, Client, SamplingOptions
+from lucekv.errors import LucekvError
+from lucekv.model.registry import DEFAULT_MODEL, MODELS, TextProgress, is_pulled, pull, resolve_model
+
+# (SamplingOptions field, type, help) for the sampling flags of `generate`; --max-tokens sets max_tokens, etc.
+_SAMPLING_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("max_tokens", int, "most tokens to generate (server default 256)"),
+    ("min_tokens", int, "generate at least this many tokens"),
+    ("temperature", float, "0 = greedy (server default 1.0)"),
+    ("top_p", float, "nucleus sampling mass"),
+    ("top_k", int, "sample among the k most likely tokens (0 = off)"),
+    ("min_p", float, "drop tokens below min_p times the top probability"),
+    ("repetition_penalty", float, "1 = off"),
+    ("presence_penalty", float, "0 = off"),
+    ("frequency_penalty", float, "0 = off"),
+    ("seed", int, "same seed and request give the same output"),
+)
+
+
+def add_server_commands(subparsers: argparse._SubParsersAction) -> None:
+    from lucekv.server.app import DEFAULT_HOST, DEFAULT_PORT
+
+    serve = subparsers.add_parser("serve", help="start the gRPC server")
+    serve.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"registry name (downloaded if missing) or .gguf path (default {DEFAULT_MODEL})",
+    )
+    serve.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
+    serve.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"0 picks a free port (default {DEFAULT_PORT})"
+    )
+    serve.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="Generate calls that may wait for the engine; more get RESOURCE_EXHAUSTED (default 64)",
+    )
+    serve.set_defaults(func=run_serve)
+
+    generate = subparsers.add_parser("generate", help="stream a completion from a running server to stdout")
+    generate.add_argument("prompt", metavar="PROMPT")
+    generate.add_argument(
+        "--server", default=DEFAULT_ADDRESS, help=f"server address (default {DEFAULT_ADDRESS})"
+    )
+    generate.add_argument(
+        "--chat", action="store_true", help="send PROMPT as a user message through the model's chat template"
+    )
+    for name, kind, help_text in _SAMPLING_FLAGS:
+        generate.add_argument("--" + name.replace("_", "-"), type=kind, help=help_text)
+    generate.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    generate.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        default=None,
+        help="keep generating past end-of-generation tokens",
+    )
+    generate.set_defaults(func=run_generate)
+
+    info = subparsers.add_parser("info", help="show the model and settings of a running server")
+    info.add_argument("--server", default=DEFAULT_ADDRESS, help=f"server address (default {DEFAULT_ADDRESS})")
+    info.set_defaults(func=run_info)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import lucekv
+    from lucekv.server.app import LucekvServer, ServerOptions, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = lucekv.load(_model_file(args.model), backend=args.backend)
+    except LucekvError as e:
+        print(f"lucekv: error: {e}", file=sys.stderr)
+        return 1
+
+    def announce(server: LucekvServer) -> None:
+        info = engine.info
+        print(
+            f"lucekv: serving {info.model_name} ({info.arch}, {info.backend} backend) on "
+            f"{args.host}:{server.port}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    try:
+        serve(engine, ServerOptions(args.host, args.port, args.max_queue), announce)
+    except RuntimeError as e:  # grpc's way of saying the address cannot be bound
+        print(f"lucekv: error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _model_file(model: str) -> Path:
+    if model in MODELS and not is_pulled(model):
+        pull(model, TextProgress())  # shows download progress; resolve_model alone would fetch silently
+    return resolve_model(model)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    sampling = SamplingOptions(
+        **{name: getattr(args, name) for name, _, _ in _SAMPLING_FLAGS},
+        stop=args.stop or [],
+        ignore_eos=args.ignore_eos,
+    )
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    try:
+        with Client(args.server) as client:
+            for chunk in client.generate(prompt, sampling):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    except grpc.RpcError as e:
+        print(f"\nlucekv: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    if sys.stdout.isatty():
+        sys.stdout.write("\n")
+    u = chunk.usage
+    print(
+        f"[{FINISH_REASON_NAMES[chunk.finish_reason]}: {u.prompt_tokens} prompt + {u.completion_tokens} "
+        f"completion tokens, first token {u.time_to_first_token_ms:.0f} ms, "
+        f"{u.decode_tokens_per_second:.1f} tok/s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    try:
+        with Client(args.server) as client:
+            info = client.server_info(timeout=10)
+    except grpc.RpcError as e:
+        print(f"lucekv: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    rows = [
+        ("server", args.server),
+        ("model", info.model_name),
+        ("arch", info.arch),
+        ("fingerprint", info.fingerprint),
+        ("context", str(info.context_length)),
+        ("vocab", str(info.vocab_size)),
+        ("layers", str(info.n_layer)),
+        ("embedding", str(info.n_embd)),
+        ("backend", info.backend),
+        ("features", ", ".join(info.features)),
+        ("max queue", str(info.max_queued_requests)),
+        ("version", info.version),
+    ]
+    for key, value in rows:
+        print(f"{key + ':':<13}{value}")
+    return 0

@@ -1,0 +1,152 @@
+"""A small typed client for the lucekv gRPC service (the CLI uses it; clients/python/ shows examples).
+
+    with Client("127.0.0.1:50051") as client:
+        for chunk in client.generate("Once upon a time", SamplingOptions(max_tokens=32, seed=1)):
+            print(chunk.text, end="", flush=True)
+
+Failed calls raise grpc.RpcError; `.code()` and `.details()` say what went wrong (the details name the bad
+field for INVALID_ARGUMENT).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+
+import grpc
+
+from lucekv.server.gen import lucekv_pb2 as pb
+from lucekv.server.gen import lucekv_pb2_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+FINISH_REASON_NAMES = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_EOS: "eos",
+}
+
+# Text, token ids, or chat messages ({"role": ..., "content": ...}).
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+
+
+@dataclass
+class SamplingOptions:
+    """Sampling fields of GenerateRequest; None leaves a field unset so the server's default applies."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def to_proto(self) -> pb.SamplingParams:
+        return pb.SamplingParams(
+            **{f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+        )
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "eos"
+    usage: pb.Usage
+    logprobs: list[pb.TokenLogprob]  # empty unless requested
+    request_id: str
+
+
+class GenerateStream:
+    """The chunks of one Generate call; `cancel()` stops the generation on the server."""
+
+    def __init__(self, call: grpc.Call):
+        self._call = call
+
+    def __iter__(self) -> Iterator[pb.GenerateResponse]:
+        return iter(self._call)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class Client:
+    def __init__(self, address: str = DEFAULT_ADDRESS):
+        self._channel = grpc.insecure_channel(address)
+        self._stub = lucekv_pb2_grpc.LuceKVStub(self._channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling: SamplingOptions | None = None,
+        *,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> GenerateStream:
+        request = generate_request(prompt, sampling or SamplingOptions(), request_id)
+        return GenerateStream(self._stub.Generate(request, timeout=timeout))
+
+    def complete(
+        self,
+        prompt: Prompt,
+        sampling: SamplingOptions | None = None,
+        *,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> Completion:
+        """Generate and collect the whole completion."""
+        text, token_ids, logprobs = [], [], []
+        for chunk in self.generate(prompt, sampling, request_id=request_id, timeout=timeout):
+            text.append(chunk.text)
+            token_ids.extend(chunk.token_ids)
+            logprobs.extend(chunk.logprobs)
+        return Completion(
+            "".join(text),
+            token_ids,
+            FINISH_REASON_NAMES[chunk.finish_reason],
+            chunk.usage,
+            logprobs,
+            chunk.request_id,
+        )
+
+    def tokenize(self, text: str, add_special_tokens: bool = True, timeout: float | None = None) -> list[int]:
+        request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list(self._stub.Tokenize(request, timeout=timeout).token_ids)
+
+    def detokenize(
+        self, token_ids: Sequence[int], skip_special_tokens: bool = False, timeout: float | None = None
+    ) -> str:
+        request = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return self._stub.Detokenize(request, timeout=timeout).text
+
+    def server_info(self, timeout: float | None = None) -> pb.ServerInfo:
+        return self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
+
+
+def generate_request(prompt: Prompt, sampling: SamplingOptions, request_id: str = "") -> pb.GenerateRequest:
+    request = pb.GenerateRequest(sampling=sampling.to_proto(), request_id=request_id)
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif all(isinstance(item, Mapping) for item in prompt) and prompt:
+        request.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+    else:
+        request.token_ids.SetInParent()  # selects token_ids even when the list is empty
+        request.token_ids.ids.extend(prompt)
+    return request

@@ -1,0 +1,150 @@
+"""The engine: a loaded model, its tokenizer and backend, and the generation loop."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lucekv.engine.sampling import Sampler, SamplingParams, log_softmax
+from lucekv.engine.stops import StopMatcher
+from lucekv.engine.types import ChatMessage, GenerationDelta, TokenLogprob, Usage
+from lucekv.errors import ConfigError, ContextOverflowError, InvalidRequestError
+from lucekv.model.arch import ModelSpec
+from lucekv.model.gguf import open_gguf
+from lucekv.model.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int] | Sequence[ChatMessage]
+PREFILL_CHUNK = 256  # tokens per prefill forward: bounds the attention score matrix
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_name: str
+    arch: str
+    fingerprint: str
+    n_ctx: int
+    vocab_size: int
+    backend: str
+    n_layer: int
+    n_embd: int
+
+
+class Engine:
+    """Not thread-safe: one generation at a time (the server serializes requests)."""
+
+    def __init__(self, path: Path, backend: str = "auto", kv_dtype: str = "f16", n_ctx: int | None = None):
+        g = open_gguf(path)
+        self.spec = ModelSpec.from_gguf(g)
+        self.tokenizer = Tokenizer.from_metadata(g.metadata)
+        self.n_ctx = min(n_ctx or self.spec.n_ctx, self.spec.n_ctx)
+        self.backend = _make_backend(backend, g, self.spec, kv_dtype, self.n_ctx)
+        self.info = EngineInfo(self.spec.name, self.spec.arch.name, g.fingerprint, self.n_ctx,
+                               self.spec.vocab_size, self.backend.name, self.spec.n_layer, self.spec.n_embd)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def prepare(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """Validate and tokenize; raises InvalidRequestError before any compute."""
+        params.validate(self.spec.vocab_size)
+        ids = self._tokenize_prompt(prompt)
+        if len(ids) + params.max_tokens > self.n_ctx:
+            raise ContextOverflowError(
+                "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {self.n_ctx} tokens")
+        return ids
+
+    def _tokenize_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "is empty")
+            return self.tokenizer.encode(prompt)
+        items = list(prompt)
+        if not items:
+            raise InvalidRequestError("prompt", "is empty")
+        if all(isinstance(m, Mapping) for m in items):
+            text = self.tokenizer.apply_chat_template(items)
+            return self.tokenizer.encode(text, add_special=False)
+        if not all(isinstance(t, int | np.integer) for t in items):
+            raise InvalidRequestError("prompt", "must be text, a list of token ids, or a list of chat messages")
+        bad = [int(t) for t in items if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise InvalidRequestError("token_ids", f"ids {bad[:5]} are outside [0, {self.spec.vocab_size})")
+        return [int(t) for t in items]
+
+    def generate(self, prompt: Prompt, params: SamplingParams) -> Iterator[GenerationDelta]:
+        ids = self.prepare(prompt, params)
+        return self._run(ids, params)
+
+    def score(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits [len(ids), vocab] for every position of a fresh sequence (used by oracle checks)."""
+        self.backend.pool.clear()
+        return np.concatenate(self._forward(list(ids), 0, all_logits=True))
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def _forward(self, ids: list[int], start: int, all_logits: bool = False) -> list[np.ndarray]:
+        out = []
+        for i in range(0, len(ids), PREFILL_CHUNK):
+            chunk = np.asarray(ids[i : i + PREFILL_CHUNK], np.int32)
+            pos = np.arange(start + i, start + i + len(chunk), dtype=np.int32)
+            out.append(self.backend.forward(chunk, pos, pos, all_logits))  # identity slot layout for now
+        return out
+
+    def _run(self, ids: list[int], params: SamplingParams) -> Iterator[GenerationDelta]:
+        t0 = time.perf_counter()
+        self.backend.pool.clear()
+        logits = self._forward(ids, 0)[-1][-1]
+        sampler = Sampler(params, ids, self.spec.vocab_size)
+        detok = self.tokenizer.stream()
+        stops = StopMatcher(params.stop)
+        end_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eog_ids))
+        t_first = 0.0
+        n_out = 0
+        while True:
+            banned = sorted(end_ids) if n_out < params.min_tokens else None
+            tok = sampler.sample(logits, banned)
+            sampler.observe(tok)
+            n_out += 1
+            if n_out == 1:
+                t_first = time.perf_counter()
+            logprobs = [self._logprob(logits, tok, params.top_logprobs)] if params.logprobs else None
+            finish = None
+            if tok in end_ids:
+                finish = "stop" if tok in params.stop_token_ids else "eos"
+                text = stops.flush() + detok.flush()
+            else:
+                text, stopped = stops.feed(detok.add(tok))
+                if stopped:
+                    finish = "stop"
+                elif n_out >= params.max_tokens:
+                    finish = "length"
+                    text += stops.feed(detok.flush())[0] + stops.flush()
+            if finish:
+                elapsed = time.perf_counter() - t_first
+                usage = Usage(len(ids), 0, n_out, t_first - t0, (n_out - 1) / elapsed if elapsed > 0 else 0.0)
+                yield GenerationDelta([tok], text, logprobs, finish, usage)
+                return
+            yield GenerationDelta([tok], text, logprobs)
+            pos = len(ids) + n_out - 1
+            logits = self._forward([tok], pos)[0][-1]
+
+    def _logprob(self, logits: np.ndarray, tok: int, top: int) -> TokenLogprob:
+        lp = log_softmax(logits)
+        best = np.argsort(-lp)[:top] if top else []
+        return TokenLogprob(tok, float(lp[tok]), [(int(t), float(lp[t])) for t in best])
+
+
+def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int):
+    from lucekv.backends.cpu import KV_DTYPES, CpuBackend
+
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kv dtype {kv_dtype!r} is not supported (choose {', '.join(KV_DTYPES)})")
+    if name in ("auto", "cpu"):
+        return CpuBackend(g, spec, kv_dtype, n_ctx)
+    if name == "cuda":
+        raise ConfigError("the CUDA backend is not available in this build yet; use --backend cpu")
+    raise ConfigError(f"unknown backend {name!r} (choose auto, cpu or cuda)")

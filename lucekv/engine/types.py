@@ -1,0 +1,40 @@
+"""What the engine hands back while generating."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, TypedDict
+
+FinishReason = Literal["stop", "length", "eos"]
+
+
+class ChatMessage(TypedDict):
+    role: str
+    content: str
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first; empty unless top_logprobs > 0
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    time_to_first_token_s: float
+    decode_tokens_per_s: float
+
+
+@dataclass
+class GenerationDelta:
+    """One step of output. `text` may be empty while a UTF-8 sequence or a possible stop string is pending."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None  # set on the last delta only
+    usage: Usage | None = None  # set on the last delta only

@@ -1,0 +1,84 @@
+"""Attention over the KV slot pool on the CPU, position-exact in slot space (DESIGN §4).
+
+A slot s is visible to a query at position q iff 0 <= slot_pos[s] <= q, and for a sliding-window layer
+also slot_pos[s] > q - window. Free slots hold slot_pos = -1 and are never read as keys.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+
+def visible(slot_pos: np.ndarray, positions: np.ndarray, window: int) -> np.ndarray:
+    """Mask [n_queries, n_slots]: which slots each query position may attend to."""
+    sp = slot_pos[None, :]
+    q = positions[:, None]
+    mask = (sp >= 0) & (sp <= q)
+    if window > 0:
+        mask &= sp > q - window
+    return mask
+
+
+@njit(parallel=True, cache=True)
+def _decode_one(q, k_pool, v_pool, slot_pos, n_slots, pos, window, scale, out):
+    n_head, head_dim = q.shape
+    group = n_head // k_pool.shape[1]
+    lo = pos - window if window > 0 else -1
+    for h in prange(n_head):
+        kvh = h // group
+        scores = np.empty(n_slots, dtype=np.float32)
+        m = np.float32(-np.inf)
+        for s in range(n_slots):
+            p = slot_pos[s]
+            if p < 0 or p > pos or p <= lo:
+                scores[s] = -np.inf
+                continue
+            acc = np.float32(0.0)
+            for j in range(head_dim):
+                acc += q[h, j] * np.float32(k_pool[s, kvh, j])
+            acc *= scale
+            scores[s] = acc
+            m = max(m, acc)
+        total = np.float32(0.0)
+        for j in range(head_dim):
+            out[h, j] = 0.0
+        for s in range(n_slots):
+            if scores[s] == -np.inf:
+                continue
+            e = np.float32(np.exp(scores[s] - m))
+            total += e
+            for j in range(head_dim):
+                out[h, j] += e * np.float32(v_pool[s, kvh, j])
+        for j in range(head_dim):
+            out[h, j] /= total
+
+
+def attend_decode(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, slot_pos: np.ndarray,
+                  n_slots: int, pos: int, window: int, scale: float) -> np.ndarray:
+    """One query [n_head, head_dim] against the first n_slots slots of the pool."""
+    out = np.empty(q.shape, dtype=np.float32)
+    # numba's CPU target has no float16: a float16 pool is widened here (numpy uses F16C for it).
+    k = k_pool[:n_slots].astype(np.float32, copy=False)
+    v = v_pool[:n_slots].astype(np.float32, copy=False)
+    _decode_one(q, k, v, slot_pos, n_slots, pos, window, np.float32(scale), out)
+    return out
+
+
+def attend_batch(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, slot_pos: np.ndarray,
+                 n_slots: int, positions: np.ndarray, window: int, scale: float) -> np.ndarray:
+    """Many queries [n, n_head, head_dim] (prefill) with BLAS matmuls, grouped by KV head."""
+    n, n_head, d = q.shape
+    n_kv = k_pool.shape[1]
+    g = n_head // n_kv
+    k = k_pool[:n_slots].astype(np.float32).transpose(1, 2, 0)  # [kv, d, slots]
+    v = v_pool[:n_slots].astype(np.float32).transpose(1, 0, 2)  # [kv, slots, d]
+    qg = q.reshape(n, n_kv, g, d).transpose(1, 0, 2, 3).reshape(n_kv, n * g, d)
+    scores = (qg @ k).reshape(n_kv, n, g, n_slots) * np.float32(scale)
+    mask = visible(slot_pos[:n_slots], positions, window)
+    scores = np.where(mask[None, :, None, :], scores, np.float32(-np.inf))
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = scores.reshape(n_kv, n * g, n_slots) @ v  # [kv, n*g, d]
+    return out.reshape(n_kv, n, g, d).transpose(1, 0, 2, 3).reshape(n, n_head, d)

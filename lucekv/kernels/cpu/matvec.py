@@ -1,0 +1,192 @@
+"""Products with a PackedMatrix: matvec (decode, weights stay quantized) and tiled matmul (prefill).
+
+How the matvec kernels get vectorized without fastmath (which would allow reassociation):
+- Each row keeps 16 float32 lanes `acc[j]` (one AVX-512 vector); the inner loop over a 16-element
+  chunk adds into them lane by lane (vertical adds, no reduction), and the lanes are summed once per row.
+  A block's scale multiplies its chunk's products; its bias multiplies a precomputed block sum of x.
+- numba leaves LLVM's SLP vectorizer off, so only the loop vectorizer helps. A 16-trip loop alone is
+  fully unrolled into scalar code, but one that also walks ROW_GROUP rows is too big to unroll and gets
+  vectorized into a single 16-wide iteration, with the x loads and loop overhead shared by the rows.
+  Row groups past the end are clamped to the last row (it is computed again and written twice).
+- Loops run from 0 with step 1 so LLVM can prove indices non-negative; otherwise numba's negative-index
+  wraparound turns contiguous loads into gathers. Each thread's rows are a separate function: LLVM
+  vectorizes it better than the body of a prange loop.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows
+
+MATMUL_TILE_ROWS = 256  # rows dequantized per BLAS call: 256 x 4864 float32 is 5 MB, stays in L3
+LANES = 16  # float32 accumulators per row: one AVX-512 vector
+ROW_GROUP = 4  # rows sharing one pass over x
+
+
+def matvec(m: PackedMatrix, x: np.ndarray) -> np.ndarray:
+    """float32 [rows] = W @ x for x float32 [cols]."""
+    if x.shape != (m.cols,):
+        raise ValueError(f"matvec: x has shape {x.shape}, expected ({m.cols},)")
+    x = np.require(x, np.float32, ["C", "W"])  # one numba specialization: contiguous, writable float32
+    out = np.empty(m.rows, np.float32)
+    n_threads = numba.get_num_threads()  # read out here: inside a kernel it keeps the kernel out of the cache
+    if m.kind == "q4":
+        _matvec_q4(m.codes, m.scale, m.bias, x, out, n_threads)
+    elif m.kind == "q8":
+        _matvec_q8(m.codes, m.scale, m.bias, x, out, n_threads)
+    else:
+        _matvec_f32(m.codes, x, out, n_threads)
+    return out
+
+
+def matmul(m: PackedMatrix, xs: np.ndarray) -> np.ndarray:
+    """float32 [n, rows] = X @ W.T for X float32 [n, cols]: BLAS on float32 tiles of dequantized rows."""
+    if xs.ndim != 2 or xs.shape[1] != m.cols:
+        raise ValueError(f"matmul: X has shape {xs.shape}, expected (n, {m.cols})")
+    if xs.shape[0] == 1:
+        return matvec(m, xs[0])[None, :]
+    xs = np.asarray(xs, dtype=np.float32)
+    if m.kind == "f32":
+        return xs @ m.codes.T
+    out = np.empty((xs.shape[0], m.rows), np.float32)
+    for r0 in range(0, m.rows, MATMUL_TILE_ROWS):
+        r1 = min(r0 + MATMUL_TILE_ROWS, m.rows)
+        np.matmul(xs, dequantize_rows(m, r0, r1).T, out=out[:, r0:r1])
+    return out
+
+
+@njit(cache=True)
+def _block_sums(x, block):
+    sums = np.empty(x.shape[0] // block, np.float32)
+    for b in range(sums.shape[0]):
+        s = np.float32(0)
+        for j in range(block):
+            s += x[b * block + j]
+        sums[b] = s
+    return sums
+
+
+@njit(cache=True)
+def _row_bias(bias, r, xsum):
+    t = np.float32(0)
+    for b in range(xsum.shape[0]):
+        t += bias[r, b] * xsum[b]
+    return t
+
+
+@njit(cache=True)
+def _lane_sum(acc):
+    t = np.float32(0)
+    for j in range(acc.shape[0]):
+        t += acc[j]
+    return t
+
+
+@njit(cache=True)
+def _thread_rows(t, n_threads, rows):
+    return t * rows // n_threads, (t + 1) * rows // n_threads
+
+
+@njit(parallel=True, fastmath=False, cache=True)
+def _matvec_q4(codes, scale, bias, x, out, n_threads):
+    n_blocks = scale.shape[1]
+    # x re-ordered to the byte order of the codes: xlo[k] / xhi[k] meet the low / high nibble of byte k
+    xlo = np.empty(codes.shape[1], np.float32)
+    xhi = np.empty(codes.shape[1], np.float32)
+    for b in range(n_blocks):
+        for j in range(LANES):
+            xlo[b * LANES + j] = x[2 * b * LANES + j]
+            xhi[b * LANES + j] = x[2 * b * LANES + LANES + j]
+    xsum = _block_sums(x, 2 * LANES)
+    for t in prange(n_threads):
+        r0, r1 = _thread_rows(t, n_threads, out.shape[0])
+        _q4_rows(codes, scale, bias, xlo, xhi, xsum, out, r0, r1)
+
+
+@njit(cache=True)
+def _q4_rows(codes, scale, bias, xlo, xhi, xsum, out, r0, r1):
+    """Rows r0..r1; a 32-block is 16 bytes: one chunk of LANES bytes, two elements per byte."""
+    low = np.uint8(15)
+    shift = np.uint8(4)
+    acc = np.empty((ROW_GROUP, LANES), np.float32)
+    s = np.empty(ROW_GROUP, np.float32)
+    for g in range((r1 - r0 + ROW_GROUP - 1) // ROW_GROUP):
+        first = r0 + g * ROW_GROUP
+        acc[:] = 0
+        for b in range(scale.shape[1]):
+            for i in range(ROW_GROUP):
+                s[i] = scale[min(first + i, r1 - 1), b]
+            k0 = b * LANES
+            for j in range(LANES):
+                xl = xlo[k0 + j]
+                xh = xhi[k0 + j]
+                for i in range(ROW_GROUP):
+                    c = codes[min(first + i, r1 - 1), k0 + j]
+                    lo = np.float32(np.uint8(c & low))
+                    hi = np.float32(np.uint8(c >> shift))
+                    acc[i, j] += s[i] * (lo * xl + hi * xh)
+        for i in range(ROW_GROUP):
+            r = min(first + i, r1 - 1)
+            out[r] = _lane_sum(acc[i]) + _row_bias(bias, r, xsum)
+
+
+@njit(parallel=True, fastmath=False, cache=True)
+def _matvec_q8(codes, scale, bias, x, out, n_threads):
+    xsum = _block_sums(x, codes.shape[1] // scale.shape[1])
+    for t in prange(n_threads):
+        r0, r1 = _thread_rows(t, n_threads, out.shape[0])
+        _q8_rows(codes, scale, bias, x, xsum, out, r0, r1)
+
+
+@njit(cache=True)
+def _q8_rows(codes, scale, bias, x, xsum, out, r0, r1):
+    """Rows r0..r1 in chunks of LANES codes; a block (32 or 16 codes) is two chunks or one."""
+    chunk_shift = codes.shape[1] // scale.shape[1] // 32  # chunk h lies in block h >> chunk_shift
+    acc = np.empty((ROW_GROUP, LANES), np.float32)
+    s = np.empty(ROW_GROUP, np.float32)
+    for g in range((r1 - r0 + ROW_GROUP - 1) // ROW_GROUP):
+        first = r0 + g * ROW_GROUP
+        acc[:] = 0
+        for h in range(codes.shape[1] // LANES):
+            for i in range(ROW_GROUP):
+                s[i] = scale[min(first + i, r1 - 1), h >> chunk_shift]
+            k0 = h * LANES
+            for j in range(LANES):
+                xv = x[k0 + j]
+                for i in range(ROW_GROUP):
+                    acc[i, j] += s[i] * (np.float32(codes[min(first + i, r1 - 1), k0 + j]) * xv)
+        for i in range(ROW_GROUP):
+            r = min(first + i, r1 - 1)
+            out[r] = _lane_sum(acc[i]) + _row_bias(bias, r, xsum)
+
+
+@njit(parallel=True, fastmath=False, cache=True)
+def _matvec_f32(w, x, out, n_threads):
+    for t in prange(n_threads):
+        r0, r1 = _thread_rows(t, n_threads, out.shape[0])
+        _f32_rows(w, x, out, r0, r1)
+
+
+@njit(cache=True)
+def _f32_rows(w, x, out, r0, r1):
+    cols = w.shape[1]
+    n_chunks = cols // LANES
+    acc = np.empty((ROW_GROUP, LANES), np.float32)
+    for g in range((r1 - r0 + ROW_GROUP - 1) // ROW_GROUP):
+        first = r0 + g * ROW_GROUP
+        acc[:] = 0
+        for h in range(n_chunks):
+            k0 = h * LANES
+            for j in range(LANES):
+                xv = x[k0 + j]
+                for i in range(ROW_GROUP):
+                    acc[i, j] += w[min(first + i, r1 - 1), k0 + j] * xv
+        for i in range(ROW_GROUP):
+            r = min(first + i, r1 - 1)
+            tail = np.float32(0)
+            for k in range(n_chunks * LANES, cols):
+                tail += w[r, k] * x[k]
+            out[r] = _lane_sum(acc[i]) + tail

@@ -1,0 +1,356 @@
+"""GGUF weight decoding: bit-exact dequantization, and the repacked form the CPU products run on.
+
+Every supported quant type is decoded into one of three canonical kinds, so that only two fast product
+kernels (plus a float one) exist: weights stay quantized as integer codes with one float32 (scale, bias)
+pair per block of 16 or 32 elements, `value = scale * code + bias`. The repack is lossless: expanding it
+reproduces `gguf.quants.dequantize` bit for bit (scales are products of an f16 and a small integer, so
+`scale * code` is exact wherever the reference's product is, and the one rounding left is the same add).
+
+numba kernels unpack the bit fields into integer codes and sub-scales; the float math (f16 fields to
+float32, `d * sc`, `dmin * m`) is numpy, written in the same order as the reference so it rounds the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from numba import njit, prange
+
+from lucekv.errors import UnsupportedModelError
+from lucekv.model.gguf import TensorInfo
+
+Q = GGMLQuantizationType
+SUPPORTED_QTYPES: tuple[GGMLQuantizationType, ...] = (
+    Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+)
+FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)
+NEGATIVE_ZERO = np.float32(-0.0)  # the bias of types without one: x + -0.0 == x for every x, signed zeros too
+
+
+@dataclass
+class PackedMatrix:
+    """A weight matrix in canonical form; arrays are read-only (weights never change in place)."""
+
+    kind: Literal["q4", "q8", "f32"]
+    rows: int
+    cols: int
+    block: int  # elements per (scale, bias) pair: 32 or 16 (0 for f32)
+    codes: np.ndarray  # q4: uint8 [rows, cols//2], per 32-block 16 bytes: low nibbles = elements 0..15,
+    #                    high nibbles = 16..31;  q8: int8 [rows, cols];  f32: float32 [rows, cols]
+    scale: np.ndarray  # float32 [rows, cols//block]; shape (0,) for f32
+    bias: np.ndarray  # float32 [rows, cols//block]; shape (0,) for f32
+
+    def __post_init__(self) -> None:
+        # One numba specialization per kernel: mmap views are read-only, so make every array read-only.
+        self.codes, self.scale, self.bias = (_read_only(a) for a in (self.codes, self.scale, self.bias))
+
+
+def pack(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> PackedMatrix:
+    """Repack the tensor data `raw` of numpy shape (rows, cols) into canonical form."""
+    if len(shape) != 2:
+        raise ValueError(f"pack needs a (rows, cols) matrix shape, got {shape}")
+    rows, cols = shape
+    return _decode(raw, qtype, rows, cols)
+
+
+def pack_tensor(t: TensorInfo) -> PackedMatrix:
+    if len(t.shape) != 2:
+        raise ValueError(f"tensor {t.name!r} of shape {t.shape} is not a matrix")
+    return pack(t.data, t.qtype, t.shape)
+
+
+def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 array of numpy `shape`, bit-for-bit equal to `gguf.quants.dequantize`."""
+    cols = shape[-1]
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    m = _decode(raw, qtype, rows, cols)
+    if qtype == Q.Q4_0:
+        # scale*code + bias gives +0.0 for code 8 where the reference's d*(q-8) gives -0.0 (d < 0):
+        # equal values, different bits. Subtracting the offset first reproduces the reference exactly.
+        out = np.empty((rows, cols), np.float32)
+        _expand_q4(m.codes, m.scale, _read_only(_no_bias(m.scale)), np.float32(8), out)
+        return out.reshape(shape)
+    return dequantize_rows(m, 0, rows).reshape(shape)
+
+
+def dequantize_rows(m: PackedMatrix, r0: int, r1: int) -> np.ndarray:
+    """float32 [r1 - r0, cols]: rows r0..r1 expanded (embedding lookups, prefill weight tiles)."""
+    if not 0 <= r0 <= r1 <= m.rows:
+        raise ValueError(f"rows {r0}..{r1} out of range for a matrix of {m.rows} rows")
+    if m.kind == "f32":
+        return np.array(m.codes[r0:r1], dtype=np.float32)
+    out = np.empty((r1 - r0, m.cols), np.float32)
+    if m.kind == "q4":
+        _expand_q4(m.codes[r0:r1], m.scale[r0:r1], m.bias[r0:r1], np.float32(0), out)
+    else:
+        _expand_q8(m.codes[r0:r1], m.scale[r0:r1], m.bias[r0:r1], out)
+    return out
+
+
+# ---- decoding -------------------------------------------------------------------------------------------
+
+
+def _decode(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int) -> PackedMatrix:
+    if qtype not in SUPPORTED_QTYPES:
+        names = ", ".join(t.name for t in SUPPORTED_QTYPES)
+        raise UnsupportedModelError(f"quant type {qtype.name} is not supported (supported: {names})")
+    data = _raw_bytes(raw, qtype, rows * cols)
+    if qtype in FLOAT_QTYPES:
+        values = _float_values(data, qtype).reshape(rows, cols)
+        return PackedMatrix("f32", rows, cols, 0, values, np.zeros(0, np.float32), np.zeros(0, np.float32))
+    blocks = _read_only(data.reshape(-1, GGML_QUANT_SIZES[qtype][1]))
+    kind, block, codes, scale, bias = _BLOCK_DECODERS[qtype](blocks)
+    code_cols = cols // 2 if kind == "q4" else cols
+    return PackedMatrix(kind, rows, cols, block, codes.reshape(rows, code_cols),
+                        scale.reshape(rows, cols // block), bias.reshape(rows, cols // block))
+
+
+def _raw_bytes(raw: np.ndarray, qtype: GGMLQuantizationType, n_elements: int) -> np.ndarray:
+    """The tensor's bytes as a flat uint8 view, whatever dtype the reader handed out."""
+    data = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    expected = n_elements // block_size * type_size
+    if n_elements % block_size or data.size != expected:
+        raise ValueError(f"{qtype.name} data of {data.size} bytes does not hold {n_elements} elements "
+                         f"(expected {expected} bytes, {block_size} elements per block)")
+    return data
+
+
+def _float_values(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    if qtype == Q.F32:
+        return data.view(np.float32)
+    if qtype == Q.F16:
+        return data.view(np.float16).astype(np.float32)
+    return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)  # BF16: the high half of an f32
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
+def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """float32 [n_blocks, 1] from the f16 field at byte `offset` of each block."""
+    return np.ascontiguousarray(blocks[:, offset:offset + 2]).view(np.float16).astype(np.float32)
+
+
+def _no_bias(scale: np.ndarray) -> np.ndarray:
+    return np.full_like(scale, NEGATIVE_ZERO)
+
+
+# Each block decoder: uint8 [n_blocks, type_size] -> (kind, block, codes, scale, bias), arrays per block.
+
+
+def _decode_q4_0(blocks):
+    d = _f16(blocks, 0)
+    return "q4", 32, blocks[:, 2:], d, -8 * d  # the nibble layout already is the canonical one
+
+
+def _decode_q4_1(blocks):
+    return "q4", 32, blocks[:, 4:], _f16(blocks, 0), _f16(blocks, 2)
+
+
+def _decode_q5_0(blocks):
+    d = _f16(blocks, 0)
+    return "q8", 32, _unpack_q5(blocks, 2, 16), d, _no_bias(d)
+
+
+def _decode_q5_1(blocks):
+    return "q8", 32, _unpack_q5(blocks, 4, 0), _f16(blocks, 0), _f16(blocks, 2)
+
+
+def _decode_q8_0(blocks):
+    d = _f16(blocks, 0)
+    return "q8", 32, blocks[:, 2:].view(np.int8), d, _no_bias(d)
+
+
+def _decode_q2_k(blocks):
+    codes, sc, mins = _unpack_q2_k(blocks)
+    return "q8", 16, codes, _f16(blocks, 80) * sc, -(_f16(blocks, 82) * mins)
+
+
+def _decode_q3_k(blocks):
+    codes, sc = _unpack_q3_k(blocks)
+    scale = _f16(blocks, 108) * sc
+    return "q8", 16, codes, scale, _no_bias(scale)
+
+
+def _decode_q4_k(blocks):
+    codes, sc, mins = _unpack_q4_k(blocks)
+    return "q4", 32, codes, _f16(blocks, 0) * sc, -(_f16(blocks, 2) * mins)
+
+
+def _decode_q5_k(blocks):
+    codes, sc, mins = _unpack_q5_k(blocks)
+    return "q8", 32, codes, _f16(blocks, 0) * sc, -(_f16(blocks, 2) * mins)
+
+
+def _decode_q6_k(blocks):
+    scale = _f16(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)
+    return "q8", 16, _unpack_q6_k(blocks), scale, _no_bias(scale)
+
+
+_BLOCK_DECODERS = {
+    Q.Q4_0: _decode_q4_0, Q.Q4_1: _decode_q4_1, Q.Q5_0: _decode_q5_0, Q.Q5_1: _decode_q5_1,
+    Q.Q8_0: _decode_q8_0, Q.Q2_K: _decode_q2_k, Q.Q3_K: _decode_q3_k, Q.Q4_K: _decode_q4_k,
+    Q.Q5_K: _decode_q5_k, Q.Q6_K: _decode_q6_k,
+}
+
+
+# ---- bit unpacking (numba) ------------------------------------------------------------------------------
+# Sub-scales come back as float32 arrays of small integers, ready for the reference's `d * sc` in numpy.
+
+
+@njit(cache=True)
+def _unpack_q5(blocks, qh_at, offset):
+    """Q5_0/Q5_1: 32-bit qh (bit j = bit 4 of element j), then 16 bytes of nibbles (j | j+16 << 4)."""
+    codes = np.empty((blocks.shape[0], 32), np.int8)
+    for i in range(blocks.shape[0]):
+        qh = 0
+        for k in range(4):
+            qh |= np.int64(blocks[i, qh_at + k]) << (8 * k)
+        for j in range(16):
+            q = np.int64(blocks[i, qh_at + 4 + j])
+            codes[i, j] = (q & 15 | ((qh >> j) & 1) << 4) - offset
+            codes[i, j + 16] = (q >> 4 | ((qh >> (j + 16)) & 1) << 4) - offset
+    return codes
+
+
+@njit(cache=True)
+def _unpack_q2_k(blocks):
+    """Q2_K: scales[16] (low nibble scale, high nibble min), qs[64] of 2-bit codes, d, dmin."""
+    n = blocks.shape[0]
+    codes = np.empty((n, 256), np.int8)
+    sc = np.empty((n, 16), np.float32)
+    mins = np.empty((n, 16), np.float32)
+    for i in range(n):
+        for t in range(16):
+            sc[i, t] = blocks[i, t] & 15
+            mins[i, t] = blocks[i, t] >> 4
+        # element h*128 + k*32 + l sits in bits 2k..2k+1 of qs[h*32 + l]
+        for h in range(2):
+            for k in range(4):
+                for lane in range(32):
+                    codes[i, h * 128 + k * 32 + lane] = (blocks[i, 16 + h * 32 + lane] >> (2 * k)) & 3
+    return codes, sc, mins
+
+
+@njit(cache=True)
+def _unpack_q3_k(blocks):
+    """Q3_K: hmask[32], qs[64] of 2-bit low parts, scales[12] (16 6-bit values, offset 32), d."""
+    n = blocks.shape[0]
+    codes = np.empty((n, 256), np.int8)
+    sc = np.empty((n, 16), np.float32)
+    for i in range(n):
+        for t in range(16):
+            low = (blocks[i, 96 + t % 8] >> (4 * (t // 8))) & 15
+            high = (blocks[i, 104 + t % 4] >> (2 * (t // 4))) & 3
+            sc[i, t] = (low | high << 4) - 32
+        for h in range(2):
+            for k in range(4):
+                for lane in range(32):
+                    e = h * 128 + k * 32 + lane
+                    low = (blocks[i, 32 + h * 32 + lane] >> (2 * k)) & 3
+                    # bit e // 32 of hmask[lane]; a clear bit means the code is 4 lower
+                    high_clear = 1 - ((blocks[i, lane] >> (e // 32)) & 1)
+                    codes[i, e] = low - 4 * high_clear
+    return codes, sc
+
+
+@njit(cache=True)
+def _k_scale_min(scales, i, at, j):
+    """6-bit scale and min of sub-block j from the 12 packed bytes at `at` (Q4_K, Q5_K)."""
+    if j < 4:
+        return scales[i, at + j] & 63, scales[i, at + j + 4] & 63
+    sc = (scales[i, at + j + 4] & 15) | (scales[i, at + j - 4] >> 6) << 4
+    mn = (scales[i, at + j + 4] >> 4) | (scales[i, at + j] >> 6) << 4
+    return sc, mn
+
+
+@njit(cache=True)
+def _unpack_q4_k(blocks):
+    """Q4_K: d, dmin, scales[12], qs[128]; sub-block 2g/2g+1 = low/high nibbles of qs[32g..32g+31].
+    Re-ordered into the canonical q4 layout: byte j of a sub-block = element j | element j+16 << 4."""
+    n = blocks.shape[0]
+    codes = np.empty((n, 128), np.uint8)
+    sc = np.empty((n, 8), np.float32)
+    mins = np.empty((n, 8), np.float32)
+    for i in range(n):
+        for s in range(8):
+            sc[i, s], mins[i, s] = _k_scale_min(blocks, i, 4, s)
+            src = 16 + (s // 2) * 32
+            shift = 4 * (s % 2)
+            for j in range(16):
+                lo = (blocks[i, src + j] >> shift) & 15
+                hi = (blocks[i, src + 16 + j] >> shift) & 15
+                codes[i, s * 16 + j] = lo | hi << 4
+    return codes, sc, mins
+
+
+@njit(cache=True)
+def _unpack_q5_k(blocks):
+    """Q5_K: d, dmin, scales[12], qh[32] (bit s of qh[l] = bit 4 of sub-block s element l), qs[128]."""
+    n = blocks.shape[0]
+    codes = np.empty((n, 256), np.int8)
+    sc = np.empty((n, 8), np.float32)
+    mins = np.empty((n, 8), np.float32)
+    for i in range(n):
+        for s in range(8):
+            sc[i, s], mins[i, s] = _k_scale_min(blocks, i, 4, s)
+            src = 48 + (s // 2) * 32
+            shift = 4 * (s % 2)
+            for lane in range(32):
+                low = (blocks[i, src + lane] >> shift) & 15
+                high = (blocks[i, 16 + lane] >> s) & 1
+                codes[i, s * 32 + lane] = low | high << 4
+    return codes, sc, mins
+
+
+@njit(cache=True)
+def _unpack_q6_k(blocks):
+    """Q6_K: ql[128] (low nibbles), qh[64] (2-bit high parts), int8 scales[16], d; codes offset by 32."""
+    n = blocks.shape[0]
+    codes = np.empty((n, 256), np.int8)
+    for i in range(n):
+        for h in range(2):  # two halves of 128 elements
+            for k in range(4):  # quarter k of a half: ql nibble k // 2 of bytes (k % 2)*32.., qh bits 2k
+                for lane in range(32):
+                    low = (blocks[i, h * 64 + (k % 2) * 32 + lane] >> (4 * (k // 2))) & 15
+                    high = (blocks[i, 128 + h * 32 + lane] >> (2 * k)) & 3
+                    codes[i, h * 128 + k * 32 + lane] = (low | high << 4) - 32
+    return codes
+
+
+# ---- expansion (numba) ----------------------------------------------------------------------------------
+
+
+@njit(parallel=True, cache=True)
+def _expand_q4(codes, scale, bias, code_offset, out):
+    rows, n_blocks = scale.shape
+    half = codes.shape[1] // n_blocks
+    for r in prange(rows):
+        for b in range(n_blocks):
+            s = scale[r, b]
+            t = bias[r, b]
+            k0 = b * half
+            # two simple loops (low nibbles, then high) vectorize; one loop with both stores does not
+            for j in range(half):
+                out[r, 2 * k0 + j] = s * (np.float32(codes[r, k0 + j] & 15) - code_offset) + t
+            for j in range(half):
+                out[r, 2 * k0 + half + j] = s * (np.float32(codes[r, k0 + j] >> 4) - code_offset) + t
+
+
+@njit(parallel=True, cache=True)
+def _expand_q8(codes, scale, bias, out):
+    rows, n_blocks = scale.shape
+    block = codes.shape[1] // n_blocks
+    for r in prange(rows):
+        for b in range(n_blocks):
+            s = scale[r, b]
+            t = bias[r, b]
+            for j in range(block):
+                out[r, b * block + j] = s * np.float32(codes[r, b * block + j]) + t

@@ -1,0 +1,462 @@
+"""Tiny random-weight GGUF models for tests, laid out the way llama.cpp's converter writes real ones.
+
+`write_synthetic_gguf` covers llama, qwen2, qwen3 and gemma3 with every 2-D weight in one quant type (or
+per-tensor overrides), norms and biases in F32, llama.cpp's tensor names and metadata keys, and a small
+real tokenizer (byte-level BPE; SentencePiece-style for gemma3, as real Gemma files have) so that both
+lucekv and Hugging Face transformers can load the file.
+
+Block sizes: every matrix row (its input width) must be a multiple of the quant type's block, i.e. 32
+for Q4_0..Q8_0 and 256 for the K-quants. The defaults (n_embd=64, head_dim=16, n_ff=128) suit the
+32-blocks; for K-quants pass e.g. n_embd=256, n_head=4, head_dim=64, n_ff=512.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from gguf import (
+    GGML_QUANT_SIZES,
+    MODEL_TENSOR,
+    TENSOR_NAMES,
+    GGMLQuantizationType,
+    GGUFWriter,
+    TokenType,
+)
+from gguf.quants import dequantize, quantize
+
+Q = GGMLQuantizationType
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+K_QUANTS = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+SUPPORTED_QTYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}) | K_QUANTS
+
+# Byte offsets of the f16 super-block scale `d` and of the min scale `dmin` in one K-quant block
+# (block_q*_K in ggml-common.h); Q3_K and Q6_K are symmetric and have no min.
+_KQUANT_SCALE_OFFSETS: dict[GGMLQuantizationType, tuple[int, int | None]] = {
+    Q.Q2_K: (80, 82), Q.Q3_K: (108, None), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None),
+}
+
+# tokenizer.ggml.pre: the pre-tokenizer (text splitting) llama.cpp and transformers both know by this name.
+_BPE_PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
+_ROPE_BASE = {"llama": 10_000.0, "qwen2": 1_000_000.0, "qwen3": 1_000_000.0, "gemma3": 1_000_000.0}
+_RMS_EPS = {"llama": 1e-5, "qwen2": 1e-6, "qwen3": 1e-6, "gemma3": 1e-6}
+
+# Text the toy tokenizers learn their merges from: English and a little code, so common pieces exist.
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. The dog sleeps in the sun and the fox runs into the forest.
+A model reads the tokens of the prompt, then writes one token at a time until it reaches the end.
+def main(args):
+    for item in args.items:
+        if item is not None:
+            print(item.name, item.value)
+    return 0
+Hello, world! How are you today? I am fine, thank you. Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2024.
+"""
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + ('model' if message['role'] =="
+    " 'assistant' else message['role']) + '\\n' + message['content'] + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class _Dims:
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    n_ff: int
+    n_ctx: int
+    sliding_window: int
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    name: str
+    shape: tuple[int, ...]  # numpy order: (rows, cols), cols being the row length ggml blocks run along
+    kind: str  # "matrix" | "norm" | "bias"
+    gain: float = 1.0  # matrices: std = gain / sqrt(row length)
+
+
+@dataclass(frozen=True)
+class _SynthTokenizer:
+    model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece-style)
+    pre: str
+    tokens: list[str]
+    token_types: list[int]
+    scores: list[float] | None
+    merges: list[str] | None
+    bos_id: int
+    eos_id: int
+    unk_id: int | None
+    pad_id: int
+    add_bos: bool
+    chat_template: str
+
+
+def write_synthetic_gguf(
+    path: str | Path,
+    arch: str,
+    *,
+    qtype: GGMLQuantizationType = Q.Q8_0,
+    seed: int = 0,
+    n_embd: int = 64,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_kv_head: int = 2,
+    head_dim: int = 16,
+    n_ff: int = 128,
+    vocab: int | None = None,
+    n_ctx: int = 512,
+    tied_output: bool | None = None,
+    sliding_window: int = 8,
+    qtype_overrides: dict[str, GGMLQuantizationType] | None = None,
+) -> Path:
+    """Write a random-weight `arch` model to `path` and return the path.
+
+    `qtype` applies to every 2-D weight; `qtype_overrides` maps a tensor-name suffix (e.g.
+    "ffn_down.weight", "token_embd.weight") to another type. `vocab` pads the tokenizer's own vocabulary
+    (a few hundred tokens) with unused tokens. `tied_output=None` ties the output projection to the
+    embeddings for gemma3 only, as real Gemma files do. `sliding_window` is used by gemma3 alone, whose
+    layers are 5 local : 1 global (pass n_layer >= 6 to get a global layer).
+
+    Weights are N(0, gain / sqrt(row length)): q, k, output and embeddings at gain 1 so that attention
+    scores and logits are O(1) (attention that is not uniform makes position bugs visible), the other
+    matrices at gain 0.5 so the residual stream stays well-conditioned over layers. Norm weights are
+    1 + N(0, 0.1), biases N(0, 0.1). K-quants (which gguf cannot quantize to) are random blocks scaled
+    to the same spread.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch {arch!r} is not supported (supported: {', '.join(ARCHS)})")
+    if n_head % n_kv_head:
+        raise ValueError(f"n_head {n_head} is not a multiple of n_kv_head {n_kv_head}")
+    dims = _Dims(n_embd, n_layer, n_head, n_kv_head, head_dim, n_ff, n_ctx, sliding_window)
+    tokenizer = _pad_vocab(_spm_tokenizer() if arch == "gemma3" else _bpe_tokenizer(_BPE_PRE[arch]), vocab)
+    tied = arch == "gemma3" if tied_output is None else tied_output
+    specs = _tensor_specs(arch, dims, len(tokenizer.tokens), tied)
+    types = {s.name: _tensor_type(s, qtype, qtype_overrides or {}) for s in specs}
+    for s in specs:
+        _check_block_fit(s, types[s.name])
+
+    path = Path(path)
+    writer = GGUFWriter(path, arch)
+    writer.add_name(f"synthetic-{arch}-{qtype.name}")
+    _add_hparams(writer, arch, dims)
+    _add_tokenizer(writer, tokenizer)
+    rng = np.random.default_rng(seed)
+    for s in specs:
+        data, raw_type = _random_tensor(s, types[s.name], rng)
+        writer.add_tensor(s.name, data, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# --- tensors -------------------------------------------------------------------------------------------
+
+
+def _name(tensor: MODEL_TENSOR, suffix: str, layer: int | None = None) -> str:
+    base = TENSOR_NAMES[tensor]
+    return (base.format(bid=layer) if layer is not None else base) + suffix
+
+
+def _tensor_specs(arch: str, d: _Dims, vocab: int, tied: bool) -> list[_TensorSpec]:
+    T = MODEL_TENSOR
+    specs = [_TensorSpec(_name(T.TOKEN_EMBD, ".weight"), (vocab, d.n_embd), "matrix")]
+    for layer in range(d.n_layer):
+        specs += _layer_specs(arch, d, layer)
+    specs.append(_TensorSpec(_name(T.OUTPUT_NORM, ".weight"), (d.n_embd,), "norm"))
+    if not tied:
+        specs.append(_TensorSpec(_name(T.OUTPUT, ".weight"), (vocab, d.n_embd), "matrix"))
+    return specs
+
+
+def _layer_specs(arch: str, d: _Dims, layer: int) -> list[_TensorSpec]:
+    T = MODEL_TENSOR
+    q_width, kv_width = d.n_head * d.head_dim, d.n_kv_head * d.head_dim
+
+    def matrix(t: MODEL_TENSOR, rows: int, cols: int, gain: float = 0.5) -> _TensorSpec:
+        return _TensorSpec(_name(t, ".weight", layer), (rows, cols), "matrix", gain)
+
+    def norm(t: MODEL_TENSOR, width: int) -> _TensorSpec:
+        return _TensorSpec(_name(t, ".weight", layer), (width,), "norm")
+
+    specs = [
+        norm(T.ATTN_NORM, d.n_embd),
+        matrix(T.ATTN_Q, q_width, d.n_embd, gain=1.0),
+        matrix(T.ATTN_K, kv_width, d.n_embd, gain=1.0),
+        matrix(T.ATTN_V, kv_width, d.n_embd),
+    ]
+    if arch == "qwen2":
+        specs += [_TensorSpec(_name(t, ".bias", layer), (width,), "bias")
+                  for t, width in ((T.ATTN_Q, q_width), (T.ATTN_K, kv_width), (T.ATTN_V, kv_width))]
+    if arch in ("qwen3", "gemma3"):
+        specs += [norm(T.ATTN_Q_NORM, d.head_dim), norm(T.ATTN_K_NORM, d.head_dim)]
+    specs.append(matrix(T.ATTN_OUT, d.n_embd, q_width))
+    if arch == "gemma3":
+        specs.append(norm(T.ATTN_POST_NORM, d.n_embd))
+    specs += [
+        norm(T.FFN_NORM, d.n_embd),
+        matrix(T.FFN_GATE, d.n_ff, d.n_embd),
+        matrix(T.FFN_UP, d.n_ff, d.n_embd),
+        matrix(T.FFN_DOWN, d.n_embd, d.n_ff),
+    ]
+    if arch == "gemma3":
+        specs.append(norm(T.FFN_POST_NORM, d.n_embd))
+    return specs
+
+
+def _tensor_type(spec: _TensorSpec, qtype: GGMLQuantizationType,
+                 overrides: dict[str, GGMLQuantizationType]) -> GGMLQuantizationType:
+    if spec.kind != "matrix":
+        return Q.F32  # llama.cpp keeps 1-D tensors in F32
+    chosen = next((t for suffix, t in overrides.items() if spec.name.endswith(suffix)), qtype)
+    if chosen not in SUPPORTED_QTYPES:
+        raise ValueError(f"quant type {chosen.name} is not supported (supported: "
+                         f"{', '.join(sorted(t.name for t in SUPPORTED_QTYPES))})")
+    return chosen
+
+
+def _check_block_fit(spec: _TensorSpec, qtype: GGMLQuantizationType) -> None:
+    block = GGML_QUANT_SIZES[qtype][0]
+    if spec.shape[-1] % block:
+        raise ValueError(f"{spec.name}: row length {spec.shape[-1]} is not a multiple of the {qtype.name} "
+                         f"block size {block}; choose dims that are (K-quants: e.g. n_embd=256, head_dim=64, "
+                         f"n_ff=512)")
+
+
+def _random_tensor(spec: _TensorSpec, qtype: GGMLQuantizationType,
+                   rng: np.random.Generator) -> tuple[np.ndarray, GGMLQuantizationType]:
+    if spec.kind == "norm":
+        # For gemma3 this is the stored value, i.e. Gemma's (1 + w) with the "+1" already folded in.
+        return (1.0 + 0.1 * rng.standard_normal(spec.shape)).astype(np.float32), Q.F32
+    if spec.kind == "bias":
+        return (0.1 * rng.standard_normal(spec.shape)).astype(np.float32), Q.F32
+    std = spec.gain / np.sqrt(spec.shape[-1])
+    if qtype in K_QUANTS:
+        return _random_kquant(spec.shape, qtype, std, rng), qtype
+    weights = (std * rng.standard_normal(spec.shape)).astype(np.float32)
+    if qtype == Q.F32:
+        return weights, qtype
+    if qtype == Q.F16:
+        return weights.astype(np.float16), qtype
+    return quantize(weights, qtype), qtype
+
+
+def _random_kquant(shape: tuple[int, ...], qtype: GGMLQuantizationType, std: float,
+                   rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks (gguf cannot quantize to these) whose dequantized values are ~N(0, std)-sized.
+
+    Quants and sub-block scales are random bytes; dequantization is linear in the two f16 block scales
+    (d, dmin), so measure it once with unit scales, choose dmin/d to centre the weights on zero, and d for
+    the spread. d varies per block so that a kernel reading the wrong block's scale shows.
+    """
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    blocks = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
+    if qtype in _SUB_BLOCK_MINS:
+        _correlate_sub_block_mins(blocks, qtype, rng)
+    d_offset, min_offset = _KQUANT_SCALE_OFFSETS[qtype]
+    scaled_part = _dequantize_with_scales(blocks, qtype, d_offset, 1.0, min_offset, 0.0)
+    if min_offset is None:
+        min_ratio, unit = 0.0, scaled_part
+    else:
+        min_part = _dequantize_with_scales(blocks, qtype, d_offset, 0.0, min_offset, 1.0)  # = -dmin * m
+        min_ratio = float(scaled_part.mean() / -min_part.mean())
+        unit = scaled_part + min_ratio * min_part
+    d = (std / unit.std()) * rng.uniform(0.5, 1.5, size=len(blocks))
+    _set_f16(blocks, d_offset, d)
+    if min_offset is not None:
+        _set_f16(blocks, min_offset, d * min_ratio)
+    return blocks.reshape(rows, cols // block_size * type_size)
+
+
+# Where the sub-block scales and mins of the asymmetric K-quants live, and their bit width.
+_SUB_BLOCK_MINS = {Q.Q2_K: (0, 4), Q.Q4_K: (4, 6), Q.Q5_K: (4, 6)}  # type -> (byte offset, bits)
+
+
+def _correlate_sub_block_mins(blocks: np.ndarray, qtype: GGMLQuantizationType,
+                              rng: np.random.Generator) -> None:
+    """Make each sub-block's min track its scale (min = scale + small noise), as in real quantized weights.
+
+    Independent random mins would give every sub-block of 16 or 32 weights its own large offset: a
+    low-rank bias that makes attention saturate. The noise keeps min != scale, so a kernel that swaps
+    the two still shows.
+    """
+    offset, bits = _SUB_BLOCK_MINS[qtype]
+    n_sub = 16 if qtype == Q.Q2_K else 8
+    top = (1 << bits) - 1
+    scales = rng.integers(top // 4, top + 1, size=(len(blocks), n_sub))
+    mins = np.clip(scales + rng.integers(-2, 3, size=scales.shape), 0, top)
+    if qtype == Q.Q2_K:  # one byte per sub-block: scale in the low nibble, min in the high one
+        packed = scales | (mins << 4)
+    else:  # 12 bytes of 6-bit pairs, the layout get_scale_min_k4 in ggml-quants.c unpacks
+        lo, hi = slice(0, 4), slice(4, 8)
+        packed = np.concatenate([
+            scales[:, lo] | ((scales[:, hi] >> 4) << 6),
+            mins[:, lo] | ((mins[:, hi] >> 4) << 6),
+            (scales[:, hi] & 0xF) | ((mins[:, hi] & 0xF) << 4),
+        ], axis=1)
+    blocks[:, offset:offset + packed.shape[1]] = packed.astype(np.uint8)
+
+
+def _dequantize_with_scales(blocks: np.ndarray, qtype: GGMLQuantizationType, d_offset: int, d: float,
+                            min_offset: int | None, dmin: float) -> np.ndarray:
+    trial = blocks.copy()
+    _set_f16(trial, d_offset, np.full(len(blocks), d))
+    if min_offset is not None:
+        _set_f16(trial, min_offset, np.full(len(blocks), dmin))
+    return dequantize(trial, qtype)
+
+
+def _set_f16(blocks: np.ndarray, offset: int, values: np.ndarray) -> None:
+    blocks[:, offset:offset + 2] = values.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+# --- metadata ------------------------------------------------------------------------------------------
+
+
+def _add_hparams(writer: GGUFWriter, arch: str, d: _Dims) -> None:
+    writer.add_context_length(d.n_ctx)
+    writer.add_embedding_length(d.n_embd)
+    writer.add_block_count(d.n_layer)
+    writer.add_feed_forward_length(d.n_ff)
+    writer.add_head_count(d.n_head)
+    writer.add_head_count_kv(d.n_kv_head)
+    writer.add_key_length(d.head_dim)
+    writer.add_value_length(d.head_dim)
+    writer.add_rope_dimension_count(d.head_dim)
+    writer.add_rope_freq_base(_ROPE_BASE[arch])
+    writer.add_layer_norm_rms_eps(_RMS_EPS[arch])
+    if arch == "gemma3":
+        writer.add_sliding_window(d.sliding_window)
+
+
+def _add_tokenizer(writer: GGUFWriter, tok: _SynthTokenizer) -> None:
+    writer.add_tokenizer_model(tok.model)
+    writer.add_tokenizer_pre(tok.pre)
+    writer.add_token_list(tok.tokens)
+    writer.add_token_types(tok.token_types)
+    if tok.scores is not None:
+        writer.add_token_scores(tok.scores)
+    if tok.merges is not None:
+        writer.add_token_merges(tok.merges)
+    writer.add_bos_token_id(tok.bos_id)
+    writer.add_eos_token_id(tok.eos_id)
+    if tok.unk_id is not None:
+        writer.add_unk_token_id(tok.unk_id)
+    writer.add_pad_token_id(tok.pad_id)
+    writer.add_add_bos_token(tok.add_bos)
+    if tok.model == "llama":
+        # Gemma files say so; without the key llama.cpp would prepend "▁" where transformers does not.
+        writer.add_add_space_prefix(False)
+    writer.add_chat_template(tok.chat_template)
+
+
+# --- tokenizers ----------------------------------------------------------------------------------------
+
+
+def _learn_merges(words: list[tuple[str, ...]], max_merges: int) -> list[tuple[str, str]]:
+    """Plain BPE training: repeatedly merge the most frequent adjacent pair (ties broken by the pair)."""
+    counts = Counter(words)
+    merges: list[tuple[str, str]] = []
+    while len(merges) < max_merges:
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, n in counts.items():
+            for pair in zip(word[:-1], word[1:], strict=True):
+                pairs[pair] += n
+        if not pairs:
+            break
+        best, n = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
+        if n < 2:
+            break
+        merges.append(best)
+        counts = Counter({_merge_pair(word, best): c for word, c in counts.items()})
+    return merges
+
+
+def _merge_pair(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    out: list[str] = []
+    i = 0
+    while i < len(word):
+        if i + 1 < len(word) and (word[i], word[i + 1]) == pair:
+            out.append(word[i] + word[i + 1])
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
+
+
+def _gpt2_byte_to_unicode() -> dict[int, str]:
+    """GPT-2's map from bytes to printable characters, the alphabet byte-level BPE vocabularies use."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _bpe_tokenizer(pre: str) -> _SynthTokenizer:
+    """Byte-level BPE in Qwen's layout: 256 byte tokens, learned merges, then the control tokens."""
+    byte_char = _gpt2_byte_to_unicode()
+    pieces = re.findall(r" ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+", _CORPUS)
+    words = [tuple(byte_char[b] for b in piece.encode()) for piece in pieces]
+    merges = _learn_merges(words, 256)
+    tokens = list(dict.fromkeys([byte_char[b] for b in range(256)] + [a + b for a, b in merges]))
+    types = [TokenType.NORMAL] * len(tokens)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    first_special = len(tokens)
+    tokens += specials
+    types += [TokenType.CONTROL] * len(specials)
+    return _SynthTokenizer(
+        model="gpt2", pre=pre, tokens=tokens, token_types=[int(t) for t in types], scores=None,
+        merges=[f"{a} {b}" for a, b in merges], bos_id=first_special, eos_id=first_special + 2, unk_id=None,
+        pad_id=first_special, add_bos=False, chat_template=CHATML_TEMPLATE)
+
+
+def _spm_tokenizer() -> _SynthTokenizer:
+    """SentencePiece-style vocabulary in Gemma's layout: control tokens, <0xNN> byte fallbacks, pieces.
+
+    Pieces are listed best-first and scored by rank, so score order (llama.cpp) and file order
+    (transformers' Gemma loader) agree on merge priority.
+    """
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    words = [tuple("\u2581" + w) for w in _CORPUS.split()]
+    chars = sorted({c for w in words for c in w})
+    merges = _learn_merges(words, 256)
+    pieces = list(dict.fromkeys([a + b for a, b in merges] + chars))
+    tokens = specials + byte_tokens + pieces
+    types = [TokenType.CONTROL] * len(specials) + [TokenType.BYTE] * 256 + [TokenType.NORMAL] * len(pieces)
+    scores = [0.0] * (len(specials) + 256) + [-float(rank) for rank in range(len(pieces))]
+    return _SynthTokenizer(
+        model="llama", pre="default", tokens=tokens, token_types=[int(t) for t in types], scores=scores,
+        merges=None, bos_id=2, eos_id=1, unk_id=3, pad_id=0, add_bos=True, chat_template=GEMMA_TEMPLATE)
+
+
+def _pad_vocab(tok: _SynthTokenizer, vocab: int | None) -> _SynthTokenizer:
+    if vocab is None:
+        return tok
+    extra = vocab - len(tok.tokens)
+    if extra < 0:
+        raise ValueError(f"vocab {vocab} is smaller than the tokenizer's own {len(tok.tokens)} tokens")
+    pad = [f"[PAD{i}]" for i in range(len(tok.tokens), vocab)]
+    return replace(
+        tok, tokens=tok.tokens + pad, token_types=tok.token_types + [int(TokenType.UNUSED)] * extra,
+        scores=None if tok.scores is None else tok.scores + [0.0] * extra)

@@ -1,0 +1,145 @@
+"""The engine's own thread: Generate jobs run there one at a time, first in first out, from a bounded queue.
+
+The event loop never runs model code, so health checks and new calls are answered during a generation.
+Deltas cross back to the loop through `call_soon_threadsafe`; the worker does not wait for slow readers.
+A job's `cancelled` flag is checked after every step, so a cancelled call costs at most one more step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+
+from lucekv.engine.engine import Engine
+from lucekv.engine.sampling import SamplingParams
+from lucekv.engine.types import GenerationDelta
+from lucekv.errors import ConfigError, LucekvError
+
+logger = logging.getLogger(__name__)
+
+_END = object()  # the job's last item: the generation is over
+
+
+class QueueFullError(LucekvError):
+    """Every place in the request queue is taken."""
+
+
+class ServerStoppingError(LucekvError):
+    """The server is shutting down: it takes no new jobs and ends the ones it has."""
+
+
+class GenerationJob:
+    """One Generate call: its inputs, its cancel flag and the channel its output comes back on."""
+
+    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str):
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.request_id = request_id
+        self.cancelled = threading.Event()
+        self.submitted_at = time.perf_counter()
+        self.started_at: float | None = None
+        self._loop = asyncio.get_running_loop()
+        self._items: asyncio.Queue[object] = asyncio.Queue()
+
+    @property
+    def queue_time_s(self) -> float:
+        return (self.started_at or time.perf_counter()) - self.submitted_at
+
+    def deliver(self, item: object) -> bool:
+        """Called on the worker thread; False when the server's loop is gone and nobody is listening."""
+        try:
+            self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
+
+    async def deltas(self) -> AsyncIterator[GenerationDelta]:
+        """The generation's output; re-raises on the loop whatever the engine raised."""
+        while (item := await self._items.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, max_queued: int):
+        if max_queued < 0:
+            raise ConfigError(f"the request queue needs a size >= 0 (got {max_queued})")
+        self.engine = engine
+        self.max_queued = max_queued
+        self._waiting: deque[GenerationJob] = deque()
+        self._running: GenerationJob | None = None
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="lucekv-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: GenerationJob) -> None:
+        with self._wakeup:
+            if self._stopping:
+                raise ServerStoppingError("the server is shutting down")
+            idle = self._running is None and not self._waiting
+            if len(self._waiting) >= self.max_queued and not idle:
+                raise QueueFullError(
+                    f"all {self.max_queued} places in the request queue are taken; retry later"
+                )
+            self._waiting.append(job)
+            self._wakeup.notify()
+
+    def cancel(self, job: GenerationJob) -> None:
+        """Frees the job's place at once if it is waiting; a running job stops after its current step."""
+        job.cancelled.set()
+        with self._wakeup:
+            if job in self._waiting:
+                self._waiting.remove(job)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ends the waiting and running jobs with ServerStoppingError and lets the thread finish."""
+        with self._wakeup:
+            self._stopping = True
+            ended = [*self._waiting, *([self._running] if self._running else [])]
+            self._waiting.clear()
+            self._wakeup.notify()
+        for job in ended:
+            job.cancelled.set()
+            job.deliver(ServerStoppingError("the server is shutting down"))
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while job := self._next_job():
+            self._execute(job)
+            with self._wakeup:
+                self._running = None
+
+    def _next_job(self) -> GenerationJob | None:
+        with self._wakeup:
+            while not self._waiting and not self._stopping:
+                self._wakeup.wait()
+            if self._stopping:
+                return None
+            self._running = self._waiting.popleft()
+            return self._running
+
+    def _execute(self, job: GenerationJob) -> None:
+        if job.cancelled.is_set():  # cancelled between leaving the queue and starting
+            return
+        job.started_at = time.perf_counter()
+        try:
+            steps = self.engine.generate(job.prompt_ids, job.params)
+            try:
+                for delta in steps:
+                    if job.cancelled.is_set() or not job.deliver(delta):
+                        logger.info("request %s stopped: its call ended", job.request_id)
+                        return
+            finally:
+                steps.close()  # frees what the generation held, also when it was cut short
+            job.deliver(_END)
+        except Exception as e:  # the handler maps it to a status code; the worker keeps serving
+            if not job.deliver(e):
+                logger.error("request %s failed after its caller left", job.request_id, exc_info=e)

@@ -1,0 +1,213 @@
+"""CPU quant kernels against gguf's numpy reference: dequantization bit for bit, products against float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+
+from lucekv.errors import UnsupportedModelError
+from lucekv.kernels.cpu.matvec import MATMUL_TILE_ROWS, matmul, matvec
+from lucekv.kernels.cpu.quants import SUPPORTED_QTYPES, dequantize, dequantize_rows, pack, pack_tensor
+from lucekv.model.gguf import TensorInfo, open_gguf
+
+# Byte offsets of each block's f16 fields (d, and dmin/m where the type has one), from ggml's block structs.
+F16_FIELDS = {
+    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+}
+BLOCK_QTYPES = list(F16_FIELDS)
+FLOAT_QTYPES = [Q.F32, Q.F16, Q.BF16]
+EXPECTED_FORM = {  # (kind, elements per scale/bias pair)
+    Q.Q4_0: ("q4", 32), Q.Q4_1: ("q4", 32), Q.Q4_K: ("q4", 32),
+    Q.Q5_0: ("q8", 32), Q.Q5_1: ("q8", 32), Q.Q8_0: ("q8", 32), Q.Q5_K: ("q8", 32),
+    Q.Q2_K: ("q8", 16), Q.Q3_K: ("q8", 16), Q.Q6_K: ("q8", 16),
+    Q.F32: ("f32", 0), Q.F16: ("f32", 0), Q.BF16: ("f32", 0),
+}
+
+
+def random_finite_f16_bits(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Any f16 bit pattern but inf/NaN: signs, zeros, subnormals and the largest values all occur."""
+    bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    is_special = (bits & 0x7C00) == 0x7C00
+    bits[is_special] &= np.uint16(0xBFFF)  # clear the exponent's top bit: a finite number
+    return bits
+
+
+def random_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int, f16_bits=None) -> np.ndarray:
+    """uint8 [rows, bytes per row]: random bytes with finite f16 fields, as the GGUF reader hands them out."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    n_blocks = rows * cols // block_size
+    blocks = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
+    for offset in F16_FIELDS[qtype]:
+        bits = random_finite_f16_bits(rng, n_blocks) if f16_bits is None else f16_bits(n_blocks)
+        blocks[:, offset:offset + 2] = bits.view(np.uint8).reshape(n_blocks, 2)
+    return blocks.reshape(rows, -1)
+
+
+def random_raw(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> np.ndarray:
+    """Realistic magnitudes (scales ~0.02, weights ~N(0,1)) for the product tests."""
+    if qtype == Q.F32:
+        return rng.normal(size=(rows, cols)).astype(np.float32)
+    if qtype == Q.F16:
+        return rng.normal(size=(rows, cols)).astype(np.float16)
+    if qtype == Q.BF16:
+        return (rng.normal(size=(rows, cols)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return random_blocks(rng, qtype, rows, cols,
+                         lambda n: rng.normal(0, 0.02, n).astype(np.float16).view(np.uint16))
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype == np.float32 and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", BLOCK_QTYPES, ids=lambda q: q.name)
+def test_dequantize_equals_gguf_bit_for_bit(qtype):
+    rng = np.random.default_rng(int(qtype))
+    raw = random_blocks(rng, qtype, 6, 512)
+    ours = dequantize(raw, qtype, (6, 512))
+    assert ours.shape == (6, 512)
+    assert same_bits(ours, gguf_dequantize(raw, qtype))
+
+
+def test_dequantize_float_types_bit_for_bit():
+    rng = np.random.default_rng(0)
+    f32 = rng.normal(size=(3, 40)).astype(np.float32)
+    assert same_bits(dequantize(f32, Q.F32, (3, 40)), f32)
+    f16 = random_finite_f16_bits(rng, 120).view(np.float16).reshape(3, 40)
+    assert same_bits(dequantize(f16, Q.F16, (3, 40)), gguf_dequantize(f16, Q.F16))
+    bf16 = rng.integers(0, 1 << 16, (3, 40), dtype=np.uint16)
+    expected = gguf_dequantize(bf16.view(np.uint8), Q.BF16)
+    assert same_bits(dequantize(bf16, Q.BF16, (3, 40)), expected)  # reader may hand out uint16 ...
+    assert same_bits(dequantize(bf16.view(np.uint8), Q.BF16, (3, 40)), expected)  # ... or bytes
+
+
+def test_dequantize_vector_keeps_its_shape():
+    rng = np.random.default_rng(1)
+    raw = random_blocks(rng, Q.Q8_0, 1, 96).reshape(-1)
+    ours = dequantize(raw, Q.Q8_0, (96,))
+    assert ours.shape == (96,)
+    assert same_bits(ours, gguf_dequantize(raw, Q.Q8_0))
+
+
+@pytest.mark.parametrize("qtype", BLOCK_QTYPES + FLOAT_QTYPES, ids=lambda q: q.name)
+def test_packed_form_expands_to_gguf_values(qtype):
+    rng = np.random.default_rng(100 + int(qtype))
+    rows, cols = 7, 512
+    float_type = qtype in FLOAT_QTYPES
+    raw = random_raw(rng, qtype, rows, cols) if float_type else random_blocks(rng, qtype, rows, cols)
+    m = pack(raw, qtype, (rows, cols))
+    kind, block = EXPECTED_FORM[qtype]
+    assert (m.kind, m.block, m.rows, m.cols) == (kind, block, rows, cols)
+    code_shape, code_dtype = {"q4": ((rows, cols // 2), np.uint8), "q8": ((rows, cols), np.int8),
+                              "f32": ((rows, cols), np.float32)}[kind]
+    assert m.codes.shape == code_shape and m.codes.dtype == code_dtype
+    if kind != "f32":
+        assert m.scale.shape == m.bias.shape == (rows, cols // block)
+
+    ref = gguf_dequantize(raw.view(np.uint8) if qtype == Q.BF16 else raw, qtype).reshape(rows, cols)
+    ours = dequantize_rows(m, 0, rows)
+    if qtype == Q.Q4_0:
+        # scale*code + bias with bias = -8d gives +0.0 where gguf's d*(q-8) gives -0.0: equal values only
+        assert np.array_equal(ours, ref)
+        assert np.all((ours.view(np.uint32) == ref.view(np.uint32)) | (ours == 0))
+    else:
+        assert same_bits(ours, ref)
+    assert same_bits(dequantize_rows(m, 2, 5), ours[2:5])
+
+
+def test_q4_codes_use_the_canonical_nibble_order():
+    """Q4_K stores sub-blocks as low/high nibbles of 32 shared bytes; the repack must put element j of a
+    32-block in the low nibble of byte j and element 16 + j in the high nibble, as Q4_0 does."""
+    rng = np.random.default_rng(7)
+    raw = random_blocks(rng, Q.Q4_K, 2, 512)
+    m = pack(raw, Q.Q4_K, (2, 512))
+    nibbles = m.codes.reshape(2, 16, 16)
+    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=2).astype(np.float32)  # element order
+    expanded = m.scale[:, :, None] * codes + m.bias[:, :, None]
+    assert np.array_equal(expanded.reshape(2, 512), gguf_dequantize(raw, Q.Q4_K))
+
+
+def assert_close_to_float64(ours: np.ndarray, w: np.ndarray, xs: np.ndarray) -> None:
+    """Error of each output within 1e-4 of sum|w||x|: float32 accumulation's bound, with headroom."""
+    w64, x64 = w.astype(np.float64), xs.astype(np.float64)
+    err = np.abs(ours - x64 @ w64.T)
+    scale = np.abs(x64) @ np.abs(w64).T
+    assert np.all(err <= 1e-4 * scale), f"max relative error {np.max(err / scale):.2e}"
+
+
+# Rows past one matmul tile and not a multiple of it; cols with an odd number of 32-blocks where the type
+# allows it (the q4 kernel pairs blocks), and a tail past the f32 kernel's 32 lanes.
+PRODUCT_SHAPES = {q: (MATMUL_TILE_ROWS + 45, 512) for q in BLOCK_QTYPES} | {
+    Q.Q4_0: (MATMUL_TILE_ROWS + 45, 288), Q.Q4_1: (37, 288), Q.Q5_0: (37, 288), Q.Q8_0: (37, 96),
+    Q.F32: (MATMUL_TILE_ROWS + 45, 100), Q.F16: (37, 64), Q.BF16: (37, 64),
+}
+
+
+@pytest.mark.parametrize("qtype", list(PRODUCT_SHAPES), ids=lambda q: q.name)
+def test_matvec_and_matmul_match_float64(qtype):
+    rng = np.random.default_rng(200 + int(qtype))
+    rows, cols = PRODUCT_SHAPES[qtype]
+    raw = random_raw(rng, qtype, rows, cols)
+    m = pack(raw, qtype, (rows, cols))
+    w = dequantize(raw, qtype, (rows, cols))
+    x = rng.normal(size=cols).astype(np.float32)
+    y = matvec(m, x)
+    assert y.shape == (rows,) and y.dtype == np.float32
+    assert_close_to_float64(y[None, :], w, x[None, :])
+    for n in (1, 5):
+        xs = rng.normal(size=(n, cols)).astype(np.float32)
+        ys = matmul(m, xs)
+        assert ys.shape == (n, rows) and ys.dtype == np.float32
+        assert_close_to_float64(ys, w, xs)
+
+
+def test_matvec_rejects_a_wrong_length():
+    m = pack(random_raw(np.random.default_rng(3), Q.Q8_0, 4, 64), Q.Q8_0, (4, 64))
+    with pytest.raises(ValueError, match="expected"):
+        matvec(m, np.zeros(32, np.float32))
+
+
+def test_supported_types_are_the_mapped_ones():
+    assert set(SUPPORTED_QTYPES) == set(EXPECTED_FORM)
+
+
+def test_unsupported_quant_type_is_named():
+    raw = np.zeros(66, np.uint8)
+    with pytest.raises(UnsupportedModelError, match=r"IQ2_XXS is not supported \(supported: F32, F16"):
+        dequantize(raw, Q.IQ2_XXS, (256,))
+    with pytest.raises(UnsupportedModelError, match="IQ2_XXS"):
+        pack(raw, Q.IQ2_XXS, (1, 256))
+
+
+def test_pack_tensor_takes_matrices_only():
+    rng = np.random.default_rng(4)
+    raw = random_raw(rng, Q.Q4_1, 3, 64)
+    m = pack_tensor(TensorInfo("w", Q.Q4_1, (3, 64), raw))
+    assert same_bits(dequantize_rows(m, 0, 3), gguf_dequantize(raw, Q.Q4_1))
+    with pytest.raises(ValueError, match="not a matrix"):
+        pack_tensor(TensorInfo("norm", Q.F32, (64,), np.ones(64, np.float32)))
+
+
+@pytest.mark.parametrize("name", [
+    "smollm2-135m",
+    pytest.param("gemma3-270m", marks=pytest.mark.slow),
+    pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.slow),
+])
+def test_real_tensors_of_every_type(name, model_path):
+    """The first rows of one tensor per quant type in a real file: dequantize and matvec."""
+    rng = np.random.default_rng(5)
+    by_type: dict[Q, TensorInfo] = {}
+    for t in open_gguf(model_path(name)).tensors.values():
+        if len(t.shape) == 2:
+            by_type.setdefault(t.qtype, t)
+    assert by_type
+    for qtype, t in by_type.items():
+        rows, cols = min(t.shape[0], 64), t.shape[1]
+        raw = t.data[:rows]
+        ours = dequantize(raw, qtype, (rows, cols))
+        assert same_bits(ours, gguf_dequantize(raw, qtype).reshape(rows, cols)), t.name
+        x = rng.normal(size=cols).astype(np.float32)
+        assert_close_to_float64(matvec(pack(raw, qtype, (rows, cols)), x)[None, :], ours, x[None, :])
