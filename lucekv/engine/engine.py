@@ -99,7 +99,7 @@ class Engine:
         self.backend.pool.clear()
         logits = self._forward(ids, 0)[-1][-1]
         sampler = Sampler(params, ids, self.spec.vocab_size)
-        detok = self.tokenizer.stream()
+        detok = self.tokenizer.stream(after=ids[-1])
         stops = StopMatcher(params.stop)
         end_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eog_ids))
         t_first = 0.0

@@ -164,10 +164,14 @@ def test_matvec_and_matmul_match_float64(qtype):
         assert_close_to_float64(ys, w, xs)
 
 
-def test_matvec_rejects_a_wrong_length():
+def test_shape_errors_are_refused():
     m = pack(random_raw(np.random.default_rng(3), Q.Q8_0, 4, 64), Q.Q8_0, (4, 64))
     with pytest.raises(ValueError, match="expected"):
         matvec(m, np.zeros(32, np.float32))
+    with pytest.raises(ValueError, match="out of range"):
+        dequantize_rows(m, 2, 5)
+    with pytest.raises(ValueError, match="does not hold"):
+        pack(np.zeros(10, np.uint8), Q.Q8_0, (4, 64))
 
 
 def test_supported_types_are_the_mapped_ones():

@@ -58,3 +58,25 @@ def test_capital_of_france(model_path):
     params = SamplingParams(temperature=0.0, max_tokens=8)
     text = "".join(d.text for d in engine.generate("The capital of France is", params))
     assert "Paris" in text
+
+
+K_QUANT_DIMS = {"n_embd": 256, "head_dim": 64, "n_ff": 512}
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_every_arch_matches_transformers_on_synthetic_weights(arch, qtype, tmp_path):
+    """qwen3 ships no real weights on PyPI; gemma3's window and 5:1 pattern need more layers than 270m's prompt."""
+    from gguf import GGMLQuantizationType
+
+    from lucekv.model.synth import write_synthetic_gguf
+    from tests.reference import hf_logits
+
+    dims = K_QUANT_DIMS if qtype == "Q4_K" else {}
+    path = write_synthetic_gguf(tmp_path / f"{arch}.gguf", arch, qtype=GGMLQuantizationType[qtype], n_layer=6,
+                                sliding_window=8, tied_output=False, **dims)
+    engine = lucekv.load(path, backend="cpu", kv_dtype="f32")
+    ids = engine.tokenizer.encode("the quick brown fox jumps over the lazy dog, again and again")[:24]
+    assert len(ids) > 16  # longer than the sliding window, so local layers differ from global ones
+    err = rel_err(engine.score(ids), hf_logits(path, ids))
+    assert err <= 1e-3, f"{arch}/{qtype}: {err:.2e}"

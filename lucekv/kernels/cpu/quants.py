@@ -57,6 +57,7 @@ def pack(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -
 
 
 def pack_tensor(t: TensorInfo) -> PackedMatrix:
+    """The canonical form of a GGUF matrix; vectors (norms, biases) go through `dequantize` instead."""
     if len(t.shape) != 2:
         raise ValueError(f"tensor {t.name!r} of shape {t.shape} is not a matrix")
     return pack(t.data, t.qtype, t.shape)
