@@ -12,9 +12,11 @@ from pathlib import Path
 
 import grpc
 
+import lucekv
 from lucekv.client import DEFAULT_ADDRESS, FINISH_REASON_NAMES, Client, SamplingOptions
 from lucekv.errors import LucekvError
 from lucekv.model.registry import DEFAULT_MODEL, MODELS, TextProgress, is_pulled, pull, resolve_model
+from lucekv.server.app import DEFAULT_HOST, DEFAULT_PORT, LucekvServer, ServerOptions, serve
 
 # (SamplingOptions field, type, help) for the sampling flags of `generate`; --max-tokens sets max_tokens, etc.
 _SAMPLING_FLAGS: tuple[tuple[str, type, str], ...] = (
@@ -32,26 +34,24 @@ _SAMPLING_FLAGS: tuple[tuple[str, type, str], ...] = (
 
 
 def add_server_commands(subparsers: argparse._SubParsersAction) -> None:
-    from lucekv.server.app import DEFAULT_HOST, DEFAULT_PORT
-
-    serve = subparsers.add_parser("serve", help="start the gRPC server")
-    serve.add_argument(
+    server = subparsers.add_parser("serve", help="start the gRPC server")
+    server.add_argument(
         "--model",
         default=DEFAULT_MODEL,
         help=f"registry name (downloaded if missing) or .gguf path (default {DEFAULT_MODEL})",
     )
-    serve.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
-    serve.add_argument(
+    server.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
+    server.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"0 picks a free port (default {DEFAULT_PORT})"
     )
-    serve.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
-    serve.add_argument(
+    server.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
+    server.add_argument(
         "--max-queue",
         type=int,
         default=64,
         help="Generate calls that may wait for the engine; more get RESOURCE_EXHAUSTED (default 64)",
     )
-    serve.set_defaults(func=run_serve)
+    server.set_defaults(func=run_serve)
 
     generate = subparsers.add_parser("generate", help="stream a completion from a running server to stdout")
     generate.add_argument("prompt", metavar="PROMPT")
@@ -78,9 +78,6 @@ def add_server_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import lucekv
-    from lucekv.server.app import LucekvServer, ServerOptions, serve
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = lucekv.load(_model_file(args.model), backend=args.backend)
@@ -99,8 +96,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         serve(engine, ServerOptions(args.host, args.port, args.max_queue), announce)
-    except RuntimeError as e:  # grpc's way of saying the address cannot be bound
-        print(f"lucekv: error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
+    except LucekvError as e:
+        print(f"lucekv: error: {e}", file=sys.stderr)
         return 1
     return 0
 
@@ -118,16 +115,19 @@ def run_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    wrote = False
     try:
         with Client(args.server) as client:
             for chunk in client.generate(prompt, sampling):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
+                wrote = wrote or bool(chunk.text)
     except grpc.RpcError as e:
-        print(f"\nlucekv: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        if wrote:
+            _end_terminal_line()
+        print(f"lucekv: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
-    if sys.stdout.isatty():
-        sys.stdout.write("\n")
+    _end_terminal_line()
     u = chunk.usage
     print(
         f"[{FINISH_REASON_NAMES[chunk.finish_reason]}: {u.prompt_tokens} prompt + {u.completion_tokens} "
@@ -136,6 +136,13 @@ def run_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _end_terminal_line() -> None:
+    """On a terminal, end the streamed text's line so what follows starts on its own; pipes get the text as is."""
+    if sys.stdout.isatty():
+        sys.stdout.write("\n")
+        sys.stdout.flush()
 
 
 def run_info(args: argparse.Namespace) -> int:

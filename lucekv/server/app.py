@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from lucekv.engine.engine import Engine
+from lucekv.errors import ConfigError
 from lucekv.server.gen import lucekv_pb2_grpc
 from lucekv.server.service import SERVICE_NAME, LuceKVServicer
 from lucekv.server.worker import EngineWorker
@@ -19,11 +20,13 @@ from lucekv.server.worker import EngineWorker
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
 
-# A long prefill or a wait in the queue sends no data; clients may ping meanwhile without being cut off for
-# "too many pings" (gRPC's server default allows one ping per 5 minutes without data).
 _GRPC_OPTIONS = [
+    # A long prefill or a wait in the queue sends no data; clients may ping meanwhile without being cut off
+    # for "too many pings" (gRPC's server default allows one ping per 5 minutes without data).
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # gRPC binds with SO_REUSEPORT by default: a second server on a taken port would start and share it.
+    ("grpc.so_reuseport", 0),
 ]
 
 
@@ -57,14 +60,18 @@ class LucekvServer:
 
 
 async def start_server(engine: Engine, options: ServerOptions) -> LucekvServer:
-    """Serve `engine` from the running event loop. Raises RuntimeError if the address cannot be bound."""
+    """Serve `engine` from the running event loop. Raises ConfigError if the address cannot be bound."""
     worker = EngineWorker(engine, options.max_queued)
     server = grpc.aio.server(options=_GRPC_OPTIONS)
     lucekv_pb2_grpc.add_LuceKVServicer_to_server(LuceKVServicer(worker), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    address = f"{options.host}:{options.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as e:  # grpc's way of saying the address cannot be bound
+        raise ConfigError(f"cannot serve on {address}: {e}") from e
     worker.start()
     await server.start()
     for service in ("", SERVICE_NAME):  # "" = the process is alive, SERVICE_NAME = ready for requests

@@ -113,3 +113,9 @@ def _wait_for_address(process: subprocess.Popen) -> str:
         if match := re.search(r"lucekv: serving .* on (\S+:\d+)$", line.strip()):
             return match.group(1)
     pytest.fail("server exited before serving:\n" + "".join(lines))
+
+
+def test_serve_on_a_taken_port_fails_clearly(server, tiny_model, capsys):
+    port = server.address.rsplit(":", 1)[1]
+    assert run_cli("serve", "--model", str(tiny_model), "--port", port) == 1
+    assert f"lucekv: error: cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err

@@ -7,6 +7,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 
 import grpc
 import pytest
@@ -166,11 +167,12 @@ def test_server_info_describes_the_engine(client, reference_engine):
     assert info.max_queued_requests == 64 and info.max_top_logprobs == 20
 
 
-def test_unset_sampling_fields_take_the_engine_defaults():
+def test_sampling_fields_map_by_name_and_unset_ones_take_the_engine_defaults():
+    assert {f.name for f in pb.SamplingParams.DESCRIPTOR.fields} <= {f.name for f in fields(SamplingParams)}
     assert sampling_params_from_proto(pb.SamplingParams()) == SamplingParams()
-    assert sampling_params_from_proto(
-        pb.SamplingParams(temperature=0.0, top_k=0, stop=["x"])
-    ) == SamplingParams(temperature=0.0, stop=["x"])
+    message = pb.SamplingParams(temperature=0.0, top_k=0, seed=2**64 - 1, stop=["x"], stop_token_ids=[3])
+    expected = SamplingParams(temperature=0.0, seed=2**64 - 1, stop=["x"], stop_token_ids=[3])
+    assert sampling_params_from_proto(message) == expected
 
 
 # --- bad requests -----------------------------------------------------------------------------------------
