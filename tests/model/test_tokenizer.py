@@ -385,7 +385,7 @@ def reference_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    if path.name.startswith("smollm2"):
+    if open_gguf(path).metadata.get("tokenizer.ggml.pre") == "smollm":
         # transformers drops SmolLM2's digit split (its tokenizer.json and llama.cpp's "smollm" both split
         # digits one by one before the GPT-2 regex); it shows on a run of spaces before a digit.
         tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([

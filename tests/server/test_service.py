@@ -112,7 +112,7 @@ def test_every_chunk_carries_the_request_id_and_only_the_last_a_finish_reason(cl
     assert (
         usage.time_to_first_token_ms > 0 and usage.decode_tokens_per_second > 0 and usage.queue_time_ms >= 0
     )
-    anonymous = list(client.generate(PROMPT, SamplingOptions(max_tokens=2)))
+    anonymous = list(client.generate(PROMPT, SamplingOptions(max_tokens=2, ignore_eos=True)))
     assert len(anonymous[0].request_id) == 32 and anonymous[0].request_id == anonymous[-1].request_id
 
 
@@ -257,7 +257,7 @@ def test_cancel_after_three_tokens_stops_the_generation_and_frees_its_place(slow
             assert slow_probe.steps <= 5  # 3 read, at most one in flight and one more step
             assert waiting.result().finish_reason == "length"
         assert time.perf_counter() - started < 4.0  # not the 8 s the long generation would have taken
-        assert c.complete(PROMPT, SamplingOptions(max_tokens=2)).usage.completion_tokens == 2
+        assert c.complete(PROMPT, SamplingOptions(max_tokens=2, ignore_eos=True)).usage.completion_tokens == 2
 
 
 def test_full_queue_answers_resource_exhausted_and_a_cancelled_waiter_frees_its_place(
@@ -265,18 +265,18 @@ def test_full_queue_answers_resource_exhausted_and_a_cancelled_waiter_frees_its_
 ):
     with Client(slow_server.address) as c:
         running, _, _ = _start_long_generation(c, slow_probe)
-        waiter = c.generate(PROMPT, SamplingOptions(max_tokens=2))  # takes the only place in the queue
+        waiter = c.generate(PROMPT, SamplingOptions(max_tokens=2, ignore_eos=True))  # takes the only place in the queue
         waiter_chunks = iter(waiter)
         time.sleep(0.2)
         with pytest.raises(grpc.RpcError) as refused:
-            c.complete(PROMPT, SamplingOptions(max_tokens=2), timeout=10)
+            c.complete(PROMPT, SamplingOptions(max_tokens=2, ignore_eos=True), timeout=10)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "all 1 places in the request queue are taken" in refused.value.details()
         waiter.cancel()
         with pytest.raises(grpc.RpcError):
             next(waiter_chunks)
         time.sleep(0.2)
-        queued = c.generate(PROMPT, SamplingOptions(max_tokens=2))  # admitted now
+        queued = c.generate(PROMPT, SamplingOptions(max_tokens=2, ignore_eos=True))  # admitted now
         running.cancel()
         assert [ch.finish_reason for ch in queued][-1] == pb.FINISH_REASON_LENGTH
 
@@ -310,13 +310,13 @@ def test_engine_failure_is_internal_and_logged_and_the_server_keeps_serving(slow
     slow_probe.fail_after_steps = 2
     with Client(slow_server.address) as c, caplog.at_level(logging.ERROR, logger="lucekv.server"):
         with pytest.raises(grpc.RpcError) as failed:
-            c.complete(PROMPT, SamplingOptions(max_tokens=8), timeout=10)
+            c.complete(PROMPT, SamplingOptions(max_tokens=8, ignore_eos=True), timeout=10)
         assert failed.value.code() == grpc.StatusCode.INTERNAL
         assert failed.value.details() == "internal error: RuntimeError: synthetic engine failure"
         logged = [r for r in caplog.records if r.exc_info]
         assert logged and "synthetic engine failure" in str(logged[0].exc_info[1])
         slow_probe.fail_after_steps = None
-        assert c.complete(PROMPT, SamplingOptions(max_tokens=3)).usage.completion_tokens == 3
+        assert c.complete(PROMPT, SamplingOptions(max_tokens=3, ignore_eos=True)).usage.completion_tokens == 3
 
 
 def test_stopping_the_server_stops_the_running_generation(slow_probe):
@@ -359,10 +359,10 @@ def test_without_queue_places_an_idle_server_still_runs_a_call(slow_probe):
     running = ServerThread(slow_probe, max_queued=0)
     try:
         with Client(running.address) as c:
-            assert c.complete(PROMPT, SamplingOptions(max_tokens=2)).usage.completion_tokens == 2
+            assert c.complete(PROMPT, SamplingOptions(max_tokens=2, ignore_eos=True)).usage.completion_tokens == 2
             stream, _, _ = _start_long_generation(c, slow_probe)
             with pytest.raises(grpc.RpcError) as refused:
-                c.complete(PROMPT, SamplingOptions(max_tokens=2), timeout=10)
+                c.complete(PROMPT, SamplingOptions(max_tokens=2, ignore_eos=True), timeout=10)
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             stream.cancel()
     finally:
