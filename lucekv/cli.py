@@ -8,37 +8,13 @@ import sys
 from lucekv.errors import LucekvError
 
 
-def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-
-
-def sampling_from_args(args: argparse.Namespace):
-    from lucekv.engine.sampling import SamplingParams
-
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed,
-                          max_tokens=args.max_tokens, stop=args.stop)
-
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"])
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     import lucekv
+    from lucekv.cli_server import chat_or_text, sampling_values
+    from lucekv.engine.sampling import SamplingParams
 
     engine = lucekv.load(args.model, backend=args.backend, kv_dtype=args.kv_dtype)
-    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    for delta in engine.generate(prompt, sampling_from_args(args)):
+    for delta in engine.generate(chat_or_text(args), SamplingParams(**sampling_values(args))):
         sys.stdout.write(delta.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -46,14 +22,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lucekv.bench import decode
+    from lucekv.bench import decode, serve
 
-    return decode.main(args)
+    return {"decode": decode, "serve": serve}[args.bench].main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from lucekv.cli_models import add_models_commands
-    from lucekv.cli_server import add_server_commands
+    from lucekv.cli_server import add_engine_flags, add_sampling_flags, add_server_commands
     from lucekv.model.registry import DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(prog="lucekv", description=__doc__)
@@ -68,14 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (write JSON)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    dec = bench_sub.add_parser("decode", help="prefill and decode tokens/s")
-    dec.add_argument("--model", default=DEFAULT_MODEL)
-    dec.add_argument("--prompt-tokens", type=int, default=128)
-    dec.add_argument("--gen-tokens", type=int, default=64)
-    dec.add_argument("--repeats", type=int, default=3)
-    dec.add_argument("--json", help="also write the result here")
-    add_engine_flags(dec)
-    dec.set_defaults(func=cmd_bench)
+    for name, help_text in (("decode", "prefill and decode tokens/s of the engine"),
+                            ("serve", "the same, measured at a gRPC client of a server process")):
+        b = bench_sub.add_parser(name, help=help_text)
+        b.add_argument("--model", default=DEFAULT_MODEL)
+        b.add_argument("--prompt-tokens", type=int, default=128)
+        b.add_argument("--gen-tokens", type=int, default=64)
+        b.add_argument("--repeats", type=int, default=3)
+        b.add_argument("--json", help="also write the result here")
+        add_engine_flags(b)
+        b.set_defaults(func=cmd_bench)
 
     add_models_commands(sub)
     add_server_commands(sub)

@@ -18,7 +18,8 @@ from lucekv.errors import LucekvError
 from lucekv.model.registry import DEFAULT_MODEL, MODELS, TextProgress, is_pulled, pull, resolve_model
 from lucekv.server.app import DEFAULT_HOST, DEFAULT_PORT, LucekvServer, ServerOptions, serve
 
-# (SamplingOptions field, type, help) for the sampling flags of `generate`; --max-tokens sets max_tokens, etc.
+# (field, type, help) for the sampling flags of `generate` and `run`; --max-tokens sets max_tokens, etc.
+# Unset flags stay None and take the server's (SamplingParams') defaults.
 _SAMPLING_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("max_tokens", int, "most tokens to generate (server default 256)"),
     ("min_tokens", int, "generate at least this many tokens"),
@@ -44,7 +45,7 @@ def add_server_commands(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"0 picks a free port (default {DEFAULT_PORT})"
     )
-    server.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
+    add_engine_flags(server)
     server.add_argument(
         "--max-queue",
         type=int,
@@ -58,18 +59,7 @@ def add_server_commands(subparsers: argparse._SubParsersAction) -> None:
     generate.add_argument(
         "--server", default=DEFAULT_ADDRESS, help=f"server address (default {DEFAULT_ADDRESS})"
     )
-    generate.add_argument(
-        "--chat", action="store_true", help="send PROMPT as a user message through the model's chat template"
-    )
-    for name, kind, help_text in _SAMPLING_FLAGS:
-        generate.add_argument("--" + name.replace("_", "-"), type=kind, help=help_text)
-    generate.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
-    generate.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        default=None,
-        help="keep generating past end-of-generation tokens",
-    )
+    add_sampling_flags(generate)
     generate.set_defaults(func=run_generate)
 
     info = subparsers.add_parser("info", help="show the model and settings of a running server")
@@ -77,10 +67,38 @@ def add_server_commands(subparsers: argparse._SubParsersAction) -> None:
     info.set_defaults(func=run_info)
 
 
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--kv-dtype", default="f16", choices=("f16", "f32"), help="KV cache storage (default f16)")
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--chat", action="store_true", help="send PROMPT as a user message through the model's chat template"
+    )
+    for name, kind, help_text in _SAMPLING_FLAGS:
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, help=help_text)
+    parser.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    parser.add_argument(
+        "--ignore-eos", action="store_true", default=None, help="keep generating past end-of-generation tokens"
+    )
+
+
+def sampling_values(args: argparse.Namespace) -> dict:
+    """The sampling flags the user set, by SamplingParams/SamplingOptions field name."""
+    values = {name: getattr(args, name) for name, _, _ in _SAMPLING_FLAGS}
+    values.update(stop=args.stop or [], ignore_eos=args.ignore_eos)
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def chat_or_text(args: argparse.Namespace):
+    return [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+
+
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = lucekv.load(_model_file(args.model), backend=args.backend)
+        engine = lucekv.load(_model_file(args.model), backend=args.backend, kv_dtype=args.kv_dtype)
     except LucekvError as e:
         print(f"lucekv: error: {e}", file=sys.stderr)
         return 1
@@ -109,12 +127,8 @@ def _model_file(model: str) -> Path:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    sampling = SamplingOptions(
-        **{name: getattr(args, name) for name, _, _ in _SAMPLING_FLAGS},
-        stop=args.stop or [],
-        ignore_eos=args.ignore_eos,
-    )
-    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    sampling = SamplingOptions(**sampling_values(args))
+    prompt = chat_or_text(args)
     wrote = False
     try:
         with Client(args.server) as client:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import statistics
@@ -44,8 +45,19 @@ def prompt_ids(engine: lucekv.Engine, n: int) -> list[int]:
     return ids[:n]
 
 
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def run(model: str, backend: str, prompt_tokens: int, gen_tokens: int, repeats: int, kv_dtype: str) -> dict:
-    engine = lucekv.load(model, backend=backend, kv_dtype=kv_dtype)
+    from lucekv.model.registry import resolve_model
+
+    path = resolve_model(model)
+    engine = lucekv.load(path, backend=backend, kv_dtype=kv_dtype)
     ids = prompt_ids(engine, prompt_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
     prefill, decode = [], []
@@ -62,7 +74,8 @@ def run(model: str, backend: str, prompt_tokens: int, gen_tokens: int, repeats: 
         "bench": "decode",
         "commit": git_commit(),
         "machine": machine(),
-        "model": {"name": engine.info.model_name, "arch": engine.info.arch, "fingerprint": engine.info.fingerprint},
+        "model": {"name": engine.info.model_name, "arch": engine.info.arch, "file": path.name,
+                  "sha256": file_sha256(path), "fingerprint": engine.info.fingerprint},
         "backend": engine.info.backend,
         "kv_dtype": kv_dtype,
         "command": " ".join(sys.argv),

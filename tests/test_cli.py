@@ -1,0 +1,43 @@
+"""The `lucekv` command line: run, bench, and the errors it prints."""
+
+import json
+
+import pytest
+
+from lucekv.cli import main
+from lucekv.model.synth import write_synthetic_gguf
+
+
+def test_run_completes_the_capital_of_france(model_path, capsys):
+    path = model_path("smollm2-135m")
+    assert main(["run", str(path), "The capital of France is", "--max-tokens", "8", "--temperature", "0"]) == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_synthetic_gguf(tmp_path_factory.mktemp("cli") / "tiny.gguf", "llama", n_ctx=64)
+
+
+@pytest.mark.parametrize("argv,phrase", [
+    (["run", "no-such-model", "hi"], "unknown model 'no-such-model'"),
+    (["run", "{tiny}", ""], "prompt: is empty"),
+    (["run", "{tiny}", "hi", "--temperature", "-1"], "temperature"),
+    (["run", "{tiny}", "hi", "--top-p", "3"], "top_p"),
+    (["run", "{tiny}", "hi", "--max-tokens", "100000"], "exceeds the context of 64"),
+    (["run", "{tiny}", "hi", "--backend", "cuda"], "CUDA backend"),
+])
+def test_bad_input_exits_non_zero_naming_the_problem(tiny, capsys, argv, phrase):
+    assert main([a.format(tiny=tiny) for a in argv]) == 2
+    assert phrase in capsys.readouterr().err
+
+
+def test_bench_decode_writes_json(tiny, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    argv = ["bench", "decode", "--model", str(tiny), "--backend", "cpu", "--prompt-tokens", "16",
+            "--gen-tokens", "4", "--repeats", "1", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["prompt_tokens"] == 16 and result["backend"] == "cpu"
+    assert result["decode_tok_s_median"] > 0 and result["prefill_tok_s_median"] > 0
+    assert len(result["model"]["sha256"]) == 64
