@@ -33,8 +33,13 @@ class KVPool:
         return len(self.slot_pos)
 
     def clear(self) -> None:
-        self.slot_pos[:] = -1
-        self.high_water = 0
+        self.truncate(0)
+
+    def truncate(self, n: int) -> None:
+        """Forget every position >= n (their slots become free)."""
+        self.slot_pos[self.slot_pos >= n] = -1
+        if n == 0:
+            self.high_water = 0
 
     def assign(self, slots: np.ndarray, positions: np.ndarray) -> None:
         self.slot_pos[slots] = positions

@@ -37,11 +37,13 @@ class Engine:
     """Not thread-safe: one generation at a time (the server serializes requests)."""
 
     def __init__(self, path: Path, backend: str = "auto", kv_dtype: str = "f16", n_ctx: int | None = None):
+        self.path = Path(path)
         g = open_gguf(path)
         self.spec = ModelSpec.from_gguf(g)
         self.tokenizer = Tokenizer.from_metadata(g.metadata)
         self.n_ctx = min(n_ctx or self.spec.n_ctx, self.spec.n_ctx)
         self.backend = _make_backend(backend, g, self.spec, kv_dtype, self.n_ctx)
+        self._cached: list[int] = []  # tokens whose K/V the pool holds, at positions 0..len-1
         self.info = EngineInfo(self.spec.name, self.spec.arch.name, g.fingerprint, self.n_ctx,
                                self.spec.vocab_size, self.backend.name, self.spec.n_layer, self.spec.n_embd)
 
@@ -81,7 +83,7 @@ class Engine:
 
     def score(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] for every position of a fresh sequence (used by oracle checks)."""
-        self.backend.pool.clear()
+        self._truncate(0)
         return np.concatenate(self._forward(list(ids), 0, all_logits=True))
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -92,12 +94,27 @@ class Engine:
             chunk = np.asarray(ids[i : i + PREFILL_CHUNK], np.int32)
             pos = np.arange(start + i, start + i + len(chunk), dtype=np.int32)
             out.append(self.backend.forward(chunk, pos, pos, all_logits))  # identity slot layout for now
+            self._cached.extend(int(t) for t in chunk)
         return out
+
+    def _truncate(self, n: int) -> None:
+        self.backend.pool.truncate(n)
+        del self._cached[n:]
+
+    def _prefill(self, ids: list[int]) -> tuple[np.ndarray, int]:
+        """Last-position logits of `ids`, reusing the K/V of the longest prefix the pool already holds.
+
+        At least the last token is recomputed: its logits are what the first sample needs."""
+        reused = 0
+        limit = min(len(ids) - 1, len(self._cached))
+        while reused < limit and self._cached[reused] == ids[reused]:
+            reused += 1
+        self._truncate(reused)
+        return self._forward(ids[reused:], reused)[-1][-1], reused
 
     def _run(self, ids: list[int], params: SamplingParams) -> Iterator[GenerationDelta]:
         t0 = time.perf_counter()
-        self.backend.pool.clear()
-        logits = self._forward(ids, 0)[-1][-1]
+        logits, cached = self._prefill(ids)
         sampler = Sampler(params, ids, self.spec.vocab_size)
         detok = self.tokenizer.stream(after=ids[-1])
         stops = StopMatcher(params.stop)
@@ -125,7 +142,7 @@ class Engine:
                     text += stops.feed(detok.flush())[0] + stops.flush()
             if finish:
                 elapsed = time.perf_counter() - t_first
-                usage = Usage(len(ids), 0, n_out, t_first - t0, (n_out - 1) / elapsed if elapsed > 0 else 0.0)
+                usage = Usage(len(ids), cached, n_out, t_first - t0, (n_out - 1) / elapsed if elapsed > 0 else 0.0)
                 yield GenerationDelta([tok], text, logprobs, finish, usage)
                 return
             yield GenerationDelta([tok], text, logprobs)

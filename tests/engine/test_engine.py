@@ -109,3 +109,43 @@ def test_bad_requests_fail_before_compute_and_name_the_problem(engine, prompt, k
     with pytest.raises(exc) as e:
         engine.generate(prompt, SamplingParams(**kw))
     assert phrase in str(e.value)
+
+
+def test_a_prompt_extending_the_last_one_reuses_its_kv_and_matches_a_fresh_run(engine, tmp_path):
+    first = run(engine, "the cat sat on", temperature=0.0, max_tokens=5, ignore_eos=True)
+    history = engine.tokenizer.encode("the cat sat on") + tokens(first)
+    follow_up = history + engine.tokenizer.encode(" the mat")
+    reused = run(engine, follow_up, temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=True)
+    assert reused[-1].usage.cached_tokens == len(history) - 1  # the last sampled token was never fed back
+
+    fresh_engine = lucekv.load(engine_path(engine), backend="cpu")
+    fresh = run(fresh_engine, follow_up, temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=True)
+    assert fresh[-1].usage.cached_tokens == 0
+    assert tokens(reused) == tokens(fresh)
+    for a, b in zip(reused, fresh, strict=True):
+        assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 1e-4
+
+
+def test_a_diverging_prompt_reuses_only_the_common_prefix(engine):
+    base = engine.tokenizer.encode("one two three four five")
+    run(engine, base, temperature=0.0, max_tokens=2, ignore_eos=True)
+    other = base[:3] + engine.tokenizer.encode(" seven eight")
+    out = run(engine, other, temperature=0.0, max_tokens=2, ignore_eos=True)
+    assert out[-1].usage.cached_tokens == 3
+    again = run(engine, other, temperature=0.0, max_tokens=2, ignore_eos=True)
+    assert again[-1].usage.cached_tokens == len(other) - 1
+    assert tokens(again) == tokens(out)
+
+
+def test_a_cancelled_generation_leaves_a_consistent_cache(engine):
+    prompt = engine.tokenizer.encode("alpha beta gamma")
+    expected = tokens(run(engine, prompt, temperature=0.0, max_tokens=10, ignore_eos=True))
+    gen = engine.generate(prompt + expected[:2], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    next(gen)
+    gen.close()  # what the server does when a client cancels
+    resumed = tokens(run(engine, prompt, temperature=0.0, max_tokens=10, ignore_eos=True))
+    assert resumed == expected
+
+
+def engine_path(engine):
+    return engine.path

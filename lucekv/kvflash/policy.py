@@ -1,0 +1,214 @@
+"""Residency policies: which chunks deserve the pool's blocks (DESIGN §4, research/algorithms.md §5.11).
+
+A scorer keeps small per-chunk key summaries, written when a chunk is sealed (its last position written,
+while it is still tail-protected and resident) and stored in the pager's `summaries`, and a window of recent
+post-RoPE queries. `scores` ranks every materialized chunk; higher keeps. Scoring never reads the host store.
+
+Shapes: keys of a sealed chunk [n_layers, chunk, n_kv_head, head_dim]; a query [n_layers, n_head, head_dim],
+for the same scored layers (a backend may score a subset of its pooled layers).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+import numpy as np
+
+from lucekv.errors import ConfigError
+from lucekv.kvflash.pager import Move, Pager
+
+POLICIES = ("lru", "quest", "meankey")
+MISSING = -np.inf  # a sealed chunk without a summary ranks last
+HISTORY_PER_TAU = 45  # tau_eff = max(tau, history/45) keeps rescoring near 15% of decode time (lucebox §1.7)
+
+
+class Scorer(Protocol):
+    name: str
+
+    def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None: ...
+
+    def observe(self, query: np.ndarray) -> None: ...
+
+    def scores(self, pager: Pager) -> np.ndarray | None:
+        """float64 [pager.n_chunks], or None when there is nothing to score against yet."""
+
+
+class LruScorer:
+    """Least recently written or recalled goes first."""
+
+    name = "lru"
+
+    def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None:
+        pass
+
+    def observe(self, query: np.ndarray) -> None:
+        pass
+
+    def scores(self, pager: Pager) -> np.ndarray:
+        return pager.last_use[: pager.n_chunks].astype(np.float64)
+
+
+class _QueryWindow:
+    """The last `size` queries, grouped by KV head: [R, n_layers, n_kv_head, group, head_dim] float32."""
+
+    def __init__(self, n_kv_head: int, size: int):
+        self.n_kv_head = n_kv_head
+        self._ring: deque[np.ndarray] = deque(maxlen=size)
+
+    def push(self, query: np.ndarray) -> None:
+        n_layers, n_head, head_dim = query.shape
+        self._ring.append(np.asarray(query, np.float32).reshape(n_layers, self.n_kv_head, -1, head_dim))
+
+    def stacked(self) -> np.ndarray | None:
+        return np.stack(self._ring) if self._ring else None
+
+
+class BoundScorer:
+    """Quest-style upper bound: per chunk, layer, KV head and 16-token sub-page, the per-dimension min and
+    max of the keys; a query's best possible logit in the sub-page is sum_i max(q_i*min_i, q_i*max_i).
+    Per (layer, head) the bound becomes a log attention share over chunks; a chunk scores its best share
+    over heads and layers (a union, so one retrieval head is not averaged away)."""
+
+    name = "quest"
+
+    def __init__(self, n_kv_head: int, subpage: int = 16, window: int = 8, block: int = 256):
+        self.subpage = subpage
+        self.block = block  # chunks scored per matmul, bounding its temporaries
+        self._queries = _QueryWindow(n_kv_head, window)
+
+    def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None:
+        n_layers, t, n_kv, d = keys.shape
+        sub = keys.astype(np.float32).reshape(n_layers, t // self.subpage, self.subpage, n_kv, d)
+        sub = sub.transpose(0, 3, 1, 2, 4)  # [layers, kv heads, sub-pages, tokens, d]
+        # f16 KV values are exact in f16, so the stored box still bounds them.
+        pager.summaries.put("quest.kmin", chunk, sub.min(axis=3).astype(np.float16))
+        pager.summaries.put("quest.kmax", chunk, sub.max(axis=3).astype(np.float16))
+
+    def observe(self, query: np.ndarray) -> None:
+        self._queries.push(query)
+
+    def scores(self, pager: Pager) -> np.ndarray | None:
+        q = self._queries.stacked()
+        if q is None:
+            return None
+        n = pager.n_chunks
+        kmin, present = pager.summaries.table("quest.kmin", n)
+        kmax, _ = pager.summaries.table("quest.kmax", n)
+        out = np.full(n, MISSING)
+        sealed = np.flatnonzero(present)
+        if len(sealed) == 0:
+            return out
+        r, n_layers, n_kv, g, d = q.shape
+        # [layers, kv heads, R*group, d]: one batched matmul per summary instead of a 6-index einsum.
+        q = q.transpose(1, 2, 0, 3, 4).reshape(n_layers, n_kv, r * g, d)
+        qp, qn = np.maximum(q, 0), np.minimum(q, 0)
+        bound = np.empty((len(sealed), n_layers, n_kv), np.float32)
+        for i in range(0, len(sealed), self.block):
+            idx = sealed[i : i + self.block]
+            ub = qp @ _by_head(kmax[idx]) + qn @ _by_head(kmin[idx])  # [layers, heads, R*group, chunks*sub]
+            ub = ub.reshape(n_layers, n_kv, r * g, len(idx), -1).max(axis=(2, 4))
+            bound[i : i + len(idx)] = ub.transpose(2, 0, 1)
+        bound /= np.sqrt(q.shape[-1])
+        share = bound - _logsumexp(bound, axis=0)
+        out[sealed] = share.max(axis=(1, 2))
+        return out
+
+
+class MeanKeyScorer:
+    """Cosine between recent queries and each chunk's L2-normalized mean key: per layer the best q-head and
+    query, then the mean over layers (lucebox's target-QK scorer)."""
+
+    name = "meankey"
+
+    def __init__(self, n_kv_head: int, window: int = 8):
+        self._queries = _QueryWindow(n_kv_head, window)
+
+    def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None:
+        kmean = _unit(keys.astype(np.float32).mean(axis=1))
+        pager.summaries.put("meankey.kmean", chunk, kmean.astype(np.float16))
+
+    def observe(self, query: np.ndarray) -> None:
+        self._queries.push(query)
+
+    def scores(self, pager: Pager) -> np.ndarray | None:
+        q = self._queries.stacked()
+        if q is None:
+            return None
+        n = pager.n_chunks
+        kmean, present = pager.summaries.table("meankey.kmean", n)
+        out = np.full(n, MISSING)
+        sealed = np.flatnonzero(present)
+        if len(sealed):
+            cos = np.einsum("rlhgd,clhd->clhrg", _unit(q), kmean[sealed].astype(np.float32))
+            out[sealed] = cos.max(axis=(2, 3, 4)).mean(axis=1)
+        return out
+
+
+def reselect(pager: Pager, scores: np.ndarray) -> list[Move]:
+    """Keep the protected chunks and the highest-scoring others that fit; page-outs come before page-ins.
+    Ties prefer the chunk already resident (no thrash), then the more recent. The scores stay with the pager
+    to pick victims when later writes need a block."""
+    n = pager.n_chunks
+    scores = np.where(np.isnan(scores), MISSING, scores)  # a NaN (from inf keys) must not sort as the best
+    protected = pager.protected_mask()
+    cand = np.flatnonzero(~protected)
+    budget = pager.n_blocks - int(protected.sum())
+    resident = pager.block_of[:n] >= 0
+    order = np.lexsort((pager.last_use[cand], resident[cand], scores[cand]))[::-1]
+    keep = protected.copy()
+    keep[cand[order[:budget]]] = True
+    pager.set_scores(scores)
+    return pager.apply_residency(keep)
+
+
+class Policy:
+    """A scorer and its reselect schedule: every tau_eff = max(tau, history/45) decoded tokens."""
+
+    def __init__(self, scorer: Scorer, tau: int = 64):
+        if tau <= 0:
+            raise ConfigError(f"kv reselect interval tau must be positive, not {tau}")
+        self.scorer = scorer
+        self.tau = tau
+        self._decoded_since = 0
+
+    def tau_eff(self, history: int) -> int:
+        return max(self.tau, history // HISTORY_PER_TAU)
+
+    def after_decode(self, pager: Pager, n_tokens: int = 1) -> list[Move]:
+        """Count `n_tokens` newly decoded tokens; reselect when due. Returns the moves to run now."""
+        self._decoded_since += n_tokens
+        if self._decoded_since < self.tau_eff(pager.n_tokens):
+            return []
+        return self.reselect_now(pager)
+
+    def reselect_now(self, pager: Pager) -> list[Move]:
+        """Reselect regardless of the schedule (e.g. once a new user turn is prefilled)."""
+        scores = self.scorer.scores(pager)
+        if scores is None:
+            return []
+        self._decoded_since = 0
+        return reselect(pager, scores)
+
+
+def make_policy(name: str, n_kv_head: int, tau: int = 64) -> Policy:
+    scorers = {"lru": LruScorer, "quest": lambda: BoundScorer(n_kv_head),
+               "meankey": lambda: MeanKeyScorer(n_kv_head)}
+    if name not in scorers:
+        raise ConfigError(f"unknown kv policy {name!r} (choose {', '.join(POLICIES)})")
+    return Policy(scorers[name](), tau)
+
+
+def _by_head(summary: np.ndarray) -> np.ndarray:
+    """[chunks, layers, kv heads, sub, d] -> float32 [layers, kv heads, d, chunks*sub] for a matmul."""
+    c, n_layers, n_kv, sub, d = summary.shape
+    return summary.astype(np.float32).transpose(1, 2, 4, 0, 3).reshape(n_layers, n_kv, d, c * sub)
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / (np.linalg.norm(x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _logsumexp(x: np.ndarray, axis: int) -> np.ndarray:
+    m = x.max(axis=axis, keepdims=True)
+    return m + np.log(np.exp(x - m).sum(axis=axis, keepdims=True))
