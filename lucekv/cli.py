@@ -10,10 +10,10 @@ from lucekv.errors import LucekvError
 
 def cmd_run(args: argparse.Namespace) -> int:
     import lucekv
-    from lucekv.cli_server import chat_or_text, sampling_values
+    from lucekv.cli_server import chat_or_text, engine_options, sampling_values
     from lucekv.engine.sampling import SamplingParams
 
-    engine = lucekv.load(args.model, backend=args.backend, kv_dtype=args.kv_dtype)
+    engine = lucekv.load(args.model, **engine_options(args))
     for delta in engine.generate(chat_or_text(args), SamplingParams(**sampling_values(args))):
         sys.stdout.write(delta.text)
         sys.stdout.flush()

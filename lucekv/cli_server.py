@@ -70,6 +70,27 @@ def add_server_commands(subparsers: argparse._SubParsersAction) -> None:
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--kv-dtype", default="f16", choices=("f16", "f32"), help="KV cache storage (default f16)")
+    parser.add_argument("--kv-pool", default="auto", type=_kv_pool,
+                        help="KV slots kept on the device, in tokens (a multiple of 64); colder chunks page to host "
+                             "RAM. 'off' holds the whole context; 'auto' (default) is 'off' on the CPU backend")
+    parser.add_argument("--kv-policy", default="quest", choices=("lru", "quest", "meankey"),
+                        help="which paged-out chunks come back (default quest)")
+    parser.add_argument("--kv-tau", type=int, default=64, help="decoded tokens between reselects (default 64)")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """lucekv.load keyword arguments from the engine flags."""
+    return {"backend": args.backend, "kv_dtype": args.kv_dtype, "kv_pool": args.kv_pool,
+            "kv_policy": args.kv_policy, "kv_tau": args.kv_tau}
+
+
+def _kv_pool(value: str) -> int | str | None:
+    if value in ("auto", "off"):
+        return None if value == "off" else value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens, 'auto' or 'off', not {value!r}") from None
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +119,7 @@ def chat_or_text(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = lucekv.load(_model_file(args.model), backend=args.backend, kv_dtype=args.kv_dtype)
+        engine = lucekv.load(_model_file(args.model), **engine_options(args))
     except LucekvError as e:
         print(f"lucekv: error: {e}", file=sys.stderr)
         return 1
@@ -176,6 +197,7 @@ def run_info(args: argparse.Namespace) -> int:
         ("layers", str(info.n_layer)),
         ("embedding", str(info.n_embd)),
         ("backend", info.backend),
+        ("kv pool", f"{info.kv_pool_tokens} tokens, {info.kv_policy}" if info.kv_pool_tokens else "whole context"),
         ("features", ", ".join(info.features)),
         ("max queue", str(info.max_queued_requests)),
         ("version", info.version),

@@ -8,6 +8,8 @@ from threadpoolctl import threadpool_limits
 from lucekv.kernels.cpu.attention import attend_batch, attend_decode
 from lucekv.kernels.cpu.matvec import matmul, matvec
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, dequantize_rows, pack_tensor
+from lucekv.kvflash.host_store import HostStore
+from lucekv.kvflash.pager import CHUNK_TOKENS, Move, PageOut
 from lucekv.model.arch import ModelSpec
 from lucekv.model.decoder import Weights, forward, load_weights
 from lucekv.model.gguf import GGUFFile, TensorInfo
@@ -53,6 +55,8 @@ class CpuOps:
         self.spec = spec
         self.pool = pool
         self._inv_freq: dict[float, np.ndarray] = {}
+        # post-RoPE query of each layer at the latest decode step, for relevance scorers
+        self.last_q = np.zeros((spec.n_layer, spec.n_head, spec.head_dim), np.float32)
 
     def matrix(self, t: TensorInfo) -> PackedMatrix:
         return pack_tensor(t)
@@ -101,6 +105,7 @@ class CpuOps:
         vp[slots] = v.reshape(len(v), spec.n_kv_head, spec.head_dim)
         qh = q.reshape(len(q), spec.n_head, spec.head_dim)
         if len(q) == 1:
+            self.last_q[layer] = qh[0]
             out = attend_decode(qh[0], kp, vp, pool.slot_pos, pool.high_water, int(positions[0]), window,
                                 spec.attn_scale)[None]
         else:
@@ -137,3 +142,22 @@ class CpuBackend:
         """Logits [1 or n, vocab] float32 for `tokens` at `positions`, their K/V written to `slots`."""
         self.pool.assign(slots, positions)
         return forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, all_logits)
+
+    # ---- KVFlash: the pager decides, the backend moves bytes (lucekv.kvflash.sequence.PoolBackend) ----
+
+    def execute(self, moves: list[Move], host: HostStore) -> None:
+        for m in moves:
+            rows = slice(m.block * CHUNK_TOKENS, (m.block + 1) * CHUNK_TOKENS)
+            for layer, (k, v) in enumerate(zip(self.pool.k, self.pool.v, strict=True)):
+                if isinstance(m, PageOut):
+                    if m.write_back:
+                        host.store(m.chunk, layer, k[rows], v[rows])
+                else:
+                    k[rows], v[rows] = host.load(m.chunk, layer)
+
+    def chunk_keys(self, block: int) -> np.ndarray:
+        rows = slice(block * CHUNK_TOKENS, (block + 1) * CHUNK_TOKENS)
+        return np.stack([k[rows] for k in self.pool.k]).astype(np.float32)
+
+    def last_queries(self) -> np.ndarray:
+        return self.ops.last_q

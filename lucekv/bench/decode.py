@@ -53,11 +53,11 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def run(model: str, backend: str, prompt_tokens: int, gen_tokens: int, repeats: int, kv_dtype: str) -> dict:
+def run(model: str, prompt_tokens: int, gen_tokens: int, repeats: int, engine_options: dict) -> dict:
     from lucekv.model.registry import resolve_model
 
     path = resolve_model(model)
-    engine = lucekv.load(path, backend=backend, kv_dtype=kv_dtype)
+    engine = lucekv.load(path, **engine_options)
     ids = prompt_ids(engine, prompt_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
     prefill, decode = [], []
@@ -77,7 +77,7 @@ def run(model: str, backend: str, prompt_tokens: int, gen_tokens: int, repeats: 
         "model": {"name": engine.info.model_name, "arch": engine.info.arch, "file": path.name,
                   "sha256": file_sha256(path), "fingerprint": engine.info.fingerprint},
         "backend": engine.info.backend,
-        "kv_dtype": kv_dtype,
+        "engine_options": engine_options,
         "command": " ".join(sys.argv),
         "prompt_tokens": len(ids),
         "gen_tokens": gen_tokens,
@@ -90,7 +90,9 @@ def run(model: str, backend: str, prompt_tokens: int, gen_tokens: int, repeats: 
 
 
 def main(args) -> int:
-    result = run(args.model, args.backend, args.prompt_tokens, args.gen_tokens, args.repeats, args.kv_dtype)
+    from lucekv.cli_server import engine_options
+
+    result = run(args.model, args.prompt_tokens, args.gen_tokens, args.repeats, engine_options(args))
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -53,11 +53,11 @@ def timed_completion(client: Client, ids: list[int], gen_tokens: int) -> tuple[f
     return t_first - t0, (n - 1) / (t_last - t_first), chunk.usage.decode_tokens_per_second
 
 
-def run(model: str, backend: str, prompt_tokens: int, gen_tokens: int, repeats: int, kv_dtype: str) -> dict:
+def run(model: str, prompt_tokens: int, gen_tokens: int, repeats: int, engine_flags: list[str]) -> dict:
     path = resolve_model(model)
     address = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "lucekv.cli", "serve", "--model", str(path), "--backend", backend,
-           "--kv-dtype", kv_dtype, "--port", address.rsplit(":", 1)[1]]
+    cmd = [sys.executable, "-m", "lucekv.cli", "serve", "--model", str(path), "--port", address.rsplit(":", 1)[1],
+           *engine_flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_serving(address, proc)
@@ -81,7 +81,7 @@ def run(model: str, backend: str, prompt_tokens: int, gen_tokens: int, repeats: 
         "machine": machine(),
         "model": {"name": info.model_name, "arch": info.arch, "file": path.name, "sha256": file_sha256(path)},
         "backend": info.backend,
-        "kv_dtype": kv_dtype,
+        "engine_flags": engine_flags,
         "command": " ".join(sys.argv),
         "prompt_tokens": len(ids),
         "gen_tokens": gen_tokens,
@@ -95,7 +95,10 @@ def run(model: str, backend: str, prompt_tokens: int, gen_tokens: int, repeats: 
 
 
 def main(args) -> int:
-    result = run(args.model, args.backend, args.prompt_tokens, args.gen_tokens, args.repeats, args.kv_dtype)
+    kv_pool = {None: "off"}.get(args.kv_pool, args.kv_pool)
+    flags = ["--backend", args.backend, "--kv-dtype", args.kv_dtype, "--kv-pool", str(kv_pool),
+             "--kv-policy", args.kv_policy, "--kv-tau", str(args.kv_tau)]
+    result = run(args.model, args.prompt_tokens, args.gen_tokens, args.repeats, flags)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -13,12 +13,14 @@ from lucekv.engine.sampling import Sampler, SamplingParams, log_softmax
 from lucekv.engine.stops import StopMatcher
 from lucekv.engine.types import ChatMessage, GenerationDelta, TokenLogprob, Usage
 from lucekv.errors import ConfigError, ContextOverflowError, InvalidRequestError
+from lucekv.kvflash.sequence import PagedSequence
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
 from lucekv.model.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 PREFILL_CHUNK = 256  # tokens per prefill forward: bounds the attention score matrix
+PAGED_PREFILL_CHUNK = 64  # with a bounded pool: one chunk per forward, so eviction keeps pace
 
 
 @dataclass(frozen=True)
@@ -31,21 +33,33 @@ class EngineInfo:
     backend: str
     n_layer: int
     n_embd: int
+    kv_pool_tokens: int  # 0 = the whole context
+    kv_policy: str  # "" without paging
 
 
 class Engine:
     """Not thread-safe: one generation at a time (the server serializes requests)."""
 
-    def __init__(self, path: Path, backend: str = "auto", kv_dtype: str = "f16", n_ctx: int | None = None):
+    def __init__(self, path: Path, backend: str = "auto", kv_dtype: str = "f16", n_ctx: int | None = None,
+                 kv_pool: int | str | None = None, kv_policy: str = "quest", kv_tau: int = 64):
+        """kv_pool: KV slots on the device in tokens (a multiple of 64); None holds the whole context; "auto" is
+        None on the CPU backend, whose device memory is host RAM."""
         self.path = Path(path)
         g = open_gguf(path)
         self.spec = ModelSpec.from_gguf(g)
         self.tokenizer = Tokenizer.from_metadata(g.metadata)
         self.n_ctx = min(n_ctx or self.spec.n_ctx, self.spec.n_ctx)
-        self.backend = _make_backend(backend, g, self.spec, kv_dtype, self.n_ctx)
+        if kv_pool == "auto":
+            kv_pool = None
+        self.backend = _make_backend(backend, g, self.spec, kv_dtype, kv_pool or self.n_ctx)
+        self.paged = None if kv_pool is None else PagedSequence(
+            self.backend, self.backend.pool.slot_pos, n_layer=self.spec.n_layer, n_kv_head=self.spec.n_kv_head,
+            head_dim=self.spec.head_dim, dtype=self.backend.pool.dtype, policy=kv_policy, tau=kv_tau,
+            window=self.spec.sliding_window)
         self._cached: list[int] = []  # tokens whose K/V the pool holds, at positions 0..len-1
         self.info = EngineInfo(self.spec.name, self.spec.arch.name, g.fingerprint, self.n_ctx,
-                               self.spec.vocab_size, self.backend.name, self.spec.n_layer, self.spec.n_embd)
+                               self.spec.vocab_size, self.backend.name, self.spec.n_layer, self.spec.n_embd,
+                               kv_pool or 0, kv_policy if kv_pool else "")
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -88,17 +102,26 @@ class Engine:
 
     # ---- the loop -------------------------------------------------------------------------------
 
-    def _forward(self, ids: list[int], start: int, all_logits: bool = False) -> list[np.ndarray]:
+    def _forward(self, ids: list[int], start: int, all_logits: bool = False, decoding: bool = False,
+                 ) -> list[np.ndarray]:
         out = []
-        for i in range(0, len(ids), PREFILL_CHUNK):
-            chunk = np.asarray(ids[i : i + PREFILL_CHUNK], np.int32)
+        step = PREFILL_CHUNK if self.paged is None else PAGED_PREFILL_CHUNK
+        for i in range(0, len(ids), step):
+            chunk = np.asarray(ids[i : i + step], np.int32)
             pos = np.arange(start + i, start + i + len(chunk), dtype=np.int32)
-            out.append(self.backend.forward(chunk, pos, pos, all_logits))  # identity slot layout for now
+            # Without a pager the pool holds the whole context: slot = position.
+            slots = pos if self.paged is None else self.paged.alloc(int(pos[0]), len(chunk))
+            out.append(self.backend.forward(chunk, pos, slots, all_logits))
             self._cached.extend(int(t) for t in chunk)
+            if self.paged is not None:
+                self.paged.after_forward(decoded=len(chunk) if decoding else 0)
         return out
 
     def _truncate(self, n: int) -> None:
-        self.backend.pool.truncate(n)
+        if self.paged is None:
+            self.backend.pool.truncate(n)
+        else:
+            self.paged.truncate(n)
         del self._cached[n:]
 
     def _prefill(self, ids: list[int]) -> tuple[np.ndarray, int]:
@@ -143,11 +166,15 @@ class Engine:
             if finish:
                 elapsed = time.perf_counter() - t_first
                 usage = Usage(len(ids), cached, n_out, t_first - t0, (n_out - 1) / elapsed if elapsed > 0 else 0.0)
+                if self.paged is not None:
+                    kv = self.paged.usage()
+                    usage.kv_resident_chunks, usage.kv_paged_chunks = kv.resident_chunks, kv.paged_chunks
+                    usage.kv_bytes_moved = kv.bytes_moved
                 yield GenerationDelta([tok], text, logprobs, finish, usage)
                 return
             yield GenerationDelta([tok], text, logprobs)
             pos = len(ids) + n_out - 1
-            logits = self._forward([tok], pos)[0][-1]
+            logits = self._forward([tok], pos, decoding=True)[0][-1]
 
     def _logprob(self, logits: np.ndarray, tok: int, top: int) -> TokenLogprob:
         lp = log_softmax(logits)

@@ -27,6 +27,9 @@ class Usage:
     completion_tokens: int
     time_to_first_token_s: float
     decode_tokens_per_s: float
+    kv_resident_chunks: int = 0  # KVFlash residency at the end; zeros when the pool holds the whole context
+    kv_paged_chunks: int = 0
+    kv_bytes_moved: int = 0
 
 
 @dataclass

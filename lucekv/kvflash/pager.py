@@ -24,6 +24,7 @@ import numpy as np
 from lucekv.errors import ConfigError, InvalidRequestError
 
 STATE_VERSION = 1
+CHUNK_TOKENS = 64  # logical positions per chunk, and slots per pool block
 NOT_RESIDENT = -1
 UNSCORED = np.inf  # chunks the policy has not scored yet (newer than its last reselect) are evicted last
 
@@ -137,7 +138,7 @@ class PagerState:
 
 
 class Pager:
-    def __init__(self, pool_tokens: int, chunk: int = 64, sink_chunks: int = 1, tail_chunks: int = 4,
+    def __init__(self, pool_tokens: int, chunk: int = CHUNK_TOKENS, sink_chunks: int = 1, tail_chunks: int = 4,
                  chunk_bytes: int = 0):
         _check_config(pool_tokens, chunk, sink_chunks, tail_chunks)
         self.pool_tokens = pool_tokens

@@ -97,6 +97,8 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
                 max_queued_requests=self._worker.max_queued,
                 version=_version(),
                 max_top_logprobs=MAX_TOP_LOGPROBS,
+                kv_pool_tokens=info.kv_pool_tokens,
+                kv_policy=info.kv_policy,
             )
 
 
@@ -140,6 +142,9 @@ def response_from_delta(delta: GenerationDelta, request_id: str, queue_time_s: f
                 time_to_first_token_ms=u.time_to_first_token_s * 1e3,
                 decode_tokens_per_second=u.decode_tokens_per_s,
                 queue_time_ms=queue_time_s * 1e3,
+                kv_resident_chunks=u.kv_resident_chunks,
+                kv_paged_chunks=u.kv_paged_chunks,
+                kv_bytes_moved=u.kv_bytes_moved,
             )
         )
     return response

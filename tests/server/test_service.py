@@ -15,9 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from server_harness import ProbeEngine, ServerThread
 
+import lucekv
 from lucekv.client import Client, SamplingOptions, generate_request
 from lucekv.engine.engine import Engine
 from lucekv.engine.sampling import SamplingParams
+from lucekv.model.synth import write_synthetic_gguf
 from lucekv.server.gen import lucekv_pb2 as pb
 from lucekv.server.gen import lucekv_pb2_grpc
 from lucekv.server.service import SERVICE_NAME, sampling_params_from_proto
@@ -365,5 +367,22 @@ def test_without_queue_places_an_idle_server_still_runs_a_call(slow_probe):
                 c.complete(PROMPT, SamplingOptions(max_tokens=2, ignore_eos=True), timeout=10)
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             stream.cancel()
+    finally:
+        running.stop()
+
+
+def test_a_paged_server_reports_its_pool_and_the_residency_of_each_generation(tmp_path):
+    path = write_synthetic_gguf(tmp_path / "long.gguf", "llama", n_ctx=4096, vocab=512)
+    running = ServerThread(ProbeEngine(lucekv.load(path, backend="cpu", kv_pool=512, kv_policy="lru")))
+    try:
+        with Client(running.address) as c:
+            info = c.server_info()
+            assert (info.kv_pool_tokens, info.kv_policy) == (512, "lru")
+            ids = [10 + i % 400 for i in range(1200)]
+            done = c.complete(ids, SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True))
+            u = done.usage
+            assert u.kv_resident_chunks == 512 // 64
+            assert u.kv_resident_chunks + u.kv_paged_chunks == -(-(len(ids) + 3) // 64)
+            assert u.kv_bytes_moved > 0
     finally:
         running.stop()

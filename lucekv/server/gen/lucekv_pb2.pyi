@@ -107,20 +107,26 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "time_to_first_token_ms", "decode_tokens_per_second", "queue_time_ms")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "time_to_first_token_ms", "decode_tokens_per_second", "queue_time_ms", "kv_resident_chunks", "kv_paged_chunks", "kv_bytes_moved")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_RESIDENT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
     time_to_first_token_ms: float
     decode_tokens_per_second: float
     queue_time_ms: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., queue_time_ms: _Optional[float] = ...) -> None: ...
+    kv_resident_chunks: int
+    kv_paged_chunks: int
+    kv_bytes_moved: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., queue_time_ms: _Optional[float] = ..., kv_resident_chunks: _Optional[int] = ..., kv_paged_chunks: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage")
@@ -171,7 +177,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model_name", "arch", "fingerprint", "context_length", "vocab_size", "backend", "n_layer", "n_embd", "features", "max_queued_requests", "version", "max_top_logprobs")
+    __slots__ = ("model_name", "arch", "fingerprint", "context_length", "vocab_size", "backend", "n_layer", "n_embd", "features", "max_queued_requests", "version", "max_top_logprobs", "kv_pool_tokens", "kv_policy")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +190,8 @@ class ServerInfo(_message.Message):
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_POLICY_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     arch: str
     fingerprint: str
@@ -196,4 +204,6 @@ class ServerInfo(_message.Message):
     max_queued_requests: int
     version: str
     max_top_logprobs: int
-    def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., fingerprint: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., n_layer: _Optional[int] = ..., n_embd: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., max_queued_requests: _Optional[int] = ..., version: _Optional[str] = ..., max_top_logprobs: _Optional[int] = ...) -> None: ...
+    kv_pool_tokens: int
+    kv_policy: str
+    def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., fingerprint: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., n_layer: _Optional[int] = ..., n_embd: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., max_queued_requests: _Optional[int] = ..., version: _Optional[str] = ..., max_top_logprobs: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_policy: _Optional[str] = ...) -> None: ...

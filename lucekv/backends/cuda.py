@@ -1,0 +1,231 @@
+"""CUDA backend: weights uploaded once and kept quantized, the KV slot pool on the GPU, numba.cuda kernels.
+
+Activations are device arrays [n_tokens, width] float32; only the step's tokens / positions / slots go
+up and the logits come down. Everything runs on one stream. On a GPU the one-token decode step is
+captured once as a CUDA graph (`DecodeGraph`) and replayed: numba pays 24-53 us per kernel launch, a
+replayed graph about 0.5 us (shared/GPU.md). A decode step reads its inputs from fixed one-token device
+buffers and attends over a grid sized for the whole pool (chunks past the high-water mark exit at once),
+so the eager and the replayed step run the same kernels on the same addresses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lucekv.backends.cpu import KV_DTYPES, KVPool
+from lucekv.kernels.cpu.quants import dequantize, pack_tensor
+from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, norm, rope
+from lucekv.kernels.cuda._numba import device_zeros
+from lucekv.kernels.cuda.embed import embed
+from lucekv.kernels.cuda.matmul import matmul
+from lucekv.kernels.cuda.matvec import matvec
+from lucekv.kernels.cuda.packed import DeviceMatrix, upload
+from lucekv.model.arch import ModelSpec
+from lucekv.model.decoder import Weights, forward, load_weights
+from lucekv.model.gguf import GGUFFile, TensorInfo
+
+
+class CudaKVPool(KVPool):
+    """KVPool's slot bookkeeping on the host; K/V of every layer, the slot -> position map and the
+    high-water mark on the GPU."""
+
+    def __init__(self, spec: ModelSpec, size: int, dtype: str, stream):
+        # not KVPool.__init__, which allocates host K/V: only its bookkeeping is shared
+        self.dtype = KV_DTYPES[dtype]
+        self.slot_pos = np.full(size, -1, np.int32)
+        self.high_water = 0
+        self._stream = stream
+        shape = (size, spec.n_kv_head, spec.head_dim)
+        self.k = [device_zeros(shape, self.dtype, stream) for _ in range(spec.n_layer)]
+        self.v = [device_zeros(shape, self.dtype, stream) for _ in range(spec.n_layer)]
+        self.d_slot_pos = cuda.to_device(self.slot_pos, stream=stream)
+        self.d_high_water = cuda.to_device(np.zeros(1, np.int32), stream=stream)
+
+    def clear(self) -> None:
+        super().clear()
+        self.d_slot_pos.copy_to_device(self.slot_pos, stream=self._stream)
+
+    def assign(self, slots: np.ndarray, positions: np.ndarray) -> None:
+        """The host map as KVPool keeps it; the device map is written by CudaOps.begin_step."""
+        super().assign(slots, positions)
+        self.d_high_water.copy_to_device(np.array([self.high_water], np.int32), stream=self._stream)
+
+
+class CudaOps:
+    """The decoder's ops on device arrays (see lucekv.model.decoder.Ops).
+
+    The host tokens / positions / slots the decoder passes are ignored: `begin_step` uploaded them.
+    Arrays allocated while `keep` is a list are appended to it (a captured graph must keep them alive)."""
+
+    def __init__(self, spec: ModelSpec, pool: CudaKVPool, stream):
+        self.spec = spec
+        self.pool = pool
+        self.stream = stream
+        bases = {spec.layer_rope_base(i) for i in range(spec.n_layer)}
+        self._inv_freq = {b: cuda.to_device(rope.inv_freq(b, spec.rope_dim), stream=stream) for b in bases}
+        self._one = {name: cuda.to_device(np.zeros(1, np.int32), stream=stream)
+                     for name in ("tokens", "positions", "slots")}
+        self.tokens = self.positions = self.slots = None
+        self.keep: list | None = None
+
+    def begin_step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
+        """Upload the step's inputs (one-token steps into the fixed buffers) and mark their slots."""
+        s = self.stream
+        inputs = {"tokens": tokens, "positions": positions, "slots": slots}
+        for name, host in inputs.items():
+            host = np.ascontiguousarray(host, np.int32)
+            if len(host) == 1:
+                self._one[name].copy_to_device(host, stream=s)
+                setattr(self, name, self._one[name])
+            else:
+                setattr(self, name, cuda.to_device(host, stream=s))
+        attention.set_slot_pos(self.pool.d_slot_pos, self.slots, self.positions, stream=s)
+
+    def _empty(self, n: int, width: int):
+        out = cuda.device_array((n, width), np.float32, stream=self.stream)
+        if self.keep is not None:
+            self.keep.append(out)
+        return out
+
+    def matrix(self, t: TensorInfo) -> DeviceMatrix:
+        return upload(pack_tensor(t), stream=self.stream)
+
+    def vector(self, t: TensorInfo):
+        return cuda.to_device(dequantize(t.data, t.qtype, t.shape).reshape(-1), stream=self.stream)
+
+    def embed(self, table: DeviceMatrix, tokens: np.ndarray, scale: float):
+        out = self._empty(len(tokens), table.cols)
+        embed(table, self.tokens, scale, out, stream=self.stream)
+        return out
+
+    def linear(self, w: DeviceMatrix, x, bias=None):
+        out = self._empty(x.shape[0], w.rows)
+        (matvec if x.shape[0] == 1 else matmul)(w, x, out, stream=self.stream)
+        if bias is not None:
+            act.add_row(out, bias, out, stream=self.stream)
+        return out
+
+    def rmsnorm(self, x, w, eps: float, groups: int = 1):
+        out = self._empty(*x.shape)
+        norm.rmsnorm(x, w, eps, groups, out, stream=self.stream)
+        return out
+
+    def rope(self, x, n_heads: int, positions: np.ndarray, base: float):
+        spec = self.spec
+        neox = spec.arch.rope_style == "neox"
+        # in place: x is always a fresh projection (or its norm) that nothing else reads
+        rope.rope(x, n_heads, spec.head_dim, self.positions, self._inv_freq[base], spec.rope_scale, neox,
+                  stream=self.stream)
+        return x
+
+    def attention(self, layer: int, q, k, v, positions: np.ndarray, slots: np.ndarray, window: int):
+        spec, pool, s = self.spec, self.pool, self.stream
+        attention.store_kv(k, v, self.slots, pool.k[layer], pool.v[layer], stream=s)
+        n = q.shape[0]
+        max_slots = pool.size if n == 1 else pool.high_water
+        parts = attention.partials(n, spec.n_head, spec.head_dim, attention.n_splits(max_slots))
+        if self.keep is not None:
+            self.keep.extend(parts)
+        out = self._empty(n, spec.n_head * spec.head_dim)
+        attention.attend(q, pool.k[layer], pool.v[layer], pool.d_slot_pos, pool.d_high_water, max_slots,
+                         self.positions, window, spec.attn_scale, parts, out, stream=s)
+        return out
+
+    def gated_act(self, gate, up):
+        out = self._empty(*gate.shape)
+        act.gated_act(gate, up, self.spec.arch.activation == "gelu_tanh", out, stream=self.stream)
+        return out
+
+    def add(self, x, y):
+        out = self._empty(*x.shape)
+        act.add(x, y, out, stream=self.stream)
+        return out
+
+    def rows(self, x, idx: slice):
+        start, stop, _ = idx.indices(x.shape[0])
+        return x[start:stop]
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, g: GGUFFile, spec: ModelSpec, kv_dtype: str = "f16", pool_size: int | None = None,
+                 use_graph: bool | None = None):
+        """use_graph: replay decode steps from a CUDA graph; default: on a GPU (the simulator has none)."""
+        self.spec = spec
+        self.stream = cuda.stream()
+        self.pool = CudaKVPool(spec, pool_size or spec.n_ctx, kv_dtype, self.stream)
+        self.ops = CudaOps(spec, self.pool, self.stream)
+        self.weights: Weights = load_weights(g, spec, self.ops)
+        self.graph = DecodeGraph(self) if (not SIMULATOR if use_graph is None else use_graph) else None
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                all_logits: bool = False) -> np.ndarray:
+        """Logits [1 or n, vocab] float32 on the host for `tokens` at `positions`, K/V written to `slots`."""
+        tokens = np.asarray(tokens)
+        self.pool.assign(slots, positions)
+        self.ops.begin_step(tokens, positions, slots)
+        if len(tokens) == 1 and self.graph is not None and self.graph.ready:
+            logits = self.graph.replay()
+        else:
+            logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits)
+            if len(tokens) == 1 and self.graph is not None:
+                # kernels are compiled and loaded now: capture the same step for the next ones
+                self.graph.capture(tokens, positions, slots)
+        out = logits.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+
+class DecodeGraph:
+    """The one-token forward captured once as a CUDA graph on the backend's stream, replayed per step.
+
+    Capture records the launches without running them. Every array the step allocates is kept for the
+    graph's lifetime (its kernels hold their addresses), and deallocation is deferred during capture.
+    Relaxed capture mode: numba allocates device memory while the step is being recorded."""
+
+    def __init__(self, backend: CudaBackend):
+        self.backend = backend
+        self.logits = None
+        self._exec = None
+        self._keep: list = []
+
+    @property
+    def ready(self) -> bool:
+        return self._exec is not None
+
+    def capture(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
+        from cuda.bindings import driver
+
+        b = self.backend
+        handle = driver.CUstream(int(b.stream.handle))
+        b.ops.keep = self._keep
+        try:
+            with cuda.defer_cleanup():
+                relaxed = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+                _check(driver.cuStreamBeginCapture(handle, relaxed))
+                try:
+                    self.logits = forward(b.spec, b.weights, b.ops, tokens, positions, slots)
+                finally:
+                    graph = _check(driver.cuStreamEndCapture(handle))
+                self._exec = _check(driver.cuGraphInstantiate(graph, 0))
+                _check(driver.cuGraphDestroy(graph))  # the executable graph is independent of it
+        finally:
+            b.ops.keep = None
+
+    def replay(self):
+        """Run the captured step (inputs already in the fixed buffers); its logits device array."""
+        from cuda.bindings import driver
+
+        _check(driver.cuGraphLaunch(self._exec, driver.CUstream(int(self.backend.stream.handle))))
+        return self.logits
+
+
+def _check(result):
+    """cuda.bindings calls return (CUresult, *values): raise on an error, return the value(s)."""
+    from cuda.bindings import driver
+
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver call failed: {driver.cuGetErrorName(err)[1]!r}")
+    return values[0] if len(values) == 1 else values or None

@@ -1,0 +1,70 @@
+"""PackedMatrix weights on the GPU, and per-element decoding for the kernels that tile or gather them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lucekv.kernels.cpu.quants import PackedMatrix
+from lucekv.kernels.cuda._numba import cuda
+
+
+@dataclass
+class DeviceMatrix:
+    """A PackedMatrix on the GPU, still quantized.
+
+    codes: q4 / q8: uint32 [rows, words], the packed bytes as little-endian words (wide loads);
+    f32: float32 [rows, cols]. scale, bias: float32 [rows, cols // block] ([1, 1] placeholders for f32).
+    block_log2: log2 of the elements per (scale, bias) block (0 for f32)."""
+
+    kind: str
+    rows: int
+    cols: int
+    block_log2: int
+    codes: object
+    scale: object
+    bias: object
+
+
+def upload(m: PackedMatrix, stream=0) -> DeviceMatrix:
+    """Copy `m` to the GPU once."""
+    if m.kind == "f32":
+        codes = np.ascontiguousarray(m.codes, np.float32)
+        scale = bias = np.zeros((1, 1), np.float32)
+    else:
+        codes = np.ascontiguousarray(m.codes).view(np.uint32)
+        scale, bias = np.ascontiguousarray(m.scale), np.ascontiguousarray(m.bias)
+    return DeviceMatrix(m.kind, m.rows, m.cols, max(m.block.bit_length() - 1, 0),
+                        cuda.to_device(codes, stream=stream), cuda.to_device(scale, stream=stream),
+                        cuda.to_device(bias, stream=stream))
+
+
+# Element decoders, one signature for every kind: (codes, scale, bias, block_log2, row, col) -> float32.
+
+
+@cuda.jit(device=True, inline=True)
+def q4_at(words, scale, bias, block_log2, r, k):
+    # canonical q4: per 32-block 16 bytes; byte j holds element j (low nibble) and j + 16 (high)
+    b = k >> 5
+    j = k & 31
+    byte = b * 16 + (j & 15)
+    shift = np.uint32(8 * (byte & 3) + 4 * (j >> 4))
+    code = (words[r, byte >> 2] >> shift) & np.uint32(15)
+    return scale[r, b] * np.float32(code) + bias[r, b]
+
+
+@cuda.jit(device=True, inline=True)
+def q8_at(words, scale, bias, block_log2, r, k):
+    byte = np.int32((words[r, k >> 2] >> np.uint32(8 * (k & 3))) & np.uint32(0xFF))
+    b = k >> block_log2
+    return scale[r, b] * np.float32(byte - ((byte & 0x80) << 1)) + bias[r, b]
+
+
+@cuda.jit(device=True, inline=True)
+def f32_at(w, scale, bias, block_log2, r, k):
+    return w[r, k]
+
+
+def element_decoder(kind: str):
+    return {"q4": q4_at, "q8": q8_at, "f32": f32_at}[kind]

@@ -1,0 +1,336 @@
+"""CUDA kernels against float64 numpy references.
+
+Without a GPU these run in numba's CUDA simulator, which numba selects once, at import, from
+NUMBA_ENABLE_CUDASIM. Setting it inside this process could not switch an already imported numba and
+would leak into every other test, so `test_kernels_in_simulator` runs this file again in a child pytest
+with the variable set; there the tests below run for real (tiny shapes: the simulator runs each GPU
+thread as a Python thread). On a GPU machine they run directly, plus the `gpu` tests at real shapes.
+The whole-model comparison takes minutes in the simulator, so it is `slow` there:
+    NUMBA_ENABLE_CUDASIM=1 pytest tests/kernels/test_cuda_kernels.py -m slow
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+
+from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows, pack
+from lucekv.kernels.cuda import SIMULATOR, available, cuda
+
+needs_kernels = pytest.mark.skipif(not available(), reason="no CUDA GPU (the simulator run covers these)")
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(SIMULATOR or not available(), reason="needs a CUDA GPU")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(available(), reason="kernels run directly in this process")
+def test_kernels_in_simulator():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    args = ["-q", "-p", "no:cacheprovider", "-m", "not gpu and not slow", str(Path(__file__))]
+    child = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, env=env, capture_output=True,
+                           text=True)
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(got.astype(np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+def random_packed(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> PackedMatrix:
+    """A random matrix in `qtype`; K-quants (gguf cannot quantize to them) as random blocks, small d."""
+    if qtype == Q.F32:
+        return pack(rng.standard_normal((rows, cols)).astype(np.float32), qtype, (rows, cols))
+    if qtype == Q.Q6_K:
+        raw = rng.integers(0, 256, size=(rows * cols // 256, 210), dtype=np.uint8)
+        raw[:, 208:210] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        return pack(raw, qtype, (rows, cols))
+    if qtype == Q.Q4_K:
+        raw = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
+        raw[:, 0:4] = np.frombuffer(np.float16([0.01, 0.005]).tobytes(), np.uint8)
+        return pack(raw, qtype, (rows, cols))
+    return pack(quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype), qtype, (rows, cols))
+
+
+def dense(m: PackedMatrix) -> np.ndarray:
+    return dequantize_rows(m, 0, m.rows).astype(np.float64)
+
+
+# ---- products -------------------------------------------------------------------------------------------
+
+QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_1, Q.Q4_K, Q.Q6_K, Q.F32]  # q4 / q8 (32 and 16 blocks) / f32
+
+
+def check_matvec(qtype: Q, rows: int, cols: int, n: int, seed: int = 0) -> None:
+    from lucekv.kernels.cuda.matvec import matvec
+    from lucekv.kernels.cuda.packed import upload
+
+    rng = np.random.default_rng(seed)
+    m = random_packed(rng, qtype, rows, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    out = cuda.device_array((n, rows), np.float32)
+    matvec(upload(m), cuda.to_device(x), out)
+    assert rel_err(out.copy_to_host(), x.astype(np.float64) @ dense(m).T) <= 1e-3
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_matvec(qtype):
+    check_matvec(qtype, rows=5, cols=256, n=2)
+
+
+@needs_kernels
+def test_matvec_f32_ragged_width():
+    from lucekv.kernels.cuda.matvec import matvec
+    from lucekv.kernels.cuda.packed import upload
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((3, 45)).astype(np.float32)
+    x = rng.standard_normal((1, 45)).astype(np.float32)
+    out = cuda.device_array((1, 3), np.float32)
+    matvec(upload(pack(w, Q.F32, w.shape)), cuda.to_device(x), out)
+    assert rel_err(out.copy_to_host(), x.astype(np.float64) @ w.T.astype(np.float64)) <= 1e-3
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.F32], ids=lambda q: q.name)
+def test_matmul(qtype):
+    from lucekv.kernels.cuda.matmul import matmul
+    from lucekv.kernels.cuda.packed import upload
+
+    rng = np.random.default_rng(2)
+    m = random_packed(rng, qtype, 20, 256)  # a full tile of rows and a partial one
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    out = cuda.device_array((3, 20), np.float32)
+    matmul(upload(m), cuda.to_device(x), out)
+    assert rel_err(out.copy_to_host(), x.astype(np.float64) @ dense(m).T) <= 1e-3
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q6_K, Q.F32], ids=lambda q: q.name)
+def test_embed(qtype):
+    from lucekv.kernels.cuda.embed import embed
+    from lucekv.kernels.cuda.packed import upload
+
+    rng = np.random.default_rng(3)
+    m = random_packed(rng, qtype, 7, 256)
+    tokens = np.array([6, 0, 3], np.int32)
+    out = cuda.device_array((3, 256), np.float32)
+    embed(upload(m), cuda.to_device(tokens), 2.5, out)
+    assert rel_err(out.copy_to_host(), dense(m)[tokens] * 2.5) <= 1e-6
+
+
+# ---- norms, rope, elementwise ---------------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("groups", [1, 4])
+def test_rmsnorm(groups):
+    from lucekv.kernels.cuda.norm import rmsnorm
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 64)).astype(np.float32) * 3
+    w = rng.standard_normal(64 // groups).astype(np.float32)
+    out = cuda.device_array(x.shape, np.float32)
+    rmsnorm(cuda.to_device(x), cuda.to_device(w), 1e-6, groups, out)
+    xs = x.astype(np.float64).reshape(2, groups, -1)
+    ref = xs / np.sqrt(np.mean(xs * xs, axis=-1, keepdims=True) + 1e-6) * w
+    assert rel_err(out.copy_to_host(), ref.reshape(x.shape)) <= 1e-3
+
+
+@needs_kernels
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope(neox):
+    from lucekv.kernels.cuda.rope import inv_freq, rope
+
+    rng = np.random.default_rng(5)
+    n_heads, head_dim, rope_dim, base, scale = 3, 16, 12, 1e6, 2.0
+    x = rng.standard_normal((2, n_heads * head_dim)).astype(np.float32)
+    positions = np.array([5, 70001], np.int32)
+    dx = cuda.to_device(x)
+    inv = cuda.to_device(inv_freq(base, rope_dim))
+    rope(dx, n_heads, head_dim, cuda.to_device(positions), inv, scale, neox)
+    ang = positions[:, None] / scale * (1.0 / base ** (np.arange(0, rope_dim, 2) / rope_dim))[None, :]
+    ref = x.astype(np.float64).reshape(2, n_heads, head_dim).copy()
+    lo, hi = (slice(0, rope_dim // 2), slice(rope_dim // 2, rope_dim)) if neox else \
+        (slice(0, rope_dim, 2), slice(1, rope_dim, 2))
+    a, b = ref[..., lo].copy(), ref[..., hi].copy()
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    ref[..., lo], ref[..., hi] = a * c - b * s, a * s + b * c
+    assert rel_err(dx.copy_to_host(), ref.reshape(x.shape)) <= 1e-3
+
+
+@needs_kernels
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gated_act_and_add(gelu):
+    from lucekv.kernels.cuda.act import add, gated_act
+
+    rng = np.random.default_rng(6)
+    g, u = (rng.standard_normal((2, 40)).astype(np.float32) * 3 for _ in range(2))
+    out = cuda.device_array(g.shape, np.float32)
+    gated_act(cuda.to_device(g), cuda.to_device(u), gelu, out)
+    g64 = g.astype(np.float64)
+    act = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64 ** 3))) if gelu else \
+        g64 / (1 + np.exp(-g64))
+    assert rel_err(out.copy_to_host(), act * u) <= 1e-3
+    total = cuda.device_array(g.shape, np.float32)
+    add(cuda.to_device(g), cuda.to_device(u), total)
+    assert rel_err(total.copy_to_host(), g64 + u) <= 1e-6
+
+
+# ---- attention and sampling -----------------------------------------------------------------------------
+
+
+def attention_reference(q, k_pool, v_pool, slot_pos, positions, window, scale):
+    """float64 softmax attention per query and head over the visible slots (GQA by head groups)."""
+    n_slots, n_kv, d = k_pool.shape
+    n_head = q.shape[1] // d
+    out = np.zeros((len(positions), n_head, d))
+    for t, pos in enumerate(positions):
+        vis = (slot_pos >= 0) & (slot_pos <= pos) & ((slot_pos > pos - window) if window > 0 else True)
+        for h in range(n_head):
+            kvh = h // (n_head // n_kv)
+            sc = k_pool[vis, kvh].astype(np.float64) @ q[t, h * d:(h + 1) * d].astype(np.float64) * scale
+            p = np.exp(sc - sc.max())
+            out[t, h] = p @ v_pool[vis, kvh].astype(np.float64) / p.sum()
+    return out.reshape(len(positions), -1)
+
+
+def check_attention(n_slots, n_head, n_kv, d, positions, window, kv_dtype, seed=0):
+    """Random pool with a shuffled slot -> position map (and free slots), queries at `positions`."""
+    from lucekv.kernels.cuda.attention import attend, n_splits, partials, store_kv
+
+    rng = np.random.default_rng(seed)
+    slot_pos = rng.permutation(n_slots).astype(np.int32)
+    slot_pos[rng.random(n_slots) < 0.1] = -1
+    n = len(positions)
+    q = rng.standard_normal((n, n_head * d)).astype(np.float32)
+    k_pool = (rng.standard_normal((n_slots, n_kv, d)) * 0.5).astype(kv_dtype)
+    v_pool = rng.standard_normal((n_slots, n_kv, d)).astype(kv_dtype)
+    # the queries' own K/V go through store_kv into free slots, as the backend does
+    own = np.flatnonzero(slot_pos == -1)[:n]
+    slot_pos[own] = positions[: len(own)]
+    k_new = rng.standard_normal((len(own), n_kv * d)).astype(np.float32)
+    v_new = rng.standard_normal((len(own), n_kv * d)).astype(np.float32)
+    dk, dv = cuda.to_device(k_pool), cuda.to_device(v_pool)
+    store_kv(cuda.to_device(k_new), cuda.to_device(v_new), cuda.to_device(own.astype(np.int32)), dk, dv)
+    k_pool[own] = k_new.reshape(-1, n_kv, d)
+    v_pool[own] = v_new.reshape(-1, n_kv, d)
+    assert np.array_equal(dk.copy_to_host(), k_pool)
+    out = cuda.device_array((n, n_head * d), np.float32)
+    scale = 1 / np.sqrt(d)
+    # the grid covers twice the pool: chunks past n_slots must contribute nothing
+    d_n_slots = cuda.to_device(np.array([n_slots], np.int32))
+    attend(cuda.to_device(q), dk, dv, cuda.to_device(slot_pos), d_n_slots, 2 * n_slots,
+           cuda.to_device(positions), window, scale, partials(n, n_head, d, n_splits(2 * n_slots)), out)
+    ref = attention_reference(q, k_pool, v_pool, slot_pos, positions, window, scale)
+    assert rel_err(out.copy_to_host(), ref) <= (1e-2 if kv_dtype == np.float16 else 1e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("kv_dtype", "window"), [(np.float32, 0), (np.float32, 20), (np.float16, 20)],
+                         ids=["f32", "f32-window", "f16-window"])
+def test_attention(kv_dtype, window):
+    # 300 slots: two split chunks, the second partial; GQA 4 heads on 2 KV heads
+    check_attention(300, 4, 2, 16, np.array([150, 299], np.int32), window, kv_dtype)
+
+
+@needs_kernels
+def test_argmax():
+    from lucekv.kernels.cuda.sample import argmax
+
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((3, 1000)).astype(np.float32)
+    logits[1, [17, 900]] = 50.0  # a tie: the first index wins, as in numpy
+    out = cuda.device_array(3, np.int32)
+    argmax(cuda.to_device(logits), out)
+    assert out.copy_to_host().tolist() == np.argmax(logits, axis=1).tolist()
+
+
+# ---- real shapes, GPU only ------------------------------------------------------------------------------
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
+def test_matvec_gpu(qtype):
+    check_matvec(qtype, rows=4096, cols=4096, n=1)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16], ids=["f32", "f16"])
+def test_attention_gpu(kv_dtype):
+    check_attention(4096, 32, 8, 128, np.array([4000], np.int32), 0, kv_dtype)
+    check_attention(4096, 32, 8, 128, np.array([3000, 4095], np.int32), 1024, kv_dtype, seed=1)
+
+
+# ---- the backend against the CPU backend ----------------------------------------------------------------
+
+
+def check_backend_matches_cpu(tmp_path, arch: str, qtype: Q, decode_steps: int, **dims) -> None:
+    from lucekv.backends.cpu import CpuBackend
+    from lucekv.backends.cuda import CudaBackend
+    from lucekv.model.arch import ModelSpec
+    from lucekv.model.gguf import open_gguf
+    from lucekv.model.synth import write_synthetic_gguf
+
+    g = open_gguf(write_synthetic_gguf(tmp_path / f"{arch}.gguf", arch, qtype=qtype, **dims))
+    spec = ModelSpec.from_gguf(g)
+    cpu, gpu = CpuBackend(g, spec, "f32", 64), CudaBackend(g, spec, "f32", 64)
+    tokens = np.array([5, 17, 42, 7], np.int32)
+    pos = np.arange(len(tokens), dtype=np.int32)
+    ref = cpu.forward(tokens, pos, pos, all_logits=True)
+    assert rel_err(gpu.forward(tokens, pos, pos, all_logits=True), ref) <= 1e-3
+    for step in range(decode_steps):
+        tok = np.array([np.argmax(ref[-1])], np.int32)
+        p = np.array([len(tokens) + step], np.int32)
+        ref = cpu.forward(tok, p, p)
+        assert rel_err(gpu.forward(tok, p, p), ref) <= 1e-3
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_backend_matches_cpu(tmp_path, arch):
+    k_quant_dims = dict(n_embd=256, n_head=4, head_dim=64, n_ff=512) if arch == "qwen3" else {}
+    check_backend_matches_cpu(tmp_path, arch, Q.Q4_K if arch == "qwen3" else Q.Q8_0, 8, **k_quant_dims,
+                              n_layer=6 if arch == "gemma3" else 2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator variant of test_backend_matches_cpu")
+def test_backend_matches_cpu_simulated(tmp_path):
+    check_backend_matches_cpu(tmp_path, "llama", Q.Q4_0, 1, n_layer=2)
+
+
+@gpu
+@needs_gpu
+def test_decode_graph_replays_the_eager_step(tmp_path):
+    """Replayed decode steps give exactly the eager step's logits, and the same greedy tokens."""
+    from lucekv.backends.cuda import CudaBackend
+    from lucekv.model.arch import ModelSpec
+    from lucekv.model.gguf import open_gguf
+    from lucekv.model.synth import write_synthetic_gguf
+
+    g = open_gguf(write_synthetic_gguf(tmp_path / "m.gguf", "qwen2", qtype=Q.Q4_0, n_embd=256, n_head=8,
+                                       n_kv_head=2, head_dim=32, n_ff=512, n_layer=4))
+    spec = ModelSpec.from_gguf(g)
+    eager = CudaBackend(g, spec, "f16", 600, use_graph=False)
+    graphed = CudaBackend(g, spec, "f16", 600, use_graph=True)
+    tokens = np.arange(3, 40, dtype=np.int32)
+    pos = np.arange(len(tokens), dtype=np.int32)
+    a, b = eager.forward(tokens, pos, pos), graphed.forward(tokens, pos, pos)
+    assert np.array_equal(a, b)
+    for step in range(300):  # past one attention chunk (SPLIT slots)
+        tok = np.array([np.argmax(a[-1])], np.int32)
+        p = np.array([len(tokens) + step], np.int32)
+        a, b = eager.forward(tok, p, p), graphed.forward(tok, p, p)
+        assert np.array_equal(a, b), f"step {step}"
+    assert graphed.graph.ready
