@@ -25,7 +25,7 @@ def tiny(tmp_path_factory):
     (["run", "{tiny}", "hi", "--temperature", "-1"], "temperature"),
     (["run", "{tiny}", "hi", "--top-p", "3"], "top_p"),
     (["run", "{tiny}", "hi", "--max-tokens", "100000"], "exceeds the context of 64"),
-    (["run", "{tiny}", "hi", "--backend", "cuda"], "CUDA backend"),
+    (["run", "{tiny}", "hi", "--backend", "cuda"], "no CUDA GPU"),
 ])
 def test_bad_input_exits_non_zero_naming_the_problem(tiny, capsys, argv, phrase):
     assert main([a.format(tiny=tiny) for a in argv]) == 2

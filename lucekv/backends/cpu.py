@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from lucekv.backends.slots import SlotMap
 from lucekv.kernels.cpu.attention import attend_batch, attend_decode
 from lucekv.kernels.cpu.matvec import matmul, matvec
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, dequantize_rows, pack_tensor
@@ -18,34 +19,16 @@ KV_DTYPES = {"f16": np.float16, "f32": np.float32}
 GELU_C = np.float32(np.sqrt(2.0 / np.pi))
 
 
-class KVPool:
-    """K and V of every layer in `size` slots; slot_pos[s] is the logical position slot s holds (-1 free)."""
+class KVPool(SlotMap):
+    """K and V of every layer in `size` host slots."""
 
     def __init__(self, spec: ModelSpec, size: int, dtype: str):
+        super().__init__(size)
         shape = (size, spec.n_kv_head, spec.head_dim)
         self.dtype = KV_DTYPES[dtype]
         # np.zeros maps untouched pages lazily, so a pool sized to the whole context costs what is used.
         self.k = [np.zeros(shape, self.dtype) for _ in range(spec.n_layer)]
         self.v = [np.zeros(shape, self.dtype) for _ in range(spec.n_layer)]
-        self.slot_pos = np.full(size, -1, np.int32)
-        self.high_water = 0  # slots at or above this index have never been written
-
-    @property
-    def size(self) -> int:
-        return len(self.slot_pos)
-
-    def clear(self) -> None:
-        self.truncate(0)
-
-    def truncate(self, n: int) -> None:
-        """Forget every position >= n (their slots become free)."""
-        self.slot_pos[self.slot_pos >= n] = -1
-        if n == 0:
-            self.high_water = 0
-
-    def assign(self, slots: np.ndarray, positions: np.ndarray) -> None:
-        self.slot_pos[slots] = positions
-        self.high_water = max(self.high_water, int(slots.max()) + 1)
 
 
 class CpuOps:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from lucekv.backends.cpu import KV_DTYPES, KVPool
+from lucekv.backends.cpu import KV_DTYPES
+from lucekv.backends.slots import SlotMap
 from lucekv.kernels.cpu.quants import dequantize, pack_tensor
 from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, norm, rope
 from lucekv.kernels.cuda._numba import device_zeros
@@ -25,15 +26,12 @@ from lucekv.model.decoder import Weights, forward, load_weights
 from lucekv.model.gguf import GGUFFile, TensorInfo
 
 
-class CudaKVPool(KVPool):
-    """KVPool's slot bookkeeping on the host; K/V of every layer, the slot -> position map and the
-    high-water mark on the GPU."""
+class CudaKVPool(SlotMap):
+    """The slot map on the host and mirrored on the GPU, with K/V of every layer and the high-water mark."""
 
     def __init__(self, spec: ModelSpec, size: int, dtype: str, stream):
-        # not KVPool.__init__, which allocates host K/V: only its bookkeeping is shared
+        super().__init__(size)
         self.dtype = KV_DTYPES[dtype]
-        self.slot_pos = np.full(size, -1, np.int32)
-        self.high_water = 0
         self._stream = stream
         shape = (size, spec.n_kv_head, spec.head_dim)
         self.k = [device_zeros(shape, self.dtype, stream) for _ in range(spec.n_layer)]
@@ -41,8 +39,8 @@ class CudaKVPool(KVPool):
         self.d_slot_pos = cuda.to_device(self.slot_pos, stream=stream)
         self.d_high_water = cuda.to_device(np.zeros(1, np.int32), stream=stream)
 
-    def clear(self) -> None:
-        super().clear()
+    def truncate(self, n: int) -> None:
+        super().truncate(n)
         self.d_slot_pos.copy_to_device(self.slot_pos, stream=self._stream)
 
     def assign(self, slots: np.ndarray, positions: np.ndarray) -> None:

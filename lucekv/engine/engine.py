@@ -52,6 +52,9 @@ class Engine:
         if kv_pool == "auto":
             kv_pool = None
         self.backend = _make_backend(backend, g, self.spec, kv_dtype, kv_pool or self.n_ctx)
+        if kv_pool is not None and not hasattr(self.backend, "execute"):
+            raise ConfigError(f"--kv-pool: paging is not implemented on the {self.backend.name} backend yet; "
+                              "use --kv-pool off")
         self.paged = None if kv_pool is None else PagedSequence(
             self.backend, self.backend.pool.slot_pos, n_layer=self.spec.n_layer, n_kv_head=self.spec.n_kv_head,
             head_dim=self.spec.head_dim, dtype=self.backend.pool.dtype, policy=kv_policy, tau=kv_tau,
@@ -187,8 +190,15 @@ def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int):
 
     if kv_dtype not in KV_DTYPES:
         raise ConfigError(f"kv dtype {kv_dtype!r} is not supported (choose {', '.join(KV_DTYPES)})")
-    if name in ("auto", "cpu"):
-        return CpuBackend(g, spec, kv_dtype, n_ctx)
-    if name == "cuda":
-        raise ConfigError("the CUDA backend is not available in this build yet; use --backend cpu")
-    raise ConfigError(f"unknown backend {name!r} (choose auto, cpu or cuda)")
+    if name not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"unknown backend {name!r} (choose auto, cpu or cuda)")
+    if name != "cpu":
+        from lucekv.kernels.cuda import SIMULATOR, available
+
+        if available() and (name == "cuda" or not SIMULATOR):  # "auto" never picks the slow simulator
+            from lucekv.backends.cuda import CudaBackend
+
+            return CudaBackend(g, spec, kv_dtype, n_ctx)
+        if name == "cuda":
+            raise ConfigError("--backend cuda: no CUDA GPU is available (numba.cuda found none)")
+    return CpuBackend(g, spec, kv_dtype, n_ctx)

@@ -1,0 +1,30 @@
+"""The slot map every backend's KV pool keeps: which logical position each pool slot holds."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class SlotMap:
+    """slot_pos[s] is the logical position slot s holds (-1: free). Attention reads slots below high_water."""
+
+    def __init__(self, size: int):
+        self.slot_pos = np.full(size, -1, np.int32)
+        self.high_water = 0  # slots at or above this index have never been written
+
+    @property
+    def size(self) -> int:
+        return len(self.slot_pos)
+
+    def clear(self) -> None:
+        self.truncate(0)
+
+    def truncate(self, n: int) -> None:
+        """Forget every position >= n (their slots become free)."""
+        self.slot_pos[self.slot_pos >= n] = -1
+        if n == 0:
+            self.high_water = 0
+
+    def assign(self, slots: np.ndarray, positions: np.ndarray) -> None:
+        self.slot_pos[slots] = positions
+        self.high_water = max(self.high_water, int(slots.max()) + 1)
