@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine, from the repo root, with .whl/ (gguf, threadpoolctl, pytest) carried.
 #   bash bench/gpu_session.sh tests    gpu kernel tests, graph replay check; starts the llama.cpp build
-#   bash bench/gpu_session.sh models   parity and speed on the model pieces in .models/ (+ llama-bench)
+#   bash bench/gpu_session.sh models   CUDA-vs-CPU parity on the model pieces in .models/
+#   bash bench/gpu_session.sh bench    decode/prefill speed, lucekv and llama-bench in the same run
 # Results go to $OUT (the device tool brings them back).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
@@ -23,13 +24,21 @@ models)
   for p in .models/*.part*; do [ -e "$p" ] && cp "$p" /tmp/; done
   cat /tmp/smollm2.part* > /tmp/smollm2-135m.gguf && sha256sum /tmp/smollm2-135m.gguf | tee "$OUT/model_sha.txt"
   python3 -m lucekv.bench.parity /tmp/smollm2-135m.gguf --json "$OUT/parity-smollm2.json" 2>&1 | tail -25
-  python3 -m lucekv.cli bench decode --model /tmp/smollm2-135m.gguf --backend cuda --prompt-tokens 512 \
-    --gen-tokens 128 --json "$OUT/cuda-decode-smollm2.json" 2>&1 | grep -E "run|median|rror"
-  if [ -x /tmp/llama.cpp/build/bin/llama-bench ]; then
-    /tmp/llama.cpp/build/bin/llama-bench -m /tmp/smollm2-135m.gguf -p 512 -n 128 -fa 1 -ngl 99 -o json \
-      > "$OUT/llama-bench-smollm2.json" 2> "$OUT/llama-bench.err"; tail -c 1500 "$OUT/llama-bench-smollm2.json"
-  else
-    echo "llama-bench not built:"; tail -5 /tmp/llama_build.out /tmp/llama_build.log 2>/dev/null
+  ;;
+bench)
+  if [ ! -x /tmp/llama.cpp/build/bin/llama-bench ] && [ -d .anchors ]; then
+    timeout 420 bash .anchors/build_llama_bench.sh || tail -20 /tmp/llama_cmake.log /tmp/llama_build.log
   fi
+  LB=/tmp/llama.cpp/build/bin/llama-bench
+  run_pair() {  # NAME GGUF: lucekv then llama.cpp on the same file
+    python3 -m lucekv.cli bench decode --model "$2" --backend cuda --prompt-tokens 512 --gen-tokens 128 \
+      --json "$OUT/cuda-decode-$1.json" 2>&1 | grep -E "^run|median|rror"
+    [ -x $LB ] && $LB -m "$2" -p 512 -n 128 -fa 1 -ngl 99 -o json > "$OUT/llama-bench-$1.json" 2>/dev/null \
+      && python3 -c "import json,sys; [print(r['n_prompt'], r['n_gen'], round(r['avg_ts'], 1)) for r in json.load(open(sys.argv[1]))]" "$OUT/llama-bench-$1.json"
+  }
+  [ -f /tmp/smollm2-135m.gguf ] && run_pair smollm2 /tmp/smollm2-135m.gguf
+  # the 8B-shaped anchor file of shared/tools (carried in .anchors/): raw random Q4_K/Q6_K blocks, seconds to write
+  [ -f /tmp/qwen3-8b-shape.gguf ] || timeout 120 python3 .anchors/synth_gguf.py /tmp/qwen3-8b-shape.gguf qwen3-8b-shape
+  [ -f /tmp/qwen3-8b-shape.gguf ] && run_pair qwen3-8b-shape /tmp/qwen3-8b-shape.gguf
   ;;
 esac

@@ -40,9 +40,11 @@ def git_commit() -> str:
         return "unknown"
 
 
-def prompt_ids(engine: lucekv.Engine, n: int) -> list[int]:
-    ids = engine.tokenizer.encode(FILLER * (n // 20 + 2))
-    return ids[:n]
+def prompt_ids(tokenize, n: int, run: int) -> list[int]:
+    """A prompt of n tokens whose first token differs from run to run, so no run reuses another's KV."""
+    ids = tokenize(FILLER * (n // 20 + 2))[:n]
+    firsts = sorted(set(ids))
+    return [firsts[run % len(firsts)], *ids[1:]]
 
 
 def file_sha256(path: Path) -> str:
@@ -58,12 +60,14 @@ def run(model: str, prompt_tokens: int, gen_tokens: int, repeats: int, engine_op
 
     path = resolve_model(model)
     engine = lucekv.load(path, **engine_options)
-    ids = prompt_ids(engine, prompt_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
     prefill, decode = [], []
     for i in range(repeats + 1):  # the first run warms up numba's caches and is not counted
+        ids = prompt_ids(engine.tokenizer.encode, prompt_tokens, i)
         t0 = time.perf_counter()
         last = list(engine.generate(ids, params))[-1]
+        if last.usage.cached_tokens:
+            raise RuntimeError("a benchmark run reused cached KV: its prefill figure would be wrong")
         if i == 0:
             print(f"warm-up done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
             continue
@@ -78,7 +82,7 @@ def run(model: str, prompt_tokens: int, gen_tokens: int, repeats: int, engine_op
                   "sha256": file_sha256(path), "fingerprint": engine.info.fingerprint},
         "backend": engine.info.backend,
         "engine_options": engine_options,
-        "command": " ".join(sys.argv),
+        "command": "lucekv " + " ".join(sys.argv[1:]),
         "prompt_tokens": len(ids),
         "gen_tokens": gen_tokens,
         "repeats": repeats,

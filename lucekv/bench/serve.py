@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lucekv.bench.decode import FILLER, file_sha256, git_commit, machine
+from lucekv.bench.decode import file_sha256, git_commit, machine, prompt_ids
 from lucekv.client import Client, SamplingOptions
 from lucekv.model.registry import resolve_model
 
@@ -50,6 +50,8 @@ def timed_completion(client: Client, ids: list[int], gen_tokens: int) -> tuple[f
         n += len(chunk.token_ids)
         if n == len(chunk.token_ids):
             t_first = t_last
+    if chunk.usage.cached_tokens:
+        raise RuntimeError("a benchmark run reused cached KV: its first-token figure would be wrong")
     return t_first - t0, (n - 1) / (t_last - t_first), chunk.usage.decode_tokens_per_second
 
 
@@ -62,9 +64,9 @@ def run(model: str, prompt_tokens: int, gen_tokens: int, repeats: int, engine_fl
     try:
         wait_serving(address, proc)
         with Client(address) as client:
-            ids = client.tokenize(FILLER * (prompt_tokens // 20 + 2))[:prompt_tokens]
             ttft, decode, server_decode = [], [], []
             for i in range(repeats + 1):  # the first run warms the server up and is not counted
+                ids = prompt_ids(client.tokenize, prompt_tokens, i)
                 first, tok_s, server_tok_s = timed_completion(client, ids, gen_tokens)
                 if i:
                     ttft.append(first)
@@ -82,7 +84,7 @@ def run(model: str, prompt_tokens: int, gen_tokens: int, repeats: int, engine_fl
         "model": {"name": info.model_name, "arch": info.arch, "file": path.name, "sha256": file_sha256(path)},
         "backend": info.backend,
         "engine_flags": engine_flags,
-        "command": " ".join(sys.argv),
+        "command": "lucekv " + " ".join(sys.argv[1:]),
         "prompt_tokens": len(ids),
         "gen_tokens": gen_tokens,
         "repeats": repeats,
