@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lucekv.bench.decode import file_sha256, git_commit, machine, prompt_ids
+from lucekv.bench.decode import file_sha256, git_commit, machine, prompt_ids, report
 from lucekv.client import Client, SamplingOptions
 from lucekv.model.registry import resolve_model
 
@@ -100,10 +98,5 @@ def main(args) -> int:
     kv_pool = {None: "off"}.get(args.kv_pool, args.kv_pool)
     flags = ["--backend", args.backend, "--kv-dtype", args.kv_dtype, "--kv-pool", str(kv_pool),
              "--kv-policy", args.kv_policy, "--kv-tau", str(args.kv_tau)]
-    result = run(args.model, args.prompt_tokens, args.gen_tokens, args.repeats, flags)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+    report(run(args.model, args.prompt_tokens, args.gen_tokens, args.repeats, flags), args.json)
     return 0
