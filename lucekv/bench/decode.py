@@ -96,10 +96,14 @@ def run(model: str, prompt_tokens: int, gen_tokens: int, repeats: int, engine_op
 def main(args) -> int:
     from lucekv.cli_server import engine_options
 
-    result = run(args.model, args.prompt_tokens, args.gen_tokens, args.repeats, engine_options(args))
+    report(run(args.model, args.prompt_tokens, args.gen_tokens, args.repeats, engine_options(args)), args.json)
+    return 0
+
+
+def report(result: dict, json_path: str | None) -> None:
+    """Print a benchmark's result and, when asked, write it as JSON."""
     text = json.dumps(result, indent=2)
     print(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
-    return 0
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(text + "\n")
