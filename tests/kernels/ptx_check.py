@@ -29,8 +29,8 @@ def attend_sig(kv: str) -> str:
 
 
 CHECKS = {
-    "matvec_q4": (matvec._matvec_q4, f"void({U2}, {F2}, {F2}, {F2}, {F2})"),
-    "matvec_q8": (matvec._matvec_q8, f"void({U2}, {F2}, {F2}, int64, {F2}, {F2})"),
+    "matvec_q4": (matvec._matvec_q4, f"void({U2}, {F2}, {F2}, boolean, {F2}, {F2}, int64, int64)"),
+    "matvec_q8": (matvec._matvec_q8, f"void({U2}, {F2}, {F2}, boolean, int64, {F2}, {F2}, int64, int64)"),
     "matvec_f32": (matvec._matvec_f32, f"void({F2}, {F2}, {F2})"),
     "rmsnorm": (norm._rmsnorm, f"void({F2}, {F1}, float32, {F2})"),
     "rope": (rope._rope, f"void({F2}, int64, int64, {I1}, float64[::1], float64, boolean)"),

@@ -16,7 +16,9 @@ class DeviceMatrix:
 
     codes: q4 / q8: uint32 [rows, words], the packed bytes as little-endian words (wide loads);
     f32: float32 [rows, cols]. scale, bias: float32 [rows, cols // block] ([1, 1] placeholders for f32).
-    block_log2: log2 of the elements per (scale, bias) block (0 for f32)."""
+    block_log2: log2 of the elements per (scale, bias) block (0 for f32).
+    has_bias: whether any bias is nonzero; types without one (Q8_0, Q6_K, ...) have all -0.0, and the
+    decode matvec then skips reading them (a sixth of a 16-block q8 matrix's bytes)."""
 
     kind: str
     rows: int
@@ -25,6 +27,7 @@ class DeviceMatrix:
     codes: object
     scale: object
     bias: object
+    has_bias: bool
 
 
 def upload(m: PackedMatrix, stream=0) -> DeviceMatrix:
@@ -37,7 +40,7 @@ def upload(m: PackedMatrix, stream=0) -> DeviceMatrix:
         scale, bias = np.ascontiguousarray(m.scale), np.ascontiguousarray(m.bias)
     return DeviceMatrix(m.kind, m.rows, m.cols, max(m.block.bit_length() - 1, 0),
                         cuda.to_device(codes, stream=stream), cuda.to_device(scale, stream=stream),
-                        cuda.to_device(bias, stream=stream))
+                        cuda.to_device(bias, stream=stream), bool(np.any(bias != 0)))
 
 
 # Element decoders, one signature for every kind: (codes, scale, bias, block_log2, row, col) -> float32.
