@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine, from the repo root, with .whl/ (gguf, threadpoolctl, pytest) carried.
-#   bash bench/gpu_session.sh tests    gpu kernel tests, graph replay check; starts the llama.cpp build
+#   bash bench/gpu_session.sh tests    gpu kernel tests, graph replay check
 #   bash bench/gpu_session.sh models   CUDA-vs-CPU parity on the model pieces in .models/
 #   bash bench/gpu_session.sh bench    decode/prefill speed, lucekv and llama-bench in the same run
-# Results go to $OUT (the device tool brings them back).
+# Results go to $OUT (the device tool brings them back). Prepare here first (all git-ignored):
+#   .whl/     wheels the GPU machine lacks (gguf, threadpoolctl, grpcio>=1.85.1, protobuf, pytest), see shared/GPU.md
+#   .anchors/ bash ../shared/tools/prepare_llamacpp_anchor.sh .anchors; cp ../shared/tools/synth_gguf.py .anchors/
+#   .models/  split -b 50M -d -a 2 smollm2-135m.gguf .models/smollm2.part  (one piece per call: 64 MiB limit)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LB=${TMPDIR:-/tmp}/llama.cpp/build/bin/llama-bench  # where .anchors/build_llama_bench.sh puts it
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -13,9 +17,6 @@ git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
 
 case "${1:-tests}" in
 tests)
-  if [ -d .anchors ] && [ ! -x /tmp/llama.cpp/build/bin/llama-bench ]; then
-    setsid nohup bash .anchors/build_llama_bench.sh > /tmp/llama_build.out 2>&1 < /dev/null &
-  fi
   for p in .models/*.part*; do [ -e "$p" ] && cp "$p" /tmp/; done
   python3 -m pytest -q -m gpu tests/kernels/test_cuda_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
   python3 -m lucekv.bench.cuda_graph_check --n-embd 1024 --n-layer 8 --steps 64 --out "$OUT/graph.json" 2>&1 | tail -20
@@ -26,10 +27,10 @@ models)
   python3 -m lucekv.bench.parity /tmp/smollm2-135m.gguf --json "$OUT/parity-smollm2.json" 2>&1 | tail -25
   ;;
 bench)
-  if [ ! -x /tmp/llama.cpp/build/bin/llama-bench ] && [ -d .anchors ]; then
+  if [ ! -x "$LB" ] && [ -d .anchors ]; then
     timeout 420 bash .anchors/build_llama_bench.sh || tail -20 /tmp/llama_cmake.log /tmp/llama_build.log
   fi
-  LB=/tmp/llama.cpp/build/bin/llama-bench
+
   run_pair() {  # NAME GGUF: lucekv then llama.cpp on the same file
     python3 -m lucekv.cli bench decode --model "$2" --backend cuda --prompt-tokens 512 --gen-tokens 128 \
       --json "$OUT/cuda-decode-$1.json" 2>&1 | grep -E "^run|median|rror"

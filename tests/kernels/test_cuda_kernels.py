@@ -11,11 +11,6 @@ The whole-model comparison takes minutes in the simulator, so it is `slow` there
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -23,20 +18,14 @@ from gguf.quants import quantize
 
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows, pack
 from lucekv.kernels.cuda import SIMULATOR, available, cuda
+from tests.kernels.cuda_sim import needs_gpu, needs_kernels, run_in_simulator
 
-needs_kernels = pytest.mark.skipif(not available(), reason="no CUDA GPU (the simulator run covers these)")
 gpu = pytest.mark.gpu
-needs_gpu = pytest.mark.skipif(SIMULATOR or not available(), reason="needs a CUDA GPU")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(available(), reason="kernels run directly in this process")
 def test_kernels_in_simulator():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    args = ["-q", "-p", "no:cacheprovider", "-m", "not gpu and not slow", str(Path(__file__))]
-    child = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, env=env, capture_output=True,
-                           text=True)
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
+    run_in_simulator(__file__)
 
 
 def rel_err(got: np.ndarray, ref: np.ndarray) -> float:

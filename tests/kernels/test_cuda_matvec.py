@@ -4,29 +4,17 @@ for how the simulator runs these without a GPU)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from lucekv.kernels.cuda import SIMULATOR, available
+from lucekv.kernels.cuda import available
+from tests.kernels.cuda_sim import needs_gpu, needs_kernels, run_in_simulator
 from tests.kernels.test_cuda_kernels import check_matvec
-
-needs_kernels = pytest.mark.skipif(not available(), reason="no CUDA GPU (the simulator run covers these)")
-needs_gpu = pytest.mark.skipif(SIMULATOR or not available(), reason="needs a CUDA GPU")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(available(), reason="kernels run directly in this process")
 def test_matvec_in_simulator():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    args = ["-q", "-p", "no:cacheprovider", "-m", "not gpu and not slow", str(Path(__file__))]
-    child = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, env=env, capture_output=True,
-                           text=True)
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
+    run_in_simulator(__file__)
 
 
 @needs_kernels
