@@ -22,9 +22,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lucekv.bench import decode, serve
+    from lucekv.bench import decode, niah, serve
 
-    return {"decode": decode, "serve": serve}[args.bench].main(args)
+    return {"decode": decode, "serve": serve, "niah": niah}[args.bench].main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--json", help="also write the result here")
         add_engine_flags(b)
         b.set_defaults(func=cmd_bench)
+
+    niah = bench_sub.add_parser("niah", help="needle-in-a-haystack recall: full cache vs KVFlash pools")
+    niah.add_argument("--model", default=DEFAULT_MODEL)
+    niah.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
+    niah.add_argument("--context", type=int, default=4096)
+    niah.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    niah.add_argument("--residencies", default="0.0625,0.125,0.25")
+    niah.add_argument("--policies", default="lru,quest,meankey")
+    niah.add_argument("--json", help="also write the result here")
+    niah.set_defaults(func=cmd_bench)
 
     add_models_commands(sub)
     add_server_commands(sub)

@@ -41,3 +41,15 @@ def test_bench_decode_writes_json(tiny, tmp_path, capsys):
     assert result["prompt_tokens"] == 16 and result["backend"] == "cpu"
     assert result["decode_tok_s_median"] > 0 and result["prefill_tok_s_median"] > 0
     assert len(result["model"]["sha256"]) == 64
+
+
+def test_bench_niah_runs_full_and_pooled(tmp_path):
+    model = write_synthetic_gguf(tmp_path / "long.gguf", "llama", n_ctx=1024)
+    out = tmp_path / "n.json"
+    argv = ["bench", "niah", "--model", str(model), "--backend", "cpu", "--context", "600", "--depths", "0.5",
+            "--residencies", "0.4,0.8", "--policies", "lru", "--json", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert rows[0]["policy"] == "full" and rows[0]["recall"] in (0.0, 1.0)
+    assert "pool" in rows[1]["error"]  # 192 tokens cannot hold the protected chunks: refused, and said so
+    assert rows[2]["pool_tokens"] == 448 and rows[2]["recall"] in (0.0, 1.0)

@@ -38,7 +38,7 @@ class CpuOps:
         self.spec = spec
         self.pool = pool
         self._inv_freq: dict[float, np.ndarray] = {}
-        # post-RoPE query of each layer at the latest decode step, for relevance scorers
+        # post-RoPE query of each layer's latest token (decode step or last prompt token), for relevance scorers
         self.last_q = np.zeros((spec.n_layer, spec.n_head, spec.head_dim), np.float32)
 
     def matrix(self, t: TensorInfo) -> PackedMatrix:
@@ -87,8 +87,8 @@ class CpuOps:
         kp[slots] = k.reshape(len(k), spec.n_kv_head, spec.head_dim)
         vp[slots] = v.reshape(len(v), spec.n_kv_head, spec.head_dim)
         qh = q.reshape(len(q), spec.n_head, spec.head_dim)
+        self.last_q[layer] = qh[-1]
         if len(q) == 1:
-            self.last_q[layer] = qh[0]
             out = attend_decode(qh[0], kp, vp, pool.slot_pos, pool.high_water, int(positions[0]), window,
                                 spec.attn_scale)[None]
         else:

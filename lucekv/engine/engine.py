@@ -136,7 +136,12 @@ class Engine:
         while reused < limit and self._cached[reused] == ids[reused]:
             reused += 1
         self._truncate(reused)
-        return self._forward(ids[reused:], reused)[-1][-1], reused
+        logits = self._forward(ids[reused:], reused)[-1][-1]
+        if self.paged is not None and self.paged.recall_for_last_query():
+            # chunks relevant to the prompt's end came back: recompute its last token so the first sample sees them
+            logits = self._forward(ids[-1:], len(ids) - 1)[-1][-1]
+            del self._cached[len(ids):]
+        return logits, reused
 
     def _run(self, ids: list[int], params: SamplingParams) -> Iterator[GenerationDelta]:
         t0 = time.perf_counter()

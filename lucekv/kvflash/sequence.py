@@ -11,7 +11,7 @@ from typing import Protocol
 import numpy as np
 
 from lucekv.kvflash.host_store import HostStore, MemoryHostStore
-from lucekv.kvflash.pager import CHUNK_TOKENS, Move, Pager, PagerUsage
+from lucekv.kvflash.pager import CHUNK_TOKENS, Move, PageIn, Pager, PagerUsage
 from lucekv.kvflash.policy import make_policy
 
 MIN_TAIL_CHUNKS = 4
@@ -22,7 +22,7 @@ class PoolBackend(Protocol):
 
     def execute(self, moves: list[Move], host: HostStore) -> None: ...
     def chunk_keys(self, block: int) -> np.ndarray: ...  # [layers, chunk, n_kv_head, head_dim]
-    def last_queries(self) -> np.ndarray: ...  # [layers, n_head, head_dim] of the latest decode step
+    def last_queries(self) -> np.ndarray: ...  # [layers, n_head, head_dim] of the latest token
 
 
 class PagedSequence:
@@ -51,6 +51,14 @@ class PagedSequence:
         if decoded:
             self.policy.scorer.observe(self.backend.last_queries())
             self._run(self.policy.after_decode(self.pager, decoded))
+
+    def recall_for_last_query(self) -> bool:
+        """After a prompt: rank chunks against its last token's query and recall the best. True if anything moved
+        (the caller then recomputes that token so its logits see the recalled chunks)."""
+        self.policy.scorer.observe(self.backend.last_queries())
+        moves = self.policy.reselect_now(self.pager)
+        self._run(moves)
+        return any(isinstance(m, PageIn) for m in moves)
 
     def truncate(self, n_tokens: int) -> None:
         cut = self.pager.truncate(n_tokens)
