@@ -64,7 +64,26 @@ class _QueryWindow:
         return np.stack(self._ring) if self._ring else None
 
 
-class BoundScorer:
+class _QueryScorer:
+    """A scorer that ranks sealed chunks against a window of recent queries."""
+
+    def __init__(self, n_kv_head: int, window: int = 8):
+        self._queries = _QueryWindow(n_kv_head, window)
+
+    def observe(self, query: np.ndarray) -> None:
+        self._queries.push(query)
+
+    def _inputs(self, pager: Pager, summary: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """(recent queries, the summary table, sealed chunk ids, scores preset to MISSING); None without queries."""
+        q = self._queries.stacked()
+        if q is None:
+            return None
+        n = pager.n_chunks
+        table, present = pager.summaries.table(summary, n)
+        return q, table, np.flatnonzero(present), np.full(n, MISSING)
+
+
+class BoundScorer(_QueryScorer):
     """Quest-style upper bound: per chunk, layer, KV head and 16-token sub-page, the per-dimension min and
     max of the keys; a query's best possible logit in the sub-page is sum_i max(q_i*min_i, q_i*max_i).
     Per (layer, head) the bound becomes a log attention share over chunks; a chunk scores its best share
@@ -73,9 +92,9 @@ class BoundScorer:
     name = "quest"
 
     def __init__(self, n_kv_head: int, subpage: int = 16, window: int = 8, block: int = 256):
+        super().__init__(n_kv_head, window)
         self.subpage = subpage
         self.block = block  # chunks scored per matmul, bounding its temporaries
-        self._queries = _QueryWindow(n_kv_head, window)
 
     def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None:
         n_layers, t, n_kv, d = keys.shape
@@ -85,18 +104,12 @@ class BoundScorer:
         pager.summaries.put("quest.kmin", chunk, sub.min(axis=3).astype(np.float16))
         pager.summaries.put("quest.kmax", chunk, sub.max(axis=3).astype(np.float16))
 
-    def observe(self, query: np.ndarray) -> None:
-        self._queries.push(query)
-
     def scores(self, pager: Pager) -> np.ndarray | None:
-        q = self._queries.stacked()
-        if q is None:
+        inputs = self._inputs(pager, "quest.kmin")
+        if inputs is None:
             return None
-        n = pager.n_chunks
-        kmin, present = pager.summaries.table("quest.kmin", n)
-        kmax, _ = pager.summaries.table("quest.kmax", n)
-        out = np.full(n, MISSING)
-        sealed = np.flatnonzero(present)
+        q, kmin, sealed, out = inputs
+        kmax, _ = pager.summaries.table("quest.kmax", pager.n_chunks)
         if len(sealed) == 0:
             return out
         r, n_layers, n_kv, g, d = q.shape
@@ -115,30 +128,21 @@ class BoundScorer:
         return out
 
 
-class MeanKeyScorer:
+class MeanKeyScorer(_QueryScorer):
     """Cosine between recent queries and each chunk's L2-normalized mean key: per layer the best q-head and
     query, then the mean over layers (lucebox's target-QK scorer)."""
 
     name = "meankey"
 
-    def __init__(self, n_kv_head: int, window: int = 8):
-        self._queries = _QueryWindow(n_kv_head, window)
-
     def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None:
         kmean = _unit(keys.astype(np.float32).mean(axis=1))
         pager.summaries.put("meankey.kmean", chunk, kmean.astype(np.float16))
 
-    def observe(self, query: np.ndarray) -> None:
-        self._queries.push(query)
-
     def scores(self, pager: Pager) -> np.ndarray | None:
-        q = self._queries.stacked()
-        if q is None:
+        inputs = self._inputs(pager, "meankey.kmean")
+        if inputs is None:
             return None
-        n = pager.n_chunks
-        kmean, present = pager.summaries.table("meankey.kmean", n)
-        out = np.full(n, MISSING)
-        sealed = np.flatnonzero(present)
+        q, kmean, sealed, out = inputs
         if len(sealed):
             cos = np.einsum("rlhgd,clhd->clhrg", _unit(q), kmean[sealed].astype(np.float32))
             out[sealed] = cos.max(axis=(2, 3, 4)).mean(axis=1)
