@@ -22,9 +22,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lucekv.bench import decode, niah, serve
+    from lucekv.bench import decode, niah, serve, sessions
 
-    return {"decode": decode, "serve": serve, "niah": niah}[args.bench].main(args)
+    return {"decode": decode, "serve": serve, "niah": niah, "sessions": sessions}[args.bench].main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     niah.add_argument("--policies", default="lru,quest,meankey")
     niah.add_argument("--json", help="also write the result here")
     niah.set_defaults(func=cmd_bench)
+
+    sessions = bench_sub.add_parser("sessions", help="second-turn first-token time with a session vs re-prefill; "
+                                    "snapshot and restore MB/s")
+    sessions.add_argument("--model", default=DEFAULT_MODEL)
+    sessions.add_argument("--context", type=int, default=8192, help="tokens of history (default 8192)")
+    sessions.add_argument("--repeats", type=int, default=3)
+    sessions.add_argument("--json", help="also write the result here")
+    add_engine_flags(sessions)
+    sessions.set_defaults(func=cmd_bench)
 
     add_models_commands(sub)
     add_server_commands(sub)

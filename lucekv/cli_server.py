@@ -1,4 +1,5 @@
-"""`lucekv serve`, and the client commands `lucekv generate` and `lucekv info` that talk to a server.
+"""`lucekv serve`, and the client commands that talk to a server: `generate`, `info`, `sessions`, `snapshot`,
+`restore`.
 
 Each command stores its handler as `func` in the parsed namespace; the handler returns the exit code.
 """
@@ -6,8 +7,11 @@ Each command stores its handler as `func` in the parsed namespace; the handler r
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -17,6 +21,9 @@ from lucekv.client import DEFAULT_ADDRESS, FINISH_REASON_NAMES, Client, Sampling
 from lucekv.errors import LucekvError
 from lucekv.model.registry import DEFAULT_MODEL, MODELS, TextProgress, is_pulled, pull, resolve_model
 from lucekv.server.app import DEFAULT_HOST, DEFAULT_PORT, LucekvServer, ServerOptions, serve
+from lucekv.snapshot.store import DirectorySnapshotStore
+
+PIECE_BYTES = 1 << 20  # restore uploads the file in pieces of this size
 
 # (field, type, help) for the sampling flags of `generate` and `run`; --max-tokens sets max_tokens, etc.
 # Unset flags stay None and take the server's (SamplingParams') defaults.
@@ -52,6 +59,12 @@ def add_server_commands(subparsers: argparse._SubParsersAction) -> None:
         default=64,
         help="Generate calls that may wait for the engine; more get RESOURCE_EXHAUSTED (default 64)",
     )
+    server.add_argument("--snapshot-dir", type=Path,
+                        help="keep sessions here: idle ones spill to it past the limits, all are saved at shutdown "
+                             "and found again after a restart")
+    server.add_argument("--max-sessions", type=int, default=64, help="sessions held in memory (default 64)")
+    server.add_argument("--session-memory-gib", type=float, default=16.0,
+                        help="host RAM for the K/V of sessions held in memory (default 16)")
     server.set_defaults(func=run_serve)
 
     generate = subparsers.add_parser("generate", help="stream a completion from a running server to stdout")
@@ -59,12 +72,38 @@ def add_server_commands(subparsers: argparse._SubParsersAction) -> None:
     generate.add_argument(
         "--server", default=DEFAULT_ADDRESS, help=f"server address (default {DEFAULT_ADDRESS})"
     )
+    generate.add_argument("--session", default="", metavar="ID",
+                          help="continue (or start) this session: send the whole conversation as PROMPT")
     add_sampling_flags(generate)
     generate.set_defaults(func=run_generate)
 
     info = subparsers.add_parser("info", help="show the model and settings of a running server")
-    info.add_argument("--server", default=DEFAULT_ADDRESS, help=f"server address (default {DEFAULT_ADDRESS})")
+    _add_server_flag(info)
     info.set_defaults(func=run_info)
+
+    sessions = subparsers.add_parser("sessions", help="list a server's sessions, or delete one")
+    sessions.add_argument("--delete", metavar="ID", help="delete this session")
+    _add_server_flag(sessions)
+    sessions.set_defaults(func=run_sessions)
+
+    snapshot = subparsers.add_parser("snapshot", help="download a session's state to a file")
+    snapshot.add_argument("session", metavar="SESSION")
+    snapshot.add_argument("-o", "--output", type=Path, required=True, metavar="FILE")
+    snapshot.add_argument("--upto", type=int, metavar="TOKENS",
+                          help="only the first TOKENS tokens, rounded down to a 64-token chunk")
+    _add_server_flag(snapshot)
+    snapshot.set_defaults(func=run_snapshot)
+
+    restore = subparsers.add_parser("restore", help="upload a snapshot file as a session")
+    restore.add_argument("file", type=Path, metavar="FILE")
+    restore.add_argument("--session", default="", metavar="NEW_ID", help="restore under this id (default: the "
+                         "id recorded in the file)")
+    _add_server_flag(restore)
+    restore.set_defaults(func=run_restore)
+
+
+def _add_server_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", default=DEFAULT_ADDRESS, help=f"server address (default {DEFAULT_ADDRESS})")
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -119,7 +158,14 @@ def chat_or_text(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = lucekv.load(_model_file(args.model), **engine_options(args))
+        path = _model_file(args.model)
+        store = None
+        if args.snapshot_dir:
+            from lucekv.model.gguf import open_gguf
+
+            store = DirectorySnapshotStore(args.snapshot_dir, open_gguf(path).fingerprint)
+        engine = lucekv.load(path, **engine_options(args), max_sessions=args.max_sessions,
+                             session_host_bytes=int(args.session_memory_gib * 2**30), snapshot_store=store)
     except LucekvError as e:
         print(f"lucekv: error: {e}", file=sys.stderr)
         return 1
@@ -153,7 +199,7 @@ def run_generate(args: argparse.Namespace) -> int:
     wrote = False
     try:
         with Client(args.server) as client:
-            for chunk in client.generate(prompt, sampling):
+            for chunk in client.generate(prompt, sampling, session_id=args.session):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 wrote = wrote or bool(chunk.text)
@@ -180,13 +226,74 @@ def _end_terminal_line() -> None:
         sys.stdout.flush()
 
 
-def run_info(args: argparse.Namespace) -> int:
-    try:
+def _reports_rpc_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A failed call is reported on stderr with the server's status and message, and exits 1."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except grpc.RpcError as e:
+            print(f"lucekv: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+@_reports_rpc_errors
+def run_sessions(args: argparse.Namespace) -> int:
+    if args.delete:
         with Client(args.server) as client:
-            info = client.server_info(timeout=10)
-    except grpc.RpcError as e:
-        print(f"lucekv: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            client.delete_session(args.delete, timeout=60)
+        print(f"deleted session {args.delete}", file=sys.stderr)
+        return 0
+    print(f"{'session':<24}{'state':<8}{'tokens':>8}{'host MiB':>10}{'stored MiB':>12}  generating")
+    with Client(args.server) as client:
+        sessions = client.list_sessions(timeout=10)
+    for s in sessions:
+        print(f"{s.session_id:<24}{s.state:<8}{s.n_tokens:>8}{s.host_bytes / 2**20:>10.1f}"
+              f"{s.stored_bytes / 2**20:>12.1f}  {'yes' if s.generating else 'no'}")
+    return 0
+
+
+@_reports_rpc_errors
+def run_snapshot(args: argparse.Namespace) -> int:
+    """Written to a temp file beside FILE and renamed when complete: a failure leaves FILE as it was."""
+    tmp = args.output.with_name(f".{args.output.name}.{os.getpid()}.tmp")
+    try:
+        with Client(args.server) as client, open(tmp, "wb") as f:
+            for piece in client.snapshot(args.session, args.upto):
+                f.write(piece)
+            size = f.tell()
+        os.replace(tmp, args.output)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"session {args.session}: {size} bytes to {args.output}", file=sys.stderr)
+    return 0
+
+
+@_reports_rpc_errors
+def run_restore(args: argparse.Namespace) -> int:
+    if not args.file.is_file():
+        print(f"lucekv: error: {args.file} is not a file", file=sys.stderr)
         return 1
+
+    def pieces():
+        with open(args.file, "rb") as f:
+            while piece := f.read(PIECE_BYTES):
+                yield piece
+
+    with Client(args.server) as client:
+        r = client.restore(pieces(), args.session)
+    print(f"restored session {r.session.session_id}: {r.session.n_tokens} tokens from {r.bytes} bytes",
+          file=sys.stderr)
+    return 0
+
+
+@_reports_rpc_errors
+def run_info(args: argparse.Namespace) -> int:
+    with Client(args.server) as client:
+        info = client.server_info(timeout=10)
     rows = [
         ("server", args.server),
         ("model", info.model_name),

@@ -4,13 +4,19 @@
         for chunk in client.generate("Once upon a time", SamplingOptions(max_tokens=32, seed=1)):
             print(chunk.text, end="", flush=True)
 
+Sessions keep a conversation's K/V on the server between turns; snapshots move them between servers:
+
+        client.complete(history_ids, SamplingOptions(max_tokens=32), session_id="chat-1")
+        blob = b"".join(client.snapshot("chat-1"))
+        other.restore([blob], session_id="chat-1")
+
 Failed calls raise grpc.RpcError; `.code()` and `.details()` say what went wrong (the details name the bad
 field for INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 import grpc
@@ -98,9 +104,10 @@ class Client:
         sampling: SamplingOptions | None = None,
         *,
         request_id: str = "",
+        session_id: str = "",
         timeout: float | None = None,
     ) -> GenerateStream:
-        request = generate_request(prompt, sampling or SamplingOptions(), request_id)
+        request = generate_request(prompt, sampling or SamplingOptions(), request_id, session_id)
         return GenerateStream(self._stub.Generate(request, timeout=timeout))
 
     def complete(
@@ -109,11 +116,12 @@ class Client:
         sampling: SamplingOptions | None = None,
         *,
         request_id: str = "",
+        session_id: str = "",
         timeout: float | None = None,
     ) -> Completion:
         """Generate and collect the whole completion."""
         text, token_ids, logprobs = [], [], []
-        for chunk in self.generate(prompt, sampling, request_id=request_id, timeout=timeout):
+        for chunk in self.generate(prompt, sampling, request_id=request_id, session_id=session_id, timeout=timeout):
             text.append(chunk.text)
             token_ids.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs)
@@ -139,9 +147,39 @@ class Client:
     def server_info(self, timeout: float | None = None) -> pb.ServerInfo:
         return self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
 
+    # ---- sessions -------------------------------------------------------------------------------
 
-def generate_request(prompt: Prompt, sampling: SamplingOptions, request_id: str = "") -> pb.GenerateRequest:
-    request = pb.GenerateRequest(sampling=sampling.to_proto(), request_id=request_id)
+    def get_session(self, session_id: str, timeout: float | None = None) -> pb.SessionInfo:
+        return self._stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=timeout)
+
+    def list_sessions(self, timeout: float | None = None) -> list[pb.SessionInfo]:
+        return list(self._stub.ListSessions(pb.ListSessionsRequest(), timeout=timeout).sessions)
+
+    def delete_session(self, session_id: str, timeout: float | None = None) -> None:
+        self._stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id), timeout=timeout)
+
+    def snapshot(self, session_id: str, upto_tokens: int | None = None,
+                 timeout: float | None = None) -> Iterator[bytes]:
+        """The session's blob, piece by piece (about 1 MiB each); concatenated they are the blob."""
+        request = pb.SnapshotRequest(session_id=session_id, upto_tokens=upto_tokens)
+        return (chunk.data for chunk in self._stub.Snapshot(request, timeout=timeout))
+
+    def restore(self, pieces: Iterable[bytes], session_id: str = "",
+                timeout: float | None = None) -> pb.RestoreResponse:
+        """Upload a blob (pieces of at most a few MiB) as `session_id` (default: the id recorded in the blob)."""
+
+        def chunks() -> Iterator[pb.RestoreChunk]:
+            first = True
+            for piece in pieces:
+                yield pb.RestoreChunk(session_id=session_id if first else "", data=piece)
+                first = False
+
+        return self._stub.Restore(chunks(), timeout=timeout)
+
+
+def generate_request(prompt: Prompt, sampling: SamplingOptions, request_id: str = "",
+                     session_id: str = "") -> pb.GenerateRequest:
+    request = pb.GenerateRequest(sampling=sampling.to_proto(), request_id=request_id, session_id=session_id)
     if isinstance(prompt, str):
         request.text = prompt
     elif all(isinstance(item, Mapping) for item in prompt) and prompt:

@@ -29,3 +29,15 @@ class ContextOverflowError(InvalidRequestError):
 
 class ConfigError(LucekvError):
     """A server or engine setting that cannot work (unknown backend, pool too small, ...)."""
+
+
+class NotFoundError(LucekvError):
+    """A named thing (a session) that does not exist."""
+
+
+class PreconditionError(LucekvError):
+    """A valid request that the current state does not allow (restoring over a session that is generating)."""
+
+
+class ResourceLimitError(LucekvError):
+    """A configured limit is reached (sessions, host memory, queue places); retry later or free something."""

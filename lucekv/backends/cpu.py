@@ -10,7 +10,7 @@ from lucekv.kernels.cpu.attention import attend_batch, attend_decode
 from lucekv.kernels.cpu.matvec import matmul, matvec
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, dequantize_rows, pack_tensor
 from lucekv.kvflash.host_store import HostStore
-from lucekv.kvflash.pager import CHUNK_TOKENS, Move, PageOut
+from lucekv.kvflash.pager import CHUNK_TOKENS, Move, PageIn, PageOut
 from lucekv.model.arch import ModelSpec
 from lucekv.model.decoder import Weights, forward, load_weights
 from lucekv.model.gguf import GGUFFile, TensorInfo
@@ -137,6 +137,8 @@ class CpuBackend:
                         host.store(m.chunk, layer, k[rows], v[rows])
                 else:
                     k[rows], v[rows] = host.load(m.chunk, layer)
+            if isinstance(m, PageIn):  # attention reads below the high-water mark: a recalled block must be below
+                self.pool.high_water = max(self.pool.high_water, rows.stop)
 
     def chunk_keys(self, block: int) -> np.ndarray:
         rows = slice(block * CHUNK_TOKENS, (block + 1) * CHUNK_TOKENS)

@@ -4,19 +4,33 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from lucekv.engine.sampling import Sampler, SamplingParams, log_softmax
+from lucekv.engine.sessions import Session, SessionInfo, SessionTable
 from lucekv.engine.stops import StopMatcher
 from lucekv.engine.types import ChatMessage, GenerationDelta, TokenLogprob, Usage
-from lucekv.errors import ConfigError, ContextOverflowError, InvalidRequestError
+from lucekv.errors import ConfigError, ContextOverflowError, InvalidRequestError, ResourceLimitError
+from lucekv.kvflash.host_store import MemoryHostStore
+from lucekv.kvflash.pager import CHUNK_TOKENS, PageIn, PageOut
 from lucekv.kvflash.sequence import PagedSequence
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
 from lucekv.model.tokenizer import Tokenizer
+from lucekv.snapshot.blob import (
+    FLAG_PARTIAL,
+    KVLayout,
+    Snapshot,
+    SnapshotError,
+    SnapshotHeader,
+    chunk_rows,
+    read_snapshot,
+    write_snapshot,
+)
+from lucekv.snapshot.store import SnapshotStore, check_session_id
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 PREFILL_CHUNK = 256  # tokens per prefill forward: bounds the attention score matrix
@@ -41,9 +55,14 @@ class Engine:
     """Not thread-safe: one generation at a time (the server serializes requests)."""
 
     def __init__(self, path: Path, backend: str = "auto", kv_dtype: str = "f16", n_ctx: int | None = None,
-                 kv_pool: int | str | None = None, kv_policy: str = "quest", kv_tau: int = 64):
+                 kv_pool: int | str | None = None, kv_policy: str = "quest", kv_tau: int = 64,
+                 max_sessions: int = 64, session_host_bytes: int = 16 << 30,
+                 snapshot_store: SnapshotStore | None = None):
         """kv_pool: KV slots on the device in tokens (a multiple of 64); None holds the whole context; "auto" is
-        None on the CPU backend, whose device memory is host RAM."""
+        None on the CPU backend, whose device memory is host RAM.
+        max_sessions / session_host_bytes: limits on sessions held in memory and on the host RAM their K/V
+        takes; past them idle sessions spill to `snapshot_store` (least recently used first), or, without a
+        store, new sessions are refused."""
         self.path = Path(path)
         g = open_gguf(path)
         self.spec = ModelSpec.from_gguf(g)
@@ -51,15 +70,21 @@ class Engine:
         self.n_ctx = min(n_ctx or self.spec.n_ctx, self.spec.n_ctx)
         if kv_pool == "auto":
             kv_pool = None
-        self.backend = _make_backend(backend, g, self.spec, kv_dtype, kv_pool or self.n_ctx)
+        self.backend = _make_backend(backend, g, self.spec, kv_dtype, kv_pool or _whole_chunks(self.n_ctx))
         if kv_pool is not None and not hasattr(self.backend, "execute"):
             raise ConfigError(f"--kv-pool: paging is not implemented on the {self.backend.name} backend yet; "
                               "use --kv-pool off")
-        self.paged = None if kv_pool is None else PagedSequence(
-            self.backend, self.backend.pool.slot_pos, n_layer=self.spec.n_layer, n_kv_head=self.spec.n_kv_head,
-            head_dim=self.spec.head_dim, dtype=self.backend.pool.dtype, policy=kv_policy, tau=kv_tau,
-            window=self.spec.sliding_window)
-        self._cached: list[int] = []  # tokens whose K/V the pool holds, at positions 0..len-1
+        self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, kv_tau
+        self.layout = KVLayout(g.fingerprint, self.spec.arch.name, self.spec.n_layer, self.spec.n_kv_head,
+                               self.spec.head_dim, kv_dtype, CHUNK_TOKENS)
+        if max_sessions < 1 or session_host_bytes < 0:
+            raise ConfigError(f"session limits must be positive (got {max_sessions} sessions, "
+                              f"{session_host_bytes} bytes)")
+        self.max_sessions, self.session_host_bytes, self.store = max_sessions, session_host_bytes, snapshot_store
+        self.sessions = SessionTable()
+        self._anonymous = self._live = self._new_session("")
+        for key in snapshot_store.keys() if snapshot_store is not None else ():
+            self.sessions.put(Session(key, stored_bytes=snapshot_store.size(key)))
         self.info = EngineInfo(self.spec.name, self.spec.arch.name, g.fingerprint, self.n_ctx,
                                self.spec.vocab_size, self.backend.name, self.spec.n_layer, self.spec.n_embd,
                                kv_pool or 0, kv_policy if kv_pool else "")
@@ -94,12 +119,17 @@ class Engine:
             raise InvalidRequestError("token_ids", f"ids {bad[:5]} are outside [0, {self.spec.vocab_size})")
         return [int(t) for t in items]
 
-    def generate(self, prompt: Prompt, params: SamplingParams) -> Iterator[GenerationDelta]:
+    def generate(self, prompt: Prompt, params: SamplingParams, session_id: str = "") -> Iterator[GenerationDelta]:
+        """Stream the completion of `prompt`. With a session id, the session (created if new) keeps the K/V for
+        the next turn: a prompt that starts with its history only computes what is new."""
         ids = self.prepare(prompt, params)
-        return self._run(ids, params)
+        if session_id:
+            check_session_id(session_id)
+        return self._run(ids, params, session_id)
 
     def score(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] for every position of a fresh sequence (used by oracle checks)."""
+        self._activate("")
         self._truncate(0)
         return np.concatenate(self._forward(list(ids), 0, all_logits=True))
 
@@ -115,7 +145,7 @@ class Engine:
             # Without a pager the pool holds the whole context: slot = position.
             slots = pos if self.paged is None else self.paged.alloc(int(pos[0]), len(chunk))
             out.append(self.backend.forward(chunk, pos, slots, all_logits))
-            self._cached.extend(int(t) for t in chunk)
+            self._live.tokens.extend(int(t) for t in chunk)
             if self.paged is not None:
                 self.paged.after_forward(decoded=len(chunk) if decoding else 0)
         return out
@@ -125,26 +155,37 @@ class Engine:
             self.backend.pool.truncate(n)
         else:
             self.paged.truncate(n)
-        del self._cached[n:]
+        del self._live.tokens[n:]
 
     def _prefill(self, ids: list[int]) -> tuple[np.ndarray, int]:
         """Last-position logits of `ids`, reusing the K/V of the longest prefix the pool already holds.
 
         At least the last token is recomputed: its logits are what the first sample needs."""
         reused = 0
-        limit = min(len(ids) - 1, len(self._cached))
-        while reused < limit and self._cached[reused] == ids[reused]:
+        held = self._live.tokens
+        limit = min(len(ids) - 1, len(held))
+        while reused < limit and held[reused] == ids[reused]:
             reused += 1
         self._truncate(reused)
         logits = self._forward(ids[reused:], reused)[-1][-1]
         if self.paged is not None and self.paged.recall_for_last_query():
             # chunks relevant to the prompt's end came back: recompute its last token so the first sample sees them
             logits = self._forward(ids[-1:], len(ids) - 1)[-1][-1]
-            del self._cached[len(ids):]
+            del self._live.tokens[len(ids):]
         return logits, reused
 
-    def _run(self, ids: list[int], params: SamplingParams) -> Iterator[GenerationDelta]:
+    def _run(self, ids: list[int], params: SamplingParams, session_id: str) -> Iterator[GenerationDelta]:
         t0 = time.perf_counter()
+        session = self._activate(session_id)
+        session.last_used_unix = time.time()
+        session.sampler = asdict(params)
+        try:
+            yield from self._generate(ids, params, t0)
+        finally:
+            session.last_used_unix = time.time()
+            self._enforce_host_limit()
+
+    def _generate(self, ids: list[int], params: SamplingParams, t0: float) -> Iterator[GenerationDelta]:
         logits, cached = self._prefill(ids)
         sampler = Sampler(params, ids, self.spec.vocab_size)
         detok = self.tokenizer.stream(after=ids[-1])
@@ -190,6 +231,195 @@ class Engine:
         return TokenLogprob(tok, float(lp[tok]), [(int(t), float(lp[t])) for t in best])
 
 
+    # ---- sessions (DESIGN §5): one is live in the pool, the others parked on the host or stored ---------
+
+    @property
+    def paged(self) -> PagedSequence | None:
+        """The live sequence's pager; None when the pool holds the whole context."""
+        return self._live.paged
+
+    def session_info(self, session_id: str) -> SessionInfo:
+        return self.sessions.info(self.sessions.require(session_id))
+
+    def snapshot(self, session_id: str, upto_tokens: int | None = None) -> tuple[SnapshotHeader, list[np.ndarray]]:
+        """The session's header and chunk K/V (copies), cut to a chunk boundary below `upto_tokens` if that is
+        shorter than the session. Runs on the engine thread; the caller serializes (write_snapshot) off it."""
+        s = self.sessions.require(session_id)
+        if s.stored_bytes:
+            s = self._load_stored(s)
+        n = len(s.tokens)
+        if upto_tokens is not None and upto_tokens < n:
+            n = upto_tokens // CHUNK_TOKENS * CHUNK_TOKENS
+        host = self._host_copy(s, _n_chunks(n))
+        chunks = [host.chunk(c)[:, :, : chunk_rows(n, CHUNK_TOKENS, c)].copy() for c in range(_n_chunks(n))]
+        partial = n < len(s.tokens)
+        # the residency only fits the whole session (a partial one starts afresh with the policy)
+        pager = s.paged.state() if s.paged is not None and not partial else None
+        header = SnapshotHeader(self.layout, tuple(s.tokens[:n]), s.id, s.sampler, FLAG_PARTIAL if partial else 0,
+                                time.time(), pager)
+        return header, chunks
+
+    def restore(self, snap: Snapshot, session_id: str = "") -> SessionInfo:
+        """Install a validated snapshot as a parked session (replacing an idle one of the same id)."""
+        session_id = check_session_id(session_id or snap.header.session_id)
+        self.sessions.check_idle(session_id, "restore over")
+        s = self._session_from(session_id, snap.header, snap.chunks)
+        old = self.sessions.get(session_id)
+        added = s.host_bytes - (old.host_bytes if old is not None else 0)
+        if self.store is None and self.sessions.host_bytes() + added > self.session_host_bytes:
+            raise ResourceLimitError(
+                f"restoring {session_id!r} needs {s.host_bytes} bytes of host memory for its K/V; sessions "
+                f"would then hold more than the limit of {self.session_host_bytes}: delete sessions or start "
+                "the server with a snapshot store")
+        if old is None:
+            self._make_room()
+        else:
+            self._forget(old)
+        self.sessions.put(s)
+        self._enforce_host_limit()
+        return self.sessions.info(s)
+
+    def delete_session(self, session_id: str) -> None:
+        self.sessions.check_idle(session_id, "delete")
+        self._forget(self.sessions.require(session_id))
+
+    def save_sessions(self) -> int:
+        """Write every session held in memory to the snapshot store (at shutdown); how many were written."""
+        if self.store is None:
+            return 0
+        saved = self.sessions.in_memory()
+        for s in saved:
+            self._spill(s)
+        return len(saved)
+
+    def _new_session(self, session_id: str) -> Session:
+        paged = None if self._kv_pool is None else PagedSequence(
+            self.backend, self.backend.pool.slot_pos, n_layer=self.spec.n_layer, n_kv_head=self.spec.n_kv_head,
+            head_dim=self.spec.head_dim, dtype=self.backend.pool.dtype, policy=self._kv_policy, tau=self._kv_tau,
+            window=self.spec.sliding_window)
+        return Session(session_id, paged=paged)
+
+    def _new_host_store(self) -> MemoryHostStore:
+        return MemoryHostStore(self.spec.n_layer, CHUNK_TOKENS, self.spec.n_kv_head, self.spec.head_dim,
+                               self.backend.pool.dtype)
+
+    def _activate(self, session_id: str) -> Session:
+        """Make the session live (its K/V in the pool): created if new, loaded if stored, the live one parked."""
+        if session_id == self._live.id:
+            return self._live
+        target = self.sessions.get(session_id) if session_id else self._anonymous
+        if target is None:
+            self._make_room()
+            target = self._new_session(session_id)
+            self.sessions.put(target)
+        elif target.stored_bytes:
+            target = self._load_stored(target)
+        self._park_live()
+        if target.paged is not None:
+            target.paged.resume()
+        elif target.parked is not None:  # whole-context pool: chunk c goes back to block c (slot = position)
+            pos = np.arange(len(target.tokens), dtype=np.int32)
+            if len(pos):
+                self.backend.pool.assign(pos, pos)
+            self.backend.execute([PageIn(c, c) for c in range(_n_chunks(len(pos)))], target.parked)
+            target.parked = None
+        self._set_live(target)
+        return target
+
+    def _park_live(self) -> None:
+        """Free the pool: the live session's K/V goes to the host (the anonymous sequence's is dropped)."""
+        s = self._live
+        if not s.id:
+            self._truncate(0)
+        elif s.paged is not None:
+            s.paged.park()
+        else:
+            s.parked = self._host_copy(s, _n_chunks(len(s.tokens)))
+            self.backend.pool.truncate(0)
+        self._set_live(self._anonymous)
+
+    def _set_live(self, s: Session) -> None:
+        self._live = s
+        self.sessions.live_id = s.id
+
+    def _host_copy(self, s: Session, n_chunks: int) -> MemoryHostStore:
+        """A host store holding the session's first `n_chunks` chunks, current (copied out of the pool if live)."""
+        if s.paged is not None:
+            if s is self._live:
+                s.paged.sync_to_host()
+            return s.paged.host
+        if s is not self._live:
+            return s.parked
+        host = self._new_host_store()
+        self.backend.execute([PageOut(c, c) for c in range(n_chunks)], host)
+        return host
+
+    def _session_from(self, session_id: str, header: SnapshotHeader, chunks: list[np.ndarray]) -> Session:
+        s = self._new_session(session_id)
+        s.tokens, s.sampler = list(header.token_ids), dict(header.sampler)
+        if s.paged is not None:
+            try:
+                s.paged.restore(len(s.tokens), chunks, header.pager)
+            except (KeyError, TypeError, ValueError, OverflowError) as e:
+                raise SnapshotError(f"the header's pager state is malformed: {e}") from None
+        else:
+            s.parked = self._new_host_store()
+            for c, kv in enumerate(chunks):
+                s.parked.put_chunk(c, kv)
+        return s
+
+    def _load_stored(self, s: Session) -> Session:
+        """A stored session back in memory, parked (replacing its table entry)."""
+        snap = read_snapshot(self.store.open(s.id), self.layout, max_tokens=self.n_ctx,
+                             vocab_size=self.spec.vocab_size)
+        self._make_room()
+        loaded = self._session_from(s.id, snap.header, snap.chunks)
+        loaded.created_unix = s.created_unix
+        self.sessions.put(loaded)
+        return loaded
+
+    def _spill(self, s: Session) -> None:
+        """Write the session to the snapshot store and free its memory."""
+        header, chunks = self.snapshot(s.id)
+        nbytes = self.store.put(s.id, write_snapshot(header, chunks.__getitem__))
+        if s is self._live:
+            self._park_live()
+        if s.paged is not None:
+            s.paged.truncate(0)
+        self.sessions.mark_stored(s, nbytes)
+
+    def _forget(self, s: Session) -> None:
+        """Drop a session: its K/V in the pool, on the host and in the store."""
+        if s is self._live:
+            self._truncate(0)
+            self._set_live(self._anonymous)
+        elif s.paged is not None:
+            s.paged.truncate(0)
+        self.sessions.remove(s.id)
+        if self.store is not None and s.id in self.store:
+            self.store.delete(s.id)
+
+    def _make_room(self) -> None:
+        """Before a session enters memory: spill the least recently used idle one if the count is at its limit."""
+        while len(self.sessions.in_memory()) >= self.max_sessions:
+            idle = [s for s in self.sessions.idle_by_age() if s is not self._live]
+            if self.store is None or not idle:
+                raise ResourceLimitError(
+                    f"{self.max_sessions} sessions are held in memory, the limit: delete one"
+                    + ("" if self.store else " or start the server with a snapshot store to spill idle ones"))
+            self._spill(idle[0])
+
+    def _enforce_host_limit(self) -> None:
+        """Spill idle sessions, least recently used first, while their host memory exceeds the limit."""
+        if self.store is None:
+            return
+        for s in self.sessions.idle_by_age():
+            if self.sessions.host_bytes() <= self.session_host_bytes:
+                return
+            if s is not self._live:
+                self._spill(s)
+
+
 def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int):
     from lucekv.backends.cpu import KV_DTYPES, CpuBackend
 
@@ -207,3 +437,12 @@ def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int):
         if name == "cuda":
             raise ConfigError("--backend cuda: no CUDA GPU is available (numba.cuda found none)")
     return CpuBackend(g, spec, kv_dtype, n_ctx)
+
+
+def _n_chunks(n_tokens: int) -> int:
+    return -(-n_tokens // CHUNK_TOKENS)
+
+
+def _whole_chunks(n_tokens: int) -> int:
+    """A whole-context pool rounded up to whole chunks, so sessions can move it chunk by chunk."""
+    return _n_chunks(n_tokens) * CHUNK_TOKENS

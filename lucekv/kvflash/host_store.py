@@ -59,6 +59,19 @@ class MemoryHostStore:
         k.flags.writeable = v.flags.writeable = False
         return k, v
 
+    def chunk(self, chunk: int) -> np.ndarray:
+        """Chunk's K/V of every layer, [n_layers, 2, chunk_tokens, n_kv_head, head_dim] (a view: copy to keep)."""
+        return self._chunks[chunk]
+
+    def put_chunk(self, chunk: int, kv: np.ndarray) -> None:
+        """Install a chunk's K/V [n_layers, 2, rows <= chunk_tokens, n_kv_head, head_dim]; rows past `rows` are 0."""
+        rows = kv.shape[2]
+        if kv.dtype != self.dtype or kv.shape[:2] + kv.shape[3:] != self.shape[:2] + self.shape[3:] \
+                or rows > self.shape[2]:
+            raise ValueError(f"chunk {kv.dtype}{kv.shape} does not fit the store's {self.dtype}{self.shape}")
+        buf = self._chunks[chunk] = np.zeros(self.shape, self.dtype)
+        buf[:, :, :rows] = kv
+
     def __contains__(self, chunk: object) -> bool:
         return chunk in self._chunks
 

@@ -250,10 +250,87 @@ class Pager:
                 self.slot_pos[self.block_slots(int(self.block_of[c]))][off:] = -1
         self.n_tokens = n_tokens
         self.epoch += 1
+        return Truncation(gone, self.recall_protected())
+
+    def recall_protected(self) -> list[Move]:
+        """Make every protected chunk (sinks, tail, pins) resident again; the page-ins that takes."""
         moves: list[Move] = []
         for c in np.flatnonzero(self.protected_mask() & (self.block_of[: self.n_chunks] < 0)):
             self._place(int(c), moves, keep=np.empty(0, np.int64))
-        return Truncation(gone, moves)
+        return moves
+
+    # ---- sessions: a pager whose sequence leaves the pool and comes back ------------------------
+
+    def write_back(self) -> list[PageOut]:
+        """Copies that bring the host store up to date with every resident chunk written since its last copy,
+        without evicting anything (a snapshot of a live sequence reads the host store afterwards)."""
+        moves = []
+        for c in np.flatnonzero((self.block_of[: self.n_chunks] >= 0) & ~self.host_valid[: self.n_chunks]):
+            if self.filled[c] > 0:
+                moves.append(PageOut(int(c), int(self.block_of[c])))
+                self.host_valid[c] = True
+                self.stats.bytes_out += self.chunk_bytes
+        return moves
+
+    def residency(self) -> dict:
+        """Which chunk sits in which block, and what decides the next evictions (recency, scores): JSON-safe, to
+        put a parked or restored sequence back exactly as it was (`restore_residency`)."""
+        n = self.n_chunks
+        resident = self.resident_chunks()
+        return {"pool_tokens": self.pool_tokens, "resident": resident.tolist(),
+                "blocks": self.block_of[resident].tolist(), "last_use": self.last_use[:n].tolist(),
+                "scores": [None if s == UNSCORED else float(s) for s in self.scores[:n]], "clock": int(self.clock)}
+
+    def check_residency(self, r: dict) -> None:
+        """Raise ValueError unless `r` (from `residency()`) fits this parked pager: pool, chunks, protections."""
+        n = self.n_chunks
+        try:
+            resident, blocks = np.asarray(r["resident"], np.int64), np.asarray(r["blocks"], np.int64)
+            last_use = np.asarray(r["last_use"], np.int64)
+            scores = np.asarray([UNSCORED if s is None else s for s in r["scores"]], np.float64)
+            int(r["clock"])
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise ValueError(f"malformed residency: {e}") from None
+        if (r["pool_tokens"] != self.pool_tokens or resident.shape != blocks.shape or resident.ndim != 1
+                or last_use.shape != (n,) or scores.shape != (n,) or len(self.resident_chunks())
+                or np.any((resident < 0) | (resident >= n)) or np.any((blocks < 0) | (blocks >= self.n_blocks))
+                or len(np.unique(resident)) != len(resident) or len(np.unique(blocks)) != len(blocks)
+                or np.any(self.protected_mask() & ~np.isin(np.arange(n), resident))):
+            raise ValueError("the residency does not fit this pager (pool size, chunks, blocks or protections)")
+
+    def restore_residency(self, r: dict) -> list[Move]:
+        """Page the chunks of `residency()` back into their blocks and restore recency and scores."""
+        self.check_residency(r)
+        n = self.n_chunks
+        moves: list[Move] = []
+        for c, block in zip(r["resident"], r["blocks"], strict=True):
+            self._free.remove(block)
+            self._free.append(block)  # _place takes the free list's last block
+            self._place(c, moves, keep=np.empty(0, np.int64))
+        self.last_use[:n] = r["last_use"]
+        self.scores[:n] = [UNSCORED if s is None else s for s in r["scores"]]
+        self.clock = int(r["clock"])
+        return moves
+
+    def park(self) -> list[Move]:
+        """Page every resident chunk out (the pool is handed to another sequence); `recall_protected` brings the
+        protected ones back when this sequence returns."""
+        return [self._evict(int(c)) for c in self.resident_chunks()]
+
+    @classmethod
+    def parked(cls, pool_tokens: int, n_tokens: int, chunk: int = CHUNK_TOKENS, sink_chunks: int = 1,
+               tail_chunks: int = 4, chunk_bytes: int = 0) -> Pager:
+        """A pager for `n_tokens` positions whose chunks are all in the host store (a restored session)."""
+        p = cls(pool_tokens, chunk, sink_chunks, tail_chunks, chunk_bytes)
+        p.n_tokens = n_tokens
+        n = p.n_chunks
+        p._resize(n)
+        p.filled[:n] = chunk
+        if n_tokens % chunk:
+            p.filled[n - 1] = n_tokens % chunk
+        p.host_valid[:n] = True
+        p.scores[:n] = UNSCORED
+        return p
 
     def take_sealed(self) -> list[int]:
         """Chunks whose last position was written since the last call, still resident: the caller summarizes

@@ -10,6 +10,7 @@ for the same scored layers (a backend may score a subset of its pooled layers).
 
 from __future__ import annotations
 
+import base64
 from collections import deque
 from typing import Protocol
 
@@ -33,6 +34,11 @@ class Scorer(Protocol):
     def scores(self, pager: Pager) -> np.ndarray | None:
         """float64 [pager.n_chunks], or None when there is nothing to score against yet."""
 
+    def state(self) -> dict:
+        """JSON-safe state beyond the pager's summaries (for snapshots); `load_state` takes it back."""
+
+    def load_state(self, state: dict) -> None: ...
+
 
 class LruScorer:
     """Least recently written or recalled goes first."""
@@ -47,6 +53,12 @@ class LruScorer:
 
     def scores(self, pager: Pager) -> np.ndarray:
         return pager.last_use[: pager.n_chunks].astype(np.float64)
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
 
 
 class _QueryWindow:
@@ -63,6 +75,19 @@ class _QueryWindow:
     def stacked(self) -> np.ndarray | None:
         return np.stack(self._ring) if self._ring else None
 
+    def state(self) -> dict:
+        shape = list(self._ring[0].shape) if self._ring else []
+        return {"shape": shape, "queries": [base64.b64encode(q.tobytes()).decode() for q in self._ring]}
+
+    def load_state(self, state: dict) -> None:
+        """Raises ValueError if the queries do not have one shape of this window's KV heads."""
+        shape, queries = tuple(state["shape"]), state["queries"]
+        if queries and (len(shape) != 4 or shape[1] != self.n_kv_head or len(queries) > self._ring.maxlen):
+            raise ValueError(f"query window of {len(queries)} x {shape} does not fit {self.n_kv_head} KV heads")
+        self._ring.clear()
+        for text in queries:
+            self._ring.append(np.frombuffer(base64.b64decode(text, validate=True), np.float32).reshape(shape))
+
 
 class _QueryScorer:
     """A scorer that ranks sealed chunks against a window of recent queries."""
@@ -72,6 +97,12 @@ class _QueryScorer:
 
     def observe(self, query: np.ndarray) -> None:
         self._queries.push(query)
+
+    def state(self) -> dict:
+        return {"window": self._queries.state()}
+
+    def load_state(self, state: dict) -> None:
+        self._queries.load_state(state["window"])
 
     def _inputs(self, pager: Pager, summary: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """(recent queries, the summary table, sealed chunk ids, scores preset to MISSING); None without queries."""
@@ -175,6 +206,17 @@ class Policy:
         self.scorer = scorer
         self.tau = tau
         self._decoded_since = 0
+
+    def state(self) -> dict:
+        """JSON-safe: the scorer's name and state, and the reselect schedule's count."""
+        return {"policy": self.scorer.name, "decoded_since": self._decoded_since, "scorer": self.scorer.state()}
+
+    def load_state(self, state: dict) -> None:
+        """Raises ValueError (or KeyError, TypeError) when `state` is not one of this policy's."""
+        if state["policy"] != self.scorer.name:
+            raise ValueError(f"policy {state['policy']!r} is not this pool's {self.scorer.name!r}")
+        self.scorer.load_state(state["scorer"])
+        self._decoded_since = int(state["decoded_since"])
 
     def tau_eff(self, history: int) -> int:
         return max(self.tau, history // HISTORY_PER_TAU)

@@ -38,6 +38,7 @@ class PagedSequence:
         self.pager.slot_pos = slot_pos  # the backend's own array: attention reads exactly what the pager says
         self.policy = make_policy(policy, n_kv_head, tau)
         self.backend = backend
+        self._parked: dict | None = None  # the residency to return to, while parked
 
     def alloc(self, start: int, n: int) -> np.ndarray:
         a = self.pager.alloc_span(start, n)
@@ -68,6 +69,43 @@ class PagedSequence:
 
     def usage(self) -> PagerUsage:
         return self.pager.usage()
+
+    # ---- sessions: the pool is shared by turns; a parked sequence lives in its host store -------
+
+    def sync_to_host(self) -> None:
+        """Bring the host store up to date with the resident chunks, which stay resident (for snapshots)."""
+        self._run(self.pager.write_back())
+
+    def park(self) -> None:
+        """Page everything out (the pool is free for another sequence), remembering the residency."""
+        self._parked = self.pager.residency()
+        self._run(self.pager.park())
+
+    def resume(self) -> None:
+        """Back in the pool: each chunk that was resident returns to its block, so the sequence continues exactly
+        as if it had never left; without a residency to return to (another pool), just the protected chunks."""
+        parked, self._parked = self._parked, None
+        self._run(self.pager.restore_residency(parked) if parked else self.pager.recall_protected())
+
+    def state(self) -> dict:
+        """JSON-safe residency and policy state, for snapshots (see `restore`)."""
+        return {"residency": self._parked or self.pager.residency(), **self.policy.state()}
+
+    def restore(self, n_tokens: int, chunks: list[np.ndarray], state: dict | None) -> None:
+        """Take over a restored sequence, parked: chunk c's K/V [n_layer, 2, rows, n_kv_head, head_dim] into the
+        host store, key summaries of its full chunks for the scorer, and `state` when it is of this pool and
+        policy (else the policy starts afresh). Raises ValueError when `state` is malformed."""
+        p = self.pager
+        self.pager = Pager.parked(p.pool_tokens, n_tokens, p.chunk, p.sink_chunks, p.tail_chunks, p.chunk_bytes)
+        self.pager.slot_pos = p.slot_pos
+        for c, kv in enumerate(chunks):
+            self.host.put_chunk(c, kv)
+            if kv.shape[2] == p.chunk:
+                self.policy.scorer.seal(self.pager, c, kv[:, 0].astype(np.float32))
+        if state and state["residency"]["pool_tokens"] == p.pool_tokens and state["policy"] == self.policy.scorer.name:
+            self.pager.check_residency(state["residency"])
+            self.policy.load_state(state)
+            self._parked = state["residency"]
 
     def _run(self, moves: list[Move]) -> None:
         if moves:

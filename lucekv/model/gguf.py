@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ class GGUFFile:
     path: Path
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
-    fingerprint: str  # sha256 of header + metadata + tensor infos (everything before the tensor data)
+    fingerprint: str  # see `fingerprint`: snapshots and stores use it to never load K/V into another model
 
     @property
     def arch(self) -> str:
@@ -74,4 +75,21 @@ def open_gguf(path: str | Path) -> GGUFFile:
         tensors[t.name] = TensorInfo(t.name, qtype, shape, t.data)
     with path.open("rb") as f:
         header = f.read(int(reader.data_offset))
-    return GGUFFile(path, read_metadata(reader), tensors, hashlib.sha256(header).hexdigest())
+    return GGUFFile(path, read_metadata(reader), tensors, fingerprint(header, tensors.values()))
+
+
+FINGERPRINT_SAMPLES = 8  # per tensor, of FINGERPRINT_SAMPLE_BYTES each, evenly spread from its first to last byte
+FINGERPRINT_SAMPLE_BYTES = 4096
+
+
+def fingerprint(header: bytes, tensors: Iterable[TensorInfo]) -> str:
+    """sha256 of everything before the tensor data and of samples of every tensor's bytes. The header alone
+    would give two fine-tunes of one base model the same fingerprint; hashing all the weights would cost
+    seconds per load; a few KiB spread over every tensor catch any real change of weights."""
+    h = hashlib.sha256(header)
+    for t in tensors:
+        raw = t.data.reshape(-1).view(np.uint8)
+        starts = np.linspace(0, max(raw.size - FINGERPRINT_SAMPLE_BYTES, 0), FINGERPRINT_SAMPLES).astype(np.int64)
+        for start in np.unique(starts):
+            h.update(raw[start : start + FINGERPRINT_SAMPLE_BYTES].tobytes())
+    return h.hexdigest()

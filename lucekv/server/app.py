@@ -38,7 +38,8 @@ class ServerOptions:
 
 
 class LucekvServer:
-    """A started server. `stop` turns health to NOT_SERVING, drains calls for `grace` s, stops the engine."""
+    """A started server. `stop` turns health to NOT_SERVING, drains calls for `grace` s, stops the engine and
+    writes the sessions to the snapshot store if there is one."""
 
     def __init__(
         self,
@@ -57,6 +58,7 @@ class LucekvServer:
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.stop(grace)
         await asyncio.to_thread(self._worker.stop)
+        await asyncio.to_thread(self._worker.save_sessions)
 
 
 async def start_server(engine: Engine, options: ServerOptions) -> LucekvServer:

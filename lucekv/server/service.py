@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -13,14 +14,25 @@ import grpc
 
 from lucekv.engine.engine import Engine, Prompt
 from lucekv.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from lucekv.engine.sessions import SessionInfo
 from lucekv.engine.types import GenerationDelta
-from lucekv.errors import InvalidRequestError
+from lucekv.errors import InvalidRequestError, NotFoundError, PreconditionError, ResourceLimitError
 from lucekv.server.gen import lucekv_pb2 as pb
 from lucekv.server.gen import lucekv_pb2_grpc
-from lucekv.server.worker import EngineWorker, GenerationJob, QueueFullError, ServerStoppingError
+from lucekv.server.worker import EngineWorker, GenerationJob, ServerStoppingError
+from lucekv.snapshot.blob import (
+    Snapshot,
+    SnapshotError,
+    SnapshotMismatchError,
+    blob_size,
+    read_snapshot,
+    write_snapshot,
+)
+from lucekv.snapshot.store import check_session_id
 
 logger = logging.getLogger(__name__)
 
+PIECE_BYTES = 1 << 20  # blobs stream in messages of about 1 MiB (gRPC's default message limit is 4 MiB)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LuceKV"].full_name
 FINISH_REASONS: Mapping[str, pb.FinishReason] = {
     "stop": pb.FINISH_REASON_STOP,
@@ -39,15 +51,12 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         async with _status_on_error(context, f"Generate {request_id}"):
-            if request.session_id:
-                await context.abort(
-                    grpc.StatusCode.UNIMPLEMENTED, "session_id: sessions are not implemented yet"
-                )
+            session_id = check_session_id(request.session_id) if request.session_id else ""
             params = sampling_params_from_proto(request.sampling)
             # Validation and tokenization happen here, before the queue: a bad request fails at once and costs
             # the engine thread nothing.
             prompt_ids = await asyncio.to_thread(self._engine.prepare, prompt_from_request(request), params)
-            job = GenerationJob(prompt_ids, params, request_id)
+            job = GenerationJob(prompt_ids, params, request_id, session_id)
             self._worker.submit(job)
             try:
                 async for delta in job.deltas():
@@ -100,6 +109,86 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
                 kv_pool_tokens=info.kv_pool_tokens,
                 kv_policy=info.kv_policy,
             )
+
+
+    # ---- sessions ---------------------------------------------------------------------------------
+
+    async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+        async with _status_on_error(context, "GetSession"):
+            return session_to_proto(self._engine.session_info(check_session_id(request.session_id)))
+
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSessionsResponse:
+        async with _status_on_error(context, "ListSessions"):
+            return pb.ListSessionsResponse(sessions=[session_to_proto(i) for i in self._engine.sessions.infos()])
+
+    async def DeleteSession(
+        self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteSessionResponse:
+        async with _status_on_error(context, "DeleteSession"):
+            session_id = check_session_id(request.session_id)
+            self._engine.sessions.check_idle(session_id, "delete")
+            await self._worker.call(lambda e: e.delete_session(session_id), f"DeleteSession {session_id}")
+            return pb.DeleteSessionResponse()
+
+    async def Snapshot(
+        self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SnapshotChunk]:
+        async with _status_on_error(context, "Snapshot"):
+            session_id = check_session_id(request.session_id)
+            upto = request.upto_tokens if request.HasField("upto_tokens") else None
+            header, chunks = await self._worker.call(lambda e: e.snapshot(session_id, upto),
+                                                     f"Snapshot {session_id}")
+            pieces = write_snapshot(header, chunks.__getitem__, PIECE_BYTES)
+            # hashing and copying a piece takes a few ms: off the event loop
+            piece = await asyncio.to_thread(next, pieces, None)
+            yield pb.SnapshotChunk(data=piece, total_bytes=blob_size(header), n_tokens=header.n_tokens)
+            while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
+                yield pb.SnapshotChunk(data=piece)
+
+    async def Restore(
+        self, requests: AsyncIterator[pb.RestoreChunk], context: grpc.aio.ServicerContext
+    ) -> pb.RestoreResponse:
+        async with _status_on_error(context, "Restore"):
+            session_id, snap = await _receive_snapshot(requests, self._engine)
+            session_id = check_session_id(session_id or snap.header.session_id)
+            self._engine.sessions.check_idle(session_id, "restore over")
+            info = await self._worker.call(lambda e: e.restore(snap, session_id), f"Restore {session_id}")
+            return pb.RestoreResponse(session=session_to_proto(info), bytes=snap.nbytes)
+
+
+async def _receive_snapshot(requests: AsyncIterator[pb.RestoreChunk], engine: Engine) -> tuple[str, Snapshot]:
+    """The session id of the first chunk and the parsed blob. Parsing runs on a thread beside the stream, so a
+    blob for another model is refused after its header, not after all of it."""
+    pieces: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    parsing = asyncio.ensure_future(asyncio.to_thread(
+        read_snapshot, iter(pieces.get, None), engine.layout, max_tokens=engine.n_ctx,
+        vocab_size=engine.spec.vocab_size))
+    session_id = None
+    try:
+        async for chunk in requests:
+            if session_id is None:
+                session_id = chunk.session_id
+            pieces.put(chunk.data)
+            if parsing.done():  # refused already: stop reading
+                break
+    finally:
+        pieces.put(None)  # the end of the stream, also when the client went away mid-way
+    return session_id or "", await parsing
+
+
+def session_to_proto(info: SessionInfo) -> pb.SessionInfo:
+    return pb.SessionInfo(
+        session_id=info.session_id,
+        state=info.state,
+        n_tokens=info.n_tokens,
+        host_bytes=info.host_bytes,
+        stored_bytes=info.stored_bytes,
+        created_unix=info.created_unix,
+        last_used_unix=info.last_used_unix,
+        generating=info.generating,
+    )
 
 
 def prompt_from_request(request: pb.GenerateRequest) -> Prompt:
@@ -169,9 +258,13 @@ async def _status_on_error(context: grpc.aio.ServicerContext, call: str) -> Asyn
     """Turn lucekv's errors into status codes; anything unexpected is logged and answered INTERNAL."""
     try:
         yield
-    except InvalidRequestError as e:  # includes ContextOverflowError
+    except (PreconditionError, SnapshotMismatchError) as e:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+    except (InvalidRequestError, SnapshotError) as e:  # includes ContextOverflowError, malformed blobs
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    except QueueFullError as e:
+    except NotFoundError as e:
+        await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+    except ResourceLimitError as e:  # includes QueueFullError
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
     except ServerStoppingError as e:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))

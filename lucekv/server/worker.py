@@ -1,4 +1,7 @@
-"""The engine's own thread: Generate jobs run there one at a time, first in first out, from a bounded queue.
+"""The engine's own thread: jobs run there one at a time, first in first out, from a bounded queue.
+
+Jobs are Generate calls and short engine calls (snapshot, restore, delete a session), which must not run
+beside a generation because they move K/V in and out of the same pool.
 
 The event loop never runs model code, so health checks and new calls are answered during a generation.
 Deltas cross back to the loop through `call_soon_threadsafe`; the worker does not wait for slow readers.
@@ -12,19 +15,20 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from lucekv.engine.engine import Engine
 from lucekv.engine.sampling import SamplingParams
 from lucekv.engine.types import GenerationDelta
-from lucekv.errors import ConfigError, LucekvError
+from lucekv.errors import ConfigError, LucekvError, ResourceLimitError
 
 logger = logging.getLogger(__name__)
 
 _END = object()  # the job's last item: the generation is over
 
 
-class QueueFullError(LucekvError):
+class QueueFullError(ResourceLimitError):
     """Every place in the request queue is taken."""
 
 
@@ -32,12 +36,12 @@ class ServerStoppingError(LucekvError):
     """The server is shutting down: it takes no new jobs and ends the ones it has."""
 
 
-class GenerationJob:
-    """One Generate call: its inputs, its cancel flag and the channel its output comes back on."""
+class Job:
+    """A unit of work for the engine thread: its cancel flag and the channel its output comes back on."""
 
-    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str):
-        self.prompt_ids = list(prompt_ids)
-        self.params = params
+    session_id = ""  # the session the job keeps busy while queued or running
+
+    def __init__(self, request_id: str):
         self.request_id = request_id
         self.cancelled = threading.Event()
         self.submitted_at = time.perf_counter()
@@ -57,12 +61,53 @@ class GenerationJob:
             return False
         return True
 
+    def run(self, engine: Engine) -> None:
+        raise NotImplementedError
+
+
+class GenerationJob(Job):
+    """One Generate call."""
+
+    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, session_id: str = ""):
+        super().__init__(request_id)
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.session_id = session_id
+
     async def deltas(self) -> AsyncIterator[GenerationDelta]:
         """The generation's output; re-raises on the loop whatever the engine raised."""
         while (item := await self._items.get()) is not _END:
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+    def run(self, engine: Engine) -> None:
+        steps = engine.generate(self.prompt_ids, self.params, self.session_id)
+        try:
+            for delta in steps:
+                if self.cancelled.is_set() or not self.deliver(delta):
+                    logger.info("request %s stopped: its call ended", self.request_id)
+                    return
+        finally:
+            steps.close()  # frees what the generation held, also when it was cut short
+        self.deliver(_END)
+
+
+class EngineCall(Job):
+    """A short engine operation, `fn(engine)`, run in queue order; its result comes back as one item."""
+
+    def __init__(self, fn: Callable[[Engine], Any], name: str):
+        super().__init__(name)
+        self.fn = fn
+
+    def run(self, engine: Engine) -> None:
+        self.deliver(self.fn(engine))
+
+    async def result(self) -> Any:
+        item = await self._items.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
 
 class EngineWorker:
@@ -71,8 +116,8 @@ class EngineWorker:
             raise ConfigError(f"the request queue needs a size >= 0 (got {max_queued})")
         self.engine = engine
         self.max_queued = max_queued
-        self._waiting: deque[GenerationJob] = deque()
-        self._running: GenerationJob | None = None
+        self._waiting: deque[Job] = deque()
+        self._running: Job | None = None
         self._wakeup = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="lucekv-engine", daemon=True)
@@ -80,7 +125,7 @@ class EngineWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: GenerationJob) -> None:
+    def submit(self, job: Job) -> None:
         with self._wakeup:
             if self._stopping:
                 raise ServerStoppingError("the server is shutting down")
@@ -90,14 +135,17 @@ class EngineWorker:
                     f"all {self.max_queued} places in the request queue are taken; retry later"
                 )
             self._waiting.append(job)
+            if job.session_id:
+                self.engine.sessions.begin_request(job.session_id)
             self._wakeup.notify()
 
-    def cancel(self, job: GenerationJob) -> None:
+    def cancel(self, job: Job) -> None:
         """Frees the job's place at once if it is waiting; a running job stops after its current step."""
         job.cancelled.set()
         with self._wakeup:
             if job in self._waiting:
                 self._waiting.remove(job)
+                self._release(job)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Ends the waiting and running jobs with ServerStoppingError and lets the thread finish."""
@@ -111,13 +159,22 @@ class EngineWorker:
             job.deliver(ServerStoppingError("the server is shutting down"))
         self._thread.join(timeout)
 
+    def save_sessions(self) -> None:
+        """After `stop`: the sessions to the engine's snapshot store (skipped if the engine thread still runs)."""
+        if self._thread.is_alive():
+            logger.error("the engine thread did not stop: sessions are not saved")
+            return
+        saved = self.engine.save_sessions()
+        if saved:
+            logger.info("saved %d sessions to the snapshot store", saved)
+
     def _run(self) -> None:
         while job := self._next_job():
             self._execute(job)
             with self._wakeup:
                 self._running = None
 
-    def _next_job(self) -> GenerationJob | None:
+    def _next_job(self) -> Job | None:
         with self._wakeup:
             while not self._waiting and not self._stopping:
                 self._wakeup.wait()
@@ -126,20 +183,28 @@ class EngineWorker:
             self._running = self._waiting.popleft()
             return self._running
 
-    def _execute(self, job: GenerationJob) -> None:
-        if job.cancelled.is_set():  # cancelled between leaving the queue and starting
-            return
-        job.started_at = time.perf_counter()
+    async def call(self, fn: Callable[[Engine], Any], name: str) -> Any:
+        """Run `fn(engine)` on the engine thread after the jobs queued before it; its result or its exception."""
+        job = EngineCall(fn, name)
+        self.submit(job)
         try:
-            steps = self.engine.generate(job.prompt_ids, job.params)
-            try:
-                for delta in steps:
-                    if job.cancelled.is_set() or not job.deliver(delta):
-                        logger.info("request %s stopped: its call ended", job.request_id)
-                        return
-            finally:
-                steps.close()  # frees what the generation held, also when it was cut short
-            job.deliver(_END)
+            return await job.result()
+        finally:
+            self.cancel(job)
+
+    def _execute(self, job: Job) -> None:
+        try:
+            if job.cancelled.is_set():  # cancelled between leaving the queue and starting
+                return
+            job.started_at = time.perf_counter()
+            job.run(self.engine)
         except Exception as e:  # the handler maps it to a status code; the worker keeps serving
             if not job.deliver(e):
                 logger.error("request %s failed after its caller left", job.request_id, exc_info=e)
+        finally:
+            self._release(job)
+
+    def _release(self, job: Job) -> None:
+        """The job left the queue for good: its session may be restored over or deleted again."""
+        if job.session_id:
+            self.engine.sessions.end_request(job.session_id)

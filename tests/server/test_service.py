@@ -209,8 +209,8 @@ BAD_GENERATE_REQUESTS = [  # (case, request, expected code, text the status mess
     ("max_tokens beyond the context", _req(max_tokens=600), INVALID,
      "+ max_tokens (600) exceeds the context of 512 tokens"),
     ("prompt beyond the context", _req("fox " * 600, max_tokens=1), INVALID, "exceeds the context of 512"),
-    ("session_id (not yet)", pb.GenerateRequest(text=PROMPT, session_id="s1"), grpc.StatusCode.UNIMPLEMENTED,
-     "session_id: sessions are not implemented yet"),
+    ("session_id with a path", pb.GenerateRequest(text=PROMPT, session_id="../etc"), INVALID, "session_id: "),
+    ("session_id too long", pb.GenerateRequest(text=PROMPT, session_id="s" * 129), INVALID, "session_id: "),
 ]
 
 
@@ -354,7 +354,9 @@ def test_reflection_lists_the_services_and_describes_lucekv(server):
         described.file_descriptor_response.file_descriptor_proto[0]
     )
     assert file.name == "lucekv/v1/lucekv.proto"
-    assert [m.name for m in file.service[0].method] == ["Generate", "Tokenize", "Detokenize", "GetServerInfo"]
+    assert [m.name for m in file.service[0].method] == ["Generate", "Tokenize", "Detokenize", "GetServerInfo",
+                                                        "GetSession", "ListSessions", "DeleteSession", "Snapshot",
+                                                        "Restore"]
 
 
 def test_without_queue_places_an_idle_server_still_runs_a_call(slow_probe):

@@ -207,3 +207,83 @@ class ServerInfo(_message.Message):
     kv_pool_tokens: int
     kv_policy: str
     def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., fingerprint: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., n_layer: _Optional[int] = ..., n_embd: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., max_queued_requests: _Optional[int] = ..., version: _Optional[str] = ..., max_top_logprobs: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_policy: _Optional[str] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "state", "n_tokens", "host_bytes", "stored_bytes", "created_unix", "last_used_unix", "generating")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    GENERATING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    state: str
+    n_tokens: int
+    host_bytes: int
+    stored_bytes: int
+    created_unix: float
+    last_used_unix: float
+    generating: bool
+    def __init__(self, session_id: _Optional[str] = ..., state: _Optional[str] = ..., n_tokens: _Optional[int] = ..., host_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., last_used_unix: _Optional[float] = ..., generating: _Optional[bool] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+
+class DeleteSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class DeleteSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("session_id", "upto_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    UPTO_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    upto_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., upto_tokens: _Optional[int] = ...) -> None: ...
+
+class SnapshotChunk(_message.Message):
+    __slots__ = ("data", "total_bytes", "n_tokens")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    total_bytes: int
+    n_tokens: int
+    def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., n_tokens: _Optional[int] = ...) -> None: ...
+
+class RestoreChunk(_message.Message):
+    __slots__ = ("session_id", "data")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    data: bytes
+    def __init__(self, session_id: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class RestoreResponse(_message.Message):
+    __slots__ = ("session", "bytes")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    session: SessionInfo
+    bytes: int
+    def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ..., bytes: _Optional[int] = ...) -> None: ...

@@ -54,6 +54,31 @@ class LuceKVStub:
                 request_serializer=lucekv_dot_v1_dot_lucekv__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=lucekv_dot_v1_dot_lucekv__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.GetSession = channel.unary_unary(
+                '/lucekv.v1.LuceKV/GetSession',
+                request_serializer=lucekv_dot_v1_dot_lucekv__pb2.GetSessionRequest.SerializeToString,
+                response_deserializer=lucekv_dot_v1_dot_lucekv__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/lucekv.v1.LuceKV/ListSessions',
+                request_serializer=lucekv_dot_v1_dot_lucekv__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=lucekv_dot_v1_dot_lucekv__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
+        self.DeleteSession = channel.unary_unary(
+                '/lucekv.v1.LuceKV/DeleteSession',
+                request_serializer=lucekv_dot_v1_dot_lucekv__pb2.DeleteSessionRequest.SerializeToString,
+                response_deserializer=lucekv_dot_v1_dot_lucekv__pb2.DeleteSessionResponse.FromString,
+                _registered_method=True)
+        self.Snapshot = channel.unary_stream(
+                '/lucekv.v1.LuceKV/Snapshot',
+                request_serializer=lucekv_dot_v1_dot_lucekv__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=lucekv_dot_v1_dot_lucekv__pb2.SnapshotChunk.FromString,
+                _registered_method=True)
+        self.Restore = channel.stream_unary(
+                '/lucekv.v1.LuceKV/Restore',
+                request_serializer=lucekv_dot_v1_dot_lucekv__pb2.RestoreChunk.SerializeToString,
+                response_deserializer=lucekv_dot_v1_dot_lucekv__pb2.RestoreResponse.FromString,
+                _registered_method=True)
 
 
 class LuceKVServicer:
@@ -85,6 +110,40 @@ class LuceKVServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSession(self, request, context):
+        """Sessions: Generate with a session_id creates or continues one (see GenerateRequest.session_id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Snapshot(self, request, context):
+        """A session's state as a blob (docs/snapshot-format.md), streamed in pieces of about 1 MiB. It runs after the
+        Generate calls queued before it, so it sees their tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restore(self, request_iterator, context):
+        """Upload a blob as a session. The whole blob is validated before anything changes; on any failure nothing does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LuceKVServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +166,31 @@ def add_LuceKVServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=lucekv_dot_v1_dot_lucekv__pb2.GetServerInfoRequest.FromString,
                     response_serializer=lucekv_dot_v1_dot_lucekv__pb2.ServerInfo.SerializeToString,
+            ),
+            'GetSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSession,
+                    request_deserializer=lucekv_dot_v1_dot_lucekv__pb2.GetSessionRequest.FromString,
+                    response_serializer=lucekv_dot_v1_dot_lucekv__pb2.SessionInfo.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=lucekv_dot_v1_dot_lucekv__pb2.ListSessionsRequest.FromString,
+                    response_serializer=lucekv_dot_v1_dot_lucekv__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'DeleteSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSession,
+                    request_deserializer=lucekv_dot_v1_dot_lucekv__pb2.DeleteSessionRequest.FromString,
+                    response_serializer=lucekv_dot_v1_dot_lucekv__pb2.DeleteSessionResponse.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=lucekv_dot_v1_dot_lucekv__pb2.SnapshotRequest.FromString,
+                    response_serializer=lucekv_dot_v1_dot_lucekv__pb2.SnapshotChunk.SerializeToString,
+            ),
+            'Restore': grpc.stream_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=lucekv_dot_v1_dot_lucekv__pb2.RestoreChunk.FromString,
+                    response_serializer=lucekv_dot_v1_dot_lucekv__pb2.RestoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +301,141 @@ class LuceKV:
             '/lucekv.v1.LuceKV/GetServerInfo',
             lucekv_dot_v1_dot_lucekv__pb2.GetServerInfoRequest.SerializeToString,
             lucekv_dot_v1_dot_lucekv__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lucekv.v1.LuceKV/GetSession',
+            lucekv_dot_v1_dot_lucekv__pb2.GetSessionRequest.SerializeToString,
+            lucekv_dot_v1_dot_lucekv__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lucekv.v1.LuceKV/ListSessions',
+            lucekv_dot_v1_dot_lucekv__pb2.ListSessionsRequest.SerializeToString,
+            lucekv_dot_v1_dot_lucekv__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lucekv.v1.LuceKV/DeleteSession',
+            lucekv_dot_v1_dot_lucekv__pb2.DeleteSessionRequest.SerializeToString,
+            lucekv_dot_v1_dot_lucekv__pb2.DeleteSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/lucekv.v1.LuceKV/Snapshot',
+            lucekv_dot_v1_dot_lucekv__pb2.SnapshotRequest.SerializeToString,
+            lucekv_dot_v1_dot_lucekv__pb2.SnapshotChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/lucekv.v1.LuceKV/Restore',
+            lucekv_dot_v1_dot_lucekv__pb2.RestoreChunk.SerializeToString,
+            lucekv_dot_v1_dot_lucekv__pb2.RestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,1 @@
+"""Session snapshots: the versioned blob format (blob) and where blobs are kept (store)."""
