@@ -1,5 +1,7 @@
 """Sessions in the engine: turns reuse K/V, sessions take turns in one pool, snapshots restore exactly."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -7,7 +9,7 @@ import lucekv
 from lucekv.engine.sampling import SamplingParams
 from lucekv.errors import NotFoundError, PreconditionError, ResourceLimitError
 from lucekv.model.synth import write_synthetic_gguf
-from lucekv.snapshot.blob import FLAG_PARTIAL, read_snapshot, write_snapshot
+from lucekv.snapshot.blob import FLAG_PARTIAL, SnapshotError, read_snapshot, write_snapshot
 from lucekv.snapshot.store import MemorySnapshotStore
 
 POOLS = {"whole context": None, "paged pool": 512}
@@ -149,3 +151,17 @@ def test_deleted_sessions_are_gone_everywhere(model):
     assert store.keys() == ["b"]
     restarted = load(model, 512, snapshot_store=store)  # finds "b" in the store
     assert [(i.session_id, i.state) for i in restarted.sessions.infos()] == [("b", "stored")]
+
+
+@pytest.mark.parametrize("pager", [{"residency": {"pool_tokens": 512, "resident": "x"}, "policy": "lru"},
+                                   {"residency": {"pool_tokens": 512}, "policy": "lru"}, {"policy": "lru"}])
+def test_a_malformed_pager_state_is_refused_and_changes_nothing(model, pager):
+    engine = load(model, 512)
+    turn(engine, prompt(600), "s")
+    header, chunks = engine.snapshot("s")
+    forged = read_snapshot(write_snapshot(dataclasses.replace(header, pager=pager), chunks.__getitem__),
+                           engine.layout, max_tokens=engine.n_ctx, vocab_size=engine.spec.vocab_size)
+    before = engine.session_info("s")
+    with pytest.raises(SnapshotError, match="pager state is malformed"):
+        engine.restore(forged, "s")
+    assert engine.session_info("s") == before
