@@ -105,9 +105,12 @@ class Client:
         *,
         request_id: str = "",
         session_id: str = "",
+        pin_prefix_tokens: int | None = None,
         timeout: float | None = None,
     ) -> GenerateStream:
         request = generate_request(prompt, sampling or SamplingOptions(), request_id, session_id)
+        if pin_prefix_tokens is not None:
+            request.pin_prefix_tokens = pin_prefix_tokens
         return GenerateStream(self._stub.Generate(request, timeout=timeout))
 
     def complete(

@@ -91,10 +91,13 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def prepare(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+    def prepare(self, prompt: Prompt, params: SamplingParams, pin_prefix: int | None = None) -> list[int]:
         """Validate and tokenize; raises InvalidRequestError before any compute."""
         params.validate(self.spec.vocab_size)
         ids = self._tokenize_prompt(prompt)
+        if pin_prefix is not None and not 0 <= pin_prefix <= len(ids):
+            raise InvalidRequestError("pin_prefix_tokens", f"must be in [0, {len(ids)}], the prompt's tokens "
+                                      f"(got {pin_prefix})")
         if len(ids) + params.max_tokens > self.n_ctx:
             raise ContextOverflowError(
                 "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -119,13 +122,15 @@ class Engine:
             raise InvalidRequestError("token_ids", f"ids {bad[:5]} are outside [0, {self.spec.vocab_size})")
         return [int(t) for t in items]
 
-    def generate(self, prompt: Prompt, params: SamplingParams, session_id: str = "") -> Iterator[GenerationDelta]:
+    def generate(self, prompt: Prompt, params: SamplingParams, session_id: str = "",
+                 pin_prefix: int | None = None) -> Iterator[GenerationDelta]:
         """Stream the completion of `prompt`. With a session id, the session (created if new) keeps the K/V for
-        the next turn: a prompt that starts with its history only computes what is new."""
-        ids = self.prepare(prompt, params)
+        the next turn: a prompt that starts with its history only computes what is new. `pin_prefix`: with a
+        bounded pool, the prompt's first tokens that are never paged out (None keeps the session's pins)."""
+        ids = self.prepare(prompt, params, pin_prefix)
         if session_id:
             check_session_id(session_id)
-        return self._run(ids, params, session_id)
+        return self._run(ids, params, session_id, pin_prefix)
 
     def score(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] for every position of a fresh sequence (used by oracle checks)."""
@@ -174,9 +179,12 @@ class Engine:
             del self._live.tokens[len(ids):]
         return logits, reused
 
-    def _run(self, ids: list[int], params: SamplingParams, session_id: str) -> Iterator[GenerationDelta]:
+    def _run(self, ids: list[int], params: SamplingParams, session_id: str,
+             pin_prefix: int | None) -> Iterator[GenerationDelta]:
         t0 = time.perf_counter()
         session = self._activate(session_id)
+        if pin_prefix is not None and session.paged is not None:
+            session.paged.pin_prefix(pin_prefix)
         session.last_used_unix = time.time()
         session.sampler = asdict(params)
         try:

@@ -196,12 +196,12 @@ class Pager:
         """bool [n_chunks]: sinks, the head chunk and the tail before it, and pinned chunks."""
         return self._protected(self.n_tokens)
 
-    def _protected(self, n_tokens: int) -> np.ndarray:
+    def _protected(self, n_tokens: int, pins: list[tuple[int, int]] | None = None) -> np.ndarray:
         mask = np.zeros(-(-n_tokens // self.chunk), bool)
         mask[: self.sink_chunks] = True
         head = (n_tokens - 1) // self.chunk
         mask[max(0, head - self.tail_chunks) : head + 1] = True
-        for c0, c1 in self._pinned_ranges():
+        for c0, c1 in self._pinned_ranges(pins):
             mask[c0 : c1 + 1] = True
         return mask
 
@@ -279,7 +279,8 @@ class Pager:
         resident = self.resident_chunks()
         return {"pool_tokens": self.pool_tokens, "resident": resident.tolist(),
                 "blocks": self.block_of[resident].tolist(), "last_use": self.last_use[:n].tolist(),
-                "scores": [None if s == UNSCORED else float(s) for s in self.scores[:n]], "clock": int(self.clock)}
+                "scores": [None if s == UNSCORED else float(s) for s in self.scores[:n]], "clock": int(self.clock),
+                "pins": [list(span) for span in self.pins]}
 
     def check_residency(self, r: dict) -> None:
         """Raise ValueError unless `r` (from `residency()`) fits this parked pager: pool, chunks, protections."""
@@ -289,13 +290,15 @@ class Pager:
             last_use = np.asarray(r["last_use"], np.int64)
             scores = np.asarray([UNSCORED if s is None else s for s in r["scores"]], np.float64)
             int(r["clock"])
+            pins = [(int(a), int(b)) for a, b in r["pins"]]
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ValueError(f"malformed residency: {e}") from None
         if (r["pool_tokens"] != self.pool_tokens or resident.shape != blocks.shape or resident.ndim != 1
                 or last_use.shape != (n,) or scores.shape != (n,) or len(self.resident_chunks())
                 or np.any((resident < 0) | (resident >= n)) or np.any((blocks < 0) | (blocks >= self.n_blocks))
                 or len(np.unique(resident)) != len(resident) or len(np.unique(blocks)) != len(blocks)
-                or np.any(self.protected_mask() & ~np.isin(np.arange(n), resident))):
+                or any(not 0 <= a < b for a, b in pins)
+                or np.any(self._protected(n_tokens=self.n_tokens, pins=pins) & ~np.isin(np.arange(n), resident))):
             raise ValueError("the residency does not fit this pager (pool size, chunks, blocks or protections)")
 
     def restore_residency(self, r: dict) -> list[Move]:
@@ -310,6 +313,7 @@ class Pager:
         self.last_use[:n] = r["last_use"]
         self.scores[:n] = [UNSCORED if s is None else s for s in r["scores"]]
         self.clock = int(r["clock"])
+        self.pins = [(int(a), int(b)) for a, b in r["pins"]]
         return moves
 
     def park(self) -> list[Move]:
@@ -378,6 +382,16 @@ class Pager:
             if c < self.n_chunks and self.block_of[c] < 0:
                 self._place(c, moves, keep=np.empty(0, np.int64))
         return moves
+
+    def pin_prefix(self, n_tokens: int) -> list[Move]:
+        """The pins become the one span [0, n_tokens) (0: no pins), e.g. a system prompt; refused like `pin`,
+        changing nothing."""
+        old, self.pins = self.pins, []
+        try:
+            return self.pin(0, n_tokens) if n_tokens else []
+        except InvalidRequestError as e:
+            self.pins = old
+            raise InvalidRequestError("pin_prefix_tokens", str(e).removeprefix("pin: ")) from None
 
     def unpin(self, start_tok: int, end_tok: int) -> None:
         if (start_tok, end_tok) not in self.pins:

@@ -67,6 +67,9 @@ class PagedSequence:
             self.host.discard(c)
         self._run(cut.moves)
 
+    def pin_prefix(self, n_tokens: int) -> None:
+        self._run(self.pager.pin_prefix(n_tokens))
+
     def usage(self) -> PagerUsage:
         return self.pager.usage()
 

@@ -55,8 +55,9 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
             params = sampling_params_from_proto(request.sampling)
             # Validation and tokenization happen here, before the queue: a bad request fails at once and costs
             # the engine thread nothing.
-            prompt_ids = await asyncio.to_thread(self._engine.prepare, prompt_from_request(request), params)
-            job = GenerationJob(prompt_ids, params, request_id, session_id)
+            pin = request.pin_prefix_tokens if request.HasField("pin_prefix_tokens") else None
+            prompt_ids = await asyncio.to_thread(self._engine.prepare, prompt_from_request(request), params, pin)
+            job = GenerationJob(prompt_ids, params, request_id, session_id, pin)
             self._worker.submit(job)
             try:
                 async for delta in job.deltas():

@@ -68,11 +68,13 @@ class Job:
 class GenerationJob(Job):
     """One Generate call."""
 
-    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, session_id: str = ""):
+    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, session_id: str = "",
+                 pin_prefix: int | None = None):
         super().__init__(request_id)
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.session_id = session_id
+        self.pin_prefix = pin_prefix
 
     async def deltas(self) -> AsyncIterator[GenerationDelta]:
         """The generation's output; re-raises on the loop whatever the engine raised."""
@@ -82,7 +84,7 @@ class GenerationJob(Job):
             yield item
 
     def run(self, engine: Engine) -> None:
-        steps = engine.generate(self.prompt_ids, self.params, self.session_id)
+        steps = engine.generate(self.prompt_ids, self.params, self.session_id, self.pin_prefix)
         try:
             for delta in steps:
                 if self.cancelled.is_set() or not self.deliver(delta):

@@ -5,7 +5,7 @@ import pytest
 
 import lucekv
 from lucekv.engine.sampling import SamplingParams
-from lucekv.errors import ConfigError
+from lucekv.errors import ConfigError, InvalidRequestError
 from lucekv.kvflash.host_store import MemoryHostStore
 from lucekv.kvflash.pager import PageIn, PageOut
 from lucekv.model.synth import write_synthetic_gguf
@@ -110,3 +110,23 @@ def test_scoring_policies_run_end_to_end(model, policy):
 def test_a_pool_too_small_for_the_protections_is_refused(model):
     with pytest.raises(ConfigError, match="pool"):
         lucekv.load(model, backend="cpu", kv_pool=128)
+
+
+def test_a_pinned_prefix_stays_resident_through_a_prompt_twice_the_pool(model):
+    engine = lucekv.load(model, backend="cpu", kv_pool=1024, kv_policy="lru")
+    params = SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True)
+    list(engine.generate(prompt(2048), params, "s", pin_prefix=200))  # chunks 0..3 hold tokens 0..199
+    pager = engine.paged.pager
+    assert (pager.block_of[:4] >= 0).all() and pager.pins == [(0, 200)]
+    assert engine.paged.usage().page_outs > 0  # others were paged out around them
+    list(engine.generate(prompt(2048) + [5], params, "s", pin_prefix=0))
+    assert pager.pins == []
+
+
+@pytest.mark.parametrize(("pin", "message"), [(3000, r"pin_prefix_tokens: must be in \[0, 2048\]"),
+                                              (400, r"pin_prefix_tokens: pinning tokens \[0, 400\) would pin 6")])
+def test_a_pin_the_pool_cannot_hold_is_refused(model, pin, message):
+    engine = lucekv.load(model, backend="cpu", kv_pool=512, kv_policy="lru")
+    with pytest.raises(InvalidRequestError, match=message):
+        list(engine.generate(prompt(2048), SamplingParams(max_tokens=1), "s", pin_prefix=pin))
+    assert engine.paged.pager.pins == []
