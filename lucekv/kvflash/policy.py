@@ -21,7 +21,6 @@ from lucekv.kvflash.pager import Move, Pager
 
 POLICIES = ("lru", "quest", "meankey")
 MISSING = -np.inf  # a sealed chunk without a summary ranks last
-SUCCESSOR_LOG_SHARE = np.log(2.0)  # quest: a chunk's successor keeps half its log attention share
 HISTORY_PER_TAU = 45  # tau_eff = max(tau, history/45) keeps rescoring near 15% of decode time (lucebox §1.7)
 
 
@@ -157,9 +156,6 @@ class BoundScorer(_QueryScorer):
         bound /= np.sqrt(q.shape[-1])
         share = bound - _logsumexp(bound, axis=0)
         out[sealed] = share.max(axis=(1, 2))
-        # Text runs on across a chunk boundary: a passage the query finds in chunk c often ends in c + 1, whose
-        # own keys match less. The successor scores at least half its predecessor's share.
-        out[1:] = np.maximum(out[1:], out[:-1] - SUCCESSOR_LOG_SHARE)
         return out
 
 
