@@ -3,6 +3,7 @@
 #   bash bench/gpu_session.sh tests    gpu kernel tests, graph replay check
 #   bash bench/gpu_session.sh models   CUDA-vs-CPU parity on the model pieces in .models/
 #   bash bench/gpu_session.sh bench    decode/prefill speed, lucekv and llama-bench in the same run
+#   bash bench/gpu_session.sh profile  matvec speed at 8B shapes, per-kernel time of the 8B decode step
 # Results go to $OUT (the device tool brings them back). Prepare here first (all git-ignored):
 #   .whl/     wheels the GPU machine lacks (gguf, threadpoolctl, grpcio>=1.85.1, protobuf, pytest), see shared/GPU.md
 #   .anchors/ bash ../shared/tools/prepare_llamacpp_anchor.sh .anchors; cp ../shared/tools/synth_gguf.py .anchors/
@@ -41,5 +42,11 @@ bench)
   # the 8B-shaped anchor file of shared/tools (carried in .anchors/): raw random Q4_K/Q6_K blocks, seconds to write
   [ -f /tmp/qwen3-8b-shape.gguf ] || timeout 120 python3 .anchors/synth_gguf.py /tmp/qwen3-8b-shape.gguf qwen3-8b-shape
   [ -f /tmp/qwen3-8b-shape.gguf ] && run_pair qwen3-8b-shape /tmp/qwen3-8b-shape.gguf
+  ;;
+profile)
+  python3 -m lucekv.bench.matvec_speed --json "$OUT/matvec-speed.json" 2>&1 | grep -v -i warning
+  [ -f /tmp/qwen3-8b-shape.gguf ] || timeout 120 python3 .anchors/synth_gguf.py /tmp/qwen3-8b-shape.gguf qwen3-8b-shape
+  python3 -m lucekv.bench.kernel_profile /tmp/qwen3-8b-shape.gguf --pool 131072 --json "$OUT/kernel-profile.json" \
+    2>&1 | grep -v -i warning
   ;;
 esac

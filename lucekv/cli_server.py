@@ -111,7 +111,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", default="f16", choices=("f16", "f32"), help="KV cache storage (default f16)")
     parser.add_argument("--kv-pool", default="auto", type=_kv_pool,
                         help="KV slots kept on the device, in tokens (a multiple of 64); colder chunks page to host "
-                             "RAM. 'off' holds the whole context; 'auto' (default) is 'off' on the CPU backend")
+                             "RAM. 'off' holds the whole context; 'auto' (default): on CUDA the whole context if it "
+                             "fits in 90%% of the GPU memory free after the weights, else the largest pool that "
+                             "does; on the CPU backend 'off'")
     parser.add_argument("--kv-policy", default="quest", choices=("lru", "quest", "meankey"),
                         help="which paged-out chunks come back (default quest)")
     parser.add_argument("--kv-tau", type=int, default=64, help="decoded tokens between reselects (default 64)")

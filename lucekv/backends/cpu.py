@@ -137,8 +137,8 @@ class CpuBackend:
                         host.store(m.chunk, layer, k[rows], v[rows])
                 else:
                     k[rows], v[rows] = host.load(m.chunk, layer)
-            if isinstance(m, PageIn):  # attention reads below the high-water mark: a recalled block must be below
-                self.pool.high_water = max(self.pool.high_water, rows.stop)
+            if isinstance(m, PageIn):
+                self.pool.cover(rows.stop)
 
     def chunk_keys(self, block: int) -> np.ndarray:
         rows = slice(block * CHUNK_TOKENS, (block + 1) * CHUNK_TOKENS)

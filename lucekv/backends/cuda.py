@@ -4,23 +4,27 @@ Activations are device arrays [n_tokens, width] float32; only the step's tokens 
 up and the logits come down. Everything runs on one stream. On a GPU the one-token decode step is
 captured once as a CUDA graph (`DecodeGraph`) and replayed: numba pays 24-53 us per kernel launch, a
 replayed graph about 0.5 us (shared/GPU.md). A decode step reads its inputs from fixed one-token device
-buffers and attends over a grid sized for the whole pool (chunks past the high-water mark exit at once),
-so the eager and the replayed step run the same kernels on the same addresses.
+buffers and attends over the slots below the pool's high-water mark, read on the device, with a grid that
+does not depend on it, so the eager and the replayed step run the same kernels on the same addresses.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import numpy as np
 
 from lucekv.backends.cpu import KV_DTYPES
 from lucekv.backends.slots import SlotMap
 from lucekv.kernels.cpu.quants import dequantize, pack_tensor
-from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, norm, rope
+from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, norm, rope
 from lucekv.kernels.cuda._numba import device_zeros
 from lucekv.kernels.cuda.embed import embed
 from lucekv.kernels.cuda.matmul import matmul
 from lucekv.kernels.cuda.matvec import matvec
 from lucekv.kernels.cuda.packed import DeviceMatrix, upload
+from lucekv.kvflash.host_store import HostStore
+from lucekv.kvflash.pager import CHUNK_TOKENS, Move, PageOut
 from lucekv.model.arch import ModelSpec
 from lucekv.model.decoder import Weights, forward, load_weights
 from lucekv.model.gguf import GGUFFile, TensorInfo
@@ -33,20 +37,64 @@ class CudaKVPool(SlotMap):
         super().__init__(size)
         self.dtype = KV_DTYPES[dtype]
         self._stream = stream
-        shape = (size, spec.n_kv_head, spec.head_dim)
-        self.k = [device_zeros(shape, self.dtype, stream) for _ in range(spec.n_layer)]
-        self.v = [device_zeros(shape, self.dtype, stream) for _ in range(spec.n_layer)]
+        # K and V of every layer in one array, so that one kernel gathers a block's rows of all of them
+        self.kv = device_zeros((spec.n_layer, 2, size, spec.n_kv_head, spec.head_dim), self.dtype, stream)
+        self.k = [self.kv[layer, 0] for layer in range(spec.n_layer)]
+        self.v = [self.kv[layer, 1] for layer in range(spec.n_layer)]
         self.d_slot_pos = cuda.to_device(self.slot_pos, stream=stream)
+        self._mirrored = self.slot_pos.copy()  # what d_slot_pos holds
         self.d_high_water = cuda.to_device(np.zeros(1, np.int32), stream=stream)
+        # post-RoPE query of each layer's latest token, written by CudaOps.attention (KVFlash scorers read it)
+        self.last_q = cuda.to_device(np.zeros((spec.n_layer, spec.n_head * spec.head_dim), np.float32),
+                                     stream=stream)
+        self._staging: tuple | None = None  # (device, pinned host) buffers of one block, made on first use
 
     def truncate(self, n: int) -> None:
         super().truncate(n)
-        self.d_slot_pos.copy_to_device(self.slot_pos, stream=self._stream)
+        self.upload_slot_pos()
 
     def assign(self, slots: np.ndarray, positions: np.ndarray) -> None:
-        """The host map as KVPool keeps it; the device map is written by CudaOps.begin_step."""
+        """The host map as KVPool keeps it; CudaOps.begin_step writes these slots on the device. Any other edit
+        of the host map since the last upload (a pager's truncate frees blocks and moves no bytes) uploads it."""
         super().assign(slots, positions)
         self.d_high_water.copy_to_device(np.array([self.high_water], np.int32), stream=self._stream)
+        self._mirrored[slots] = positions
+        if not np.array_equal(self._mirrored, self.slot_pos):
+            self.upload_slot_pos()
+
+    def upload_slot_pos(self) -> None:
+        """The whole host map into the same device array (a captured decode graph reads it by address)."""
+        self.d_slot_pos.copy_to_device(self.slot_pos, stream=self._stream)
+        self._mirrored[:] = self.slot_pos
+
+    def read_block(self, block: int, keys_only: bool = False) -> np.ndarray:
+        """Block's rows of every layer in pinned host memory, [2 (K, V), n_layer, CHUNK_TOKENS, n_kv_head,
+        head_dim] (only [0] is filled if keys_only): a buffer the next read or write reuses. One gather
+        launch and one device-to-host copy."""
+        device, host = self._staging_buffers()
+        kv_copy.gather_rows(self.kv, block * CHUNK_TOKENS, device, stream=self._stream)
+        halves = 1 if keys_only else 2
+        device[:halves].copy_to_host(host[:halves], stream=self._stream)
+        self._stream.synchronize()
+        return host
+
+    def write_block(self, block: int, rows: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Block's rows from (K, V) [CHUNK_TOKENS, n_kv_head, head_dim] of each layer in turn. One host-to-device
+        copy and one scatter launch, left running on the stream."""
+        device, host = self._staging_buffers()
+        self._stream.synchronize()  # the previous write's copy may still be reading the pinned buffer
+        for layer, (k, v) in enumerate(rows):
+            host[0, layer], host[1, layer] = k, v
+        device.copy_to_device(host, stream=self._stream)
+        kv_copy.scatter_rows(device, self.kv, block * CHUNK_TOKENS, stream=self._stream)
+
+    def _staging_buffers(self) -> tuple:
+        if self._staging is None:
+            n_layer, _, _, n_kv_head, head_dim = self.kv.shape
+            shape = (2, n_layer, CHUNK_TOKENS, n_kv_head, head_dim)
+            self._staging = (cuda.device_array(shape, self.dtype, stream=self._stream),
+                             cuda.pinned_array(shape, self.dtype))
+        return self._staging
 
 
 class CudaOps:
@@ -61,23 +109,32 @@ class CudaOps:
         self.stream = stream
         bases = {spec.layer_rope_base(i) for i in range(spec.n_layer)}
         self._inv_freq = {b: cuda.to_device(rope.inv_freq(b, spec.rope_dim), stream=stream) for b in bases}
-        self._one = {name: cuda.to_device(np.zeros(1, np.int32), stream=stream)
-                     for name in ("tokens", "positions", "slots")}
+        # one-token steps: token, position, slot in one fixed device buffer, filled by one copy from pinned memory
+        self._one_host = cuda.pinned_array(3, np.int32)
+        self._one_dev = cuda.to_device(np.zeros(3, np.int32), stream=stream)
+        self._one = {name: self._one_dev[i:i + 1] for i, name in enumerate(("tokens", "positions", "slots"))}
         self.tokens = self.positions = self.slots = None
         self.keep: list | None = None
 
-    def begin_step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
-        """Upload the step's inputs (one-token steps into the fixed buffers) and mark their slots."""
+    def begin_step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, mark: bool = True) -> None:
+        """Upload the step's inputs (one-token steps into the fixed buffers) and, with `mark`, mark their slots
+        (a replayed decode graph marks them itself)."""
         s = self.stream
         inputs = {"tokens": tokens, "positions": positions, "slots": slots}
-        for name, host in inputs.items():
-            host = np.ascontiguousarray(host, np.int32)
-            if len(host) == 1:
-                self._one[name].copy_to_device(host, stream=s)
+        if len(tokens) == 1:
+            self._one_host[:] = [int(np.asarray(v).reshape(-1)[0]) for v in inputs.values()]
+            self._one_dev.copy_to_device(self._one_host, stream=s)
+            for name in inputs:
                 setattr(self, name, self._one[name])
-            else:
-                setattr(self, name, cuda.to_device(host, stream=s))
-        attention.set_slot_pos(self.pool.d_slot_pos, self.slots, self.positions, stream=s)
+        else:
+            for name, host in inputs.items():
+                setattr(self, name, cuda.to_device(np.ascontiguousarray(host, np.int32), stream=s))
+        if mark:
+            self.mark_slots()
+
+    def mark_slots(self) -> None:
+        """The step's slots hold its positions in the device slot map."""
+        attention.set_slot_pos(self.pool.d_slot_pos, self.slots, self.positions, stream=self.stream)
 
     def _empty(self, n: int, width: int):
         out = cuda.device_array((n, width), np.float32, stream=self.stream)
@@ -120,13 +177,13 @@ class CudaOps:
         spec, pool, s = self.spec, self.pool, self.stream
         attention.store_kv(k, v, self.slots, pool.k[layer], pool.v[layer], stream=s)
         n = q.shape[0]
-        max_slots = pool.size if n == 1 else pool.high_water
-        parts = attention.partials(n, spec.n_head, spec.head_dim, attention.n_splits(max_slots))
+        pool.last_q[layer].copy_to_device(q[n - 1], stream=s)  # for KVFlash scorers; a graph replays it too
+        parts = attention.partials(n, spec.n_head, spec.head_dim)
         if self.keep is not None:
             self.keep.extend(parts)
         out = self._empty(n, spec.n_head * spec.head_dim)
-        attention.attend(q, pool.k[layer], pool.v[layer], pool.d_slot_pos, pool.d_high_water, max_slots,
-                         self.positions, window, spec.attn_scale, parts, out, stream=s)
+        attention.attend(q, pool.k[layer], pool.v[layer], pool.d_slot_pos, pool.d_high_water, self.positions,
+                         window, spec.attn_scale, parts, out, stream=s)
         return out
 
     def gated_act(self, gate, up):
@@ -162,8 +219,9 @@ class CudaBackend:
         """Logits [1 or n, vocab] float32 on the host for `tokens` at `positions`, K/V written to `slots`."""
         tokens = np.asarray(tokens)
         self.pool.assign(slots, positions)
-        self.ops.begin_step(tokens, positions, slots)
-        if len(tokens) == 1 and self.graph is not None and self.graph.ready:
+        replay = len(tokens) == 1 and self.graph is not None and self.graph.ready
+        self.ops.begin_step(tokens, positions, slots, mark=not replay)
+        if replay:
             logits = self.graph.replay()
         else:
             logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits)
@@ -173,6 +231,32 @@ class CudaBackend:
         out = logits.copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return out
+
+    # ---- KVFlash: the pager decides, the backend moves bytes (lucekv.kvflash.sequence.PoolBackend) ----
+
+    def execute(self, moves: list[Move], host: HostStore) -> None:
+        """Run the moves in order, then mirror the pager's slot map (it changed with the residency) on the device.
+        A written-back page-out is one gather launch and one device-to-host copy; a page-in one host-to-device
+        copy and one scatter launch."""
+        for m in moves:
+            if isinstance(m, PageOut):
+                if m.write_back:
+                    kv = self.pool.read_block(m.block)
+                    for layer in range(self.spec.n_layer):
+                        host.store(m.chunk, layer, kv[0, layer], kv[1, layer])
+            else:
+                self.pool.write_block(m.block, (host.load(m.chunk, layer) for layer in range(self.spec.n_layer)))
+                self.pool.cover((m.block + 1) * CHUNK_TOKENS)  # the next forward's assign uploads the mark
+        if moves:
+            self.pool.upload_slot_pos()
+
+    def chunk_keys(self, block: int) -> np.ndarray:
+        return self.pool.read_block(block, keys_only=True)[0].astype(np.float32)
+
+    def last_queries(self) -> np.ndarray:
+        q = self.pool.last_q.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return q.reshape(self.spec.n_layer, self.spec.n_head, self.spec.head_dim)
 
 
 class DecodeGraph:
@@ -203,6 +287,7 @@ class DecodeGraph:
                 relaxed = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
                 _check(driver.cuStreamBeginCapture(handle, relaxed))
                 try:
+                    b.ops.mark_slots()
                     self.logits = forward(b.spec, b.weights, b.ops, tokens, positions, slots)
                 finally:
                     graph = _check(driver.cuStreamEndCapture(handle))

@@ -25,6 +25,10 @@ class SlotMap:
         if n == 0:
             self.high_water = 0
 
+    def cover(self, stop: int) -> None:
+        """Slots below `stop` hold K/V now (a page-in filled them): attention must read up to there."""
+        self.high_water = max(self.high_water, stop)
+
     def assign(self, slots: np.ndarray, positions: np.ndarray) -> None:
         self.slot_pos[slots] = positions
         self.high_water = max(self.high_water, int(slots.max()) + 1)

@@ -1,14 +1,14 @@
 """GPU timing of the decode matvec at Qwen3-8B shapes (Q4_K_M: q4 attention / FFN, Q6_K -> q8 16-blocks).
 
-    python -m lucekv.bench.matvec_speed [--json OUT] [--runs 30]
+    python -m lucekv.bench.matvec_speed [--json OUT] [--replays 20]
 
-Random codes, scales and biases, uploaded as DeviceMatrix directly. Each kernel is timed alone with CUDA
-events after warm-up; the median of `runs` launches, each on the next of several copies of the matrix
-(enough copies to exceed twice the L2 cache, at least 3), so no run reads weights another left in L2.
-GB/s counts the bytes of codes + scales (+ biases, Q4_K only) read once per launch, for both kernels.
-The kernel this one replaced (one warp per row, one 4-byte word per lane) is kept below as `_old_matvec`,
-for comparison only; the outputs of both are compared too. The new kernel's one launch-shape knob,
-matvec.WARPS_PER_SM_TARGET (rows per block follow from it), is swept as well.
+Random codes, scales and biases, uploaded as DeviceMatrix directly. Each kernel is timed as the decode step
+runs it: `LAUNCHES` launches captured as one CUDA graph and replayed (no numba launch overhead), each
+launch on the next of several copies of the matrix (enough to exceed twice the L2 cache), so no launch
+reads weights another left in L2; the median over replays, per launch. GB/s counts the bytes a matvec
+must read once: codes + scales (+ biases, Q4_K only). Two references frame it: `stream`, a kernel that
+only reads the same number of bytes (16 per lane and load), is what a kernel of that size can reach;
+and the device-to-device copy bandwidth (bytes read + written) of a 1 GiB buffer.
 """
 
 from __future__ import annotations
@@ -16,15 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from lucekv.kernels.cuda import matvec as matvec_module
-from lucekv.kernels.cuda._numba import WARP, blocks, cuda, warp_sum
+from lucekv.kernels.cuda._numba import cuda, load_u32x4
 from lucekv.kernels.cuda.matvec import matvec
 from lucekv.kernels.cuda.packed import DeviceMatrix
+
+LAUNCHES = 36  # per captured graph: as many as a decode step has of the big shapes
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,10 @@ class Shape:
 
 
 N_LAYER = 36
-WARPS_PER_SM_SWEEP = (4, 8, 16, 32)
 SHAPES = (
     Shape("attn q / o   4096x4096 q4", 4096, 4096, "q4", 32, 2 * N_LAYER),
-    Shape("attn k / v   1024x4096 q4", 1024, 4096, "q4", 32, 2 * N_LAYER),
+    Shape("attn k       1024x4096 q4", 1024, 4096, "q4", 32, N_LAYER),
+    Shape("attn v       1024x4096 q8/16", 1024, 4096, "q8", 16, N_LAYER),
     Shape("ffn gate/up 12288x4096 q4", 12288, 4096, "q4", 32, 2 * N_LAYER),
     Shape("ffn down    4096x12288 q8/16", 4096, 12288, "q8", 16, N_LAYER),
     Shape("output    151936x4096 q8/16", 151936, 4096, "q8", 16, 1),
@@ -63,147 +65,141 @@ def random_matrix(rng: np.random.Generator, s: Shape) -> DeviceMatrix:
 
 
 def weight_bytes(w: DeviceMatrix) -> int:
-    """The bytes the new kernel reads (the old one also reads the biases of types without any)."""
     return w.codes.nbytes + w.scale.nbytes + (w.bias.nbytes if w.has_bias else 0)
 
 
-def time_kernel(fn, mats, xs, outs, runs: int) -> float:
-    """Median µs of `runs` launches, cycling through the copies."""
-    for i in range(len(mats)):  # warm-up: compiles, and touches every copy once
-        fn(mats[i], xs[i], outs[i])
-    cuda.synchronize()
+def _check(result):
+    from cuda.bindings import driver
+
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver call failed: {driver.cuGetErrorName(err)[1]!r}")
+    return values[0] if len(values) == 1 else values or None
+
+
+def graph_us(stream, launches, replays: int) -> float:
+    """Median µs per launch of `launches` (callables taking the stream), captured once and replayed."""
+    from cuda.bindings import driver
+
+    for launch in launches:  # compile and load outside the capture
+        launch(stream)
+    stream.synchronize()
+    handle = driver.CUstream(int(stream.handle))
+    _check(driver.cuStreamBeginCapture(handle, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+    try:
+        for launch in launches:
+            launch(stream)
+    finally:
+        graph = _check(driver.cuStreamEndCapture(handle))
+    graph_exec = _check(driver.cuGraphInstantiate(graph, 0))
     times = []
-    for i in range(runs):
-        k = i % len(mats)
+    for _ in range(replays + 1):  # the first replay uploads the graph
         start, end = cuda.event(), cuda.event()
-        start.record()
-        fn(mats[k], xs[k], outs[k])
-        end.record()
+        start.record(stream)
+        _check(driver.cuGraphLaunch(graph_exec, handle))
+        end.record(stream)
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return float(np.median(times))
+        times.append(cuda.event_elapsed_time(start, end) * 1000 / len(launches))
+    _check(driver.cuGraphExecDestroy(graph_exec))
+    _check(driver.cuGraphDestroy(graph))
+    return statistics.median(times[1:])
 
 
-def bench_shape(s: Shape, rng: np.random.Generator, runs: int, l2_bytes: int) -> dict:
+@cuda.jit
+def _stream_read(words, out):
+    # reads every 16-byte word once, two per lane per iteration; stores only if a value is impossible
+    n = words.shape[1] // 4
+    i = cuda.grid(1)
+    step = cuda.gridsize(1)
+    acc = np.uint32(0)
+    while i < n:
+        a0, a1, a2, a3 = load_u32x4(words, 0, 4 * i)
+        j = min(i + step, n - 1)
+        b0, b1, b2, b3 = load_u32x4(words, 0, 4 * j)
+        acc ^= a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1 ^ b2 ^ b3
+        i += 2 * step
+    if acc == np.uint32(0x9E3779B9):
+        out[0] = acc
+
+
+def stream_launch(buf, out, sm_count: int):
+    return lambda s: _stream_read[sm_count * 8, 256, s](buf, out)
+
+
+def copy_bandwidth(stream, nbytes: int = 1 << 30, replays: int = 10) -> float:
+    """GB/s of a device-to-device copy, counting bytes read + written."""
+    src = cuda.device_array(nbytes // 4, np.uint32, stream=stream)
+    dst = cuda.device_array(nbytes // 4, np.uint32, stream=stream)
+    times = []
+    for _ in range(replays + 1):
+        start, end = cuda.event(), cuda.event()
+        start.record(stream)
+        dst.copy_to_device(src, stream=stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(cuda.event_elapsed_time(start, end))
+    return 2 * nbytes / (statistics.median(times[1:]) * 1e6)
+
+
+def bench_shape(s: Shape, rng: np.random.Generator, replays: int, l2_bytes: int, sm_count: int, stream) -> dict:
     first = random_matrix(rng, s)
     n_copies = max(3, math.ceil(2 * l2_bytes / weight_bytes(first)))
     mats = [first] + [random_matrix(rng, s) for _ in range(n_copies - 1)]
     xs = [cuda.to_device(rng.standard_normal((1, s.cols)).astype(np.float32)) for _ in mats]
     outs = [cuda.device_array((1, s.rows), np.float32) for _ in mats]
-    default = matvec_module.WARPS_PER_SM_TARGET
-    sweep = {}
-    for target in WARPS_PER_SM_SWEEP:
-        matvec_module.WARPS_PER_SM_TARGET = target
-        sweep[target] = time_kernel(matvec, mats, xs, outs, runs)
-    matvec_module.WARPS_PER_SM_TARGET = default
-    new = time_kernel(matvec, mats, xs, outs, runs)
-    got = outs[0].copy_to_host()
-    old = time_kernel(_old_matvec, mats, xs, outs, runs)
-    ref = outs[0].copy_to_host().astype(np.float64)
+    order = [i % n_copies for i in range(max(LAUNCHES, n_copies))]
+    us = graph_us(stream, [lambda st, k=k: matvec(mats[k], xs[k], outs[k], stream=st) for k in order], replays)
+    got = outs[0].copy_to_host().astype(np.float64)
+    ref = _reference(mats[0], xs[0].copy_to_host())
+    bufs = [cuda.device_array((1, weight_bytes(first) // 4), np.uint32) for _ in range(n_copies)]
+    flag = cuda.device_array(1, np.uint32)
+    stream_us = graph_us(stream, [stream_launch(bufs[k], flag, sm_count) for k in order], replays)
     gb = weight_bytes(first) / 1e9
     return {"shape": s.name, "rows": s.rows, "cols": s.cols, "kind": s.kind, "block": s.block,
             "copies": n_copies, "weight_bytes": weight_bytes(first), "per_token": s.per_token,
-            "new_us": new, "new_gbps": gb / (new * 1e-6), "old_us": old, "old_gbps": gb / (old * 1e-6),
-            "max_rel_diff_vs_old": float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))),
-            "new_us_by_warps_per_sm": sweep}
+            "us": us, "gbps": gb / (us * 1e-6), "stream_us": stream_us, "stream_gbps": gb / (stream_us * 1e-6),
+            "max_rel_err": float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))}
+
+
+def _reference(w: DeviceMatrix, x: np.ndarray) -> np.ndarray:
+    """float64 W @ x from the device matrix's own arrays."""
+    codes = w.codes.copy_to_host().view(np.uint8)
+    scale, bias = w.scale.copy_to_host().astype(np.float64), w.bias.copy_to_host().astype(np.float64)
+    if w.kind == "q4":  # per 32-block 16 bytes: low nibbles elements 0..15, high ones 16..31
+        b = codes.reshape(w.rows, -1, 16)
+        q = np.concatenate([b & 15, b >> 4], axis=2).reshape(w.rows, w.cols).astype(np.float64)
+    else:
+        q = codes.view(np.int8).astype(np.float64)
+    block = w.cols // scale.shape[1]
+    dense = q * np.repeat(scale, block, axis=1) + np.repeat(bias, block, axis=1)
+    return dense @ x[0].astype(np.float64)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--replays", type=int, default=20)
     a = ap.parse_args()
     dev = cuda.get_current_device()
-    l2 = int(dev.L2_CACHE_SIZE)
+    l2, sms = int(dev.L2_CACHE_SIZE), int(dev.MULTIPROCESSOR_COUNT)
+    stream = cuda.stream()
     rng = np.random.default_rng(0)
-    rows = []
-    for s in SHAPES:
-        rows.append(bench_shape(s, rng, a.runs, l2))
-    result = {"device": dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name),
-              "sm_count": dev.MULTIPROCESSOR_COUNT, "l2_bytes": l2, "runs": a.runs, "shapes": rows}
-    for key in ("new", "old"):  # the matvec share of one Qwen3-8B decode step (k / v, down as listed)
-        result[f"{key}_ms_per_token"] = sum(r[f"{key}_us"] * r["per_token"] for r in rows) / 1000
-    print(f"{result['device']}: {result['sm_count']} SMs, L2 {l2 / 2 ** 20:.0f} MiB, median of {a.runs}")
-    print(f"{'shape':32s} {'MB':>7s} {'new µs':>9s} {'GB/s':>7s} {'old µs':>9s} {'GB/s':>7s} "
-          f"{'speedup':>7s} {'rel diff':>9s}")
+    rows = [bench_shape(s, rng, a.replays, l2, sms, stream) for s in SHAPES]
+    name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    result = {"device": name, "sm_count": sms, "l2_bytes": l2, "replays": a.replays, "launches_per_graph": LAUNCHES,
+              "copy_gbps": copy_bandwidth(stream), "shapes": rows,
+              "ms_per_token": sum(r["us"] * r["per_token"] for r in rows) / 1000,
+              "stream_ms_per_token": sum(r["stream_us"] * r["per_token"] for r in rows) / 1000}
+    print(f"{name}: {sms} SMs, L2 {l2 / 2 ** 20:.0f} MiB, copy {result['copy_gbps']:.0f} GB/s (read + write), "
+          f"median of {a.replays} graph replays of {LAUNCHES}+ launches")
+    print(f"{'shape':32s} {'MB':>7s} {'matvec µs':>9s} {'GB/s':>7s} {'stream µs':>9s} {'GB/s':>7s} {'rel err':>8s}")
     for r in rows:
-        print(f"{r['shape']:32s} {r['weight_bytes'] / 1e6:7.1f} {r['new_us']:9.1f} {r['new_gbps']:7.0f} "
-              f"{r['old_us']:9.1f} {r['old_gbps']:7.0f} {r['old_us'] / r['new_us']:7.2f} "
-              f"{r['max_rel_diff_vs_old']:9.1e}")
-    print(f"matvec ms per Qwen3-8B token: new {result['new_ms_per_token']:.2f}, "
-          f"old {result['old_ms_per_token']:.2f}")
-    print(f"new µs by WARPS_PER_SM_TARGET (default {matvec_module.WARPS_PER_SM_TARGET}):")
-    for r in rows:
-        print(f"  {r['shape']:32s} " + "  ".join(f"{k}: {v:8.1f}" for k, v in r["new_us_by_warps_per_sm"].items()))
+        print(f"{r['shape']:32s} {r['weight_bytes'] / 1e6:7.1f} {r['us']:9.2f} {r['gbps']:7.0f} "
+              f"{r['stream_us']:9.2f} {r['stream_gbps']:7.0f} {r['max_rel_err']:8.1e}")
+    print(f"matvec ms per Qwen3-8B token: {result['ms_per_token']:.3f} (stream {result['stream_ms_per_token']:.3f})")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(result, indent=2) + "\n")
-
-
-# ---- the previous kernel, for comparison only -------------------------------------------------------------
-
-_OLD_ROWS_PER_BLOCK = 4
-
-
-def _old_matvec(w: DeviceMatrix, x, out) -> None:
-    grid = (blocks(w.rows, _OLD_ROWS_PER_BLOCK), x.shape[0])
-    threads = _OLD_ROWS_PER_BLOCK * WARP
-    if w.kind == "q4":
-        _old_matvec_q4[grid, threads](w.codes, w.scale, w.bias, x, out)
-    else:
-        _old_matvec_q8[grid, threads](w.codes, w.scale, w.bias, w.block_log2 - 2, x, out)
-
-
-@cuda.jit(device=True, inline=True)
-def _old_warp_row():
-    return cuda.blockIdx.x * _OLD_ROWS_PER_BLOCK + cuda.threadIdx.x // WARP, cuda.threadIdx.x % WARP
-
-
-@cuda.jit
-def _old_matvec_q4(words, scale, bias, x, out):
-    r, lane = _old_warp_row()
-    t = cuda.blockIdx.y
-    n_words = words.shape[1] if r < words.shape[0] else 0
-    acc = np.float32(0)
-    for i in range(lane, n_words, WARP):
-        b = i >> 2
-        e = b * 32 + (i & 3) * 4
-        word = words[r, i]
-        dot = np.float32(0)
-        xs = np.float32(0)
-        for j in range(4):
-            byte = (word >> np.uint32(8 * j)) & np.uint32(0xFF)
-            xl = x[t, e + j]
-            xh = x[t, e + 16 + j]
-            dot += np.float32(byte & np.uint32(15)) * xl + np.float32(byte >> np.uint32(4)) * xh
-            xs += xl + xh
-        acc += scale[r, b] * dot + bias[r, b] * xs
-    acc = warp_sum(acc)
-    if lane == 0 and r < words.shape[0]:
-        out[t, r] = acc
-
-
-@cuda.jit
-def _old_matvec_q8(words, scale, bias, words_per_block_log2, x, out):
-    r, lane = _old_warp_row()
-    t = cuda.blockIdx.y
-    n_words = words.shape[1] if r < words.shape[0] else 0
-    acc = np.float32(0)
-    for i in range(lane, n_words, WARP):
-        b = i >> words_per_block_log2
-        e = i * 4
-        word = words[r, i]
-        dot = np.float32(0)
-        xs = np.float32(0)
-        for j in range(4):
-            byte = np.int32((word >> np.uint32(8 * j)) & np.uint32(0xFF))
-            xv = x[t, e + j]
-            dot += np.float32(byte - ((byte & 0x80) << 1)) * xv
-            xs += xv
-        acc += scale[r, b] * dot + bias[r, b] * xs
-    acc = warp_sum(acc)
-    if lane == 0 and r < words.shape[0]:
-        out[t, r] = acc
 
 
 if __name__ == "__main__":

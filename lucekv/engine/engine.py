@@ -15,7 +15,7 @@ from lucekv.engine.stops import StopMatcher
 from lucekv.engine.types import ChatMessage, GenerationDelta, TokenLogprob, Usage
 from lucekv.errors import ConfigError, ContextOverflowError, InvalidRequestError, ResourceLimitError
 from lucekv.kvflash.host_store import MemoryHostStore
-from lucekv.kvflash.pager import CHUNK_TOKENS, PageIn, PageOut
+from lucekv.kvflash.pager import CHUNK_TOKENS, PageIn, PageOut, min_pool_tokens
 from lucekv.kvflash.sequence import PagedSequence
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
@@ -35,6 +35,7 @@ from lucekv.snapshot.store import SnapshotStore, check_session_id
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 PREFILL_CHUNK = 256  # tokens per prefill forward: bounds the attention score matrix
 PAGED_PREFILL_CHUNK = 64  # with a bounded pool: one chunk per forward, so eviction keeps pace
+AUTO_POOL_SHARE = 0.9  # of the GPU memory free after the weights, for --kv-pool auto's pool
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,9 @@ class Engine:
                  kv_pool: int | str | None = None, kv_policy: str = "quest", kv_tau: int = 64,
                  max_sessions: int = 64, session_host_bytes: int = 16 << 30,
                  snapshot_store: SnapshotStore | None = None):
-        """kv_pool: KV slots on the device in tokens (a multiple of 64); None holds the whole context; "auto" is
-        None on the CPU backend, whose device memory is host RAM.
+        """kv_pool: KV slots on the device in tokens (a multiple of 64); None holds the whole context; "auto" sizes
+        it from free GPU memory on the CUDA backend (`auto_pool_tokens`) and is None on the CPU backend, whose
+        device memory is host RAM.
         max_sessions / session_host_bytes: limits on sessions held in memory and on the host RAM their K/V
         takes; past them idle sessions spill to `snapshot_store` (least recently used first), or, without a
         store, new sessions are refused."""
@@ -68,12 +70,7 @@ class Engine:
         self.spec = ModelSpec.from_gguf(g)
         self.tokenizer = Tokenizer.from_metadata(g.metadata)
         self.n_ctx = min(n_ctx or self.spec.n_ctx, self.spec.n_ctx)
-        if kv_pool == "auto":
-            kv_pool = None
-        self.backend = _make_backend(backend, g, self.spec, kv_dtype, kv_pool or _whole_chunks(self.n_ctx))
-        if kv_pool is not None and not hasattr(self.backend, "execute"):
-            raise ConfigError(f"--kv-pool: paging is not implemented on the {self.backend.name} backend yet; "
-                              "use --kv-pool off")
+        self.backend, kv_pool = _make_backend(backend, g, self.spec, kv_dtype, self.n_ctx, kv_pool)
         self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, kv_tau
         self.layout = KVLayout(g.fingerprint, self.spec.arch.name, self.spec.n_layer, self.spec.n_kv_head,
                                self.spec.head_dim, kv_dtype, CHUNK_TOKENS)
@@ -428,7 +425,8 @@ class Engine:
                 self._spill(s)
 
 
-def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int):
+def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_pool: int | str | None):
+    """The backend, and its KV pool in tokens (None: the whole context) with "auto" resolved."""
     from lucekv.backends.cpu import KV_DTYPES, CpuBackend
 
     if kv_dtype not in KV_DTYPES:
@@ -441,10 +439,36 @@ def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int):
         if available() and (name == "cuda" or not SIMULATOR):  # "auto" never picks the slow simulator
             from lucekv.backends.cuda import CudaBackend
 
-            return CudaBackend(g, spec, kv_dtype, n_ctx)
+            if kv_pool == "auto":
+                kv_pool = _auto_gpu_pool(g, spec, np.dtype(KV_DTYPES[kv_dtype]), n_ctx)
+            return CudaBackend(g, spec, kv_dtype, kv_pool or _whole_chunks(n_ctx)), kv_pool
         if name == "cuda":
             raise ConfigError("--backend cuda: no CUDA GPU is available (numba.cuda found none)")
-    return CpuBackend(g, spec, kv_dtype, n_ctx)
+    kv_pool = None if kv_pool == "auto" else kv_pool
+    return CpuBackend(g, spec, kv_dtype, kv_pool or _whole_chunks(n_ctx)), kv_pool
+
+
+def _auto_gpu_pool(g, spec: ModelSpec, kv_dtype: np.dtype, n_ctx: int) -> int | None:
+    from lucekv.kernels.cuda import cuda
+
+    token_bytes = 2 * spec.n_layer * spec.n_kv_head * spec.head_dim * kv_dtype.itemsize
+    weight_bytes = sum(t.data.nbytes for t in g.tensors.values())  # as uploaded, near enough: quants stay packed
+    return auto_pool_tokens(cuda.current_context().get_memory_info().free, weight_bytes, token_bytes, n_ctx)
+
+
+def auto_pool_tokens(free_bytes: float, weight_bytes: int, token_bytes: int, n_ctx: int) -> int | None:
+    """--kv-pool auto on a GPU: None (the whole context, no paging) when its K/V fits in AUTO_POOL_SHARE of the
+    memory left after the weights, else the most whole chunks that fit (the rest is scratch and headroom)."""
+    budget = max(free_bytes - weight_bytes, 0) * AUTO_POOL_SHARE
+    if _whole_chunks(n_ctx) * token_bytes <= budget:
+        return None
+    tokens = int(budget // token_bytes) // CHUNK_TOKENS * CHUNK_TOKENS
+    if tokens < min_pool_tokens():
+        raise ConfigError(
+            f"--kv-pool auto: {free_bytes / 2**30:.2f} GiB of GPU memory are free and the weights take "
+            f"{weight_bytes / 2**30:.2f} GiB, leaving room for {tokens} tokens of K/V, below the "
+            f"{min_pool_tokens()} a pool needs; free GPU memory or use a smaller model")
+    return tokens
 
 
 def _n_chunks(n_tokens: int) -> int:

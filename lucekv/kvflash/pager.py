@@ -17,6 +17,7 @@ so a device copy of slot_pos is re-uploaded whole only when the epoch moved.
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -279,7 +280,8 @@ class Pager:
         resident = self.resident_chunks()
         return {"pool_tokens": self.pool_tokens, "resident": resident.tolist(),
                 "blocks": self.block_of[resident].tolist(), "last_use": self.last_use[:n].tolist(),
-                "scores": [None if s == UNSCORED else float(s) for s in self.scores[:n]], "clock": int(self.clock),
+                # base64 float64: exact, and scores hold infinities (unscored, missing) that JSON has no word for
+                "scores": base64.b64encode(self.scores[:n].astype("<f8").tobytes()).decode(), "clock": int(self.clock),
                 "pins": [list(span) for span in self.pins]}
 
     def check_residency(self, r: dict) -> None:
@@ -288,7 +290,7 @@ class Pager:
         try:
             resident, blocks = np.asarray(r["resident"], np.int64), np.asarray(r["blocks"], np.int64)
             last_use = np.asarray(r["last_use"], np.int64)
-            scores = np.asarray([UNSCORED if s is None else s for s in r["scores"]], np.float64)
+            scores = _scores_from(r["scores"])
             int(r["clock"])
             pins = [(int(a), int(b)) for a, b in r["pins"]]
         except (KeyError, TypeError, ValueError, OverflowError) as e:
@@ -311,7 +313,7 @@ class Pager:
             self._free.append(block)  # _place takes the free list's last block
             self._place(c, moves, keep=np.empty(0, np.int64))
         self.last_use[:n] = r["last_use"]
-        self.scores[:n] = [UNSCORED if s is None else s for s in r["scores"]]
+        self.scores[:n] = _scores_from(r["scores"])
         self.clock = int(r["clock"])
         self.pins = [(int(a), int(b)) for a, b in r["pins"]]
         return moves
@@ -548,6 +550,15 @@ def _check_config(pool_tokens: int, chunk: int, sink_chunks: int, tail_chunks: i
             f"kv pool of {pool_tokens} tokens is too small: {sink_chunks} sink + {tail_chunks} tail + 1 head "
             f"chunk are never evicted and one more block must stay evictable, so it needs at least {need} "
             f"tokens ({need // chunk} blocks of {chunk})")
+
+
+def _scores_from(text: str) -> np.ndarray:
+    if not isinstance(text, str):
+        raise TypeError(f"scores must be a base64 string, not {type(text).__name__}")
+    raw = base64.b64decode(text, validate=True)
+    if len(raw) % 8:
+        raise ValueError(f"scores hold {len(raw)} bytes, not a whole number of float64")
+    return np.frombuffer(raw, "<f8").astype(np.float64)
 
 
 def _grow(a: np.ndarray, n: int, fill) -> np.ndarray:

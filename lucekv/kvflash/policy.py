@@ -117,8 +117,10 @@ class _QueryScorer:
 class BoundScorer(_QueryScorer):
     """Quest-style upper bound: per chunk, layer, KV head and 16-token sub-page, the per-dimension min and
     max of the keys; a query's best possible logit in the sub-page is sum_i max(q_i*min_i, q_i*max_i).
-    Per (layer, head) the bound becomes a log attention share over chunks; a chunk scores its best share
-    over heads and layers (a union, so one retrieval head is not averaged away)."""
+    Per (layer, head) the bound becomes a log attention share over chunks; a chunk scores the log of its
+    shares summed over heads and layers: the attention mass it could draw in all. (Its best single share
+    ranked early chunks first: a few position-bound heads give them a large share whatever the query. NIAH
+    on smollm2 at 4K, 12.5% residency, 11 depths: 9/11 with the best share, 11/11 with the mass.)"""
 
     name = "quest"
 
@@ -155,7 +157,7 @@ class BoundScorer(_QueryScorer):
             bound[i : i + len(idx)] = ub.transpose(2, 0, 1)
         bound /= np.sqrt(q.shape[-1])
         share = bound - _logsumexp(bound, axis=0)
-        out[sealed] = share.max(axis=(1, 2))
+        out[sealed] = _logsumexp(share.reshape(len(sealed), -1), axis=1)[:, 0]
         return out
 
 

@@ -11,6 +11,7 @@ from lucekv.errors import NotFoundError, PreconditionError, ResourceLimitError
 from lucekv.model.synth import write_synthetic_gguf
 from lucekv.snapshot.blob import FLAG_PARTIAL, SnapshotError, read_snapshot, write_snapshot
 from lucekv.snapshot.store import MemorySnapshotStore
+from tests.kernels.cuda_sim import needs_gpu
 
 POOLS = {"whole context": None, "paged pool": 512}
 
@@ -165,3 +166,39 @@ def test_a_malformed_pager_state_is_refused_and_changes_nothing(model, pager):
     with pytest.raises(SnapshotError, match="pager state is malformed"):
         engine.restore(forged, "s")
     assert engine.session_info("s") == before
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("pool", POOLS.values(), ids=POOLS.keys())
+def test_sessions_on_the_cuda_backend_move_between_engines_exactly(model, pool):
+    first, second = prompt(1000, seed=8), prompt(20, seed=9)
+
+    def cuda(**kw):
+        return lucekv.load(model, backend="cuda", kv_dtype="f32", kv_pool=pool, kv_policy="quest", **kw)
+
+    a, b, _ = conversation(cuda(), "s", first, second)
+    engine = cuda()
+    turn(engine, first, "s")
+    turn(engine, prompt(300, seed=10), "other")  # "s" is parked on the host meanwhile
+    fresh = cuda()
+    roundtrip(engine, "s", fresh)
+    assert turn(fresh, first + a + second, "s")[0] == b
+    assert turn(engine, first + a + second, "s")[0] == b  # and back from the host in the first engine
+
+
+def test_a_quest_session_with_unscored_and_missing_chunks_restores_exactly(model):
+    """quest scores hold +inf (newer than the last reselect) and -inf (no summary): the blob keeps them exactly."""
+    first, second = prompt(1000, seed=11), prompt(20, seed=12)
+
+    def quest():
+        return lucekv.load(model, backend="cpu", kv_dtype="f32", kv_pool=512, kv_policy="quest")
+
+    a, b, _ = conversation(quest(), "s", first, second)
+    engine = quest()
+    turn(engine, first, "s")
+    scores = engine.paged.pager.scores[: engine.paged.pager.n_chunks]
+    assert np.isinf(scores).any()
+    fresh = quest()
+    roundtrip(engine, "s", fresh)
+    assert turn(fresh, first + a + second, "s")[0] == b

@@ -23,9 +23,7 @@ F2, U2, F1, I1 = "float32[:, ::1]", "uint32[:, ::1]", "float32[::1]", "int32[::1
 PART = "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1]"
 
 
-def attend_sig(kv: str) -> str:
-    pool = f"{kv}[:, :, ::1]"
-    return f"void({F2}, {pool}, {pool}, {I1}, {I1}, {I1}, int64, float32, {PART})"
+ATTEND = f"void({F2}, {U2}, {U2}, int64, {I1}, {I1}, {I1}, int64, float32, {PART})"
 
 
 CHECKS = {
@@ -38,9 +36,9 @@ CHECKS = {
     "add": (act._add, f"void({F2}, {F2}, {F2})"),
     "add_row": (act._add_row, f"void({F2}, {F1}, {F2})"),
     "store_kv_f16": (attention._store_kv, f"void({F2}, {F2}, {I1}, float16[:, :, ::1], float16[:, :, ::1])"),
-    "attend_f16": (attention._attend_split, attend_sig("float16")),
-    "attend_f32": (attention._attend_split, attend_sig("float32")),
-    "combine": (attention._combine, f"void({PART}, int64, int64, {F2})"),
+    "attend_f16": (attention._attend_split_f16, ATTEND),
+    "attend_f32": (attention._attend_split_f32, ATTEND),
+    "combine": (attention._combine, f"void({PART}, {F2})"),
     "set_slot_pos": (attention._set_slot_pos, f"void({I1}, {I1}, {I1})"),
     "argmax": (sample._argmax, f"void({F2}, {I1})"),
 }

@@ -102,6 +102,24 @@ def test_matmul(qtype):
 
 
 @needs_kernels
+def test_matmul_tiles():
+    # two token tiles (the second partial) and three row tiles (the last partial)
+    check_matmul(Q.Q4_K, rows=130, cols=256, n=70)
+
+
+def check_matmul(qtype: Q, rows: int, cols: int, n: int) -> None:
+    from lucekv.kernels.cuda.matmul import matmul
+    from lucekv.kernels.cuda.packed import upload
+
+    rng = np.random.default_rng(8)
+    m = random_packed(rng, qtype, rows, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    out = cuda.device_array((n, rows), np.float32)
+    matmul(upload(m), cuda.to_device(x), out)
+    assert rel_err(out.copy_to_host(), x.astype(np.float64) @ dense(m).T) <= 1e-3
+
+
+@needs_kernels
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q6_K, Q.F32], ids=lambda q: q.name)
 def test_embed(qtype):
     from lucekv.kernels.cuda.embed import embed
@@ -193,7 +211,7 @@ def attention_reference(q, k_pool, v_pool, slot_pos, positions, window, scale):
 
 def check_attention(n_slots, n_head, n_kv, d, positions, window, kv_dtype, seed=0):
     """Random pool with a shuffled slot -> position map (and free slots), queries at `positions`."""
-    from lucekv.kernels.cuda.attention import attend, n_splits, partials, store_kv
+    from lucekv.kernels.cuda.attention import attend, partials, store_kv
 
     rng = np.random.default_rng(seed)
     slot_pos = rng.permutation(n_slots).astype(np.int32)
@@ -214,11 +232,15 @@ def check_attention(n_slots, n_head, n_kv, d, positions, window, kv_dtype, seed=
     assert np.array_equal(dk.copy_to_host(), k_pool)
     out = cuda.device_array((n, n_head * d), np.float32)
     scale = 1 / np.sqrt(d)
-    # the grid covers twice the pool: chunks past n_slots must contribute nothing
-    d_n_slots = cuda.to_device(np.array([n_slots], np.int32))
-    attend(cuda.to_device(q), dk, dv, cuda.to_device(slot_pos), d_n_slots, 2 * n_slots,
-           cuda.to_device(positions), window, scale, partials(n, n_head, d, n_splits(2 * n_slots)), out)
-    ref = attention_reference(q, k_pool, v_pool, slot_pos, positions, window, scale)
+    # the high-water mark: slots past it are never read (the pool behind it holds NaN)
+    used = n_slots - 7
+    k_pool[used:], v_pool[used:], slot_pos[used:] = np.nan, np.nan, 0
+    dk[used:].copy_to_device(k_pool[used:])
+    dv[used:].copy_to_device(v_pool[used:])
+    d_used = cuda.to_device(np.array([used], np.int32))
+    attend(cuda.to_device(q), dk, dv, cuda.to_device(slot_pos), d_used, cuda.to_device(positions), window, scale,
+           partials(n, n_head, d), out)
+    ref = attention_reference(q, k_pool[:used], v_pool[:used], slot_pos[:used], positions, window, scale)
     assert rel_err(out.copy_to_host(), ref) <= (1e-2 if kv_dtype == np.float16 else 1e-3)
 
 
@@ -226,8 +248,15 @@ def check_attention(n_slots, n_head, n_kv, d, positions, window, kv_dtype, seed=
 @pytest.mark.parametrize(("kv_dtype", "window"), [(np.float32, 0), (np.float32, 20), (np.float16, 20)],
                          ids=["f32", "f32-window", "f16-window"])
 def test_attention(kv_dtype, window):
-    # 300 slots: two split chunks, the second partial; GQA 4 heads on 2 KV heads
-    check_attention(300, 4, 2, 16, np.array([150, 299], np.int32), window, kv_dtype)
+    # 93 slots used of 100: three 32-slot chunks, the last partial, the other splits empty; GQA 4 heads on 2
+    # KV heads; head_dim 16: most lanes hold no dimension
+    check_attention(100, 4, 2, 16, np.array([50, 92], np.int32), window, kv_dtype)
+
+
+@needs_kernels
+def test_attention_wide_rows():
+    # float32 rows of 160 values: K and V of a tile do not fit the buffer together, V is staged after K
+    check_attention(40, 2, 1, 160, np.array([30], np.int32), 0, np.float32)
 
 
 @needs_kernels
@@ -250,6 +279,14 @@ def test_argmax():
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
 def test_matvec_gpu(qtype):
     check_matvec(qtype, rows=4096, cols=4096, n=1)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize(("qtype", "rows", "cols", "n"), [(Q.Q4_K, 4096, 4096, 300), (Q.Q6_K, 4096, 12288, 100),
+                                                         (Q.F32, 1000, 896, 77)], ids=lambda v: getattr(v, "name", v))
+def test_matmul_gpu(qtype, rows, cols, n):
+    check_matmul(qtype, rows, cols, n)
 
 
 @gpu

@@ -19,9 +19,9 @@ def test_matvec_in_simulator():
 
 @needs_kernels
 @pytest.mark.parametrize(("qtype", "rows", "cols"), [
-    (Q.Q4_K, 3, 9216),  # 9 segments: two passes of 5 warps, the last warp idle in the second
-    (Q.Q6_K, 3, 9216),  # q8 in 16-blocks, same layout
-    (Q.Q8_0, 9, 1280),  # a segment cut short (second warp's lanes partly idle), three row blocks
+    (Q.Q4_K, 3, 17408),  # 17 segments: two passes of 9 warps, the last warp idle in the second
+    (Q.Q6_K, 3, 9216),  # q8 in 16-blocks, 9 segments in one pass
+    (Q.Q8_0, 9, 1280),  # a segment cut short (second warp's lanes partly idle), three row blocks, one partial
 ], ids=lambda v: getattr(v, "name", str(v)))
 def test_matvec_layouts(qtype, rows, cols):
     check_matvec(qtype, rows, cols, n=1)

@@ -6,12 +6,14 @@ Compatibility shims live here and nowhere else:
   a warp through `warp_sum` / `warp_max`; on the GPU these are shuffle butterflies, in the simulator they
   exchange values through a block-wide scratch array between two barriers. So in the simulator a warp
   reduction is a block barrier: kernels call them in block-uniform control flow (every thread of the
-  block, the same number of times), which they do anyway to stay free of divergence.
-- Bandwidth-bound kernels need three instructions numba does not expose, so they get inline PTX here and
-  plain Python twins in the simulator: `load_u32x4` (16 bytes per lane in one `ld.global.nc.v4.u32`; numba
-  cannot prove the alignment that would let the compiler merge four word loads), `load_f32` (a read-only
-  load without numba's negative-index wraparound arithmetic) and `exponent_byte` (one `prmt`: a code byte
-  becomes the float 2^23 + byte, no int-to-float conversion).
+  block, the same number of times), which they do anyway to stay free of divergence. The same holds for
+  `warp_broadcast` (lane `src`'s value to every lane).
+- Bandwidth-bound kernels need instructions numba does not expose, so they get inline PTX here and plain
+  Python twins in the simulator: `load_u32x4` / `load_f32x4` (16 bytes per lane in one `ld.global.nc.v4`;
+  numba cannot prove the alignment that would let the compiler merge four word loads), `load_f32` (a
+  read-only load without numba's negative-index wraparound arithmetic), `dot4_u8s8` / `dot4_s8s8`
+  (`dp4a`: four byte products summed into an int32 in one instruction), and `half2_floats` / `bits_f32`
+  (words of a K/V tile, staged as raw 32-bit words, back to floats).
 """
 
 from __future__ import annotations
@@ -41,11 +43,28 @@ if SIMULATOR:
     def load_u32x4(words, r, c):
         return words[r, c], words[r, c + 1], words[r, c + 2], words[r, c + 3]
 
+    def load_f32x4(a, r, c):
+        return a[r, c], a[r, c + 1], a[r, c + 2], a[r, c + 3]
+
     def load_f32(a, r, c):
         return a[r, c]
 
-    def exponent_byte(word, j):
-        return np.float32(2 ** 23 + ((int(word) >> (8 * j)) & 0xFF))
+    def half2_floats(word):
+        h = np.array([int(word)], np.uint32).view(np.float16)
+        return np.float32(h[0]), np.float32(h[1])
+
+    def bits_f32(word):
+        return np.array([int(word)], np.uint32).view(np.float32)[0]
+
+    def _bytes(word, signed):
+        return [((int(word) >> (8 * j)) & 0xFF) - (256 if signed and (int(word) >> (8 * j)) & 0x80 else 0)
+                for j in range(4)]
+
+    def dot4_u8s8(a, b, c):
+        return np.int32(int(c) + sum(x * y for x, y in zip(_bytes(a, False), _bytes(b, True), strict=True)))
+
+    def dot4_s8s8(a, b, c):
+        return np.int32(int(c) + sum(x * y for x, y in zip(_bytes(a, True), _bytes(b, True), strict=True)))
 
     _SCRATCH = 1024  # the most threads a block may have
 
@@ -71,6 +90,17 @@ if SIMULATOR:
     @cuda.jit(device=True)
     def warp_max(v):
         return _warp_reduce(v, max)
+
+    @cuda.jit(device=True)
+    def warp_broadcast(v, src):
+        scratch = cuda.shared.array(_SCRATCH, np.float64)
+        t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        cuda.syncthreads()
+        scratch[t] = v
+        cuda.syncthreads()
+        out = scratch[t - t % WARP + src]
+        cuda.syncthreads()
+        return type(v)(out)
 
 else:
     from llvmlite import ir
@@ -102,6 +132,56 @@ else:
         return types.UniTuple(types.uint32, 4)(words, r, c), codegen
 
     @intrinsic
+    def load_f32x4(typingctx, a, r, c):
+        """a[r, c:c+4] of a C-contiguous float32 matrix that no kernel writes while this one runs, c a multiple
+        of 4 (rows 16-byte aligned)."""
+        def codegen(context, builder, sig, args):
+            ptx = "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];"
+            loaded = _global_nc_load(builder, context, sig, args, ptx, [ir.FloatType()] * 4)
+            values = [builder.extract_value(loaded, i) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, values)
+
+        return types.UniTuple(types.float32, 4)(a, r, c), codegen
+
+    def _dp4a(ptx: str):
+        def codegen(context, builder, sig, args):
+            values = [context.cast(builder, v, t, types.int32) for v, t in zip(args, sig.args, strict=True)]
+            return builder.call(ir.InlineAsm(ir.FunctionType(I32, [I32] * 3), ptx, "=r,r,r,r"), values)
+
+        return codegen
+
+    @intrinsic
+    def dot4_u8s8(typingctx, a, b, c):
+        """c + the sum of the 4 products of a's unsigned bytes and b's signed bytes (int32, one dp4a)."""
+        return types.int32(a, b, c), _dp4a("dp4a.u32.s32 $0, $1, $2, $3;")
+
+    @intrinsic
+    def dot4_s8s8(typingctx, a, b, c):
+        """c + the sum of the 4 products of a's and b's signed bytes (int32, one dp4a)."""
+        return types.int32(a, b, c), _dp4a("dp4a.s32.s32 $0, $1, $2, $3;")
+
+    @intrinsic
+    def half2_floats(typingctx, word):
+        """The two float16 halves of a uint32 word as float32 (low half first)."""
+        def codegen(context, builder, sig, args):
+            ptx = "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }"
+            w = context.cast(builder, args[0], sig.args[0], types.uint32)
+            f = ir.FloatType()
+            pair = builder.call(ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f, f]), [I32]), ptx, "=f,=f,r"),
+                                [w])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(pair, i) for i in range(2)])
+
+        return types.UniTuple(types.float32, 2)(word), codegen
+
+    @intrinsic
+    def bits_f32(typingctx, word):
+        """The float32 whose bits are the uint32 `word`."""
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.uint32), ir.FloatType())
+
+        return types.float32(word), codegen
+
+    @intrinsic
     def load_f32(typingctx, a, r, c):
         """a[r, c] of a float32 matrix that no kernel writes while this one runs, r and c non-negative."""
         def codegen(context, builder, sig, args):
@@ -109,19 +189,6 @@ else:
             return _global_nc_load(builder, context, sig, args, ptx, [ir.FloatType()])
 
         return types.float32(a, r, c), codegen
-
-    @intrinsic
-    def exponent_byte(typingctx, word, j):
-        """float32 2^23 + byte j of `word`: the byte under the exponent bits 0x4B (j a constant 0..3)."""
-        def codegen(context, builder, sig, args):
-            w = context.cast(builder, args[0], sig.args[0], types.uint32)
-            j = context.cast(builder, args[1], sig.args[1], types.uint32)
-            selector = builder.add(ir.Constant(I32, 0x7540), j)  # bytes: j, 0x00, 0x00, 0x4B
-            prmt = ir.InlineAsm(ir.FunctionType(I32, [I32] * 3), "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
-            bits = builder.call(prmt, [w, ir.Constant(I32, 0x4B000000), selector])
-            return builder.bitcast(bits, ir.FloatType())
-
-        return types.float32(word, j), codegen
 
     @cuda.jit(device=True, inline=True)
     def warp_sum(v):
@@ -134,6 +201,10 @@ else:
         for offset in (16, 8, 4, 2, 1):
             v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, offset))
         return v
+
+    @cuda.jit(device=True, inline=True)
+    def warp_broadcast(v, src):
+        return cuda.shfl_sync(FULL_MASK, v, src)
 
 
 def blocks(n: int, per_block: int) -> int:

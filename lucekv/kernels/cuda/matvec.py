@@ -1,55 +1,56 @@
 """Decode products y = W @ x with W a PackedMatrix kept quantized on the GPU (see kernels.cpu.quants).
 
-Decode reads every weight byte once per token, so these kernels are built to stream HBM:
-- Lanes own columns, not rows. Lane `l` of warp `w` owns 32 columns of a 1024-column segment; it holds
-  those 32 x values in registers and walks the block's rows, loading per row one 16-byte word of q4 codes
-  (one whole 32-block) or two of q8 codes, with the (scale, bias) pairs of its columns. A warp's loads of
-  one row are 512 (q4) or 2 x 512 (q8) consecutive bytes, and each x value is reused for every row.
-- A block has one warp per segment (more segments than MAX_WARPS take several passes) and handles
-  `rows_per_block` rows, ROWS_IN_FLIGHT at a time: all their loads are issued before any is used, the
-  first group's before x is staged, so that the weights' latency overlaps x's.
-- x reaches the registers through shared memory, written coalesced and read back per lane; element j of
-  a lane sits at 32 * j + ((lane + j) % 32), so both sides hit 32 distinct banks.
+Decode reads every weight byte once per token, so these kernels stream HBM with few instructions per byte:
+- Integer dot products. Each lane turns its 32 x values into int8 twice over: hi = round(x / s) with
+  s = max|x| / 127 over those columns, lo = round((x - s hi) / u) with u = s / 256, so that
+  x = u (256 hi + lo) to within u / 2 (about 16 bits). Codes times x then take one `dp4a` per 4 products
+  and part (q8 codes are signed bytes already; q4 nibbles need a mask, or a shift and a mask, per word)
+  and one int-to-float conversion per block and row: a third of the instructions of float products.
+- Lanes own columns, not rows. Lane `l` of warp `w` owns 32 columns of a 1024-column segment and keeps
+  their int8 x in 16 registers; it walks the block's rows, loading per row one 16-byte word of q4 codes
+  (one 32-block) or two of q8 codes, with the (scale, bias) pairs of its columns. A warp's loads of one
+  row are 512 (q4) or 2 x 512 (q8) consecutive bytes, and x is read and quantized once per block.
+- A block has one warp per segment (up to MAX_WARPS; wider rows take several passes) and handles
+  `rows_per_block` rows in groups of GROUP rows, double-buffered in registers: a group's loads are issued
+  before the previous group is used (the first group's before x is read), so that a warp always has
+  loads in flight.
 - Each row's partial dot products are summed across the warp (shuffles), then across the warps through
   shared memory: no atomics, one plain store per output.
-- Codes become floats by the exponent trick (one byte permute puts a code byte under the exponent bits
-  0x4B: the float 2^23 + code, exact; subtract 2^23) instead of int-to-float conversions, whose
-  throughput is an eighth of an FMA's.
-Bias costs no pass of its own: a column block contributes `scale * sum(code * x) + bias * sum(x)`, and
-no bytes when the matrix has none (DeviceMatrix.has_bias).
+Bias costs no pass of its own: a column block contributes `scale * dot + bias * sum(x)`, sum(x) taken from
+the unquantized x, and no bytes when the matrix has none (DeviceMatrix.has_bias).
 Several tokens (a short batch) run as grid rows of the same kernel.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
-from numba.cuda import types as numba_types
 
 from lucekv.kernels.cuda._numba import (
     SIMULATOR,
     WARP,
     blocks,
     cuda,
-    exponent_byte,
+    dot4_s8s8,
+    dot4_u8s8,
     load_f32,
+    load_f32x4,
     load_u32x4,
     warp_sum,
 )
 from lucekv.kernels.cuda.packed import DeviceMatrix
 
 SEGMENT = WARP * 32  # columns per warp and pass: 32 per lane
-MAX_WARPS = 8  # x staging then takes at most 32 KiB of shared memory
+MAX_WARPS = 16  # rows of up to 16384 columns in one pass
 MAX_ROWS_PER_BLOCK = 64
 PARTIALS = MAX_WARPS * MAX_ROWS_PER_BLOCK  # one float per (warp, row) of a block
-ROWS_IN_FLIGHT = {"q4": 8, "q8": 4}  # equal register footprints: 8 x (16 + 8) bytes, 4 x (32 + 16)
-WARPS_PER_SM_TARGET = 8  # resident warps per SM the grid aims at: each keeps ~6 KiB of loads in flight
+GROUP = {"q4": 4, "q8": 2}  # rows per register buffer, equal footprints: 4 x (16 + 8) bytes, 2 x (32 + 16)
+RESIDENT_WARPS_PER_SM = 16  # what the kernels' ~110 registers per thread leave room for
 F32_ROWS_PER_BLOCK = 4
-F32 = numba_types.float32  # the simulator sizes dynamic shared arrays from a numba type, not np.float32
-LOW_NIBBLES, SIGN_BITS = np.uint32(0x0F0F0F0F), np.uint32(0x80808080)
-Q4_OFFSET = np.float32(2 ** 23)
-Q8_OFFSET = np.float32(2 ** 23 + 128)  # int8 code c is stored flipped: byte ^ 0x80 = c + 128
+LOW_NIBBLES = np.uint32(0x0F0F0F0F)
+HI_STEPS = np.float32(127)  # |hi| <= 127, and |lo| <= 128 before it is clamped to 127
 
 
 def matvec(w: DeviceMatrix, x, out, stream=0) -> None:
@@ -61,9 +62,8 @@ def matvec(w: DeviceMatrix, x, out, stream=0) -> None:
     segments = blocks(w.cols, SEGMENT)
     n_pass = blocks(segments, MAX_WARPS)
     n_warps = blocks(segments, n_pass)
-    rows_per_block = _rows_per_block(w.rows, n_warps, ROWS_IN_FLIGHT[w.kind])
-    grid = (blocks(w.rows, rows_per_block), x.shape[0])
-    launch = (grid, n_warps * WARP, stream, n_warps * SEGMENT * 4)  # dynamic shared memory: staged x
+    rows_per_block = _rows_per_block(w.rows, n_warps, 2 * GROUP[w.kind])
+    launch = ((blocks(w.rows, rows_per_block), x.shape[0]), n_warps * WARP, stream)
     if w.kind == "q4":
         _matvec_q4[launch](w.codes, w.scale, w.bias, w.has_bias, x, out, n_pass, rows_per_block)
     else:
@@ -71,11 +71,12 @@ def matvec(w: DeviceMatrix, x, out, stream=0) -> None:
                            rows_per_block)
 
 
-def _rows_per_block(rows: int, n_warps: int, in_flight: int) -> int:
-    """Rows per block: as many as keep the grid at WARPS_PER_SM_TARGET warps per SM (fewer blocks load x
-    fewer times), a multiple of `in_flight`."""
-    share = rows * n_warps // (_sm_count() * WARPS_PER_SM_TARGET)
-    return min(max(share // in_flight, 1) * in_flight, MAX_ROWS_PER_BLOCK)
+def _rows_per_block(rows: int, n_warps: int, step: int) -> int:
+    """Rows per block, a multiple of `step` (both register buffers): the fewest that let one wave of resident
+    blocks cover the matrix. A second wave, or SMs left without a block, cost up to a third of a big
+    product's time (measured: 12-warp blocks of 44 rows of a 4096 x 12288 matrix left 38 of 132 SMs idle)."""
+    slots = _sm_count() * max(RESIDENT_WARPS_PER_SM // n_warps, 1)
+    return min(blocks(blocks(rows, slots), step) * step, MAX_ROWS_PER_BLOCK)
 
 
 @functools.cache
@@ -83,43 +84,60 @@ def _sm_count() -> int:
     return 1 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
-# ---- shared pieces: x staging, cross-warp sums ------------------------------------------------------------
+# ---- shared pieces: x as two int8 parts, cross-warp sums --------------------------------------------------
 
 
 @cuda.jit(device=True, inline=True)
-def _q4_owner(k):
-    """(lane, register) holding column k of a segment for q4: lane l owns columns 32l .. 32l + 31."""
-    return k >> 5, k & 31
+def _load_x16(x, t, c, xv, o):
+    """x[t, c:c+16] into xv[o:o+16]; zeros past the end of the row (rows are whole 16-column chunks)."""
+    if c + 16 <= x.shape[1]:
+        for k in range(4):
+            xv[o + 4 * k], xv[o + 4 * k + 1], xv[o + 4 * k + 2], xv[o + 4 * k + 3] = load_f32x4(x, t, c + 4 * k)
+    else:
+        for k in range(16):
+            xv[o + k] = np.float32(0)
 
 
 @cuda.jit(device=True, inline=True)
-def _q8_owner(k):
-    """q8: lane l owns the 16-column chunks l and l + 32 of the segment (registers 0..15 and 16..31)."""
-    return (k & 511) >> 4, ((k >> 9) << 4) | (k & 15)
+def _nearest(v):
+    return np.int32(math.floor(v + np.float32(0.5)))
 
 
-def _make_stage(owner):
-    @cuda.jit(device=True, inline=True)
-    def stage(x, t, first_col, xs, xr):
-        """x[t, first_col:] of every warp's segment into shared memory, then this lane's 32 into xr."""
-        n_warps = cuda.blockDim.x // WARP
-        cols = x.shape[1]
-        cuda.syncthreads()  # the previous pass has read xs
-        for i in range(cuda.threadIdx.x, n_warps * SEGMENT, cuda.blockDim.x):
-            c = first_col + i
-            lane, j = owner(i % SEGMENT)
-            xs[i - i % SEGMENT + 32 * j + ((lane + j) & 31)] = x[t, c] if c < cols else np.float32(0)
-        cuda.syncthreads()
-        base = (cuda.threadIdx.x // WARP) * SEGMENT
-        lane = cuda.threadIdx.x % WARP
-        for j in range(32):
-            xr[j] = xs[base + 32 * j + ((lane + j) & 31)]
-
-    return stage
+@cuda.jit(device=True, inline=True)
+def _pack4(a, b, c, d):
+    """Four ints in -128..127 as the signed bytes of one word, a lowest."""
+    return np.uint32((a & 0xFF) | ((b & 0xFF) << 8) | ((c & 0xFF) << 16) | ((d & 0xFF) << 24))
 
 
-_stage_q4 = _make_stage(_q4_owner)
-_stage_q8 = _make_stage(_q8_owner)
+@cuda.jit(device=True, inline=True)
+def _quantize_x(xv, xq):
+    """xv (32 floats) as int8 words: xq[k] the hi parts of xv[4k:4k+4], xq[8 + k] the lo parts; returns u."""
+    amax = np.float32(0)
+    for j in range(32):
+        amax = max(amax, abs(xv[j]))
+    inv = HI_STEPS / amax if amax > np.float32(0) else np.float32(0)
+    s = amax / HI_STEPS
+    lo_inv = inv * np.float32(256)
+    for k in range(8):
+        h0 = _nearest(xv[4 * k] * inv)
+        h1 = _nearest(xv[4 * k + 1] * inv)
+        h2 = _nearest(xv[4 * k + 2] * inv)
+        h3 = _nearest(xv[4 * k + 3] * inv)
+        xq[k] = _pack4(h0, h1, h2, h3)
+        lo0 = min(_nearest((xv[4 * k] - np.float32(h0) * s) * lo_inv), 127)
+        lo1 = min(_nearest((xv[4 * k + 1] - np.float32(h1) * s) * lo_inv), 127)
+        lo2 = min(_nearest((xv[4 * k + 2] - np.float32(h2) * s) * lo_inv), 127)
+        lo3 = min(_nearest((xv[4 * k + 3] - np.float32(h3) * s) * lo_inv), 127)
+        xq[8 + k] = _pack4(lo0, lo1, lo2, lo3)
+    return s / np.float32(256)
+
+
+@cuda.jit(device=True, inline=True)
+def _sum16(xv, o):
+    acc = np.float32(0)
+    for j in range(16):
+        acc += xv[o + j]
+    return acc
 
 
 @cuda.jit(device=True, inline=True)
@@ -132,8 +150,9 @@ def _add_row(part, i, v):
 
 @cuda.jit(device=True, inline=True)
 def _clear_partials(part):
-    for i in range(cuda.threadIdx.x, MAX_WARPS * MAX_ROWS_PER_BLOCK, cuda.blockDim.x):
+    for i in range(cuda.threadIdx.x, PARTIALS, cuda.blockDim.x):
         part[i] = np.float32(0)
+    cuda.syncthreads()
 
 
 @cuda.jit(device=True, inline=True)
@@ -152,22 +171,24 @@ def _store_rows(part, first_row, rows_per_block, out, t):
 
 
 @cuda.jit(device=True, inline=True)
-def _q4_dot(code, i, xr):
-    # word k of a 32-block holds bytes 4k..4k+3: low nibbles are elements 4k..4k+3, high ones 16+4k..
-    d = np.float32(0)
+def _q4_dot(code, i, xq):
+    """sum(code * x) / u for in-flight row i: word k holds elements 4k.. (low nibbles) and 16 + 4k.. (high)."""
+    hi = np.int32(0)
+    lo = np.int32(0)
     for k in range(4):
         low = code[i, k] & LOW_NIBBLES
         high = (code[i, k] >> np.uint32(4)) & LOW_NIBBLES
-        for j in range(4):
-            d += (exponent_byte(low, j) - Q4_OFFSET) * xr[4 * k + j]
-            d += (exponent_byte(high, j) - Q4_OFFSET) * xr[16 + 4 * k + j]
-    return d
+        hi = dot4_u8s8(low, xq[k], hi)
+        hi = dot4_u8s8(high, xq[4 + k], hi)
+        lo = dot4_u8s8(low, xq[8 + k], lo)
+        lo = dot4_u8s8(high, xq[12 + k], lo)
+    return np.float32(np.int32(hi * 256 + lo))
 
 
 @cuda.jit(device=True, inline=True)
 def _q4_load(words, scale, bias, has_bias, first, b, code, sb):
-    """Issue the loads of rows first.. first + 7, block b, into code / sb (zeros where b is past the row)."""
-    for i in range(8):
+    """Issue the loads of rows first.. first + 3, block b, into code / sb (zeros where b is past the row)."""
+    for i in range(4):
         r = min(first + i, words.shape[0] - 1)  # rows past the end load a real row, stored nowhere
         if b < scale.shape[1]:
             code[i, 0], code[i, 1], code[i, 2], code[i, 3] = load_u32x4(words, r, 4 * b)
@@ -179,29 +200,38 @@ def _q4_load(words, scale, bias, has_bias, first, b, code, sb):
                 code[i, k] = np.uint32(0)
 
 
+@cuda.jit(device=True, inline=True)
+def _q4_rows(part, i0, code, sb, xq, u, xsum):
+    for i in range(4):
+        _add_row(part, i0 + i, sb[i, 0] * (u * _q4_dot(code, i, xq)) + sb[i, 1] * xsum)
+
+
 @cuda.jit
 def _matvec_q4(words, scale, bias, has_bias, x, out, n_pass, rows_per_block):
-    xs = cuda.shared.array(0, F32)  # dynamic: the launch sizes it
     part = cuda.shared.array(PARTIALS, np.float32)
-    xr = cuda.local.array(32, np.float32)
-    code = cuda.local.array((8, 4), np.uint32)  # ROWS_IN_FLIGHT["q4"] rows
-    sb = cuda.local.array((8, 2), np.float32)
+    xv = cuda.local.array(32, np.float32)
+    xq = cuda.local.array(16, np.uint32)
+    code_a = cuda.local.array((4, 4), np.uint32)  # two buffers of GROUP["q4"] rows
+    sb_a = cuda.local.array((4, 2), np.float32)
+    code_b = cuda.local.array((4, 4), np.uint32)
+    sb_b = cuda.local.array((4, 2), np.float32)
     t = cuda.blockIdx.y
     first_row = cuda.blockIdx.x * rows_per_block
     n_warps = cuda.blockDim.x // WARP
     _clear_partials(part)
     for p in range(n_pass):
         b = (p * n_warps + cuda.threadIdx.x // WARP) * WARP + cuda.threadIdx.x % WARP  # this lane's block
-        _q4_load(words, scale, bias, has_bias, first_row, b, code, sb)  # in flight while x is staged
-        _stage_q4(x, t, p * n_warps * SEGMENT, xs, xr)
-        xsum = np.float32(0)
-        for j in range(32):
-            xsum += xr[j]
+        _q4_load(words, scale, bias, has_bias, first_row, b, code_a, sb_a)  # in flight while x is read
+        _load_x16(x, t, 32 * b, xv, 0)
+        _load_x16(x, t, 32 * b + 16, xv, 16)
+        xsum = _sum16(xv, 0) + _sum16(xv, 16)
+        u = _quantize_x(xv, xq)
         for i0 in range(0, rows_per_block, 8):
-            if i0 > 0:
-                _q4_load(words, scale, bias, has_bias, first_row + i0, b, code, sb)
-            for i in range(8):
-                _add_row(part, i0 + i, sb[i, 0] * _q4_dot(code, i, xr) + sb[i, 1] * xsum)
+            _q4_load(words, scale, bias, has_bias, first_row + i0 + 4, b, code_b, sb_b)
+            _q4_rows(part, i0, code_a, sb_a, xq, u, xsum)
+            if i0 + 8 < rows_per_block:
+                _q4_load(words, scale, bias, has_bias, first_row + i0 + 8, b, code_a, sb_a)
+            _q4_rows(part, i0 + 4, code_b, sb_b, xq, u, xsum)
     _store_rows(part, first_row, rows_per_block, out, t)
 
 
@@ -209,20 +239,20 @@ def _matvec_q4(words, scale, bias, has_bias, x, out, n_pass, rows_per_block):
 
 
 @cuda.jit(device=True, inline=True)
-def _q8_dot(code, i, h, xr):
-    """Dot of chunk h (0 or 1, 16 columns in 4 words) of in-flight row i with its x registers."""
-    d = np.float32(0)
+def _q8_dot(code, i, h, xq):
+    """sum(code * x) / u for chunk h (0 or 1: 16 columns in 4 words of signed bytes) of in-flight row i."""
+    hi = np.int32(0)
+    lo = np.int32(0)
     for k in range(4):
-        flipped = code[i, 4 * h + k] ^ SIGN_BITS
-        for j in range(4):
-            d += (exponent_byte(flipped, j) - Q8_OFFSET) * xr[16 * h + 4 * k + j]
-    return d
+        hi = dot4_s8s8(code[i, 4 * h + k], xq[4 * h + k], hi)
+        lo = dot4_s8s8(code[i, 4 * h + k], xq[8 + 4 * h + k], lo)
+    return np.float32(np.int32(hi * 256 + lo))
 
 
 @cuda.jit(device=True, inline=True)
 def _q8_load(words, scale, bias, has_bias, chunk_to_block_log2, first, c0, code, sb):
-    """Issue the loads of rows first.. first + 3, chunks c0 and c0 + 32, into code / sb."""
-    for i in range(4):
+    """Issue the loads of rows first and first + 1, chunks c0 and c0 + 32, into code / sb."""
+    for i in range(2):
         r = min(first + i, words.shape[0] - 1)  # rows past the end load a real row, stored nowhere
         for h in range(2):
             c = c0 + h * WARP
@@ -238,34 +268,42 @@ def _q8_load(words, scale, bias, has_bias, chunk_to_block_log2, first, c0, code,
                     code[i, 4 * h + k] = np.uint32(0)
 
 
+@cuda.jit(device=True, inline=True)
+def _q8_rows(part, i0, code, sb, xq, u, xsum0, xsum1):
+    for i in range(2):
+        acc = sb[i, 0] * (u * _q8_dot(code, i, 0, xq)) + sb[i, 1] * xsum0
+        acc += sb[i, 2] * (u * _q8_dot(code, i, 1, xq)) + sb[i, 3] * xsum1
+        _add_row(part, i0 + i, acc)
+
+
 @cuda.jit
 def _matvec_q8(words, scale, bias, has_bias, chunk_to_block_log2, x, out, n_pass, rows_per_block):
-    xs = cuda.shared.array(0, F32)  # dynamic: the launch sizes it
     part = cuda.shared.array(PARTIALS, np.float32)
-    xr = cuda.local.array(32, np.float32)
-    code = cuda.local.array((4, 8), np.uint32)  # ROWS_IN_FLIGHT["q8"] rows, two 16-byte chunks each
-    sb = cuda.local.array((4, 4), np.float32)  # scale, bias of chunk 0, then of chunk 1
-    xsum = cuda.local.array(2, np.float32)
+    xv = cuda.local.array(32, np.float32)
+    xq = cuda.local.array(16, np.uint32)
+    code_a = cuda.local.array((2, 8), np.uint32)  # two buffers of GROUP["q8"] rows, two 16-byte chunks each
+    sb_a = cuda.local.array((2, 4), np.float32)  # scale, bias of chunk 0, then of chunk 1
+    code_b = cuda.local.array((2, 8), np.uint32)
+    sb_b = cuda.local.array((2, 4), np.float32)
     t = cuda.blockIdx.y
     first_row = cuda.blockIdx.x * rows_per_block
     n_warps = cuda.blockDim.x // WARP
     _clear_partials(part)
     for p in range(n_pass):
+        # lane l owns the 16-column chunks l and l + 32 of its warp's segment
         c0 = (p * n_warps + cuda.threadIdx.x // WARP) * 2 * WARP + cuda.threadIdx.x % WARP
-        _q8_load(words, scale, bias, has_bias, chunk_to_block_log2, first_row, c0, code, sb)  # during staging
-        _stage_q8(x, t, p * n_warps * SEGMENT, xs, xr)
-        for h in range(2):
-            xsum[h] = np.float32(0)
-            for j in range(16):
-                xsum[h] += xr[16 * h + j]
+        _q8_load(words, scale, bias, has_bias, chunk_to_block_log2, first_row, c0, code_a, sb_a)  # while x is read
+        _load_x16(x, t, 16 * c0, xv, 0)
+        _load_x16(x, t, 16 * (c0 + WARP), xv, 16)
+        xsum0 = _sum16(xv, 0)
+        xsum1 = _sum16(xv, 16)
+        u = _quantize_x(xv, xq)
         for i0 in range(0, rows_per_block, 4):
-            if i0 > 0:
-                _q8_load(words, scale, bias, has_bias, chunk_to_block_log2, first_row + i0, c0, code, sb)
-            for i in range(4):
-                acc = np.float32(0)
-                for h in range(2):
-                    acc += sb[i, 2 * h] * _q8_dot(code, i, h, xr) + sb[i, 2 * h + 1] * xsum[h]
-                _add_row(part, i0 + i, acc)
+            _q8_load(words, scale, bias, has_bias, chunk_to_block_log2, first_row + i0 + 2, c0, code_b, sb_b)
+            _q8_rows(part, i0, code_a, sb_a, xq, u, xsum0, xsum1)
+            if i0 + 4 < rows_per_block:
+                _q8_load(words, scale, bias, has_bias, chunk_to_block_log2, first_row + i0 + 4, c0, code_a, sb_a)
+            _q8_rows(part, i0 + 2, code_b, sb_b, xq, u, xsum0, xsum1)
     _store_rows(part, first_row, rows_per_block, out, t)
 
 

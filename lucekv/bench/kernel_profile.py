@@ -1,0 +1,204 @@
+"""Per-kernel GPU time of one CUDA decode step, measured inside the captured graph (no launch overhead).
+
+    python -m lucekv.bench.kernel_profile MODEL.gguf [--pool 131072] [--prompt 512] [--replays 20] [--json OUT]
+
+After a prompt of `--prompt` tokens the one-token step is captured twice: as DecodeGraph captures it, and
+once more with a CUDA event recorded before every kernel launch and after the last (event nodes between
+the kernel nodes). Replaying the second gives each kernel's time at its place in the step (its run plus
+the gap to the next node); replaying the first gives the step's real time, so the table shows what the
+event nodes add. Launches are labelled with the CudaOps op that made them (linears with their matrix
+shape and kind, and GB/s of the weight bytes they read) and grouped by (op, kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from lucekv.backends import cuda as cuda_backend
+from lucekv.backends.cuda import CudaBackend, CudaOps, DecodeGraph, _check
+from lucekv.kernels.cuda import cuda
+from lucekv.kernels.cuda.packed import DeviceMatrix
+from lucekv.model.arch import ModelSpec
+from lucekv.model.gguf import open_gguf
+
+OPS = ("embed", "linear", "rmsnorm", "rope", "attention", "gated_act", "add")
+
+
+class LaunchRecorder:
+    """While `active`, records an event on `stream` before every kernel launch, labelled by op and kernel."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.active = False
+        self.op = "step"
+        self.op_bytes = 0
+        self.marks: list[tuple[str, str, int]] = []  # (op, kernel, weight bytes) per launch
+        self.events: list = []
+
+    def mark(self, op: str, kernel: str, nbytes: int) -> None:
+        from cuda.bindings import driver
+
+        ev = cuda.event(timing=True)
+        # external: captured as an event record node (a plain record would only order the capture)
+        _check(driver.cuEventRecordWithFlags(driver.CUevent(int(ev.handle)), driver.CUstream(int(self.stream.handle)),
+                                             driver.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL))
+        self.events.append(ev)
+        self.marks.append((op, kernel, nbytes))
+
+    @contextlib.contextmanager
+    def patched(self):
+        """Hook numba's launches and CudaOps' ops for as long as the context lasts."""
+        from numba.cuda.dispatcher import _LaunchConfiguration
+
+        launch = _LaunchConfiguration.__call__
+        originals = {name: getattr(CudaOps, name) for name in OPS}
+        recorder = self
+
+        def timed_launch(config, *args):
+            if recorder.active:
+                recorder.mark(recorder.op, config.dispatcher.py_func.__name__, recorder.op_bytes)
+                recorder.op_bytes = 0  # an op's weight bytes count once, at its first kernel
+            return launch(config, *args)
+
+        def labelled(name, fn):
+            def op(self, *args, **kwargs):
+                w = args[0] if args and isinstance(args[0], DeviceMatrix) else None
+                recorder.op = name if w is None else f"{name} {w.rows}x{w.cols} {w.kind}"
+                recorder.op_bytes = 0 if w is None else _weight_bytes(w)
+                try:
+                    return fn(self, *args, **kwargs)
+                finally:
+                    recorder.op = "step"
+            return op
+
+        _LaunchConfiguration.__call__ = timed_launch
+        for name, fn in originals.items():
+            setattr(CudaOps, name, labelled(name, fn))
+        try:
+            yield self
+        finally:
+            _LaunchConfiguration.__call__ = launch
+            for name, fn in originals.items():
+                setattr(CudaOps, name, fn)
+
+
+def _weight_bytes(w: DeviceMatrix) -> int:
+    """What a matvec over `w` must read: codes, scales, and biases where the matrix has any."""
+    return w.codes.nbytes + (w.scale.nbytes + (w.bias.nbytes if w.has_bias else 0) if w.kind != "f32" else 0)
+
+
+def replay_ms(graph: DecodeGraph, stream, replays: int) -> float:
+    """Median GPU ms of one replay."""
+    times = []
+    for _ in range(replays):
+        start, end = cuda.event(), cuda.event()
+        start.record(stream)
+        graph.replay()
+        end.record(stream)
+        end.synchronize()
+        times.append(cuda.event_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def profile(path: str, pool: int, n_prompt: int, replays: int) -> dict:
+    g = open_gguf(path)
+    spec = ModelSpec.from_gguf(g)
+    b = CudaBackend(g, spec, "f16", pool)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, spec.vocab_size, n_prompt).astype(np.int32)
+    pos = np.arange(n_prompt, dtype=np.int32)
+    logits = b.forward(prompt, pos, pos)
+    for i in range(2):  # the first step runs eagerly and captures b.graph, the second replays it
+        p = np.array([n_prompt + i], np.int32)
+        logits = b.forward(np.array([np.argmax(logits[-1])], np.int32), p, p)
+    b.stream.synchronize()
+    step_ms = replay_ms(b.graph, b.stream, replays)
+
+    recorder = LaunchRecorder(b.stream)
+    timed = DecodeGraph(b)
+    real_forward = cuda_backend.forward
+
+    def forward_with_end_mark(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        recorder.mark("end", "", 0)
+        return out
+
+    p = np.array([n_prompt + 2], np.int32)
+    with recorder.patched():
+        cuda_backend.forward = forward_with_end_mark
+        recorder.active = True
+        try:
+            timed.capture(np.array([1], np.int32), p, p)
+        finally:
+            recorder.active = False
+            cuda_backend.forward = real_forward
+    b.pool.assign(p, p)
+    b.ops.begin_step(np.array([1], np.int32), p, p)
+    per_launch: list[list[float]] = [[] for _ in recorder.marks[:-1]]
+    timed_ms = []
+    for _ in range(replays):
+        timed.replay()
+        b.stream.synchronize()
+        ev = recorder.events
+        for i in range(len(per_launch)):
+            per_launch[i].append(cuda.event_elapsed_time(ev[i], ev[i + 1]) * 1000)
+        timed_ms.append(cuda.event_elapsed_time(ev[0], ev[-1]))
+
+    groups: dict[tuple[str, str], dict] = defaultdict(lambda: {"count": 0, "us": 0.0, "bytes": 0})
+    for (op, kernel, nbytes), times in zip(recorder.marks[:-1], per_launch, strict=True):
+        row = groups[(op, kernel)]
+        row["count"] += 1
+        row["us"] += statistics.median(times)
+        row["bytes"] += nbytes
+    rows = []
+    for (op, kernel), row in sorted(groups.items(), key=lambda kv: -kv[1]["us"]):
+        rows.append({"op": op, "kernel": kernel, "count": row["count"], "total_us": row["us"],
+                     "us_each": row["us"] / row["count"],
+                     "gbps": row["bytes"] / (row["us"] * 1e3) if row["bytes"] else None})
+    dev = cuda.get_current_device()
+    return {"bench": "kernel_profile", "device": _name(dev.name), "model": Path(path).name, "pool": pool,
+            "prompt_tokens": n_prompt, "replays": replays, "kernels_per_step": len(per_launch),
+            "graph_step_ms": step_ms, "timed_step_ms": statistics.median(timed_ms),
+            "sum_of_kernels_ms": sum(r["total_us"] for r in rows) / 1000, "kernels": rows}
+
+
+def _name(name) -> str:
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def print_table(r: dict) -> None:
+    print(f"{r['device']}, {r['model']}, pool {r['pool']}, after {r['prompt_tokens']} tokens: "
+          f"graph step {r['graph_step_ms']:.3f} ms; with event nodes {r['timed_step_ms']:.3f} ms, "
+          f"{r['kernels_per_step']} kernels")
+    print(f"{'op':34s} {'kernel':22s} {'n':>4s} {'us each':>9s} {'total us':>9s} {'share':>6s} {'GB/s':>6s}")
+    total = sum(x["total_us"] for x in r["kernels"])
+    for x in r["kernels"]:
+        gbps = f"{x['gbps']:6.0f}" if x["gbps"] else ""
+        print(f"{x['op']:34s} {x['kernel']:22s} {x['count']:4d} {x['us_each']:9.2f} {x['total_us']:9.1f} "
+              f"{x['total_us'] / total:6.1%} {gbps}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--pool", type=int, default=4096)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    r = profile(a.model, a.pool, a.prompt, a.replays)
+    print_table(r)
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(r, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

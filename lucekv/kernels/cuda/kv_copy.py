@@ -1,0 +1,62 @@
+"""KVFlash paging copies: one pool block's rows of every layer, K and V, to or from one contiguous staging
+buffer, so that a page-out or a page-in is one kernel launch and one host copy, not 2 x n_layer small copies.
+
+Pool: kv [n_layer, 2 (K, V), slots, n_kv_head, head_dim]. Staging: [2 (K, V), n_layer, rows, n_kv_head,
+head_dim], the K of every layer first (a caller that needs only keys copies that half to the host).
+The kernels copy 32-bit words whatever the dtype (a row of f16 is an even number of halves): raw bits, so a
+round trip is bit-exact, NaN payloads included.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lucekv.kernels.cuda._numba import SIMULATOR, WARP, blocks, cuda
+
+# The simulator runs each thread as a Python thread: there one warp per plane loops over the words.
+THREADS = WARP if SIMULATOR else 256
+
+
+def gather_rows(kv, first_slot: int, staging, stream=0) -> None:
+    """staging[w, l] = kv[l, w, first_slot : first_slot + rows] for every layer l and w in (K, V)."""
+    flat_kv, flat_staging = _flat(kv, staging)
+    _gather[_grid(flat_staging), THREADS, stream](flat_kv, first_slot * _row_words(kv), flat_staging)
+
+
+def scatter_rows(staging, kv, first_slot: int, stream=0) -> None:
+    """kv[l, w, first_slot : first_slot + rows] = staging[w, l]: the inverse of `gather_rows`."""
+    flat_kv, flat_staging = _flat(kv, staging)
+    _scatter[_grid(flat_staging), THREADS, stream](flat_staging, flat_kv, first_slot * _row_words(kv))
+
+
+def _row_words(kv) -> int:
+    """32-bit words in one slot's row (every KV head of one layer and half)."""
+    return kv.shape[3] * kv.shape[4] * kv.dtype.itemsize // 4
+
+
+def _flat(kv, staging):
+    """Both arrays as uint32 [planes..., words]: a block's rows of one layer and half are contiguous in either."""
+    n_layer, halves, slots = kv.shape[:3]
+    width = kv.shape[3] * kv.shape[4]
+    return (kv.reshape(n_layer, halves, slots * width).view(np.uint32),
+            staging.reshape(halves, n_layer, staging.shape[2] * width).view(np.uint32))
+
+
+def _grid(flat_staging) -> tuple[int, int, int]:
+    """x: a plane's words (grid-stride loops); y: layers; z: K and V."""
+    x = 1 if SIMULATOR else blocks(flat_staging.shape[2], THREADS)
+    return x, flat_staging.shape[1], flat_staging.shape[0]
+
+
+@cuda.jit
+def _gather(kv, offset, staging):
+    layer, half = cuda.blockIdx.y, cuda.blockIdx.z
+    for i in range(cuda.grid(1), staging.shape[2], cuda.gridDim.x * cuda.blockDim.x):
+        staging[half, layer, i] = kv[layer, half, offset + i]
+
+
+@cuda.jit
+def _scatter(staging, kv, offset):
+    layer, half = cuda.blockIdx.y, cuda.blockIdx.z
+    for i in range(cuda.grid(1), staging.shape[2], cuda.gridDim.x * cuda.blockDim.x):
+        kv[layer, half, offset + i] = staging[half, layer, i]
