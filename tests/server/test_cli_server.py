@@ -119,3 +119,25 @@ def test_serve_on_a_taken_port_fails_clearly(server, tiny_model, capsys):
     port = server.address.rsplit(":", 1)[1]
     assert run_cli("serve", "--model", str(tiny_model), "--port", port) == 1
     assert f"lucekv: error: cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_session_commands_round_trip_a_session_through_a_file(server, tmp_path, capsys):
+    blob = tmp_path / "chat.lkvs"
+    assert run_cli("generate", "Hello there", "--session", "cli-chat", "--server", server.address,
+                   "--max-tokens", "4") == 0
+    assert run_cli("snapshot", "cli-chat", "-o", str(blob), "--server", server.address) == 0
+    assert run_cli("restore", str(blob), "--session", "cli-copy", "--server", server.address) == 0
+    assert run_cli("sessions", "--server", server.address) == 0
+    listing = capsys.readouterr().out
+    assert re.search(r"cli-chat\s+\w+\s+\d+", listing) and re.search(r"cli-copy\s+\w+\s+\d+", listing)
+    assert run_cli("sessions", "--delete", "cli-copy", "--server", server.address) == 0
+
+
+def test_session_commands_fail_with_the_servers_message_and_leave_no_file(server, tmp_path, capsys):
+    out = tmp_path / "missing.lkvs"
+    assert run_cli("snapshot", "no-such-session", "-o", str(out), "--server", server.address) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    bad = tmp_path / "bad.lkvs"
+    bad.write_bytes(b"not a snapshot at all")
+    assert run_cli("restore", str(bad), "--server", server.address) == 1
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
