@@ -56,16 +56,22 @@ def dense(m: PackedMatrix) -> np.ndarray:
 QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_1, Q.Q4_K, Q.Q6_K, Q.F32]  # q4 / q8 (32 and 16 blocks) / f32
 
 
-def check_matvec(qtype: Q, rows: int, cols: int, n: int, seed: int = 0) -> None:
-    from lucekv.kernels.cuda.matvec import matvec
+def check_product(kernel: str, qtype: Q, rows: int, cols: int, n: int, seed: int = 0) -> None:
+    """`kernel` ("matvec" or "matmul") of a random packed matrix against float64 numpy."""
+    from lucekv.kernels.cuda import matmul, matvec
     from lucekv.kernels.cuda.packed import upload
 
+    product = {"matvec": matvec.matvec, "matmul": matmul.matmul}[kernel]
     rng = np.random.default_rng(seed)
     m = random_packed(rng, qtype, rows, cols)
     x = rng.standard_normal((n, cols)).astype(np.float32)
     out = cuda.device_array((n, rows), np.float32)
-    matvec(upload(m), cuda.to_device(x), out)
+    product(upload(m), cuda.to_device(x), out)
     assert rel_err(out.copy_to_host(), x.astype(np.float64) @ dense(m).T) <= 1e-3
+
+
+def check_matvec(qtype: Q, rows: int, cols: int, n: int, seed: int = 0) -> None:
+    check_product("matvec", qtype, rows, cols, n, seed)
 
 
 @needs_kernels
@@ -108,15 +114,7 @@ def test_matmul_tiles():
 
 
 def check_matmul(qtype: Q, rows: int, cols: int, n: int) -> None:
-    from lucekv.kernels.cuda.matmul import matmul
-    from lucekv.kernels.cuda.packed import upload
-
-    rng = np.random.default_rng(8)
-    m = random_packed(rng, qtype, rows, cols)
-    x = rng.standard_normal((n, cols)).astype(np.float32)
-    out = cuda.device_array((n, rows), np.float32)
-    matmul(upload(m), cuda.to_device(x), out)
-    assert rel_err(out.copy_to_host(), x.astype(np.float64) @ dense(m).T) <= 1e-3
+    check_product("matmul", qtype, rows, cols, n, seed=8)
 
 
 @needs_kernels
