@@ -110,6 +110,7 @@ class CpuOps:
 
 class CpuBackend:
     name = "cpu"
+    prefill_chunk = 256  # tokens per prefill forward: bounds the attention score matrix
 
     def __init__(self, g: GGUFFile, spec: ModelSpec, kv_dtype: str = "f16", pool_size: int | None = None):
         # numba's threads already use every core. BLAS threads spinning beside them starve both (measured

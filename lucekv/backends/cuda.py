@@ -16,6 +16,7 @@ import numpy as np
 
 from lucekv.backends.cpu import KV_DTYPES
 from lucekv.backends.slots import SlotMap
+from lucekv.errors import UnsupportedModelError
 from lucekv.kernels.cpu.quants import dequantize, pack_tensor
 from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, norm, rope
 from lucekv.kernels.cuda._numba import device_zeros
@@ -178,7 +179,7 @@ class CudaOps:
         attention.store_kv(k, v, self.slots, pool.k[layer], pool.v[layer], stream=s)
         n = q.shape[0]
         pool.last_q[layer].copy_to_device(q[n - 1], stream=s)  # for KVFlash scorers; a graph replays it too
-        parts = attention.partials(n, spec.n_head, spec.head_dim)
+        parts = attention.partials(n, spec.n_head, spec.n_kv_head, spec.head_dim)
         if self.keep is not None:
             self.keep.extend(parts)
         out = self._empty(n, spec.n_head * spec.head_dim)
@@ -203,10 +204,13 @@ class CudaOps:
 
 class CudaBackend:
     name = "cuda"
+    prefill_chunk = 512  # tokens per prefill forward: each reads every weight once (no score matrix here)
 
     def __init__(self, g: GGUFFile, spec: ModelSpec, kv_dtype: str = "f16", pool_size: int | None = None,
                  use_graph: bool | None = None):
         """use_graph: replay decode steps from a CUDA graph; default: on a GPU (the simulator has none)."""
+        if why := attention.unsupported(spec.n_head, spec.n_kv_head, spec.head_dim):
+            raise UnsupportedModelError(f"the CUDA backend cannot run {spec.name}: {why}")
         self.spec = spec
         self.stream = cuda.stream()
         self.pool = CudaKVPool(spec, pool_size or spec.n_ctx, kv_dtype, self.stream)

@@ -33,7 +33,6 @@ from lucekv.snapshot.blob import (
 from lucekv.snapshot.store import SnapshotStore, check_session_id
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
-PREFILL_CHUNK = 256  # tokens per prefill forward: bounds the attention score matrix
 PAGED_PREFILL_CHUNK = 64  # with a bounded pool: one chunk per forward, so eviction keeps pace
 AUTO_POOL_SHARE = 0.9  # of the GPU memory free after the weights, for --kv-pool auto's pool
 
@@ -140,7 +139,7 @@ class Engine:
     def _forward(self, ids: list[int], start: int, all_logits: bool = False, decoding: bool = False,
                  ) -> list[np.ndarray]:
         out = []
-        step = PREFILL_CHUNK if self.paged is None else PAGED_PREFILL_CHUNK
+        step = self.backend.prefill_chunk if self.paged is None else PAGED_PREFILL_CHUNK
         for i in range(0, len(ids), step):
             chunk = np.asarray(ids[i : i + step], np.int32)
             pos = np.arange(start + i, start + i + len(chunk), dtype=np.int32)

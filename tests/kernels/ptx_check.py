@@ -3,10 +3,16 @@
 The simulator runs kernels as Python, so it never types them the way the GPU compiler does; this does.
 Needs NVVM and NVRTC (pip wheels nvidia-nvvm, nvidia-cuda-nvrtc, no GPU) under CUDA_HOME:
     CUDA_HOME=<dir: lib/libnvvm.so.4, lib/libnvrtc.so.13, nvvm/libdevice> python tests/kernels/ptx_check.py
-Only rope should show float64 operations (its angles are float64 on purpose).
+Only rope should show float64 operations (its angles are float64 on purpose). Where a `ptxas` is found (on
+PATH, or in CUDA_HOME/bin), each PTX is also assembled for sm_90, which catches inline-asm errors, and its
+registers and spill bytes are printed.
 """
 
+import os
 import re
+import shutil
+import subprocess
+import tempfile
 
 import numba.cuda.dispatcher as dispatcher
 
@@ -23,7 +29,7 @@ F2, U2, F1, I1 = "float32[:, ::1]", "uint32[:, ::1]", "float32[::1]", "int32[::1
 PART = "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1]"
 
 
-ATTEND = f"void({F2}, {U2}, {U2}, int64, {I1}, {I1}, {I1}, int64, float32, {PART})"
+ATTEND = f"void({F2}, {U2}, {U2}, {I1}, {I1}, {I1}, int64, float32, {PART})"
 
 
 CHECKS = {
@@ -36,22 +42,52 @@ CHECKS = {
     "add": (act._add, f"void({F2}, {F2}, {F2})"),
     "add_row": (act._add_row, f"void({F2}, {F1}, {F2})"),
     "store_kv_f16": (attention._store_kv, f"void({F2}, {F2}, {I1}, float16[:, :, ::1], float16[:, :, ::1])"),
-    "attend_f16": (attention._attend_split_f16, ATTEND),
-    "attend_f32": (attention._attend_split_f32, ATTEND),
+    "attend_f16_128": (attention._split_kernel(2, 64), ATTEND),
+    "attend_f32_128": (attention._split_kernel(1, 128), ATTEND),
+    "attend_f32_160": (attention._split_kernel(1, 160), ATTEND),
     "combine": (attention._combine, f"void({PART}, {F2})"),
     "set_slot_pos": (attention._set_slot_pos, f"void({I1}, {I1}, {I1})"),
     "argmax": (sample._argmax, f"void({F2}, {I1})"),
 }
+for (kind, block), kernel in matmul._KERNELS.items():
+    CHECKS[f"matmul_{kind}_{block}"] = (kernel, f"void({U2}, {F2}, {F2}, boolean, int64, {F2}, {F2})")
+CHECKS["matmul_f32"] = (matmul._matmul_f32, f"void({F2}, {F2}, {F2})")
 for kind, codes in (("q4", U2), ("q8", U2), ("f32", F2)):
-    CHECKS[f"matmul_{kind}"] = (matmul._KERNELS[kind], f"void({codes}, {F2}, {F2}, int64, int64, {F2}, {F2})")
     CHECKS[f"embed_{kind}"] = (embed._KERNELS[kind], f"void({codes}, {F2}, {F2}, int64, {I1}, float32, {F2})")
 
+
+
+def find_ptxas() -> str | None:
+    home = os.environ.get("CUDA_HOME", "")
+    at_home = os.path.join(home, "bin", "ptxas")
+    return shutil.which("ptxas") or (at_home if home and os.access(at_home, os.X_OK) else None)
+
+
+def assemble(ptxas: str, ptx: str) -> str:
+    """Registers and spill bytes of `ptx` assembled for sm_90; raises with ptxas's message on errors."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "kernel.ptx")
+        with open(source, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas, "-arch=sm_90", "-v", source, "-o", os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(done.stderr.strip())
+    registers = re.search(r"Used (\d+) registers", done.stderr)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
+    return f"registers: {registers[1]:>3s}  spills: {spills[1]} B stored, {spills[2]} B loaded"
+
+
 if __name__ == "__main__":
+    ptxas = find_ptxas()
+    print(f"ptxas: {ptxas or 'not found, PTX not assembled'}")
     failed = 0
     for name, (kernel, sig) in CHECKS.items():
         try:
-            ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
-            print(f"{name:14s} ok    float64 ops: {len(re.findall(r'[.]f64', ptx))}")
+            bounds = kernel.targetoptions.get("launch_bounds")
+            ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), launch_bounds=bounds)
+            assembled = f"  {assemble(ptxas, ptx)}" if ptxas else ""
+            print(f"{name:14s} ok    float64 ops: {len(re.findall(r'[.]f64', ptx))}{assembled}")
         except Exception as e:  # report every kernel, then fail
             failed += 1
             print(f"{name:14s} FAIL  {type(e).__name__}: {str(e)[:800]}")

@@ -56,22 +56,20 @@ def dense(m: PackedMatrix) -> np.ndarray:
 QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_1, Q.Q4_K, Q.Q6_K, Q.F32]  # q4 / q8 (32 and 16 blocks) / f32
 
 
-def check_product(kernel: str, qtype: Q, rows: int, cols: int, n: int, seed: int = 0) -> None:
-    """`kernel` ("matvec" or "matmul") of a random packed matrix against float64 numpy."""
+def check_product(kernel: str, m: PackedMatrix, n: int, bound: float = 1e-3, seed: int = 0) -> None:
+    """`kernel` ("matvec" or "matmul") of the packed matrix m and n random rows of x against float64 numpy."""
     from lucekv.kernels.cuda import matmul, matvec
     from lucekv.kernels.cuda.packed import upload
 
     product = {"matvec": matvec.matvec, "matmul": matmul.matmul}[kernel]
-    rng = np.random.default_rng(seed)
-    m = random_packed(rng, qtype, rows, cols)
-    x = rng.standard_normal((n, cols)).astype(np.float32)
-    out = cuda.device_array((n, rows), np.float32)
+    x = np.random.default_rng(seed).standard_normal((n, m.cols)).astype(np.float32)
+    out = cuda.device_array((n, m.rows), np.float32)
     product(upload(m), cuda.to_device(x), out)
-    assert rel_err(out.copy_to_host(), x.astype(np.float64) @ dense(m).T) <= 1e-3
+    assert rel_err(out.copy_to_host(), x.astype(np.float64) @ dense(m).T) <= bound
 
 
 def check_matvec(qtype: Q, rows: int, cols: int, n: int, seed: int = 0) -> None:
-    check_product("matvec", qtype, rows, cols, n, seed)
+    check_product("matvec", random_packed(np.random.default_rng(seed), qtype, rows, cols), n, seed=seed + 1)
 
 
 @needs_kernels
@@ -91,30 +89,6 @@ def test_matvec_f32_ragged_width():
     out = cuda.device_array((1, 3), np.float32)
     matvec(upload(pack(w, Q.F32, w.shape)), cuda.to_device(x), out)
     assert rel_err(out.copy_to_host(), x.astype(np.float64) @ w.T.astype(np.float64)) <= 1e-3
-
-
-@needs_kernels
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.F32], ids=lambda q: q.name)
-def test_matmul(qtype):
-    from lucekv.kernels.cuda.matmul import matmul
-    from lucekv.kernels.cuda.packed import upload
-
-    rng = np.random.default_rng(2)
-    m = random_packed(rng, qtype, 20, 256)  # a full tile of rows and a partial one
-    x = rng.standard_normal((3, 256)).astype(np.float32)
-    out = cuda.device_array((3, 20), np.float32)
-    matmul(upload(m), cuda.to_device(x), out)
-    assert rel_err(out.copy_to_host(), x.astype(np.float64) @ dense(m).T) <= 1e-3
-
-
-@needs_kernels
-def test_matmul_tiles():
-    # two token tiles (the second partial) and three row tiles (the last partial)
-    check_matmul(Q.Q4_K, rows=130, cols=256, n=70)
-
-
-def check_matmul(qtype: Q, rows: int, cols: int, n: int) -> None:
-    check_product("matmul", qtype, rows, cols, n, seed=8)
 
 
 @needs_kernels
@@ -237,7 +211,7 @@ def check_attention(n_slots, n_head, n_kv, d, positions, window, kv_dtype, seed=
     dv[used:].copy_to_device(v_pool[used:])
     d_used = cuda.to_device(np.array([used], np.int32))
     attend(cuda.to_device(q), dk, dv, cuda.to_device(slot_pos), d_used, cuda.to_device(positions), window, scale,
-           partials(n, n_head, d), out)
+           partials(n, n_head, n_kv, d), out)
     ref = attention_reference(q, k_pool[:used], v_pool[:used], slot_pos[:used], positions, window, scale)
     assert rel_err(out.copy_to_host(), ref) <= (1e-2 if kv_dtype == np.float16 else 1e-3)
 
@@ -281,18 +255,12 @@ def test_matvec_gpu(qtype):
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize(("qtype", "rows", "cols", "n"), [(Q.Q4_K, 4096, 4096, 300), (Q.Q6_K, 4096, 12288, 100),
-                                                         (Q.F32, 1000, 896, 77)], ids=lambda v: getattr(v, "name", v))
-def test_matmul_gpu(qtype, rows, cols, n):
-    check_matmul(qtype, rows, cols, n)
-
-
-@gpu
-@needs_gpu
 @pytest.mark.parametrize("kv_dtype", [np.float32, np.float16], ids=["f32", "f16"])
 def test_attention_gpu(kv_dtype):
     check_attention(4096, 32, 8, 128, np.array([4000], np.int32), 0, kv_dtype)
     check_attention(4096, 32, 8, 128, np.array([3000, 4095], np.int32), 1024, kv_dtype, seed=1)
+    # a prefill's many queries: one chunk each (no split)
+    check_attention(4096, 32, 8, 128, np.arange(3796, 4096, dtype=np.int32), 0, kv_dtype, seed=2)
 
 
 # ---- the backend against the CPU backend ----------------------------------------------------------------

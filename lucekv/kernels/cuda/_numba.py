@@ -12,13 +12,23 @@ Compatibility shims live here and nowhere else:
   Python twins in the simulator: `load_u32x4` / `load_f32x4` (16 bytes per lane in one `ld.global.nc.v4`;
   numba cannot prove the alignment that would let the compiler merge four word loads), `load_f32` (a
   read-only load without numba's negative-index wraparound arithmetic), `dot4_u8s8` / `dot4_s8s8`
-  (`dp4a`: four byte products summed into an int32 in one instruction), and `half2_floats` / `bits_f32`
-  (words of a K/V tile, staged as raw 32-bit words, back to floats).
+  (`dp4a`: four byte products summed into an int32 in one instruction), `half2_floats` / `bits_f32`
+  (words of a K/V tile, staged as raw 32-bit words, back to floats), and `load4` / `store4` / `load1`
+  (1-D array elements, four at a time in 16-byte accesses, without the wraparound arithmetic: in
+  unrolled shared-memory loops that arithmetic is most of the instructions).
+- Tensor cores: `mma_f16_16816` is one warp-wide `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`
+  (operands as words of two float16, low half first, in the PTX ISA's fragment layout); its simulator twin
+  gathers the warp's fragments through a scratch array between barriers, like the reductions above (so it
+  too is called in block-uniform control flow). `pack_half2` (two float32 to one word of float16) and
+  `sub_f16x2` (halfwise float16 subtraction) build the operand words; `warp_shfl_xor` is lane
+  `lane ^ lane_mask`'s value (a reduction over a few neighbouring lanes).
+- `jit_bounded`: cuda.jit with launch bounds, which the simulator does not accept.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
@@ -28,6 +38,8 @@ if not hasattr(np, "row_stack"):
 from numba import config, cuda  # noqa: E402  (after the alias above)
 
 SIMULATOR: bool = bool(config.ENABLE_CUDASIM)
+# `alignment=` for shared arrays read by load4 / store4 (the simulator refuses the argument: None there)
+ALIGN_16 = None if SIMULATOR else 16
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
 NEG_INF = np.float32(-math.inf)
@@ -55,6 +67,15 @@ if SIMULATOR:
 
     def bits_f32(word):
         return np.array([int(word)], np.uint32).view(np.float32)[0]
+
+    def load4(a, i):
+        return a[i], a[i + 1], a[i + 2], a[i + 3]
+
+    def store4(a, i, v0, v1, v2, v3):
+        a[i], a[i + 1], a[i + 2], a[i + 3] = v0, v1, v2, v3
+
+    def load1(a, i):
+        return a[i]
 
     def _bytes(word, signed):
         return [((int(word) >> (8 * j)) & 0xFF) - (256 if signed and (int(word) >> (8 * j)) & 0x80 else 0)
@@ -90,6 +111,62 @@ if SIMULATOR:
     @cuda.jit(device=True)
     def warp_max(v):
         return _warp_reduce(v, max)
+
+    @cuda.jit(device=True)
+    def warp_shfl_xor(v, lane_mask):
+        scratch = cuda.shared.array(_SCRATCH, np.float64)
+        t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        cuda.syncthreads()
+        scratch[t] = v
+        cuda.syncthreads()
+        out = scratch[t ^ lane_mask]
+        cuda.syncthreads()
+        return type(v)(out)
+
+    def pack_half2(lo, hi):
+        return np.array([lo, hi], np.float16).view(np.uint32)[0]
+
+    def sub_f16x2(a, b):
+        h = np.array([int(a), int(b)], np.uint32).view(np.float16)
+        return np.array([h[0] - h[2], h[1] - h[3]], np.float16).view(np.uint32)[0]
+
+    def _mma_layout():
+        """(row, col) of each fragment element per lane, as the PTX ISA gives them for mma.m16n8k16 with f16
+        operands: A's a0..a7 (element i in register i // 2), B's b0..b3, C's / D's c0..c3."""
+        lane = np.arange(WARP)[:, None]
+        group, in_group = lane >> 2, lane % 4
+        i = np.arange(8)[None, :]
+        a = (group + 8 * ((i >> 1) & 1), 2 * in_group + (i & 1) + 8 * (i >= 4))
+        i = np.arange(4)[None, :]
+        b = (2 * in_group + (i & 1) + 8 * (i >= 2), np.broadcast_to(group, (WARP, 4)))
+        c = (group + 8 * (i >= 2), 2 * in_group + (i & 1))
+        return a, b, c
+
+    _MMA_A, _MMA_B, _MMA_C = _mma_layout()
+    _mma_thread = threading.local()
+
+    @cuda.jit(device=True)
+    def mma_f16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        # Two buffers, used in turn, need one barrier per call: a call's reads of a buffer end before the next
+        # call's barrier, and only the call after that writes the buffer again. A simulated thread lives for
+        # one block: its thread-local state holds the block's scratch (fetched once: shared.array is slow)
+        # and its count of calls.
+        mine = _mma_thread
+        if getattr(mine, "calls", None) is None:
+            mine.scratch, mine.calls = cuda.shared.array((2, _SCRATCH, 6), np.uint32), 0
+        buffer = mine.scratch[mine.calls % 2]
+        mine.calls += 1
+        t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        buffer[t] = (a0, a1, a2, a3, b0, b1)
+        cuda.syncthreads()
+        first = t - t % WARP
+        halves = buffer[first:first + WARP].view(np.float16).astype(np.float64)  # [lane, 12 halves]
+        a = np.zeros((16, 16))
+        a[_MMA_A] = halves[:, :8]
+        b = np.zeros((16, 8))
+        b[_MMA_B] = halves[:, 8:]
+        d = (a @ b)[_MMA_C[0][t - first], _MMA_C[1][t - first]] + np.array([c0, c1, c2, c3], np.float64)
+        return np.float32(d[0]), np.float32(d[1]), np.float32(d[2]), np.float32(d[3])
 
     @cuda.jit(device=True)
     def warp_broadcast(v, src):
@@ -181,6 +258,50 @@ else:
 
         return types.float32(word), codegen
 
+    def _item_pointer(context, builder, sig, args):
+        """Pointer to a[i] of the 1-D array a (args[0], args[1]) without numba's negative-index wraparound."""
+        array_type = sig.args[0]
+        array = context.make_array(array_type)(context, builder, value=args[0])
+        i = context.cast(builder, args[1], sig.args[1], types.intp)
+        return cgutils.get_item_pointer(context, builder, array_type, array, [i])
+
+    def _vector_pointer(context, builder, sig, args):
+        vector = ir.VectorType(context.get_value_type(sig.args[0].dtype), 4)
+        return builder.bitcast(_item_pointer(context, builder, sig, args), vector.as_pointer()), vector
+
+    @intrinsic
+    def load4(typingctx, a, i):
+        """a[i:i+4] of a 1-D array in one 16-byte load: i a multiple of 4, the data 16-byte aligned."""
+        def codegen(context, builder, sig, args):
+            ptr, vector = _vector_pointer(context, builder, sig, args)
+            loaded = builder.load(ptr, align=16, typ=vector)
+            values = [builder.extract_element(loaded, ir.Constant(I32, j)) for j in range(4)]
+            return context.make_tuple(builder, sig.return_type, values)
+
+        return types.UniTuple(a.dtype, 4)(a, i), codegen
+
+    @intrinsic
+    def store4(typingctx, a, i, v0, v1, v2, v3):
+        """a[i:i+4] = v0..v3 in one 16-byte store: i a multiple of 4, the data 16-byte aligned."""
+        def codegen(context, builder, sig, args):
+            ptr, vector = _vector_pointer(context, builder, sig, args)
+            packed = ir.Constant(vector, ir.Undefined)
+            for j, (v, t) in enumerate(zip(args[2:], sig.args[2:], strict=True)):
+                packed = builder.insert_element(packed, context.cast(builder, v, t, sig.args[0].dtype),
+                                                ir.Constant(I32, j))
+            builder.store(packed, ptr, align=16)
+            return context.get_dummy_value()
+
+        return types.none(a, i, v0, v1, v2, v3), codegen
+
+    @intrinsic
+    def load1(typingctx, a, i):
+        """a[i] of a 1-D array, i non-negative (no wraparound arithmetic)."""
+        def codegen(context, builder, sig, args):
+            return builder.load(_item_pointer(context, builder, sig, args))
+
+        return a.dtype(a, i), codegen
+
     @intrinsic
     def load_f32(typingctx, a, r, c):
         """a[r, c] of a float32 matrix that no kernel writes while this one runs, r and c non-negative."""
@@ -189,6 +310,50 @@ else:
             return _global_nc_load(builder, context, sig, args, ptx, [ir.FloatType()])
 
         return types.float32(a, r, c), codegen
+
+    @intrinsic
+    def pack_half2(typingctx, lo, hi):
+        """A word of two float16 (round to nearest): lo in the low half, hi in the high half."""
+        def codegen(context, builder, sig, args):
+            f = ir.FloatType()
+            values = [context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args, strict=True)]
+            # cvt.rn.f16x2.f32 d, a, b puts a in the upper half
+            asm = ir.InlineAsm(ir.FunctionType(I32, [f, f]), "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f")
+            return builder.call(asm, values)
+
+        return types.uint32(lo, hi), codegen
+
+    @intrinsic
+    def sub_f16x2(typingctx, a, b):
+        """Halfwise a - b of two words of two float16 each."""
+        def codegen(context, builder, sig, args):
+            values = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args, strict=True)]
+            asm = ir.InlineAsm(ir.FunctionType(I32, [I32, I32]), "sub.rn.f16x2 $0, $1, $2;", "=r,r,r")
+            return builder.call(asm, values)
+
+        return types.uint32(a, b), codegen
+
+    @intrinsic
+    def mma_f16_16816(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A B + C for the warp: A 16 x 16 (row-major fragments a0..a3), B 16 x 8 (column-major fragments
+        b0, b1), both float16 pairs in uint32 words; C and D 16 x 8 float32 (PTX ISA fragment layout)."""
+        def codegen(context, builder, sig, args):
+            f = ir.FloatType()
+            words = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[:6], sig.args[:6], strict=True)]
+            floats = [context.cast(builder, v, t, types.float32) for v, t in zip(args[6:], sig.args[6:], strict=True)]
+            ptx = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                   "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+            constraints = ",".join(["=f"] * 4 + ["r"] * 6 + ["f"] * 4)
+            fn = ir.FunctionType(ir.LiteralStructType([f] * 4), [I32] * 6 + [f] * 4)
+            # side effects: a warp-synchronous instruction that the compiler must neither drop nor move
+            d = builder.call(ir.InlineAsm(fn, ptx, constraints, side_effect=True), words + floats)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, i) for i in range(4)])
+
+        return types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def warp_shfl_xor(v, lane_mask):
+        return cuda.shfl_xor_sync(FULL_MASK, v, lane_mask)
 
     @cuda.jit(device=True, inline=True)
     def warp_sum(v):
@@ -205,6 +370,12 @@ else:
     @cuda.jit(device=True, inline=True)
     def warp_broadcast(v, src):
         return cuda.shfl_sync(FULL_MASK, v, src)
+
+
+def jit_bounded(kernel, threads: int, blocks_per_sm: int):
+    """cuda.jit with launch bounds: at most `threads` per block, registers left for `blocks_per_sm` resident
+    blocks. The simulator takes no launch bounds (and has no registers to bound)."""
+    return cuda.jit(kernel) if SIMULATOR else cuda.jit(kernel, launch_bounds=(threads, blocks_per_sm))
 
 
 def blocks(n: int, per_block: int) -> int:

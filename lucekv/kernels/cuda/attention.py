@@ -4,45 +4,58 @@ Slot s is visible to a query at position q iff 0 <= slot_pos[s] <= q and, for a 
 slot_pos[s] > q - w. Free slots hold slot_pos = -1.
 
 Split-K ("flash decoding") over the used part of the pool only: the slots below the high-water mark
-(a device int, so that a captured decode graph sees each step's value) are cut into SPLITS equal chunks
-of whole TILE-slot tiles. One block per (KV head, chunk, query), one warp per query head of the KV head's
-group, runs an online softmax over its chunk and writes a partial (max, sum, weighted values); a combine
-kernel merges the SPLITS partials. The grid is the same at every step, its work follows the high-water
-mark, not the pool's size.
+(a device int, so that a captured decode graph sees each step's value) are cut into equal chunks of
+whole TILE-slot tiles, as many as `splits` gives (128 for a decode step: enough blocks to keep every SM
+busy at 4K slots as at 128K; a prefill's queries fill the GPU with fewer). One block per (KV head,
+chunk, query), one warp per query head of the KV head's group, runs an online softmax over its chunk and
+writes a partial (max, sum, weighted values); a combine kernel merges the partials. The grid is the same
+at every step, its work follows the high-water mark, not the pool's size.
 Per tile the block copies the K and V rows into shared memory as raw 32-bit words, 16-byte loads issued
 together into registers before any is stored (one memory latency per tile, not one per slot; rows wider
 than half the buffer, float32 with head_dim > 128, take K then V), and every warp of the group reads them
-there. Scores: a lane holds a few dimensions of q, multiplies them into each slot's
-partial score, the warp sums it, lane i keeps slot i's. Values: each slot's weight is broadcast and every
-lane accumulates its dimensions. The same kernels serve prefill (queries = tokens); a flash-style prefill
-that shares K/V tiles between queries is the next step.
+there. Scores: lane i computes slot i's whole dot product, reading its K row 16 bytes at a time (rows
+staged 4 words longer, so the lanes' reads fall in different banks) against the warp's query in shared
+memory (one address for all lanes: a broadcast); no cross-lane sums. Values: each slot's weight is broadcast and lane l
+accumulates the dimensions of words l, l + 32, ... (consecutive lanes, consecutive banks). The same
+kernels serve prefill (queries = tokens); a flash-style prefill that shares K/V tiles between queries
+is the next step.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
 from lucekv.kernels.cuda._numba import (
+    ALIGN_16,
     NEG_INF,
     WARP,
     bits_f32,
     blocks,
     cuda,
     half2_floats,
+    load1,
+    load4,
     load_u32x4,
+    store4,
     warp_broadcast,
     warp_max,
     warp_sum,
 )
 
-SPLITS = 32  # chunks per (head, query): one per lane of the combine
-TILE = WARP  # slots per tile: one per lane for the softmax
+MAX_SPLITS = 128  # chunks per (KV head, query)
+TARGET_BLOCKS = 1024  # split blocks per launch worth having: several per SM
+MIN_CHUNK = 2 * WARP  # slots per chunk at least: below that the partials cost more than the split saves
+TILE = WARP  # slots per tile: one per lane for the scores and the softmax
 MAX_HEAD_DIM = 256
+MAX_GROUP = 8  # query heads per KV head: one warp each
 MAX_ROW_WORDS = MAX_HEAD_DIM  # a float32 row of MAX_HEAD_DIM
-MAX_WORDS_PER_LANE = MAX_ROW_WORDS // WARP
-TILE_WORDS = TILE * MAX_ROW_WORDS  # 32 KiB of shared memory: K and V of one tile
+# K rows are staged 4 words longer than they are (lane i reads row i, 16 bytes at a time: a quarter-warp's
+# reads fall in different banks); V rows are read along the row and need no padding
+TILE_WORDS = TILE * (MAX_ROW_WORDS + 4)  # 32.5 KiB: K and V of one tile when rows are <= half of the widest
+QUERY_WORDS = MAX_GROUP * MAX_HEAD_DIM  # the queries of a block's warps
 QUADS_IN_FLIGHT = 4  # 16-byte loads per thread and array issued before any is stored
 THREADS = 128
 
@@ -56,8 +69,8 @@ def attend(q, k_pool, v_pool, slot_pos, n_slots, positions, window: int, scale: 
            stream=0) -> None:
     """out[n, n_head * head_dim] for queries q [n, n_head * head_dim] at `positions` (int32 [n]).
 
-    Reads the slots below n_slots[0] (a device int32 [1]); parts: `partials(n, n_head, head_dim)`.
-    Pools: float16 or float32 [slots, n_kv, head_dim], rows a multiple of 16 bytes, head_dim <= MAX_HEAD_DIM.
+    Reads the slots below n_slots[0] (a device int32 [1]); parts: `partials(n, n_head, n_kv, head_dim)`.
+    Pools: float16 or float32 [slots, n_kv, head_dim], rows a multiple of 16 bytes (see `unsupported`).
     """
     n = q.shape[0]
     size, n_kv, head_dim = k_pool.shape
@@ -65,17 +78,32 @@ def attend(q, k_pool, v_pool, slot_pos, n_slots, positions, window: int, scale: 
     part_m, part_l, part_acc = parts
     k_words = k_pool.view(np.uint32).reshape(size * n_kv, -1)  # row s * n_kv + h: slot s, KV head h
     v_words = v_pool.view(np.uint32).reshape(size * n_kv, -1)
-    kernel = _attend_split_f16 if k_pool.dtype == np.float16 else _attend_split_f32
-    kernel[(n_kv, SPLITS, n), group * WARP, stream](q, k_words, v_words, head_dim, slot_pos, n_slots, positions,
-                                                   window, np.float32(scale), part_m, part_l, part_acc)
+    kernel = _split_kernel(4 // k_pool.dtype.itemsize, k_words.shape[1])
+    kernel[(n_kv, part_m.shape[2], n), group * WARP, stream](q, k_words, v_words, slot_pos, n_slots, positions,
+                                                            window, np.float32(scale), part_m, part_l, part_acc)
     _combine[(q.shape[1] // head_dim, n), blocks(head_dim, WARP) * WARP, stream](part_m, part_l, part_acc, out)
 
 
-def partials(n: int, n_head: int, head_dim: int):
+def unsupported(n_head: int, n_kv_head: int, head_dim: int) -> str | None:
+    """Why `attend` cannot serve these heads, or None."""
+    if head_dim > MAX_HEAD_DIM or head_dim % 8:
+        return f"head_dim {head_dim} (the CUDA attention takes multiples of 8 up to {MAX_HEAD_DIM})"
+    if n_head % n_kv_head or n_head // n_kv_head > MAX_GROUP:
+        return f"{n_head} query heads on {n_kv_head} KV heads (at most {MAX_GROUP} per KV head)"
+    return None
+
+
+def splits(n: int, n_kv: int) -> int:
+    """Chunks the used slots are cut into for n queries: enough blocks to fill the GPU a few times over (a
+    decode step needs them all from the split; a prefill has its queries)."""
+    return max(1, min(MAX_SPLITS, TARGET_BLOCKS // (n * n_kv)))
+
+
+def partials(n: int, n_head: int, n_kv: int, head_dim: int):
     """Device scratch for `attend`: per (query, head, chunk) max, sum and weighted values."""
-    return (cuda.device_array((n, n_head, SPLITS), np.float32),
-            cuda.device_array((n, n_head, SPLITS), np.float32),
-            cuda.device_array((n, n_head, SPLITS, head_dim), np.float32))
+    s = splits(n, n_kv)
+    return (cuda.device_array((n, n_head, s), np.float32), cuda.device_array((n, n_head, s), np.float32),
+            cuda.device_array((n, n_head, s, head_dim), np.float32))
 
 
 @cuda.jit
@@ -92,44 +120,60 @@ def _store_kv(k, v, slots, k_pool, v_pool):
     v_pool[s, j // head_dim, j % head_dim] = v[t, j]
 
 
-@cuda.jit(device=True, inline=True)
-def _load_tiles(k_words, v_words, both, base, n_in, n_kv, kvh, tile, v_at):
-    """Rows base .. base + n_in - 1 of KV head kvh, K into tile[i * row_words + c] and, if `both`, V at
-    v_at + ...; 16 bytes per load, a round's loads of both issued before any is stored."""
-    row_words = k_words.shape[1]
+@functools.cache
+def _split_kernel(dims_per_word: int, row_words: int):
+    """The split kernel for pool rows of `row_words` 32-bit words holding 2 (float16) or 1 (float32) values.
+    The row width is a compile-time constant, so the loops over a row unroll into shared-memory accesses at
+    immediate offsets (load4 / store4 / load1: no wraparound arithmetic)."""
+    head_dim = row_words * dims_per_word
+    k_stride = row_words + 4  # padded K rows: 16-byte aligned, and lane i's reads of row i hit other banks
+    both = TILE * (k_stride + row_words) <= TILE_WORDS  # K and V of a tile fit the buffer together
+    v_at = TILE * k_stride if both else 0
+    words_per_lane = (row_words + WARP - 1) // WARP
+    lane_dims = words_per_lane * dims_per_word
     quads = row_words // 4
-    staged = cuda.local.array((2, QUADS_IN_FLIGHT, 4), np.uint32)
-    for e0 in range(0, n_in * quads, QUADS_IN_FLIGHT * cuda.blockDim.x):
-        for j in range(QUADS_IN_FLIGHT):
-            e = e0 + j * cuda.blockDim.x + cuda.threadIdx.x
-            if e < n_in * quads:
-                i = e // quads
-                r = (base + i) * n_kv + kvh
-                c = 4 * (e - i * quads)
-                staged[0, j, 0], staged[0, j, 1], staged[0, j, 2], staged[0, j, 3] = load_u32x4(k_words, r, c)
-                if both:
-                    staged[1, j, 0], staged[1, j, 1], staged[1, j, 2], staged[1, j, 3] = load_u32x4(v_words, r, c)
-        for j in range(QUADS_IN_FLIGHT):
-            e = e0 + j * cuda.blockDim.x + cuda.threadIdx.x
-            if e < n_in * quads:
-                i = e // quads
-                o = i * row_words + 4 * (e - i * quads)
-                for c in range(4):
-                    tile[o + c] = staged[0, j, c]
-                    if both:
-                        tile[v_at + o + c] = staged[1, j, c]
-
-
-def _make_attend_split(dims_per_word: int):
-    """The split kernel for a pool of 2 (float16) or 1 (float32) values per 32-bit word."""
-    lane_dims = MAX_WORDS_PER_LANE * dims_per_word
 
     @cuda.jit(device=True, inline=True)
-    def dot_word(word, qr, k):
+    def load_tiles(first, second, with_second, base, n_in, n_kv, kvh, tile, first_stride, second_at):
+        # rows base .. base + n_in - 1 of KV head kvh of `first` into tile[i * first_stride + c] and, if
+        # `with_second`, of `second` into tile[second_at + i * row_words + c]; 16 bytes per load, a round's loads
+        # issued before any is stored
+        staged = cuda.local.array((2, QUADS_IN_FLIGHT, 4), np.uint32)
+        for e0 in range(0, n_in * quads, QUADS_IN_FLIGHT * cuda.blockDim.x):
+            for j in range(QUADS_IN_FLIGHT):
+                e = e0 + j * cuda.blockDim.x + cuda.threadIdx.x
+                if e < n_in * quads:
+                    i = e // quads
+                    r = (base + i) * n_kv + kvh
+                    c = 4 * (e - i * quads)
+                    staged[0, j, 0], staged[0, j, 1], staged[0, j, 2], staged[0, j, 3] = load_u32x4(first, r, c)
+                    if with_second:
+                        staged[1, j, 0], staged[1, j, 1], staged[1, j, 2], staged[1, j, 3] = load_u32x4(second, r, c)
+            for j in range(QUADS_IN_FLIGHT):
+                e = e0 + j * cuda.blockDim.x + cuda.threadIdx.x
+                if e < n_in * quads:
+                    i = e // quads
+                    c = 4 * (e - i * quads)
+                    store4(tile, i * first_stride + c, staged[0, j, 0], staged[0, j, 1], staged[0, j, 2],
+                           staged[0, j, 3])
+                    if with_second:
+                        store4(tile, second_at + i * row_words + c, staged[1, j, 0], staged[1, j, 1],
+                               staged[1, j, 2], staged[1, j, 3])
+
+    @cuda.jit(device=True, inline=True)
+    def dot_quad(tile, at, qs, q_at):
+        # the 4 words at tile[at] (2 or 1 values each) against the query's matching values at qs[q_at]
+        w0, w1, w2, w3 = load4(tile, at)
         if dims_per_word == 2:
-            a, b = half2_floats(word)
-            return qr[2 * k] * a + qr[2 * k + 1] * b
-        return qr[k] * bits_f32(word)
+            q0, q1, q2, q3 = load4(qs, q_at)
+            q4, q5, q6, q7 = load4(qs, q_at + 4)
+            a0, a1 = half2_floats(w0)
+            a2, a3 = half2_floats(w1)
+            a4, a5 = half2_floats(w2)
+            a6, a7 = half2_floats(w3)
+            return (q0 * a0 + q1 * a1 + q2 * a2 + q3 * a3) + (q4 * a4 + q5 * a5 + q6 * a6 + q7 * a7)
+        q0, q1, q2, q3 = load4(qs, q_at)
+        return (q0 * bits_f32(w0) + q1 * bits_f32(w1)) + (q2 * bits_f32(w2) + q3 * bits_f32(w3))
 
     @cuda.jit(device=True, inline=True)
     def add_word(word, w, acc, k):
@@ -140,61 +184,56 @@ def _make_attend_split(dims_per_word: int):
         else:
             acc[k] += w * bits_f32(word)
 
-    def kernel(q, k_words, v_words, head_dim, slot_pos, n_slots, positions, window, scale, part_m, part_l,
-               part_acc):
+    def kernel(q, k_words, v_words, slot_pos, n_slots, positions, window, scale, part_m, part_l, part_acc):
         kvh = cuda.blockIdx.x
         split = cuda.blockIdx.y
         t = cuda.blockIdx.z
-        lane = cuda.threadIdx.x % WARP
+        lane = cuda.threadIdx.x & (WARP - 1)  # not %: the compiler then knows lane < WARP
+        warp = cuda.threadIdx.x // WARP
         n_kv = cuda.gridDim.x
-        h = kvh * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP
-        row_words = k_words.shape[1]
-        per_lane = (row_words + WARP - 1) // WARP
-        w0 = lane * per_lane
-        mine = min(max(row_words - w0, 0), per_lane)  # this lane's words: w0 .. w0 + mine - 1
-        tile = cuda.shared.array(TILE_WORDS, np.uint32)
-        qr = cuda.local.array(lane_dims, np.float32)
-        acc = cuda.local.array(lane_dims, np.float32)
+        h = kvh * (cuda.blockDim.x // WARP) + warp
+        tile = cuda.shared.array(TILE_WORDS, np.uint32, alignment=ALIGN_16)
+        qs = cuda.shared.array(QUERY_WORDS, np.float32, alignment=ALIGN_16)  # each warp's query, scaled
+        q_at = warp * MAX_HEAD_DIM
+        acc = cuda.local.array(lane_dims, np.float32)  # dims of words lane, lane + WARP, ...
+        for d in range(lane, head_dim, WARP):
+            qs[q_at + d] = q[t, h * head_dim + d] * scale
         for j in range(lane_dims):
-            d = w0 * dims_per_word + j
-            qr[j] = q[t, h * head_dim + d] * scale if j < mine * dims_per_word else np.float32(0)
             acc[j] = np.float32(0)
         pos = positions[t]
         used = n_slots[0]
-        chunk = ((used + SPLITS - 1) // SPLITS + TILE - 1) // TILE * TILE
+        n_splits = cuda.gridDim.y
+        chunk = max(MIN_CHUNK, ((used + n_splits - 1) // n_splits + TILE - 1) // TILE * TILE)
         start = split * chunk
         end = min(start + chunk, used)  # chunks past the end loop zero times and report nothing
-        both = row_words <= MAX_ROW_WORDS // 2  # K and V of a tile fit the buffer together
-        v_at = TILE_WORDS // 2 if both else 0
         m = NEG_INF
         total = np.float32(0)  # this lane's share of the softmax denominator
         for base in range(start, end, TILE):
             n_in = min(TILE, end - base)
-            cuda.syncthreads()  # every warp is done with the previous tile
-            _load_tiles(k_words, v_words, both, base, n_in, n_kv, kvh, tile, v_at)
+            cuda.syncthreads()  # every warp is done with the previous tile (and has written its query)
+            load_tiles(k_words, v_words, both, base, n_in, n_kv, kvh, tile, k_stride, v_at)
             cuda.syncthreads()
-            score = NEG_INF
-            for i in range(TILE):
-                p = np.float32(0)
-                if i < n_in:
-                    for k in range(MAX_WORDS_PER_LANE):
-                        if k < mine:
-                            p += dot_word(tile[i * row_words + w0 + k], qr, k)
-                p = warp_sum(p)
-                if lane == i:
-                    score = p
-            s = base + lane
+            # lane i scores slot base + i against the whole query: no cross-lane sums
             visible = False
             if lane < n_in:
-                sp = slot_pos[s]
+                sp = slot_pos[base + lane]
                 visible = sp >= 0 and sp <= pos and (window <= 0 or sp > pos - window)
-            score = score if visible else NEG_INF
+            score = NEG_INF
+            if visible:
+                p0 = np.float32(0)  # two sums: two dependency chains
+                p1 = np.float32(0)
+                row = lane * k_stride
+                for c in range(0, quads, 2):
+                    p0 += dot_quad(tile, row + 4 * c, qs, q_at + 4 * dims_per_word * c)
+                    if c + 1 < quads:
+                        p1 += dot_quad(tile, row + 4 * c + 4, qs, q_at + 4 * dims_per_word * (c + 1))
+                score = p0 + p1
             m_new = max(m, warp_max(score))
             e = math.exp(score - m_new) if visible else np.float32(0)
             corr = math.exp(m - m_new) if m != NEG_INF else np.float32(0)
             if not both:
                 cuda.syncthreads()  # every warp has read the K tile
-                _load_tiles(v_words, k_words, False, base, n_in, n_kv, kvh, tile, 0)
+                load_tiles(v_words, k_words, False, base, n_in, n_kv, kvh, tile, row_words, 0)
                 cuda.syncthreads()
             # with nothing visible yet m, m_new are -inf, corr and e 0: acc and total stay 0
             total = total * corr + e
@@ -203,53 +242,59 @@ def _make_attend_split(dims_per_word: int):
             for i in range(TILE):
                 w = warp_broadcast(e, i)
                 if i < n_in:
-                    for k in range(MAX_WORDS_PER_LANE):
-                        if k < mine:
-                            add_word(tile[v_at + i * row_words + w0 + k], w, acc, k)
+                    for k in range(words_per_lane):
+                        word = lane + WARP * k
+                        if word < row_words:
+                            add_word(load1(tile, v_at + i * row_words + word), w, acc, k)
             m = m_new
         total = warp_sum(total)
         if lane == 0:
             part_m[t, h, split] = m
             part_l[t, h, split] = total
-        for j in range(lane_dims):
-            if j < mine * dims_per_word:
-                part_acc[t, h, split, w0 * dims_per_word + j] = acc[j]
+        for k in range(words_per_lane):
+            word = lane + WARP * k
+            if word < row_words:
+                for u in range(dims_per_word):
+                    part_acc[t, h, split, word * dims_per_word + u] = acc[k * dims_per_word + u]
 
-    kernel.__name__ = kernel.__qualname__ = f"_attend_split_{'f16' if dims_per_word == 2 else 'f32'}"
+    kernel.__name__ = kernel.__qualname__ = f"_attend_split_{'f16' if dims_per_word == 2 else 'f32'}_{head_dim}"
     return cuda.jit(kernel)
-
-
-_attend_split_f16 = _make_attend_split(2)
-_attend_split_f32 = _make_attend_split(1)
 
 
 @cuda.jit
 def _combine(part_m, part_l, part_acc, out):
-    # One block per (head, query), one thread per dimension. Lane c of every warp weighs chunk c (warp 0's
-    # results are kept: all warps run the warp sums, as the simulator needs); the sum over chunks stops
-    # after the last one with something visible.
+    # One block per (head, query), one thread per dimension. Lane c of every warp weighs chunks c, c + 32, ...
+    # (warp 0 keeps the weights; all warps run the warp reductions, as the simulator needs); the sum over
+    # chunks stops after the last one with something visible (chunks past the used slots are empty).
     h = cuda.blockIdx.x
     t = cuda.blockIdx.y
     d = cuda.threadIdx.x
-    lane = d % WARP
+    lane = d & (WARP - 1)
+    n_splits = part_m.shape[2]
     head_dim = part_acc.shape[3]
-    weight = cuda.shared.array(SPLITS, np.float32)
-    n_used = cuda.shared.array(1, np.int32)
-    mc = part_m[t, h, lane]
-    m = warp_max(mc)
-    w = math.exp(mc - m) if mc != NEG_INF else np.float32(0)
-    total = warp_sum(part_l[t, h, lane] * w)
-    last = warp_max(np.float32(lane) if w > np.float32(0) else np.float32(-1))
-    if d < WARP:
-        weight[d] = w / total if total > np.float32(0) else np.float32(0)  # no visible slot: zeros
-        if d == 0:
-            n_used[0] = np.int32(last) + 1
+    weight = cuda.shared.array(MAX_SPLITS, np.float32)
+    m = NEG_INF
+    for c in range(lane, n_splits, WARP):
+        m = max(m, part_m[t, h, c])
+    m = warp_max(m)
+    total = np.float32(0)
+    last = np.float32(-1)
+    for c in range(lane, n_splits, WARP):
+        mc = part_m[t, h, c]
+        w = math.exp(mc - m) if mc != NEG_INF else np.float32(0)
+        total += part_l[t, h, c] * w
+        if w > np.float32(0):
+            last = np.float32(c)
+        if d < WARP:
+            weight[c] = w
+    total = warp_sum(total)
+    n_used = np.int32(warp_max(last)) + 1
     cuda.syncthreads()
     if d < head_dim:
         a = np.float32(0)
-        for c in range(n_used[0]):
+        for c in range(n_used):
             a += part_acc[t, h, c, d] * weight[c]
-        out[t, h * head_dim + d] = a
+        out[t, h * head_dim + d] = a / total if total > np.float32(0) else np.float32(0)  # nothing visible: 0
 
 
 def set_slot_pos(slot_pos, slots, positions, stream=0) -> None:

@@ -1,0 +1,138 @@
+"""The prefill matmul (tensor cores for q4 / q8, float32 FMAs for f32) and the intrinsics it is built on,
+against numpy (see test_cuda_kernels.py for how the simulator runs these without a GPU).
+
+The intrinsic tests pin the PTX ISA's fragment layout of mma.m16n8k16 down with exact arithmetic: in the
+simulator they check the twin, on a GPU the hardware. The products cover every (kind, block, bias) variant
+with partial row and token tiles, at float32's precision (x goes to the tensor cores as two f16 parts).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from lucekv.kernels.cpu.quants import PackedMatrix
+from lucekv.kernels.cuda import available, cuda
+from lucekv.kernels.cuda._numba import mma_f16_16816, pack_half2, sub_f16x2
+from tests.kernels.cuda_sim import needs_gpu, needs_kernels, run_in_simulator
+from tests.kernels.test_cuda_kernels import check_product, random_packed
+
+
+@pytest.mark.skipif(available(), reason="kernels run directly in this process")
+def test_matmul_in_simulator():
+    run_in_simulator(__file__)
+
+
+# ---- intrinsics ------------------------------------------------------------------------------------------
+
+
+@cuda.jit
+def _mma_kernel(a, b, c, d):
+    lane = cuda.threadIdx.x
+    out = mma_f16_16816(a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3], b[lane, 0], b[lane, 1], c[lane, 0],
+                        c[lane, 1], c[lane, 2], c[lane, 3])
+    for i in range(4):
+        d[lane, i] = out[i]
+
+
+def _pairs(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """uint32 words of two float16: lo in the low half."""
+    return np.stack([lo, hi], axis=-1).astype(np.float16).view(np.uint32)[..., 0]
+
+
+@needs_kernels
+def test_mma_fragment_layout():
+    # small integers and eighths: every product and sum is exact in float32, so D must match bit for bit
+    rng = np.random.default_rng(10)
+    a = rng.integers(-8, 9, (16, 16)).astype(np.float64)
+    b = rng.integers(-64, 65, (16, 8)) / 8
+    c = rng.integers(-100, 101, (16, 8)) / 4
+    g, tig = np.arange(32) // 4, np.arange(32) % 4
+    k = 2 * tig
+    a_frag = np.stack([_pairs(a[g, k], a[g, k + 1]), _pairs(a[g + 8, k], a[g + 8, k + 1]),
+                       _pairs(a[g, k + 8], a[g, k + 9]), _pairs(a[g + 8, k + 8], a[g + 8, k + 9])], axis=1)
+    b_frag = np.stack([_pairs(b[k, g], b[k + 1, g]), _pairs(b[k + 8, g], b[k + 9, g])], axis=1)
+    c_frag = np.stack([c[g, k], c[g, k + 1], c[g + 8, k], c[g + 8, k + 1]], axis=1).astype(np.float32)
+    d_frag = cuda.device_array((32, 4), np.float32)
+    _mma_kernel[1, 32](cuda.to_device(a_frag), cuda.to_device(b_frag), cuda.to_device(c_frag), d_frag)
+    d = a @ b + c
+    ref = np.stack([d[g, k], d[g, k + 1], d[g + 8, k], d[g + 8, k + 1]], axis=1)
+    assert np.array_equal(d_frag.copy_to_host(), ref.astype(np.float32))
+
+
+@cuda.jit
+def _half2_kernel(lo, hi, packed, diff):
+    i = cuda.threadIdx.x
+    packed[i] = pack_half2(lo[i], hi[i])
+    diff[i] = sub_f16x2(pack_half2(lo[i], hi[i]), pack_half2(hi[i], lo[i]))
+
+
+@needs_kernels
+def test_pack_and_subtract_half2():
+    rng = np.random.default_rng(11)
+    lo, hi = (rng.standard_normal(32).astype(np.float32) * 100 for _ in range(2))
+    lo[:4] = [1024 + 7, 0.1, -60000, 1e-6]  # an integer, an inexact value, a large one, an f16 subnormal
+    packed, diff = (cuda.device_array(32, np.uint32) for _ in range(2))
+    _half2_kernel[1, 32](cuda.to_device(lo), cuda.to_device(hi), packed, diff)
+    ref = _pairs(lo, hi)
+    assert np.array_equal(packed.copy_to_host(), ref)
+    halves = ref.view(np.float16).reshape(32, 2)
+    assert np.array_equal(diff.copy_to_host().view(np.float16).reshape(32, 2), halves - halves[:, ::-1])
+
+
+# ---- products --------------------------------------------------------------------------------------------
+
+
+def check_matmul(m: PackedMatrix, n: int, bound: float, seed: int = 8) -> None:
+    check_product("matmul", m, n, bound, seed)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("qtype", "rows", "cols", "n"), [
+    (Q.Q4_K, 20, 256, 3),  # q4 with a bias
+    (Q.Q4_1, 130, 32, 70),  # two row tiles and two token tiles, the second of each partial
+    (Q.Q8_0, 40, 96, 9),  # q8 in 32-blocks, no bias: three steps
+    (Q.Q5_1, 20, 64, 5),  # q8 in 32-blocks with a bias
+    (Q.Q6_K, 20, 256, 4),  # q8 in 16-blocks, no bias
+    (Q.F32, 70, 45, 66),  # the float32 kernel: ragged width, partial tiles
+], ids=lambda v: getattr(v, "name", str(v)))
+def test_matmul(qtype, rows, cols, n):
+    # float32's precision: x's second f16 part is there (one f16 rounding of x alone gives about 2e-4)
+    check_matmul(random_packed(np.random.default_rng(2), qtype, rows, cols), n, bound=1e-5)
+
+
+@needs_kernels
+def test_matmul_16_blocks_with_bias():
+    # as Q2_K packs (its 256-column super-blocks would cost the simulator 8 steps): q8 codes, 16-blocks, a bias
+    rng = np.random.default_rng(12)
+    rows, cols = 20, 64
+    scale = rng.uniform(0.001, 0.02, (rows, cols // 16)).astype(np.float32)
+    bias = -rng.uniform(0, 0.1, (rows, cols // 16)).astype(np.float32)
+    codes = rng.integers(-128, 128, (rows, cols), dtype=np.int8)
+    check_matmul(PackedMatrix("q8", rows, cols, 16, codes, scale, bias), n=5, bound=1e-5)
+
+
+def test_matmul_rejects_ragged_quantized_width():
+    from lucekv.kernels.cuda.matmul import matmul
+    from lucekv.kernels.cuda.packed import DeviceMatrix
+
+    with pytest.raises(ValueError, match="multiple of 32"):
+        matmul(DeviceMatrix("q8", 4, 48, 4, None, None, None, False), np.zeros((2, 48), np.float32), None)
+
+
+# ---- real shapes, GPU only -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(("qtype", "rows", "cols", "n"), [
+    (Q.Q4_K, 4096, 4096, 300),  # Qwen3-8B attention projections
+    (Q.Q6_K, 4096, 12288, 100),  # its down projection
+    (Q.Q4_K, 12288, 4096, 77),  # gate / up: many row tiles, a partial token tile
+    (Q.Q8_0, 1000, 4096, 129),  # rows not a multiple of the tile
+    (Q.F32, 1000, 896, 77),
+], ids=lambda v: getattr(v, "name", str(v)))
+def test_matmul_gpu(qtype, rows, cols, n):
+    check_matmul(random_packed(np.random.default_rng(2), qtype, rows, cols), n, bound=1e-3)
+
