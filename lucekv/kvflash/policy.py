@@ -26,6 +26,7 @@ HISTORY_PER_TAU = 45  # tau_eff = max(tau, history/45) keeps rescoring near 15% 
 
 class Scorer(Protocol):
     name: str
+    window: int  # how many recent queries `scores` ranks against
 
     def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None: ...
 
@@ -44,6 +45,7 @@ class LruScorer:
     """Least recently written or recalled goes first."""
 
     name = "lru"
+    window = 0  # recent queries it ranks against: none
 
     def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None:
         pass
@@ -93,6 +95,7 @@ class _QueryScorer:
     """A scorer that ranks sealed chunks against a window of recent queries."""
 
     def __init__(self, n_kv_head: int, window: int = 8):
+        self.window = window
         self._queries = _QueryWindow(n_kv_head, window)
 
     def observe(self, query: np.ndarray) -> None:
@@ -222,6 +225,11 @@ class Policy:
 
     def tau_eff(self, history: int) -> int:
         return max(self.tau, history // HISTORY_PER_TAU)
+
+    def wants_query(self, history: int, n_tokens: int = 1) -> bool:
+        """Whether the query of the step decoding `n_tokens` more is among the last `window` before a reselect:
+        only those reach the scorer's window by then, so the others need not leave the GPU."""
+        return self._decoded_since + n_tokens > self.tau_eff(history) - self.scorer.window
 
     def after_decode(self, pager: Pager, n_tokens: int = 1) -> list[Move]:
         """Count `n_tokens` newly decoded tokens; reselect when due. Returns the moves to run now."""

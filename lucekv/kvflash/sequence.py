@@ -50,7 +50,8 @@ class PagedSequence:
         for c in self.pager.take_sealed():
             self.policy.scorer.seal(self.pager, c, self.backend.chunk_keys(int(self.pager.block_of[c])))
         if decoded:
-            self.policy.scorer.observe(self.backend.last_queries())
+            if self.policy.wants_query(self.pager.n_tokens, decoded):
+                self.policy.scorer.observe(self.backend.last_queries())
             self._run(self.policy.after_decode(self.pager, decoded))
 
     def recall_for_last_query(self) -> bool:

@@ -166,6 +166,23 @@ def test_reselect_runs_every_tau_eff_decoded_tokens(history, tau_eff):
         assert scorer.calls == step // tau_eff
 
 
+@pytest.mark.parametrize("scorer", [BoundScorer(KV_HEADS, window=8), LruScorer()], ids=["quest", "lru"])
+def test_only_the_queries_a_reselect_ranks_against_are_fetched(scorer):
+    pager = Pager(8 * 64)
+    FakeBackend(pager).prefill(1000, batch=64)
+    policy = Policy(scorer, tau=64)
+    _, query = synthetic(1, seed=0)
+    wanted = []
+    for _ in range(2 * 64):
+        wanted.append(policy.wants_query(pager.n_tokens))
+        if wanted[-1]:
+            scorer.observe(query)
+        policy.after_decode(pager)
+    # the last `window` steps of each 64-step interval, reselect step included
+    expected = [scorer.window > 0 and (step % 64 == 0 or step % 64 > 64 - scorer.window) for step in range(1, 129)]
+    assert wanted == expected
+
+
 def test_unknown_policy_and_bad_tau_are_config_errors():
     with pytest.raises(ConfigError, match="unknown kv policy 'h2o'"):
         make_policy("h2o", 2)
