@@ -4,6 +4,9 @@
 #   bash bench/gpu_session.sh models   CUDA-vs-CPU parity on the model pieces in .models/
 #   bash bench/gpu_session.sh bench    decode/prefill speed, lucekv and llama-bench in the same run
 #   bash bench/gpu_session.sh profile  matvec speed at 8B shapes, per-kernel time of the 8B decode step
+#   bash bench/gpu_session.sh depth    decode tok/s at 4K..128K context, 8B shape, pool 4096 vs full cache vs
+#                                      llama-bench (~5 min); `depth build` first builds llama-bench (~4 min, a call
+#                                      of its own: /tmp survives while the machine stays warm)
 # Results go to $OUT (the device tool brings them back). Prepare here first (all git-ignored):
 #   .whl/     wheels the GPU machine lacks (gguf, threadpoolctl, grpcio>=1.85.1, protobuf, pytest), see shared/GPU.md
 #   .anchors/ bash ../shared/tools/prepare_llamacpp_anchor.sh .anchors; cp ../shared/tools/synth_gguf.py .anchors/
@@ -48,5 +51,20 @@ profile)
   [ -f /tmp/qwen3-8b-shape.gguf ] || timeout 120 python3 .anchors/synth_gguf.py /tmp/qwen3-8b-shape.gguf qwen3-8b-shape
   python3 -m lucekv.bench.kernel_profile /tmp/qwen3-8b-shape.gguf --pool 131072 --json "$OUT/kernel-profile.json" \
     2>&1 | grep -v -i warning
+  ;;
+depth)
+  M8=/tmp/qwen3-8b-shape.gguf
+  [ -f $M8 ] || { echo "writing $M8" >&2; timeout 120 python3 .anchors/synth_gguf.py $M8 qwen3-8b-shape >&2; }
+  if [ "${2:-}" = build ]; then
+    [ -x "$LB" ] || timeout 420 bash .anchors/build_llama_bench.sh || tail -20 /tmp/llama_cmake.log /tmp/llama_build.log
+    exit 0
+  fi
+  [ -x "$LB" ] || echo "no llama-bench at $LB (run 'depth build' first): the anchor is recorded as missing" >&2
+  # progress (stderr) to the screen and a log; the JSON result (stdout) is in the --json file
+  python3 -m lucekv.cli bench depth --model $M8 --backend cuda --llama-bench "$LB" \
+    --json "$OUT/depth-qwen3-8b-shape.json" --plot "$OUT/depth-qwen3-8b-shape.png" 2>&1 >/dev/null \
+    | grep --line-buffered -v -i warning | tee "$OUT/depth.log"
+  python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['summary'], indent=1))" \
+    "$OUT/depth-qwen3-8b-shape.json"
   ;;
 esac

@@ -22,9 +22,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lucekv.bench import decode, niah, serve, sessions
+    from lucekv.bench import decode, depth, niah, serve, sessions
 
-    return {"decode": decode, "serve": serve, "niah": niah, "sessions": sessions}[args.bench].main(args)
+    if args.bench == "depth-plot":
+        return depth.main_plot(args)
+    return {"decode": decode, "serve": serve, "niah": niah, "sessions": sessions, "depth": depth}[args.bench].main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,9 +76,36 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(sessions)
     sessions.set_defaults(func=cmd_bench)
 
+    add_depth_commands(bench_sub, DEFAULT_MODEL)
     add_models_commands(sub)
     add_server_commands(sub)
     return parser
+
+
+def add_depth_commands(bench_sub: argparse._SubParsersAction, default_model: str) -> None:
+    depth = bench_sub.add_parser("depth", help="decode tok/s versus context length: KVFlash pool vs full cache, "
+                                 "beside llama-bench (context K/V random, installed by Restore)")
+    depth.add_argument("--model", default=default_model)
+    depth.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
+    depth.add_argument("--contexts", default="4096,16384,65536,131072",
+                       help="context tokens (a context past the model's, less the decode, is cut to fit)")
+    depth.add_argument("--pool", type=int, default=4096, help="KV pool of the pooled runs, tokens (default 4096)")
+    depth.add_argument("--policy", default="quest", choices=["lru", "quest", "meankey"])
+    depth.add_argument("--kv-tau", type=int, default=64, help="decoded tokens between reselects (default 64)")
+    depth.add_argument("--gen-tokens", type=int, default=128,
+                       help="tokens decoded per run; pooled runs decode at least 1.1 reselect intervals")
+    depth.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"])
+    depth.add_argument("--llama-bench", metavar="PATH", help="llama-bench binary: its tg at the same depths")
+    depth.add_argument("--llama-reps", type=int, default=2, help="llama-bench repetitions (default 2)")
+    depth.add_argument("--llama-timeout", type=float, default=600, help="seconds before llama-bench is stopped")
+    depth.add_argument("--json", help="also write the result here")
+    depth.add_argument("--plot", metavar="PNG", help="also plot tok/s versus context here (needs matplotlib)")
+    depth.set_defaults(func=cmd_bench)
+
+    plot = bench_sub.add_parser("depth-plot", help="plot a `bench depth` JSON result (needs matplotlib)")
+    plot.add_argument("result", help="the JSON written by `lucekv bench depth --json`")
+    plot.add_argument("-o", "--output", required=True, help="PNG file to write")
+    plot.set_defaults(func=cmd_bench)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,10 @@ completes "The secret passphrase is '" greedily. Recall = share of (depth) cases
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 
 import lucekv
 from lucekv.bench.decode import file_sha256, git_commit, machine, report
@@ -37,7 +39,9 @@ def answer(engine: lucekv.Engine, ids: list[int]) -> str:
 
 
 def run(model: str, backend: str, context: int, depths: list[float], residencies: list[float],
-        policies: list[str]) -> dict:
+        policies: list[str], json_path: str | None = None) -> dict:
+    """The recall table; with `json_path`, rewritten there after every configuration (a long run that is
+    stopped keeps what it measured)."""
     path = resolve_model(model)
     configs = [("full", None, None)] + [(p, r, int(context * r) // CHUNK_TOKENS * CHUNK_TOKENS)
                                         for p in policies for r in residencies]
@@ -57,6 +61,12 @@ def run(model: str, backend: str, context: int, depths: list[float], residencies
         rows.append({"policy": policy, "residency": residency, "pool_tokens": pool, "recall": hits / len(depths),
                      "outputs": outputs, "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{policy} residency {residency}: recall {hits}/{len(depths)}", file=sys.stderr)
+        if json_path:
+            Path(json_path).write_text(json.dumps(result(engine, path, context, depths, rows), indent=2) + "\n")
+    return result(engine, path, context, depths, rows)
+
+
+def result(engine: lucekv.Engine, path: Path, context: int, depths: list[float], rows: list[dict]) -> dict:
     info = engine.info
     return {"bench": "niah", "commit": git_commit(), "machine": machine(), "backend": info.backend,
             "model": {"name": info.model_name, "file": path.name, "sha256": file_sha256(path)},
@@ -66,5 +76,5 @@ def run(model: str, backend: str, context: int, depths: list[float], residencies
 def main(args) -> int:
     floats = lambda text: [float(v) for v in text.split(",")]  # noqa: E731
     report(run(args.model, args.backend, args.context, floats(args.depths), floats(args.residencies),
-               args.policies.split(",")), args.json)
+               args.policies.split(","), args.json), args.json)
     return 0
