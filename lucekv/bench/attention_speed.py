@@ -11,13 +11,12 @@ GB/s counts the K and V bytes the launch must read; ms/token is that time for th
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 
-from lucekv.bench.matvec_speed import LAUNCHES, N_LAYER, copy_bandwidth, graph_us
+from lucekv.bench.matvec_speed import LAUNCHES, N_LAYER, copy_bandwidth, graph_us, write_json
 from lucekv.kernels.cuda import attention, cuda
 
 N_HEAD, N_KV_HEAD, HEAD_DIM = 32, 8, 128
@@ -69,9 +68,7 @@ def main() -> None:
     print(f"{'depth':>8s} {'K+V MB':>8s} {'µs/layer':>9s} {'GB/s':>7s} {'ms/token (36 layers)':>21s}")
     for r in rows:
         print(f"{r['depth']:8d} {r['kv_bytes'] / 1e6:8.1f} {r['us']:9.2f} {r['gbps']:7.0f} {r['ms_per_token']:21.3f}")
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(a.json, result)
 
 
 if __name__ == "__main__":

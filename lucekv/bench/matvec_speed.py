@@ -175,6 +175,12 @@ def _reference(w: DeviceMatrix, x: np.ndarray) -> np.ndarray:
     return dense @ x[0].astype(np.float64)
 
 
+def write_json(path: Path | None, result: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
@@ -197,9 +203,7 @@ def main() -> None:
         print(f"{r['shape']:32s} {r['weight_bytes'] / 1e6:7.1f} {r['us']:9.2f} {r['gbps']:7.0f} "
               f"{r['stream_us']:9.2f} {r['stream_gbps']:7.0f} {r['max_rel_err']:8.1e}")
     print(f"matvec ms per Qwen3-8B token: {result['ms_per_token']:.3f} (stream {result['stream_ms_per_token']:.3f})")
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(a.json, result)
 
 
 if __name__ == "__main__":

@@ -112,16 +112,20 @@ if SIMULATOR:
     def warp_max(v):
         return _warp_reduce(v, max)
 
-    @cuda.jit(device=True)
-    def warp_shfl_xor(v, lane_mask):
+    def _lane_value(v, source):
+        """Lane source(t)'s v for thread t, exchanged through a block-wide scratch array between barriers."""
         scratch = cuda.shared.array(_SCRATCH, np.float64)
         t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
         cuda.syncthreads()
         scratch[t] = v
         cuda.syncthreads()
-        out = scratch[t ^ lane_mask]
+        out = scratch[source(t)]
         cuda.syncthreads()
         return type(v)(out)
+
+    @cuda.jit(device=True)
+    def warp_shfl_xor(v, lane_mask):
+        return _lane_value(v, lambda t: t ^ lane_mask)
 
     def pack_half2(lo, hi):
         return np.array([lo, hi], np.float16).view(np.uint32)[0]
@@ -170,14 +174,7 @@ if SIMULATOR:
 
     @cuda.jit(device=True)
     def warp_broadcast(v, src):
-        scratch = cuda.shared.array(_SCRATCH, np.float64)
-        t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
-        cuda.syncthreads()
-        scratch[t] = v
-        cuda.syncthreads()
-        out = scratch[t - t % WARP + src]
-        cuda.syncthreads()
-        return type(v)(out)
+        return _lane_value(v, lambda t: t - t % WARP + src)
 
 else:
     from llvmlite import ir
