@@ -136,9 +136,9 @@ class BoundScorer(_QueryScorer):
         n_layers, t, n_kv, d = keys.shape
         sub = keys.astype(np.float32).reshape(n_layers, t // self.subpage, self.subpage, n_kv, d)
         sub = sub.transpose(0, 3, 1, 2, 4)  # [layers, kv heads, sub-pages, tokens, d]
-        # f16 KV values are exact in f16, so the stored box still bounds them.
-        pager.summaries.put("quest.kmin", chunk, sub.min(axis=3).astype(np.float16))
-        pager.summaries.put("quest.kmax", chunk, sub.max(axis=3).astype(np.float16))
+        # float32, as the scores' matmuls take them: no conversion per reselect (twice the bytes of float16)
+        pager.summaries.put("quest.kmin", chunk, sub.min(axis=3))
+        pager.summaries.put("quest.kmax", chunk, sub.max(axis=3))
 
     def scores(self, pager: Pager) -> np.ndarray | None:
         inputs = self._inputs(pager, "quest.kmin")
@@ -149,16 +149,16 @@ class BoundScorer(_QueryScorer):
         if len(sealed) == 0:
             return out
         r, n_layers, n_kv, g, d = q.shape
-        # [layers, kv heads, R*group, d]: one batched matmul per summary instead of a 6-index einsum.
-        q = q.transpose(1, 2, 0, 3, 4).reshape(n_layers, n_kv, r * g, d)
+        # [layers, kv heads, 1, d, R*group], against each (layer, head, sub-page)'s [chunks, d] rows of the tables
+        # as they are stored: one matmul each, on strided views (no gather, transpose or conversion of the tables;
+        # rows of unsealed chunks are scored too and dropped)
+        q = q.transpose(1, 2, 4, 0, 3).reshape(n_layers, n_kv, 1, d, r * g)
         qp, qn = np.maximum(q, 0), np.minimum(q, 0)
-        bound = np.empty((len(sealed), n_layers, n_kv), np.float32)
-        for i in range(0, len(sealed), self.block):
-            idx = sealed[i : i + self.block]
-            ub = qp @ _by_head(kmax[idx]) + qn @ _by_head(kmin[idx])  # [layers, heads, R*group, chunks*sub]
-            ub = ub.reshape(n_layers, n_kv, r * g, len(idx), -1).max(axis=(2, 4))
-            bound[i : i + len(idx)] = ub.transpose(2, 0, 1)
-        bound /= np.sqrt(q.shape[-1])
+        bound = np.empty((len(kmax), n_layers, n_kv), np.float32)
+        for i in range(0, len(kmax), self.block):
+            ub = _rows_by_head(kmax[i : i + self.block]) @ qp + _rows_by_head(kmin[i : i + self.block]) @ qn
+            bound[i : i + self.block] = ub.max(axis=(2, 4)).transpose(2, 0, 1)  # best sub-page and query
+        bound = bound[sealed] / np.sqrt(d)
         share = bound - _logsumexp(bound, axis=0)
         out[sealed] = _logsumexp(share.reshape(len(sealed), -1), axis=1)[:, 0]
         return out
@@ -255,10 +255,9 @@ def make_policy(name: str, n_kv_head: int, tau: int = 64) -> Policy:
     return Policy(scorers[name](), tau)
 
 
-def _by_head(summary: np.ndarray) -> np.ndarray:
-    """[chunks, layers, kv heads, sub, d] -> float32 [layers, kv heads, d, chunks*sub] for a matmul."""
-    c, n_layers, n_kv, sub, d = summary.shape
-    return summary.astype(np.float32).transpose(1, 2, 4, 0, 3).reshape(n_layers, n_kv, d, c * sub)
+def _rows_by_head(summary: np.ndarray) -> np.ndarray:
+    """[chunks, layers, kv heads, sub, d] -> a view [layers, kv heads, sub, chunks, d] (rows d-contiguous)."""
+    return summary.transpose(1, 2, 3, 0, 4)
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
