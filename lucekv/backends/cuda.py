@@ -179,7 +179,7 @@ class CudaOps:
         attention.store_kv(k, v, self.slots, pool.k[layer], pool.v[layer], stream=s)
         n = q.shape[0]
         pool.last_q[layer].copy_to_device(q[n - 1], stream=s)  # for KVFlash scorers; a graph replays it too
-        parts = attention.partials(n, spec.n_head, spec.n_kv_head, spec.head_dim)
+        parts = attention.partials(n, spec.n_head, spec.n_kv_head, spec.head_dim, pool.size)
         if self.keep is not None:
             self.keep.extend(parts)
         out = self._empty(n, spec.n_head * spec.head_dim)

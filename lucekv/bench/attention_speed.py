@@ -36,7 +36,7 @@ def bench_depth(depth: int, dtype: np.dtype, rng: np.random.Generator, replays: 
     used = cuda.to_device(np.array([depth], np.int32), stream=stream)
     position = cuda.to_device(np.array([depth - 1], np.int32), stream=stream)
     q = cuda.to_device(rng.standard_normal((1, N_HEAD * HEAD_DIM)).astype(np.float32), stream=stream)
-    parts = attention.partials(1, N_HEAD, N_KV_HEAD, HEAD_DIM)
+    parts = attention.partials(1, N_HEAD, N_KV_HEAD, HEAD_DIM, depth)
     out = cuda.device_array((1, N_HEAD * HEAD_DIM), np.float32, stream=stream)
     scale = 1 / math.sqrt(HEAD_DIM)
 

@@ -211,7 +211,7 @@ def check_attention(n_slots, n_head, n_kv, d, positions, window, kv_dtype, seed=
     dv[used:].copy_to_device(v_pool[used:])
     d_used = cuda.to_device(np.array([used], np.int32))
     attend(cuda.to_device(q), dk, dv, cuda.to_device(slot_pos), d_used, cuda.to_device(positions), window, scale,
-           partials(n, n_head, n_kv, d), out)
+           partials(n, n_head, n_kv, d, n_slots), out)
     ref = attention_reference(q, k_pool[:used], v_pool[:used], slot_pos[:used], positions, window, scale)
     assert rel_err(out.copy_to_host(), ref) <= (1e-2 if kv_dtype == np.float16 else 1e-3)
 

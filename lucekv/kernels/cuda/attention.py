@@ -69,7 +69,7 @@ def attend(q, k_pool, v_pool, slot_pos, n_slots, positions, window: int, scale: 
            stream=0) -> None:
     """out[n, n_head * head_dim] for queries q [n, n_head * head_dim] at `positions` (int32 [n]).
 
-    Reads the slots below n_slots[0] (a device int32 [1]); parts: `partials(n, n_head, n_kv, head_dim)`.
+    Reads the slots below n_slots[0] (a device int32 [1]); parts: `partials(n, n_head, n_kv, head_dim, slots)`.
     Pools: float16 or float32 [slots, n_kv, head_dim], rows a multiple of 16 bytes (see `unsupported`).
     """
     n = q.shape[0]
@@ -93,15 +93,16 @@ def unsupported(n_head: int, n_kv_head: int, head_dim: int) -> str | None:
     return None
 
 
-def splits(n: int, n_kv: int) -> int:
+def splits(n: int, n_kv: int, slots: int) -> int:
     """Chunks the used slots are cut into for n queries: enough blocks to fill the GPU a few times over (a
-    decode step needs them all from the split; a prefill has its queries)."""
-    return max(1, min(MAX_SPLITS, TARGET_BLOCKS // (n * n_kv)))
+    decode step needs them all from the split; a prefill has its queries), and no more than a pool of `slots`
+    can fill with MIN_CHUNK slots each."""
+    return max(1, min(MAX_SPLITS, TARGET_BLOCKS // (n * n_kv), -(-slots // MIN_CHUNK)))
 
 
-def partials(n: int, n_head: int, n_kv: int, head_dim: int):
-    """Device scratch for `attend`: per (query, head, chunk) max, sum and weighted values."""
-    s = splits(n, n_kv)
+def partials(n: int, n_head: int, n_kv: int, head_dim: int, slots: int):
+    """Device scratch for `attend` over a pool of `slots`: per (query, head, chunk) max, sum and weighted values."""
+    s = splits(n, n_kv, slots)
     return (cuda.device_array((n, n_head, s), np.float32), cuda.device_array((n, n_head, s), np.float32),
             cuda.device_array((n, n_head, s, head_dim), np.float32))
 
