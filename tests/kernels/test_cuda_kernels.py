@@ -231,6 +231,17 @@ def test_attention_wide_rows():
     check_attention(40, 2, 1, 160, np.array([30], np.int32), 0, np.float32)
 
 
+def test_attention_splits_and_supported_heads():
+    from lucekv.kernels.cuda.attention import splits, unsupported
+
+    assert splits(1, 8, 131072) == 128  # a decode step over a long pool: many chunks
+    assert splits(1, 8, 4096) == 64  # no more than a 4096-slot pool fills with 64-slot chunks
+    assert splits(512, 8, 131072) == 1  # a prefill's queries fill the GPU alone
+    assert unsupported(32, 8, 128) is None
+    assert "head_dim 100" in unsupported(32, 8, 100)
+    assert "at most 8 per KV head" in unsupported(32, 2, 128)
+
+
 @needs_kernels
 def test_argmax():
     from lucekv.kernels.cuda.sample import argmax
