@@ -171,8 +171,7 @@ class MeanKeyScorer(_QueryScorer):
     name = "meankey"
 
     def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None:
-        kmean = _unit(keys.astype(np.float32).mean(axis=1))
-        pager.summaries.put("meankey.kmean", chunk, kmean.astype(np.float16))
+        pager.summaries.put("meankey.kmean", chunk, _unit(keys.astype(np.float32).mean(axis=1)))  # float32, as quest
 
     def scores(self, pager: Pager) -> np.ndarray | None:
         inputs = self._inputs(pager, "meankey.kmean")
@@ -180,8 +179,10 @@ class MeanKeyScorer(_QueryScorer):
             return None
         q, kmean, sealed, out = inputs
         if len(sealed):
-            cos = np.einsum("rlhgd,clhd->clhrg", _unit(q), kmean[sealed].astype(np.float32))
-            out[sealed] = cos.max(axis=(2, 3, 4)).mean(axis=1)
+            r, n_layers, n_kv, g, d = q.shape
+            q = _unit(q).transpose(1, 2, 4, 0, 3).reshape(n_layers, n_kv, d, r * g)
+            cos = kmean.transpose(1, 2, 0, 3) @ q  # [layers, kv heads, chunks, R*group]: the table in place
+            out[sealed] = cos.max(axis=(1, 3)).mean(axis=0)[sealed]
         return out
 
 
