@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine, from the repo root, with .whl/ (gguf, threadpoolctl, pytest) carried.
-#   bash bench/gpu_session.sh tests    gpu kernel tests, graph replay check
+#   bash bench/gpu_session.sh tests    every gpu test, the kernel tests, graph replay check
 #   bash bench/gpu_session.sh models   CUDA-vs-CPU parity on the model pieces in .models/
 #   bash bench/gpu_session.sh bench    decode/prefill speed, lucekv and llama-bench in the same run
-#   bash bench/gpu_session.sh profile  matvec speed at 8B shapes, per-kernel time of the 8B decode step
+#   bash bench/gpu_session.sh profile  matvec and attention speed at 8B shapes, per-kernel time of the 8B decode step
 #   bash bench/gpu_session.sh depth    decode tok/s at 4K..128K context, 8B shape, pool 4096 vs full cache vs
 #                                      llama-bench (~5 min); `depth build` first builds llama-bench (~4 min, a call
 #                                      of its own: /tmp survives while the machine stays warm)
@@ -22,7 +22,9 @@ git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
 case "${1:-tests}" in
 tests)
   for p in .models/*.part*; do [ -e "$p" ] && cp "$p" /tmp/; done
-  python3 -m pytest -q -m gpu tests/kernels/test_cuda_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  # every gpu test (kernels, backend vs CPU, CUDA paging and sessions), then the kernel files' tiny-shape tests
+  python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  python3 -m pytest -q tests/kernels/test_cuda_kernels.py tests/kernels/test_cuda_matmul.py 2>&1 | tail -3
   python3 -m lucekv.bench.cuda_graph_check --n-embd 1024 --n-layer 8 --steps 64 --out "$OUT/graph.json" 2>&1 | tail -20
   ;;
 models)
@@ -48,6 +50,7 @@ bench)
   ;;
 profile)
   python3 -m lucekv.bench.matvec_speed --json "$OUT/matvec-speed.json" 2>&1 | grep -v -i warning
+  python3 -m lucekv.bench.attention_speed --json "$OUT/attention-speed.json" 2>&1 | grep -v -i warning
   [ -f /tmp/qwen3-8b-shape.gguf ] || timeout 120 python3 .anchors/synth_gguf.py /tmp/qwen3-8b-shape.gguf qwen3-8b-shape
   python3 -m lucekv.bench.kernel_profile /tmp/qwen3-8b-shape.gguf --pool 131072 --json "$OUT/kernel-profile.json" \
     2>&1 | grep -v -i warning
