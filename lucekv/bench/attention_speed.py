@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lucekv.bench.matvec_speed import LAUNCHES, N_LAYER, copy_bandwidth, graph_us, write_json
+from lucekv.bench.matvec_speed import LAUNCHES, N_LAYER, copy_bandwidth, device_name, graph_us, write_json
 from lucekv.kernels.cuda import attention, cuda
 
 N_HEAD, N_KV_HEAD, HEAD_DIM = 32, 8, 128
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     dev = cuda.get_current_device()
-    name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    name = device_name(dev)
     stream = cuda.stream()
     dtype = np.dtype(np.float16 if a.kv_dtype == "f16" else np.float32)
     rng = np.random.default_rng(0)

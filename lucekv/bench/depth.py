@@ -35,7 +35,7 @@ import lucekv
 from lucekv.bench.decode import file_sha256, git_commit, machine, report
 from lucekv.engine.sampling import SamplingParams
 from lucekv.kvflash.pager import CHUNK_TOKENS, PageIn, PageOut
-from lucekv.kvflash.policy import HISTORY_PER_TAU
+from lucekv.kvflash.policy import HISTORY_PER_TAU, tau_eff
 from lucekv.kvflash.sequence import PagedSequence
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import GGUFFile, open_gguf
@@ -61,10 +61,6 @@ DECODE_NOTE = ("decode_tok_s is the engine's usage.decode_tokens_per_s: (tokens 
 
 
 # ---- sizes --------------------------------------------------------------------------------------------------
-
-
-def tau_eff(history: int, tau: int) -> int:
-    return max(tau, history // HISTORY_PER_TAU)
 
 
 def gen_tokens_for(context: int, gen_tokens: int, tau: int, pooled: bool) -> int:
@@ -382,10 +378,10 @@ def gpu_name() -> str | None:
                              text=True, check=True, timeout=30).stdout.strip()
         return out.splitlines()[0] if out else None
     except (OSError, subprocess.SubprocessError):
+        from lucekv.bench.matvec_speed import device_name
         from lucekv.kernels.cuda import cuda
 
-        name = cuda.get_current_device().name
-        return name.decode() if isinstance(name, bytes) else str(name)
+        return device_name(cuda.get_current_device())
 
 
 def run(model: str, backend: str, contexts: list[int], pool: int, policy: str, tau: int, gen_tokens: int,

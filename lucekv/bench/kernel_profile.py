@@ -23,6 +23,7 @@ import numpy as np
 
 from lucekv.backends import cuda as cuda_backend
 from lucekv.backends.cuda import CudaBackend, CudaOps, DecodeGraph, _check
+from lucekv.bench.matvec_speed import device_name
 from lucekv.kernels.cuda import cuda
 from lucekv.kernels.cuda.packed import DeviceMatrix
 from lucekv.model.arch import ModelSpec
@@ -163,14 +164,10 @@ def profile(path: str, pool: int, n_prompt: int, replays: int) -> dict:
                      "us_each": row["us"] / row["count"],
                      "gbps": row["bytes"] / (row["us"] * 1e3) if row["bytes"] else None})
     dev = cuda.get_current_device()
-    return {"bench": "kernel_profile", "device": _name(dev.name), "model": Path(path).name, "pool": pool,
+    return {"bench": "kernel_profile", "device": device_name(dev), "model": Path(path).name, "pool": pool,
             "prompt_tokens": n_prompt, "replays": replays, "kernels_per_step": len(per_launch),
             "graph_step_ms": step_ms, "timed_step_ms": statistics.median(timed_ms),
             "sum_of_kernels_ms": sum(r["total_us"] for r in rows) / 1000, "kernels": rows}
-
-
-def _name(name) -> str:
-    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def print_table(r: dict) -> None:

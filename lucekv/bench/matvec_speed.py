@@ -175,6 +175,11 @@ def _reference(w: DeviceMatrix, x: np.ndarray) -> np.ndarray:
     return dense @ x[0].astype(np.float64)
 
 
+def device_name(dev) -> str:
+    """A numba device's name (bytes on some numba versions)."""
+    return dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+
+
 def write_json(path: Path | None, result: dict) -> None:
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -191,7 +196,7 @@ def main() -> None:
     stream = cuda.stream()
     rng = np.random.default_rng(0)
     rows = [bench_shape(s, rng, a.replays, l2, sms, stream) for s in SHAPES]
-    name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    name = device_name(dev)
     result = {"device": name, "sm_count": sms, "l2_bytes": l2, "replays": a.replays, "launches_per_graph": LAUNCHES,
               "copy_gbps": copy_bandwidth(stream), "shapes": rows,
               "ms_per_token": sum(r["us"] * r["per_token"] for r in rows) / 1000,

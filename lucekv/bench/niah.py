@@ -43,6 +43,7 @@ def run(model: str, backend: str, context: int, depths: list[float], residencies
     """The recall table; with `json_path`, rewritten there after every configuration (a long run that is
     stopped keeps what it measured)."""
     path = resolve_model(model)
+    sha256 = file_sha256(path)
     configs = [("full", None, None)] + [(p, r, int(context * r) // CHUNK_TOKENS * CHUNK_TOKENS)
                                         for p in policies for r in residencies]
     rows = []
@@ -62,14 +63,15 @@ def run(model: str, backend: str, context: int, depths: list[float], residencies
                      "outputs": outputs, "seconds": round(time.perf_counter() - t0, 1)})
         print(f"{policy} residency {residency}: recall {hits}/{len(depths)}", file=sys.stderr)
         if json_path:
-            Path(json_path).write_text(json.dumps(result(engine, path, context, depths, rows), indent=2) + "\n")
-    return result(engine, path, context, depths, rows)
+            Path(json_path).write_text(json.dumps(result(engine, path, sha256, context, depths, rows), indent=2) + "\n")
+    return result(engine, path, sha256, context, depths, rows)
 
 
-def result(engine: lucekv.Engine, path: Path, context: int, depths: list[float], rows: list[dict]) -> dict:
+def result(engine: lucekv.Engine, path: Path, sha256: str, context: int, depths: list[float],
+           rows: list[dict]) -> dict:
     info = engine.info
     return {"bench": "niah", "commit": git_commit(), "machine": machine(), "backend": info.backend,
-            "model": {"name": info.model_name, "file": path.name, "sha256": file_sha256(path)},
+            "model": {"name": info.model_name, "file": path.name, "sha256": sha256},
             "command": "lucekv " + " ".join(sys.argv[1:]), "context": context, "depths": depths, "results": rows}
 
 

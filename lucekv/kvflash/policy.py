@@ -225,7 +225,7 @@ class Policy:
         self._decoded_since = int(state["decoded_since"])
 
     def tau_eff(self, history: int) -> int:
-        return max(self.tau, history // HISTORY_PER_TAU)
+        return tau_eff(history, self.tau)
 
     def wants_query(self, history: int, n_tokens: int = 1) -> bool:
         """Whether the query of the step decoding `n_tokens` more is among the last `window` before a reselect:
@@ -246,6 +246,11 @@ class Policy:
             return []
         self._decoded_since = 0
         return reselect(pager, scores)
+
+
+def tau_eff(history: int, tau: int) -> int:
+    """Decoded tokens between reselects after `history` tokens."""
+    return max(tau, history // HISTORY_PER_TAU)
 
 
 def make_policy(name: str, n_kv_head: int, tau: int = 64) -> Policy:
