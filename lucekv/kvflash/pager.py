@@ -218,13 +218,13 @@ class Pager:
         self._check_span_fits(start_pos, end)
         self.n_tokens = max(self.n_tokens, end)  # advance the head first so the new tail is protected
         self._resize(self.n_chunks)
-        span = np.arange(start_pos // self.chunk, (end - 1) // self.chunk + 1)
+        span = slice(start_pos // self.chunk, (end - 1) // self.chunk + 1)
         moves: list[Move] = []
-        for c in span:
+        for c in range(span.start, span.stop):  # python ints: this runs once or twice per decoded token
             if self.block_of[c] < 0:
-                self._place(int(c), moves, keep=span)
-            self._write(int(c), max(start_pos, c * self.chunk) - c * self.chunk,
-                        min(end, (c + 1) * self.chunk) - c * self.chunk)
+                self._place(c, moves, keep=span)
+            base = c * self.chunk
+            self._write(c, max(start_pos, base) - base, min(end, base + self.chunk) - base)
         pos = np.arange(start_pos, end)
         slots = (self.block_of[pos // self.chunk] * self.chunk + pos % self.chunk).astype(np.int32)
         return Allocation(slots, moves)
@@ -257,7 +257,7 @@ class Pager:
         """Make every protected chunk (sinks, tail, pins) resident again; the page-ins that takes."""
         moves: list[Move] = []
         for c in np.flatnonzero(self.protected_mask() & (self.block_of[: self.n_chunks] < 0)):
-            self._place(int(c), moves, keep=np.empty(0, np.int64))
+            self._place(int(c), moves)
         return moves
 
     # ---- sessions: a pager whose sequence leaves the pool and comes back ------------------------
@@ -311,7 +311,7 @@ class Pager:
         for c, block in zip(r["resident"], r["blocks"], strict=True):
             self._free.remove(block)
             self._free.append(block)  # _place takes the free list's last block
-            self._place(c, moves, keep=np.empty(0, np.int64))
+            self._place(c, moves)
         self.last_use[:n] = r["last_use"]
         self.scores[:n] = _scores_from(r["scores"])
         self.clock = int(r["clock"])
@@ -354,7 +354,7 @@ class Pager:
         resident = self.block_of[:n] >= 0
         moves: list[Move] = [self._evict(int(c)) for c in np.flatnonzero(resident & ~keep)]
         for c in np.flatnonzero(keep & ~resident & (self.filled[:n] > 0)):
-            self._place(int(c), moves, keep=np.empty(0, np.int64))
+            self._place(int(c), moves)
         return moves
 
     def set_scores(self, scores: np.ndarray) -> None:
@@ -382,7 +382,7 @@ class Pager:
         moves: list[Move] = []
         for c in sorted(pinned):
             if c < self.n_chunks and self.block_of[c] < 0:
-                self._place(c, moves, keep=np.empty(0, np.int64))
+                self._place(c, moves)
         return moves
 
     def pin_prefix(self, n_tokens: int) -> list[Move]:
@@ -447,16 +447,24 @@ class Pager:
         self.scores = _grow(self.scores, cap, UNSCORED)
 
     def _check_span_fits(self, start: int, end: int) -> None:
-        mask = self._protected(max(self.n_tokens, end))
-        mask[start // self.chunk : (end - 1) // self.chunk + 1] = True
-        if int(mask.sum()) > self.n_blocks:
+        # protected_mask() plus the span, counted as a union of chunk ranges: no per-chunk array on every token
+        head = (max(self.n_tokens, end) - 1) // self.chunk
+        ranges = [(0, self.sink_chunks - 1), (head - self.tail_chunks, head),
+                  (start // self.chunk, (end - 1) // self.chunk), *self._pinned_ranges()]
+        need, reach = 0, -1
+        for c0, c1 in sorted(ranges):
+            c0, c1 = max(c0, reach + 1, 0), min(c1, head)
+            if c1 >= c0:
+                need, reach = need + c1 - c0 + 1, c1
+        if need > self.n_blocks:
             raise ConfigError(
-                f"a write of positions {start}..{end - 1} needs {int(mask.sum())} "
+                f"a write of positions {start}..{end - 1} needs {need} "
                 f"protected chunks resident at once, more than the pool's {self.n_blocks} blocks; write in "
                 f"smaller batches or use a larger --kv-pool")
 
-    def _place(self, c: int, moves: list[Move], keep: np.ndarray) -> None:
-        """Give non-resident chunk c a block (evicting if needed); recall its bytes if it was written."""
+    def _place(self, c: int, moves: list[Move], keep: slice = slice(0)) -> None:
+        """Give non-resident chunk c a block (evicting, but not a chunk in `keep`, if needed); recall its bytes if
+        it was written."""
         if not self._free:
             moves.append(self._evict(self._victim(keep)))
         block = self._free.pop()
@@ -471,7 +479,7 @@ class Pager:
             self.stats.bytes_in += self.chunk_bytes
             self._mark(c, block, 0, int(self.filled[c]))
 
-    def _victim(self, keep: np.ndarray) -> int:
+    def _victim(self, keep: slice) -> int:
         n = self.n_chunks
         mask = (self.block_of[:n] >= 0) & ~self.protected_mask()
         mask[keep] = False
@@ -564,6 +572,7 @@ def _scores_from(text: str) -> np.ndarray:
 def _grow(a: np.ndarray, n: int, fill) -> np.ndarray:
     if len(a) >= n:
         return a
-    out = np.full((n, *a.shape[1:]), fill, a.dtype)
+    # zeros come from calloc: pages of a large table are not touched until written (summaries grow by doubling)
+    out = np.zeros((n, *a.shape[1:]), a.dtype) if fill == 0 else np.full((n, *a.shape[1:]), fill, a.dtype)
     out[: len(a)] = a
     return out

@@ -11,7 +11,10 @@ for the same scored layers (a backend may score a subset of its pooled layers).
 from __future__ import annotations
 
 import base64
+import os
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -21,6 +24,8 @@ from lucekv.kvflash.pager import Move, Pager
 
 POLICIES = ("lru", "quest", "meankey")
 MISSING = -np.inf  # a sealed chunk without a summary ranks last
+SCORE_THREADS = min(8, os.cpu_count() or 1)  # threads scoring a reselect's chunks
+SCORE_BLOCK = 32  # chunks per scoring matmul: small temporaries (4.5 MiB for quest at 8B's shape), reused
 HISTORY_PER_TAU = 45  # tau_eff = max(tau, history/45) keeps rescoring near 15% of decode time (lucebox §1.7)
 
 
@@ -127,18 +132,19 @@ class BoundScorer(_QueryScorer):
 
     name = "quest"
 
-    def __init__(self, n_kv_head: int, subpage: int = 16, window: int = 8, block: int = 256):
+    def __init__(self, n_kv_head: int, subpage: int = 16, window: int = 8, block: int = SCORE_BLOCK):
         super().__init__(n_kv_head, window)
         self.subpage = subpage
-        self.block = block  # chunks scored per matmul, bounding its temporaries
+        self.block = block  # chunks scored per matmul
 
     def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None:
         n_layers, t, n_kv, d = keys.shape
-        sub = keys.astype(np.float32).reshape(n_layers, t // self.subpage, self.subpage, n_kv, d)
-        sub = sub.transpose(0, 3, 1, 2, 4)  # [layers, kv heads, sub-pages, tokens, d]
+        # reduce over the tokens of a sub-page in the keys' own layout (rows of n_kv*d contiguous values) and
+        # dtype (min and max are exact), then reorder the small results to [layers, kv heads, sub-pages, d]
+        sub = keys.reshape(n_layers, t // self.subpage, self.subpage, n_kv, d)
         # float32, as the scores' matmuls take them: no conversion per reselect (twice the bytes of float16)
-        pager.summaries.put("quest.kmin", chunk, sub.min(axis=3))
-        pager.summaries.put("quest.kmax", chunk, sub.max(axis=3))
+        pager.summaries.put("quest.kmin", chunk, sub.min(axis=2).transpose(0, 2, 1, 3).astype(np.float32))
+        pager.summaries.put("quest.kmax", chunk, sub.max(axis=2).transpose(0, 2, 1, 3).astype(np.float32))
 
     def scores(self, pager: Pager) -> np.ndarray | None:
         inputs = self._inputs(pager, "quest.kmin")
@@ -154,10 +160,9 @@ class BoundScorer(_QueryScorer):
         # rows of unsealed chunks are scored too and dropped)
         q = q.transpose(1, 2, 4, 0, 3).reshape(n_layers, n_kv, 1, d, r * g)
         qp, qn = np.maximum(q, 0), np.minimum(q, 0)
-        bound = np.empty((len(kmax), n_layers, n_kv), np.float32)
-        for i in range(0, len(kmax), self.block):
-            ub = _rows_by_head(kmax[i : i + self.block]) @ qp + _rows_by_head(kmin[i : i + self.block]) @ qn
-            bound[i : i + self.block] = ub.max(axis=(2, 4)).transpose(2, 0, 1)  # best sub-page and query
+        n = len(kmax)
+        bound = np.empty((n, n_layers, n_kv), np.float32)
+        _in_threads(partial(_quest_bound, kmin, kmax, qp, qn, bound, self.block), n, self.block)
         bound = bound[sealed] / np.sqrt(d)
         share = bound - _logsumexp(bound, axis=0)
         out[sealed] = _logsumexp(share.reshape(len(sealed), -1), axis=1)[:, 0]
@@ -171,7 +176,8 @@ class MeanKeyScorer(_QueryScorer):
     name = "meankey"
 
     def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None:
-        pager.summaries.put("meankey.kmean", chunk, _unit(keys.astype(np.float32).mean(axis=1)))  # float32, as quest
+        keys = np.asarray(keys, np.float32)  # no copy of keys that are float32 already
+        pager.summaries.put("meankey.kmean", chunk, _unit(keys.mean(axis=1)))  # float32, as quest
 
     def scores(self, pager: Pager) -> np.ndarray | None:
         inputs = self._inputs(pager, "meankey.kmean")
@@ -181,8 +187,9 @@ class MeanKeyScorer(_QueryScorer):
         if len(sealed):
             r, n_layers, n_kv, g, d = q.shape
             q = _unit(q).transpose(1, 2, 4, 0, 3).reshape(n_layers, n_kv, d, r * g)
-            cos = kmean.transpose(1, 2, 0, 3) @ q  # [layers, kv heads, chunks, R*group]: the table in place
-            out[sealed] = cos.max(axis=(1, 3)).mean(axis=0)[sealed]
+            best = np.empty((n_layers, len(kmean)), np.float32)  # per layer the best q-head and query
+            _in_threads(partial(_meankey_best, kmean, q, best, SCORE_BLOCK), len(kmean), SCORE_BLOCK)
+            out[sealed] = best.mean(axis=0)[sealed]
         return out
 
 
@@ -259,6 +266,42 @@ def make_policy(name: str, n_kv_head: int, tau: int = 64) -> Policy:
     if name not in scorers:
         raise ConfigError(f"unknown kv policy {name!r} (choose {', '.join(POLICIES)})")
     return Policy(scorers[name](), tau)
+
+
+def _in_threads(fill, n: int, block: int) -> None:
+    """fill(lo, hi) over [0, n) in spans of whole `block`s, one per thread: scorers' matmuls are small enough
+    that BLAS runs each on one thread, and numpy drops the GIL in them."""
+    blocks = -(-n // block)
+    span = -(-blocks // min(SCORE_THREADS, blocks)) * block
+    spans = [(lo, min(n, lo + span)) for lo in range(0, n, span)]
+    if len(spans) == 1:
+        fill(*spans[0])
+        return
+    with ThreadPoolExecutor(len(spans)) as pool:
+        for done in [pool.submit(fill, lo, hi) for lo, hi in spans]:
+            done.result()
+
+
+def _quest_bound(kmin: np.ndarray, kmax: np.ndarray, qp: np.ndarray, qn: np.ndarray, bound: np.ndarray, block: int,
+                 lo: int, hi: int) -> None:
+    """bound[lo:hi] = each chunk's best bound over sub-pages and queries, per layer and KV head, `block` chunks
+    per matmul into buffers reused across blocks."""
+    n_layers, n_kv, n_sub, _ = kmax.shape[1:]
+    a = np.empty((n_layers, n_kv, n_sub, block, qp.shape[-1]), np.float32)
+    b = np.empty_like(a)
+    for i in range(lo, hi, block):
+        j = min(hi, i + block)
+        ub = np.matmul(_rows_by_head(kmax[i:j]), qp, out=a[:, :, :, : j - i])
+        ub += np.matmul(_rows_by_head(kmin[i:j]), qn, out=b[:, :, :, : j - i])
+        bound[i:j] = ub.max(axis=(2, 4)).transpose(2, 0, 1)  # best sub-page and query
+
+
+def _meankey_best(kmean: np.ndarray, q: np.ndarray, best: np.ndarray, block: int, lo: int, hi: int) -> None:
+    """best[:, lo:hi] = per layer each chunk's best cosine over q-heads and queries, `block` chunks per matmul."""
+    for i in range(lo, hi, block):
+        j = min(hi, i + block)
+        cos = kmean[i:j].transpose(1, 2, 0, 3) @ q  # [layers, kv heads, chunks, R*group]: the table in place
+        best[:, i:j] = cos.max(axis=(1, 3))
 
 
 def _rows_by_head(summary: np.ndarray) -> np.ndarray:
