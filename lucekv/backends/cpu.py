@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from threadpoolctl import threadpool_limits
 
@@ -44,6 +46,10 @@ class CpuOps:
     def matrix(self, t: TensorInfo) -> PackedMatrix:
         return pack_tensor(t)
 
+    def projections(self, ws: Sequence[TensorInfo], biases: Sequence[TensorInfo | None]
+                    ) -> list[tuple[PackedMatrix, np.ndarray | None]]:
+        return [(self.matrix(w), None if b is None else self.vector(b)) for w, b in zip(ws, biases, strict=True)]
+
     def vector(self, t: TensorInfo) -> np.ndarray:
         return dequantize(t.data, t.qtype, t.shape).reshape(-1)
 
@@ -51,16 +57,24 @@ class CpuOps:
         x = np.concatenate([dequantize_rows(table, int(t), int(t) + 1) for t in tokens])
         return x * np.float32(scale) if scale != 1.0 else x
 
-    def linear(self, w: PackedMatrix, x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-        y = matvec(w, x[0])[None, :] if len(x) == 1 else matmul(w, x)
-        return y + bias if bias is not None else y
+    def project(self, x: np.ndarray, p: list[tuple[PackedMatrix, np.ndarray | None]], norm: np.ndarray
+                ) -> list[np.ndarray]:
+        h = self.rmsnorm(x, norm)
+        return [self.linear(w, h) if b is None else self.linear(w, h) + b for w, b in p]
 
-    def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float, groups: int = 1) -> np.ndarray:
+    def linear(self, w: PackedMatrix, x: np.ndarray, norm: np.ndarray | None = None,
+               residual: np.ndarray | None = None) -> np.ndarray:
+        if norm is not None:
+            x = self.rmsnorm(x, norm)
+        y = matvec(w, x[0])[None, :] if len(x) == 1 else matmul(w, x)
+        return y if residual is None else residual + y
+
+    def rmsnorm(self, x: np.ndarray, w: np.ndarray, groups: int = 1) -> np.ndarray:
         xs = x.reshape(len(x), groups, -1)
         ms = np.mean(xs * xs, axis=-1, keepdims=True, dtype=np.float32)
-        return (xs / np.sqrt(ms + np.float32(eps)) * w).reshape(x.shape).astype(np.float32, copy=False)
+        return (xs / np.sqrt(ms + np.float32(self.spec.rms_eps)) * w).reshape(x.shape).astype(np.float32, copy=False)
 
-    def rope(self, x: np.ndarray, n_heads: int, positions: np.ndarray, base: float) -> np.ndarray:
+    def _rope(self, x: np.ndarray, n_heads: int, positions: np.ndarray, base: float) -> np.ndarray:
         spec = self.spec
         rd = spec.rope_dim
         inv = self._inv_freq.get(base)
@@ -81,8 +95,10 @@ class CpuOps:
         return xh.reshape(x.shape)
 
     def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
-                  slots: np.ndarray, window: int) -> np.ndarray:
+                  slots: np.ndarray, window: int, rope_base: float) -> np.ndarray:
         spec, pool = self.spec, self.pool
+        q = self._rope(q, spec.n_head, positions, rope_base)
+        k = self._rope(k, spec.n_kv_head, positions, rope_base)
         kp, vp = pool.k[layer], pool.v[layer]
         kp[slots] = k.reshape(len(k), spec.n_kv_head, spec.head_dim)
         vp[slots] = v.reshape(len(v), spec.n_kv_head, spec.head_dim)

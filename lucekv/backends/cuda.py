@@ -10,20 +10,21 @@ does not depend on it, so the eager and the replayed step run the same kernels o
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from lucekv.backends.cpu import KV_DTYPES
 from lucekv.backends.slots import SlotMap
 from lucekv.errors import UnsupportedModelError
-from lucekv.kernels.cpu.quants import dequantize, pack_tensor
+from lucekv.kernels.cpu.quants import dequantize, pack_tensor, stack_rows
 from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, norm, rope
 from lucekv.kernels.cuda._numba import device_zeros
 from lucekv.kernels.cuda.embed import embed
 from lucekv.kernels.cuda.matmul import matmul
-from lucekv.kernels.cuda.matvec import matvec
-from lucekv.kernels.cuda.packed import DeviceMatrix, upload
+from lucekv.kernels.cuda.matvec import fuses_norm, matvec
+from lucekv.kernels.cuda.packed import DeviceMatrix, Epilogue, epilogue, upload
 from lucekv.kvflash.host_store import HostStore
 from lucekv.kvflash.pager import CHUNK_TOKENS, Move, PageOut
 from lucekv.model.arch import ModelSpec
@@ -98,6 +99,19 @@ class CudaKVPool(SlotMap):
         return self._staging
 
 
+MAX_STACK = 3  # matrices one product fills (an Epilogue's outputs)
+
+
+@dataclass
+class Stacked:
+    """Matrices of one input (q, k, v; gate, up) stacked into one DeviceMatrix: one product, one weight stream,
+    fills their separate outputs (`widths` rows each) and adds their biases (`bias`: all rows, or None)."""
+
+    matrix: DeviceMatrix
+    widths: list[int]
+    bias: object | None
+
+
 class CudaOps:
     """The decoder's ops on device arrays (see lucekv.model.decoder.Ops).
 
@@ -146,44 +160,83 @@ class CudaOps:
     def matrix(self, t: TensorInfo) -> DeviceMatrix:
         return upload(pack_tensor(t), stream=self.stream)
 
+    def projections(self, ws: Sequence[TensorInfo], biases: Sequence[TensorInfo | None]) -> list[Stacked]:
+        """Consecutive matrices of one kind, block and width stacked (by 3 at most); the others alone."""
+        groups: list[list[tuple]] = []
+        for m, b in zip(map(pack_tensor, ws), biases, strict=True):
+            last = groups[-1][-1][0] if groups else None
+            if last is not None and (last.kind, last.block, last.cols) == (m.kind, m.block, m.cols) \
+                    and len(groups[-1]) < MAX_STACK:
+                groups[-1].append((m, b))
+            else:
+                groups.append([(m, b)])
+        return [self._stack(g) for g in groups]
+
+    def _stack(self, group: list[tuple]) -> Stacked:
+        ms = [m for m, _ in group]
+        bias = None
+        if any(b is not None for _, b in group):
+            bias = np.concatenate([np.zeros(m.rows, np.float32) if b is None else self._host_vector(b)
+                                   for m, b in group])
+            bias = cuda.to_device(bias, stream=self.stream)
+        return Stacked(upload(stack_rows(ms), stream=self.stream), [m.rows for m in ms], bias)
+
     def vector(self, t: TensorInfo):
-        return cuda.to_device(dequantize(t.data, t.qtype, t.shape).reshape(-1), stream=self.stream)
+        return cuda.to_device(self._host_vector(t), stream=self.stream)
+
+    @staticmethod
+    def _host_vector(t: TensorInfo) -> np.ndarray:
+        return dequantize(t.data, t.qtype, t.shape).reshape(-1)
 
     def embed(self, table: DeviceMatrix, tokens: np.ndarray, scale: float):
         out = self._empty(len(tokens), table.cols)
         embed(table, self.tokens, scale, out, stream=self.stream)
         return out
 
-    def linear(self, w: DeviceMatrix, x, bias=None):
+    def project(self, x, p: list[Stacked], norm):
+        if x.shape[0] > 1 or not all(fuses_norm(s.matrix) for s in p):
+            x, norm = self.rmsnorm(x, norm), None
+        outs = []
+        for s in p:
+            parts = [self._empty(x.shape[0], width) for width in s.widths]
+            self._product(s.matrix, x, epilogue(parts, bias=s.bias), norm)
+            outs += parts
+        return outs
+
+    def linear(self, w: DeviceMatrix, x, norm=None, residual=None):
+        if norm is not None and (x.shape[0] > 1 or not fuses_norm(w)):
+            x, norm = self.rmsnorm(x, norm), None
         out = self._empty(x.shape[0], w.rows)
-        (matvec if x.shape[0] == 1 else matmul)(w, x, out, stream=self.stream)
-        if bias is not None:
-            act.add_row(out, bias, out, stream=self.stream)
+        self._product(w, x, epilogue((out,), residual=residual), norm)
         return out
 
-    def rmsnorm(self, x, w, eps: float, groups: int = 1):
+    def _product(self, w: DeviceMatrix, x, ep: Epilogue, norm) -> None:
+        """One token: the decode matvec, normalizing x itself when `norm` is given; more: tensor-core matmul
+        (the caller has normalized x)."""
+        if x.shape[0] == 1:
+            matvec(w, x, ep, self.stream, norm=None if norm is None else (norm, self.spec.rms_eps))
+        else:
+            matmul(w, x, ep, stream=self.stream)
+
+    def rmsnorm(self, x, w, groups: int = 1):
         out = self._empty(*x.shape)
-        norm.rmsnorm(x, w, eps, groups, out, stream=self.stream)
+        norm.rmsnorm(x, w, self.spec.rms_eps, groups, out, stream=self.stream)
         return out
 
-    def rope(self, x, n_heads: int, positions: np.ndarray, base: float):
-        spec = self.spec
-        neox = spec.arch.rope_style == "neox"
-        # in place: x is always a fresh projection (or its norm) that nothing else reads
-        rope.rope(x, n_heads, spec.head_dim, self.positions, self._inv_freq[base], spec.rope_scale, neox,
-                  stream=self.stream)
-        return x
-
-    def attention(self, layer: int, q, k, v, positions: np.ndarray, slots: np.ndarray, window: int):
+    def attention(self, layer: int, q, k, v, positions: np.ndarray, slots: np.ndarray, window: int,
+                  rope_base: float):
         spec, pool, s = self.spec, self.pool, self.stream
-        attention.store_kv(k, v, self.slots, pool.k[layer], pool.v[layer], stream=s)
         n = q.shape[0]
-        pool.last_q[layer].copy_to_device(q[n - 1], stream=s)  # for KVFlash scorers; a graph replays it too
+        q_rot = self._empty(n, q.shape[1])
+        rotary = (self._inv_freq[rope_base], spec.rope_scale, spec.arch.rope_style == "neox")
+        # KVFlash scorers read the latest token's rotated query from pool.last_q (a replayed graph writes it too)
+        attention.rope_and_store(q, k, v, self.positions, self.slots, rotary, pool.k[layer], pool.v[layer], q_rot,
+                                 pool.last_q[layer], stream=s)
         parts = attention.partials(n, spec.n_head, spec.n_kv_head, spec.head_dim, pool.size)
         if self.keep is not None:
             self.keep.extend(parts)
         out = self._empty(n, spec.n_head * spec.head_dim)
-        attention.attend(q, pool.k[layer], pool.v[layer], pool.d_slot_pos, pool.d_high_water, self.positions,
+        attention.attend(q_rot, pool.k[layer], pool.v[layer], pool.d_slot_pos, pool.d_high_water, self.positions,
                          window, spec.attn_scale, parts, out, stream=s)
         return out
 

@@ -29,7 +29,9 @@ from lucekv.kernels.cuda.packed import DeviceMatrix
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
 
-OPS = ("embed", "linear", "rmsnorm", "rope", "attention", "gated_act", "add")
+# CudaOps methods whose launches are labelled, and their labels (_product: each product of linear / project)
+OPS = {"embed": "embed", "_product": "linear", "rmsnorm": "rmsnorm", "attention": "attention",
+       "gated_act": "gated_act", "add": "add"}
 
 
 class LaunchRecorder:
@@ -81,7 +83,7 @@ class LaunchRecorder:
 
         _LaunchConfiguration.__call__ = timed_launch
         for name, fn in originals.items():
-            setattr(CudaOps, name, labelled(name, fn))
+            setattr(CudaOps, name, labelled(OPS[name], fn))
         try:
             yield self
         finally:

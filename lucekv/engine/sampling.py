@@ -88,7 +88,10 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, banned: list[int] | None = None) -> int:
         p = self.p
-        x = logits[: self.vocab_size].astype(np.float32, copy=True)
+        x = logits[: self.vocab_size]
+        if p.greedy and p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty or banned):
+            return int(np.argmax(x))  # nothing to change: no copy (a decode step's cost, at 150K-token vocabularies)
+        x = x.astype(np.float32, copy=True)
         if p.repetition_penalty != 1.0:
             s = x[self.seen]
             x[self.seen] = np.where(s > 0, s / p.repetition_penalty, s * p.repetition_penalty)

@@ -6,6 +6,7 @@ pool and the kernels. This mirrors ggml's backend boundary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -15,19 +16,27 @@ from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import GGUFFile, TensorInfo
 
 Matrix = Any  # a backend's packed weight handle
+Projections = Any  # a backend's handle of several matrices (and biases) applied to one input
 Vector = Any  # a backend's float32 vector
 Act = Any  # a backend's activation array, [n_tokens, width]
 
 
 class Ops(Protocol):
+    """A backend's side of the boundary. The compound ops (a norm before a product, a residual added by it,
+    RoPE inside attention) let a backend fuse them; `norm` always means RMSNorm with the model's epsilon."""
+
     def matrix(self, t: TensorInfo) -> Matrix: ...
+    def projections(self, ws: Sequence[TensorInfo], biases: Sequence[TensorInfo | None]) -> Projections: ...
     def vector(self, t: TensorInfo) -> Vector: ...
     def embed(self, table: Matrix, tokens: np.ndarray, scale: float) -> Act: ...
-    def linear(self, w: Matrix, x: Act, bias: Vector | None = None) -> Act: ...
-    def rmsnorm(self, x: Act, w: Vector, eps: float, groups: int = 1) -> Act: ...
-    def rope(self, x: Act, n_heads: int, positions: np.ndarray, base: float) -> Act: ...
+    def project(self, x: Act, p: Projections, norm: Vector) -> list[Act]:
+        """norm(x) through each matrix of p (plus its bias)."""
+    def linear(self, w: Matrix, x: Act, norm: Vector | None = None, residual: Act | None = None) -> Act:
+        """[residual +] (norm(x) or x) @ W.T"""
+    def rmsnorm(self, x: Act, w: Vector, groups: int = 1) -> Act: ...
     def attention(self, layer: int, q: Act, k: Act, v: Act, positions: np.ndarray, slots: np.ndarray,
-                  window: int) -> Act: ...
+                  window: int, rope_base: float) -> Act:
+        """RoPE on q and k, k and v written to `slots`, then q attends over the pool."""
     def gated_act(self, gate: Act, up: Act) -> Act: ...
     def add(self, x: Act, y: Act) -> Act: ...
     def rows(self, x: Act, idx: slice) -> Act: ...
@@ -36,17 +45,11 @@ class Ops(Protocol):
 @dataclass
 class LayerWeights:
     attn_norm: Vector
-    wq: Matrix
-    wk: Matrix
-    wv: Matrix
+    qkv: Projections  # q, k, v (with their biases, where the model has them)
     wo: Matrix
     ffn_norm: Vector
-    w_gate: Matrix
-    w_up: Matrix
+    gate_up: Projections
     w_down: Matrix
-    bq: Vector | None = None
-    bk: Vector | None = None
-    bv: Vector | None = None
     q_norm: Vector | None = None
     k_norm: Vector | None = None
     post_attn_norm: Vector | None = None
@@ -62,25 +65,17 @@ class Weights:
 
 
 def load_weights(g: GGUFFile, spec: ModelSpec, ops: Ops) -> Weights:
-    def opt_vec(name: str) -> Vector | None:
-        return ops.vector(g.tensors[name]) if name in g.tensors else None
-
     layers = []
     for i in range(spec.n_layer):
         p = f"blk.{i}."
+        qkv = [p + f"attn_{x}" for x in "qkv"]
         layers.append(LayerWeights(
             attn_norm=ops.vector(g.tensor(p + "attn_norm.weight")),
-            wq=ops.matrix(g.tensor(p + "attn_q.weight")),
-            wk=ops.matrix(g.tensor(p + "attn_k.weight")),
-            wv=ops.matrix(g.tensor(p + "attn_v.weight")),
+            qkv=ops.projections([g.tensor(n + ".weight") for n in qkv], [g.tensors.get(n + ".bias") for n in qkv]),
             wo=ops.matrix(g.tensor(p + "attn_output.weight")),
             ffn_norm=ops.vector(g.tensor(p + "ffn_norm.weight")),
-            w_gate=ops.matrix(g.tensor(p + "ffn_gate.weight")),
-            w_up=ops.matrix(g.tensor(p + "ffn_up.weight")),
+            gate_up=ops.projections([g.tensor(p + "ffn_gate.weight"), g.tensor(p + "ffn_up.weight")], [None, None]),
             w_down=ops.matrix(g.tensor(p + "ffn_down.weight")),
-            bq=opt_vec(p + "attn_q.bias"),
-            bk=opt_vec(p + "attn_k.bias"),
-            bv=opt_vec(p + "attn_v.bias"),
             q_norm=ops.vector(g.tensor(p + "attn_q_norm.weight")) if spec.arch.qk_norm else None,
             k_norm=ops.vector(g.tensor(p + "attn_k_norm.weight")) if spec.arch.qk_norm else None,
             post_attn_norm=ops.vector(g.tensor(p + "post_attention_norm.weight")) if spec.arch.post_norms else None,
@@ -94,29 +89,23 @@ def load_weights(g: GGUFFile, spec: ModelSpec, ops: Ops) -> Weights:
 def forward(spec: ModelSpec, w: Weights, ops: Ops, tokens: np.ndarray, positions: np.ndarray,
             slots: np.ndarray, all_logits: bool = False) -> Act:
     """Run `tokens` at `positions`, writing their K/V to pool `slots`; logits of the last token (or all)."""
-    eps = spec.rms_eps
     x = ops.embed(w.token_embd, tokens, float(np.sqrt(spec.n_embd)) if spec.arch.embed_scale else 1.0)
     for i, lw in enumerate(w.layers):
-        h = ops.rmsnorm(x, lw.attn_norm, eps)
-        q = ops.linear(lw.wq, h, lw.bq)
-        k = ops.linear(lw.wk, h, lw.bk)
-        v = ops.linear(lw.wv, h, lw.bv)
+        q, k, v = ops.project(x, lw.qkv, norm=lw.attn_norm)
         if spec.arch.qk_norm:
-            q = ops.rmsnorm(q, lw.q_norm, eps, groups=spec.n_head)
-            k = ops.rmsnorm(k, lw.k_norm, eps, groups=spec.n_kv_head)
-        base = spec.layer_rope_base(i)
-        q = ops.rope(q, spec.n_head, positions, base)
-        k = ops.rope(k, spec.n_kv_head, positions, base)
-        attn = ops.attention(i, q, k, v, positions, slots, spec.window(i))
-        o = ops.linear(lw.wo, attn)
-        if lw.post_attn_norm is not None:
-            o = ops.rmsnorm(o, lw.post_attn_norm, eps)
-        x = ops.add(x, o)
-        h = ops.rmsnorm(x, lw.ffn_norm, eps)
-        f = ops.linear(lw.w_down, ops.gated_act(ops.linear(lw.w_gate, h), ops.linear(lw.w_up, h)))
-        if lw.post_ffn_norm is not None:
-            f = ops.rmsnorm(f, lw.post_ffn_norm, eps)
-        x = ops.add(x, f)
+            q = ops.rmsnorm(q, lw.q_norm, groups=spec.n_head)
+            k = ops.rmsnorm(k, lw.k_norm, groups=spec.n_kv_head)
+        attn = ops.attention(i, q, k, v, positions, slots, spec.window(i), spec.layer_rope_base(i))
+        x = _add_branch(ops, x, lw.wo, attn, lw.post_attn_norm)
+        gate, up = ops.project(x, lw.gate_up, norm=lw.ffn_norm)
+        x = _add_branch(ops, x, lw.w_down, ops.gated_act(gate, up), lw.post_ffn_norm)
     if not all_logits:
         x = ops.rows(x, slice(-1, None))
-    return ops.linear(w.output, ops.rmsnorm(x, w.output_norm, eps))
+    return ops.linear(w.output, x, norm=w.output_norm)
+
+
+def _add_branch(ops: Ops, x: Act, w: Matrix, h: Act, post_norm: Vector | None) -> Act:
+    """x + W h, the branch normalized first where the architecture has a post-norm (Gemma 3)."""
+    if post_norm is None:
+        return ops.linear(w, h, residual=x)
+    return ops.add(x, ops.rmsnorm(ops.linear(w, h), post_norm))

@@ -3,7 +3,7 @@
 The simulator runs kernels as Python, so it never types them the way the GPU compiler does; this does.
 Needs NVVM and NVRTC (pip wheels nvidia-nvvm, nvidia-cuda-nvrtc, no GPU) under CUDA_HOME:
     CUDA_HOME=<dir: lib/libnvvm.so.4, lib/libnvrtc.so.13, nvvm/libdevice> python tests/kernels/ptx_check.py
-Only rope should show float64 operations (its angles are float64 on purpose). Where a `ptxas` is found (on
+Only rope_and_store should show float64 operations (its angles are float64 on purpose). Where a `ptxas` is found (on
 PATH, or in CUDA_HOME/bin), each PTX is also assembled for sm_90, which catches inline-asm errors, and its
 registers and spill bytes are printed.
 """
@@ -15,8 +15,11 @@ import subprocess
 import tempfile
 
 import numba.cuda.dispatcher as dispatcher
+import numpy as np
+from numba import typeof, types
 
-from lucekv.kernels.cuda import act, attention, cuda, embed, matmul, matvec, norm, rope, sample
+from lucekv.kernels.cuda import act, attention, cuda, embed, matmul, matvec, norm, sample
+from lucekv.kernels.cuda.packed import epilogue
 
 
 class _Hopper:  # device functions ask the current device for its compute capability
@@ -25,36 +28,37 @@ class _Hopper:  # device functions ask the current device for its compute capabi
 
 dispatcher.get_current_device = _Hopper
 
-F2, U2, F1, I1 = "float32[:, ::1]", "uint32[:, ::1]", "float32[::1]", "int32[::1]"
-PART = "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1]"
+F2, U2, F1, I1 = types.float32[:, ::1], types.uint32[:, ::1], types.float32[::1], types.int32[::1]
+F64, H3 = types.float64[::1], types.float16[:, :, ::1]
+I64, F32, B = types.int64, types.float32, types.boolean
+PART = (types.float32[:, :, ::1], types.float32[:, :, ::1], types.float32[:, :, :, ::1])
+ATTEND = (F2, U2, U2, I1, I1, I1, I64, F32, *PART)
+# tuple arguments, typed from host arrays of the device ones' dtype, dimensions and layout
+_m = np.zeros((2, 4), np.float32)
+EP = typeof(epilogue((_m, _m), bias=_m[0]))
+XNORM = typeof((_m, np.float32(0), True))
 
-
-ATTEND = f"void({F2}, {U2}, {U2}, {I1}, {I1}, {I1}, int64, float32, {PART})"
-
-
+# kernel: argument types (return void)
 CHECKS = {
-    "matvec_q4": (matvec._matvec_q4, f"void({U2}, {F2}, {F2}, boolean, {F2}, {F2}, int64, int64)"),
-    "matvec_q8": (matvec._matvec_q8, f"void({U2}, {F2}, {F2}, boolean, int64, {F2}, {F2}, int64, int64)"),
-    "matvec_f32": (matvec._matvec_f32, f"void({F2}, {F2}, {F2})"),
-    "rmsnorm": (norm._rmsnorm, f"void({F2}, {F1}, float32, {F2})"),
-    "rope": (rope._rope, f"void({F2}, int64, int64, {I1}, float64[::1], float64, boolean)"),
-    "gated_act": (act._gated_act, f"void({F2}, {F2}, boolean, {F2})"),
-    "add": (act._add, f"void({F2}, {F2}, {F2})"),
-    "add_row": (act._add_row, f"void({F2}, {F1}, {F2})"),
-    "store_kv_f16": (attention._store_kv, f"void({F2}, {F2}, {I1}, float16[:, :, ::1], float16[:, :, ::1])"),
+    "matvec_q4": (matvec._matvec_q4, (U2, F2, F2, B, F2, XNORM, EP, I64, I64)),
+    "matvec_q8": (matvec._matvec_q8, (U2, F2, F2, B, I64, F2, XNORM, EP, I64, I64)),
+    "matvec_f32": (matvec._matvec_f32, (F2, F2, EP)),
+    "rmsnorm": (norm._rmsnorm, (F2, F1, F32, F2)),
+    "gated_act": (act._gated_act, (F2, F2, B, F2)),
+    "add": (act._add, (F2, F2, F2)),
+    "rope_and_store_f16": (attention._rope_and_store, (F2, F2, F2, I1, I1, F64, types.float64, B, H3, H3, F2, F1)),
     "attend_f16_128": (attention._split_kernel(2, 64), ATTEND),
     "attend_f32_128": (attention._split_kernel(1, 128), ATTEND),
     "attend_f32_160": (attention._split_kernel(1, 160), ATTEND),
-    "combine": (attention._combine, f"void({PART}, {F2})"),
-    "set_slot_pos": (attention._set_slot_pos, f"void({I1}, {I1}, {I1})"),
-    "argmax": (sample._argmax, f"void({F2}, {I1})"),
+    "combine": (attention._combine, (*PART, F2)),
+    "set_slot_pos": (attention._set_slot_pos, (I1, I1, I1)),
+    "argmax": (sample._argmax, (F2, I1)),
 }
 for (kind, block), kernel in matmul._KERNELS.items():
-    CHECKS[f"matmul_{kind}_{block}"] = (kernel, f"void({U2}, {F2}, {F2}, boolean, int64, {F2}, {F2})")
-CHECKS["matmul_f32"] = (matmul._matmul_f32, f"void({F2}, {F2}, {F2})")
+    CHECKS[f"matmul_{kind}_{block}"] = (kernel, (U2, F2, F2, B, I64, F2, EP))
+CHECKS["matmul_f32"] = (matmul._matmul_f32, (F2, F2, EP))
 for kind, codes in (("q4", U2), ("q8", U2), ("f32", F2)):
-    CHECKS[f"embed_{kind}"] = (embed._KERNELS[kind], f"void({codes}, {F2}, {F2}, int64, {I1}, float32, {F2})")
-
+    CHECKS[f"embed_{kind}"] = (embed._KERNELS[kind], (codes, F2, F2, I64, I1, F32, F2))
 
 
 def find_ptxas() -> str | None:

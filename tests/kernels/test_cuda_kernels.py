@@ -78,6 +78,55 @@ def test_matvec(qtype):
     check_matvec(qtype, rows=5, cols=256, n=2)
 
 
+def check_fused_product(kernel: str, m: PackedMatrix, n: int, seed: int = 0) -> None:
+    """`kernel` writing three outputs (an Epilogue), with a bias, and separately one output plus a residual;
+    the matvec also normalizing x itself (RMSNorm)."""
+    from lucekv.kernels.cuda import matmul, matvec
+    from lucekv.kernels.cuda.packed import epilogue, upload
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, m.cols)).astype(np.float32) * 3
+    norm_w = rng.standard_normal(m.cols).astype(np.float32)
+    bias = rng.standard_normal(m.rows).astype(np.float32)
+    residual = rng.standard_normal((n, m.rows)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    d, w = upload(m), dense(m)
+    if kernel == "matvec":
+        x64 = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + 1e-5) * norm_w
+
+    def product(ep):
+        if kernel == "matvec":
+            matvec.matvec(d, cuda.to_device(x), ep, norm=(cuda.to_device(norm_w), 1e-5))
+        else:
+            matmul.matmul(d, cuda.to_device(x), ep)
+
+    widths = [1, m.rows - 3, 2]
+    outs = [cuda.device_array((n, r), np.float32) for r in widths]
+    product(epilogue(outs, bias=cuda.to_device(bias)))
+    got = np.concatenate([o.copy_to_host() for o in outs], axis=1)
+    assert rel_err(got, x64 @ w.T + bias) <= 1e-3
+    out = cuda.device_array((n, m.rows), np.float32)
+    product(epilogue((out,), residual=cuda.to_device(residual)))
+    assert rel_err(out.copy_to_host(), x64 @ w.T + residual) <= 1e-3
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_matvec_fused_norm_and_epilogue(qtype):
+    check_fused_product("matvec", random_packed(np.random.default_rng(9), qtype, 6, 256), n=1)
+
+
+@needs_kernels
+def test_matvec_refuses_a_norm_it_cannot_fuse():
+    from lucekv.kernels.cuda.matvec import matvec
+    from lucekv.kernels.cuda.packed import upload
+
+    w = upload(random_packed(np.random.default_rng(1), Q.F32, 3, 32))
+    x = cuda.to_device(np.ones((1, 32), np.float32))
+    with pytest.raises(ValueError, match="no fused RMSNorm"):
+        matvec(w, x, cuda.device_array((1, 3), np.float32), norm=(cuda.to_device(np.ones(32, np.float32)), 1e-5))
+
+
 @needs_kernels
 def test_matvec_f32_ragged_width():
     from lucekv.kernels.cuda.matvec import matvec
@@ -123,26 +172,41 @@ def test_rmsnorm(groups):
     assert rel_err(out.copy_to_host(), ref.reshape(x.shape)) <= 1e-3
 
 
-@needs_kernels
-@pytest.mark.parametrize("neox", [False, True])
-def test_rope(neox):
-    from lucekv.kernels.cuda.rope import inv_freq, rope
-
-    rng = np.random.default_rng(5)
-    n_heads, head_dim, rope_dim, base, scale = 3, 16, 12, 1e6, 2.0
-    x = rng.standard_normal((2, n_heads * head_dim)).astype(np.float32)
-    positions = np.array([5, 70001], np.int32)
-    dx = cuda.to_device(x)
-    inv = cuda.to_device(inv_freq(base, rope_dim))
-    rope(dx, n_heads, head_dim, cuda.to_device(positions), inv, scale, neox)
+def rope_reference(x: np.ndarray, n_heads: int, head_dim: int, rope_dim: int, positions: np.ndarray, base: float,
+                   scale: float, neox: bool) -> np.ndarray:
     ang = positions[:, None] / scale * (1.0 / base ** (np.arange(0, rope_dim, 2) / rope_dim))[None, :]
-    ref = x.astype(np.float64).reshape(2, n_heads, head_dim).copy()
+    ref = x.astype(np.float64).reshape(len(x), n_heads, head_dim).copy()
     lo, hi = (slice(0, rope_dim // 2), slice(rope_dim // 2, rope_dim)) if neox else \
         (slice(0, rope_dim, 2), slice(1, rope_dim, 2))
     a, b = ref[..., lo].copy(), ref[..., hi].copy()
     c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     ref[..., lo], ref[..., hi] = a * c - b * s, a * s + b * c
-    assert rel_err(dx.copy_to_host(), ref.reshape(x.shape)) <= 1e-3
+    return ref.reshape(x.shape)
+
+
+@needs_kernels
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_and_store(neox):
+    from lucekv.kernels.cuda.attention import rope_and_store
+    from lucekv.kernels.cuda.rope import inv_freq
+
+    rng = np.random.default_rng(5)
+    n_heads, n_kv, head_dim, rope_dim, base, scale = 3, 1, 16, 12, 1e6, 2.0  # 4 dimensions pass unrotated
+    q = rng.standard_normal((2, n_heads * head_dim)).astype(np.float32)
+    k, v = (rng.standard_normal((2, n_kv * head_dim)).astype(np.float32) for _ in range(2))
+    positions, slots = np.array([5, 70001], np.int32), np.array([3, 0], np.int32)
+    k_pool, v_pool = (cuda.to_device(np.full((4, n_kv, head_dim), np.nan, np.float32)) for _ in range(2))
+    q_out, last_q = cuda.device_array(q.shape, np.float32), cuda.device_array(q.shape[1], np.float32)
+    rope_and_store(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), cuda.to_device(positions),
+                   cuda.to_device(slots), (cuda.to_device(inv_freq(base, rope_dim)), scale, neox), k_pool, v_pool,
+                   q_out, last_q)
+    ref_q = rope_reference(q, n_heads, head_dim, rope_dim, positions, base, scale, neox)
+    ref_k = rope_reference(k, n_kv, head_dim, rope_dim, positions, base, scale, neox)
+    assert rel_err(q_out.copy_to_host(), ref_q) <= 1e-6
+    assert np.array_equal(last_q.copy_to_host(), q_out.copy_to_host()[-1])
+    assert rel_err(k_pool.copy_to_host()[slots].reshape(2, -1), ref_k) <= 1e-6
+    assert np.array_equal(v_pool.copy_to_host()[slots].reshape(2, -1), v)
+    assert np.isnan(k_pool.copy_to_host()[[1, 2]]).all()  # other slots untouched
 
 
 @needs_kernels
@@ -183,7 +247,7 @@ def attention_reference(q, k_pool, v_pool, slot_pos, positions, window, scale):
 
 def check_attention(n_slots, n_head, n_kv, d, positions, window, kv_dtype, seed=0):
     """Random pool with a shuffled slot -> position map (and free slots), queries at `positions`."""
-    from lucekv.kernels.cuda.attention import attend, partials, store_kv
+    from lucekv.kernels.cuda.attention import attend, partials
 
     rng = np.random.default_rng(seed)
     slot_pos = rng.permutation(n_slots).astype(np.int32)
@@ -192,16 +256,10 @@ def check_attention(n_slots, n_head, n_kv, d, positions, window, kv_dtype, seed=
     q = rng.standard_normal((n, n_head * d)).astype(np.float32)
     k_pool = (rng.standard_normal((n_slots, n_kv, d)) * 0.5).astype(kv_dtype)
     v_pool = rng.standard_normal((n_slots, n_kv, d)).astype(kv_dtype)
-    # the queries' own K/V go through store_kv into free slots, as the backend does
+    # the queries' own positions in free slots, as a step writes them
     own = np.flatnonzero(slot_pos == -1)[:n]
     slot_pos[own] = positions[: len(own)]
-    k_new = rng.standard_normal((len(own), n_kv * d)).astype(np.float32)
-    v_new = rng.standard_normal((len(own), n_kv * d)).astype(np.float32)
     dk, dv = cuda.to_device(k_pool), cuda.to_device(v_pool)
-    store_kv(cuda.to_device(k_new), cuda.to_device(v_new), cuda.to_device(own.astype(np.int32)), dk, dv)
-    k_pool[own] = k_new.reshape(-1, n_kv, d)
-    v_pool[own] = v_new.reshape(-1, n_kv, d)
-    assert np.array_equal(dk.copy_to_host(), k_pool)
     out = cuda.device_array((n, n_head * d), np.float32)
     scale = 1 / np.sqrt(d)
     # the high-water mark: slots past it are never read (the pool behind it holds NaN)

@@ -12,6 +12,7 @@ float32, `d * sc`, `dmin * m`) is numpy, written in the same order as the refere
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,6 +47,15 @@ class PackedMatrix:
     def __post_init__(self) -> None:
         # One numba specialization per kernel: mmap views are read-only, so make every array read-only.
         self.codes, self.scale, self.bias = (_read_only(a) for a in (self.codes, self.scale, self.bias))
+
+
+def stack_rows(ms: Sequence[PackedMatrix]) -> PackedMatrix:
+    """One matrix holding the rows of `ms` in order (same kind, block and width): one product computes them all."""
+    a = ms[0]
+    if any((m.kind, m.cols, m.block) != (a.kind, a.cols, a.block) for m in ms):
+        raise ValueError("stack_rows needs matrices of one kind, block and width")
+    return PackedMatrix(a.kind, sum(m.rows for m in ms), a.cols, a.block,
+                        *(np.concatenate([getattr(m, f) for m in ms]) for f in ("codes", "scale", "bias")))
 
 
 def pack(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> PackedMatrix:

@@ -46,15 +46,3 @@ def _add(x, y, out):
     if i < x.shape[0] * width:
         out[i // width, i % width] = x[i // width, i % width] + y[i // width, i % width]
 
-
-def add_row(x, row, out, stream=0) -> None:
-    """out[t] = x[t] + row for every token t (biases)."""
-    _add_row[blocks(x.size, THREADS), THREADS, stream](x, row, out)
-
-
-@cuda.jit
-def _add_row(x, row, out):
-    i = cuda.grid(1)
-    width = x.shape[1]
-    if i < x.shape[0] * width:
-        out[i // width, i % width] = x[i // width, i % width] + row[i % width]

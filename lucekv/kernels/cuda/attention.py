@@ -44,6 +44,7 @@ from lucekv.kernels.cuda._numba import (
     warp_max,
     warp_sum,
 )
+from lucekv.kernels.cuda.rope import rotated
 
 MAX_SPLITS = 128  # chunks per (KV head, query)
 TARGET_BLOCKS = 1024  # split blocks per launch worth having: several per SM
@@ -60,9 +61,15 @@ QUADS_IN_FLIGHT = 4  # 16-byte loads per thread and array issued before any is s
 THREADS = 128
 
 
-def store_kv(k, v, slots, k_pool, v_pool, stream=0) -> None:
-    """k_pool[slots[i]] = k[i] (and v), converting to the pool's dtype; k, v: [n, n_kv * head_dim]."""
-    _store_kv[blocks(k.size, THREADS), THREADS, stream](k, v, slots, k_pool, v_pool)
+def rope_and_store(q, k, v, positions, slots, rope: tuple, k_pool, v_pool, q_out, last_q, stream=0) -> None:
+    """A step's attention inputs, one launch: q_out = RoPE(q); k_pool[slots[t]] = RoPE(k[t]) and
+    v_pool[slots[t]] = v[t], in the pool's dtype; last_q = q_out[-1] (what KVFlash scorers read).
+    q, q_out: [n, n_head * head_dim]; k, v: [n, n_kv * head_dim]; rope: (inv_freq float64 [rope_dim // 2],
+    position scale, neox)."""
+    inv, pos_scale, neox = rope
+    n = q.shape[0] * (q.shape[1] + 2 * k.shape[1])
+    _rope_and_store[blocks(n, THREADS), THREADS, stream](q, k, v, positions, slots, inv, np.float64(pos_scale),
+                                                         neox, k_pool, v_pool, q_out, last_q)
 
 
 def attend(q, k_pool, v_pool, slot_pos, n_slots, positions, window: int, scale: float, parts, out,
@@ -108,17 +115,30 @@ def partials(n: int, n_head: int, n_kv: int, head_dim: int, slots: int):
 
 
 @cuda.jit
-def _store_kv(k, v, slots, k_pool, v_pool):
+def _rope_and_store(q, k, v, positions, slots, inv, pos_scale, neox, k_pool, v_pool, q_out, last_q):
+    # one thread per value of the token's q, then k, then v row
     i = cuda.grid(1)
-    width = k.shape[1]
-    if i >= k.shape[0] * width:
+    n_q, n_k = q.shape[1], k.shape[1]
+    width = n_q + 2 * n_k
+    if i >= q.shape[0] * width:
         return
     t = i // width
     j = i % width
     head_dim = k_pool.shape[2]
-    s = slots[t]
-    k_pool[s, j // head_dim, j % head_dim] = k[t, j]
-    v_pool[s, j // head_dim, j % head_dim] = v[t, j]
+    if j >= n_q + n_k:
+        c = j - n_q - n_k
+        v_pool[slots[t], c // head_dim, c % head_dim] = v[t, c]
+        return
+    is_q = j < n_q
+    c = j if is_q else j - n_q
+    d = c % head_dim
+    value = rotated(q if is_q else k, t, c - d, d, positions[t], inv, pos_scale, neox)
+    if is_q:
+        q_out[t, c] = value
+        if t == q.shape[0] - 1:
+            last_q[c] = value
+    else:
+        k_pool[slots[t], c // head_dim, d] = value
 
 
 @functools.cache

@@ -44,7 +44,7 @@ from lucekv.kernels.cuda._numba import (
     sub_f16x2,
     warp_shfl_xor,
 )
-from lucekv.kernels.cuda.packed import DeviceMatrix
+from lucekv.kernels.cuda.packed import DeviceMatrix, as_epilogue, put
 
 ROWS = 128  # weight rows per block tile
 TOKENS = 64  # tokens per block tile
@@ -73,7 +73,7 @@ def _make_tensor_matmul(kind: str, block: int):
     per_step = K_STEP // block  # (scale, bias) blocks per step
     block_log2 = block.bit_length() - 1
 
-    def kernel(codes, scale, bias, has_bias, rows, x, out):
+    def kernel(codes, scale, bias, has_bias, rows, x, ep):
         tid = cuda.threadIdx.x
         r0 = cuda.blockIdx.x * ROWS
         t0 = cuda.blockIdx.y * TOKENS
@@ -116,7 +116,7 @@ def _make_tensor_matmul(kind: str, block: int):
             x_first, x_second = _load_x(x, n, t, k_next + x_col, x_gap)
             _mma_step(a_tile, x_tile, s_tile, m_tile, xs_tile, acc, wr, wt, lane >> 2, lane & 3, per_step)
             cuda.syncthreads()
-        _store(acc, out, rows, n, r0 + wr, t0 + wt, lane >> 2, lane & 3)
+        _store(acc, ep, rows, n, r0 + wr, t0 + wt, lane >> 2, lane & 3)
 
     kernel.__name__ = kernel.__qualname__ = f"_matmul_{kind}_{block}"
     return jit_bounded(kernel, THREADS, BLOCKS_PER_SM)
@@ -241,14 +241,14 @@ def _mma_step(a_tile, x_tile, s_tile, m_tile, xs_tile, acc, wr, wt, g, tig, per_
 
 
 @cuda.jit(device=True, inline=True)
-def _store(acc, out, rows, n, r0, t0, g, tig):
+def _store(acc, ep, rows, n, r0, t0, g, tig):
     for i in range(M_TILES):
         for j in range(N_TILES):
             for c in range(4):
                 t = t0 + 8 * j + 2 * tig + (c & 1)
                 r = r0 + 16 * i + g + 8 * (c >> 1)
                 if t < n and r < rows:
-                    out[t, r] = acc[i, j, c]
+                    put(ep, t, r, acc[i, j, c])
 
 
 _KERNELS = {(kind, block): _make_tensor_matmul(kind, block) for kind, block in (("q4", 32), ("q8", 32), ("q8", 16))}
@@ -260,7 +260,7 @@ F32_K_STEP = 32
 
 
 @cuda.jit
-def _matmul_f32(w, x, out):
+def _matmul_f32(w, x, ep):
     tid = cuda.threadIdx.x
     tx = tid % 16  # rows tx*4 .. tx*4 + 3 of the tile
     ty = tid // 16  # tokens ty*4 .. ty*4 + 3
@@ -297,17 +297,18 @@ def _matmul_f32(w, x, out):
         for j in range(4):
             r = r0 + tx * 4 + j
             if t < n and r < rows:
-                out[t, r] = acc[i, j]
+                put(ep, t, r, acc[i, j])
 
 
 def matmul(w: DeviceMatrix, x, out, stream=0) -> None:
-    """out[n, rows] = x[n, cols] @ W.T."""
+    """out[n, rows] = x[n, cols] @ W.T; out: a device array or an Epilogue."""
     n = x.shape[0]
-    if w.kind == "f32":
-        _matmul_f32[(blocks(w.rows, F32_TILE), blocks(n, F32_TILE)), F32_THREADS, stream](w.codes, x, out)
-        return
-    if w.cols % K_STEP:
+    if w.kind != "f32" and w.cols % K_STEP:
         raise ValueError(f"matmul: {w.kind} weights need a multiple of {K_STEP} columns, got {w.cols}")
+    ep = as_epilogue(out)
+    if w.kind == "f32":
+        _matmul_f32[(blocks(w.rows, F32_TILE), blocks(n, F32_TILE)), F32_THREADS, stream](w.codes, x, ep)
+        return
     kernel = _KERNELS[w.kind, 1 << w.block_log2]
     kernel[(blocks(w.rows, ROWS), blocks(n, TOKENS)), THREADS, stream](w.codes, w.scale, w.bias, w.has_bias,
-                                                                        w.rows, x, out)
+                                                                        w.rows, x, ep)

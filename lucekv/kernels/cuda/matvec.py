@@ -19,6 +19,9 @@ Decode reads every weight byte once per token, so these kernels stream HBM with 
 Bias costs no pass of its own: a column block contributes `scale * dot + bias * sum(x)`, sum(x) taken from
 the unquantized x, and no bytes when the matrix has none (DeviceMatrix.has_bias).
 Several tokens (a short batch) run as grid rows of the same kernel.
+Fusions that save a launch and a pass over the activations each: the RMSNorm of x (`norm`), taken by every
+block from the 32 columns each lane loads anyway (one block-wide sum), and what the output rows receive
+(an `Epilogue`: split into separate arrays, plus a bias and a residual).
 """
 
 from __future__ import annotations
@@ -35,40 +38,54 @@ from lucekv.kernels.cuda._numba import (
     cuda,
     dot4_s8s8,
     dot4_u8s8,
+    jit_bounded,
     load_f32,
     load_f32x4,
     load_u32x4,
     warp_sum,
 )
-from lucekv.kernels.cuda.packed import DeviceMatrix
+from lucekv.kernels.cuda.packed import DeviceMatrix, as_epilogue, put
 
 SEGMENT = WARP * 32  # columns per warp and pass: 32 per lane
 MAX_WARPS = 16  # rows of up to 16384 columns in one pass
 MAX_ROWS_PER_BLOCK = 64
 PARTIALS = MAX_WARPS * MAX_ROWS_PER_BLOCK  # one float per (warp, row) of a block
 GROUP = {"q4": 4, "q8": 2}  # rows per register buffer, equal footprints: 4 x (16 + 8) bytes, 2 x (32 + 16)
-RESIDENT_WARPS_PER_SM = 16  # what the kernels' ~110 registers per thread leave room for
+RESIDENT_WARPS_PER_SM = 16  # the kernels' registers are capped at 128 per thread (launch bounds) to fit them
 F32_ROWS_PER_BLOCK = 4
 LOW_NIBBLES = np.uint32(0x0F0F0F0F)
 HI_STEPS = np.float32(127)  # |hi| <= 127, and |lo| <= 128 before it is clamped to 127
 
 
-def matvec(w: DeviceMatrix, x, out, stream=0) -> None:
-    """out[n, rows] = x[n, cols] @ W.T, weights streamed once per token (use for n of 1 to a few)."""
+def matvec(w: DeviceMatrix, x, out, stream=0, norm: tuple | None = None) -> None:
+    """out[n, rows] = x[n, cols] @ W.T, weights streamed once per token (use for n of 1 to a few).
+
+    out: a device array or an Epilogue. norm: (weight [cols], eps) to use RMSNorm(x) * weight for x, where
+    `fuses_norm(w)`."""
+    ep = as_epilogue(out)
+    if norm is not None and not fuses_norm(w):
+        raise ValueError(f"no fused RMSNorm for a {w.kind} matrix of {w.cols} columns")
     if w.kind == "f32":
         grid = (blocks(w.rows, F32_ROWS_PER_BLOCK), x.shape[0])
-        _matvec_f32[grid, F32_ROWS_PER_BLOCK * WARP, stream](w.codes, x, out)
+        _matvec_f32[grid, F32_ROWS_PER_BLOCK * WARP, stream](w.codes, x, ep)
         return
+    # the norm's weight as a [1, cols] matrix (wide loads), or a stand-in of that type
+    xnorm = (x, np.float32(0), False) if norm is None else (norm[0].reshape(1, -1), np.float32(norm[1]), True)
     segments = blocks(w.cols, SEGMENT)
     n_pass = blocks(segments, MAX_WARPS)
     n_warps = blocks(segments, n_pass)
     rows_per_block = _rows_per_block(w.rows, n_warps, 2 * GROUP[w.kind])
     launch = ((blocks(w.rows, rows_per_block), x.shape[0]), n_warps * WARP, stream)
     if w.kind == "q4":
-        _matvec_q4[launch](w.codes, w.scale, w.bias, w.has_bias, x, out, n_pass, rows_per_block)
+        _matvec_q4[launch](w.codes, w.scale, w.bias, w.has_bias, x, xnorm, ep, n_pass, rows_per_block)
     else:
-        _matvec_q8[launch](w.codes, w.scale, w.bias, w.has_bias, w.block_log2 - 4, x, out, n_pass,
+        _matvec_q8[launch](w.codes, w.scale, w.bias, w.has_bias, w.block_log2 - 4, x, xnorm, ep, n_pass,
                            rows_per_block)
+
+
+def fuses_norm(w: DeviceMatrix) -> bool:
+    """Whether `matvec` can normalize x itself: a quantized matrix whose rows one pass of the block covers."""
+    return w.kind != "f32" and w.cols <= MAX_WARPS * SEGMENT
 
 
 def _rows_per_block(rows: int, n_warps: int, step: int) -> int:
@@ -96,6 +113,30 @@ def _load_x16(x, t, c, xv, o):
     else:
         for k in range(16):
             xv[o + k] = np.float32(0)
+
+
+@cuda.jit(device=True, inline=True)
+def _normalize(xv, ca, cb, xnorm, sums):
+    """xv, this lane's columns ca..ca+15 and cb..cb+15 of the row, times weight / rms(row) when xnorm says so
+    (the whole block sums the squares: each column belongs to exactly one lane)."""
+    w, eps, on = xnorm
+    if on:
+        wv = cuda.local.array(32, np.float32)
+        _load_x16(w, 0, ca, wv, 0)  # in flight during the sum
+        _load_x16(w, 0, cb, wv, 16)
+        ss = np.float32(0)
+        for j in range(32):
+            ss += xv[j] * xv[j]
+        ss = warp_sum(ss)
+        if cuda.threadIdx.x % WARP == 0:
+            sums[cuda.threadIdx.x // WARP] = ss
+        cuda.syncthreads()
+        total = np.float32(0)
+        for k in range(cuda.blockDim.x // WARP):
+            total += sums[k]
+        inv = np.float32(1) / math.sqrt(total / np.float32(w.shape[1]) + eps)
+        for j in range(32):
+            xv[j] *= inv * wv[j]
 
 
 @cuda.jit(device=True, inline=True)
@@ -156,15 +197,15 @@ def _clear_partials(part):
 
 
 @cuda.jit(device=True, inline=True)
-def _store_rows(part, first_row, rows_per_block, out, t):
+def _store_rows(part, first_row, rows_per_block, rows, ep, t):
     cuda.syncthreads()
     n_warps = cuda.blockDim.x // WARP
     for i in range(cuda.threadIdx.x, rows_per_block, cuda.blockDim.x):
-        if first_row + i < out.shape[1]:
+        if first_row + i < rows:
             acc = np.float32(0)
             for w in range(n_warps):
                 acc += part[w * MAX_ROWS_PER_BLOCK + i]
-            out[t, first_row + i] = acc
+            put(ep, t, first_row + i, acc)
 
 
 # ---- q4 -------------------------------------------------------------------------------------------------
@@ -206,9 +247,15 @@ def _q4_rows(part, i0, code, sb, xq, u, xsum):
         _add_row(part, i0 + i, sb[i, 0] * (u * _q4_dot(code, i, xq)) + sb[i, 1] * xsum)
 
 
-@cuda.jit
-def _matvec_q4(words, scale, bias, has_bias, x, out, n_pass, rows_per_block):
+def _bounded(kernel):
+    """Registers capped at 128 per thread: RESIDENT_WARPS_PER_SM warps fit an SM whatever the block size."""
+    return jit_bounded(kernel, MAX_WARPS * WARP, RESIDENT_WARPS_PER_SM // MAX_WARPS)
+
+
+@_bounded
+def _matvec_q4(words, scale, bias, has_bias, x, xnorm, ep, n_pass, rows_per_block):
     part = cuda.shared.array(PARTIALS, np.float32)
+    sums = cuda.shared.array(MAX_WARPS, np.float32)
     xv = cuda.local.array(32, np.float32)
     xq = cuda.local.array(16, np.uint32)
     code_a = cuda.local.array((4, 4), np.uint32)  # two buffers of GROUP["q4"] rows
@@ -224,6 +271,7 @@ def _matvec_q4(words, scale, bias, has_bias, x, out, n_pass, rows_per_block):
         _q4_load(words, scale, bias, has_bias, first_row, b, code_a, sb_a)  # in flight while x is read
         _load_x16(x, t, 32 * b, xv, 0)
         _load_x16(x, t, 32 * b + 16, xv, 16)
+        _normalize(xv, 32 * b, 32 * b + 16, xnorm, sums)
         xsum = _sum16(xv, 0) + _sum16(xv, 16)
         u = _quantize_x(xv, xq)
         for i0 in range(0, rows_per_block, 8):
@@ -232,7 +280,7 @@ def _matvec_q4(words, scale, bias, has_bias, x, out, n_pass, rows_per_block):
             if i0 + 8 < rows_per_block:
                 _q4_load(words, scale, bias, has_bias, first_row + i0 + 8, b, code_a, sb_a)
             _q4_rows(part, i0 + 4, code_b, sb_b, xq, u, xsum)
-    _store_rows(part, first_row, rows_per_block, out, t)
+    _store_rows(part, first_row, rows_per_block, words.shape[0], ep, t)
 
 
 # ---- q8 -------------------------------------------------------------------------------------------------
@@ -276,9 +324,10 @@ def _q8_rows(part, i0, code, sb, xq, u, xsum0, xsum1):
         _add_row(part, i0 + i, acc)
 
 
-@cuda.jit
-def _matvec_q8(words, scale, bias, has_bias, chunk_to_block_log2, x, out, n_pass, rows_per_block):
+@_bounded
+def _matvec_q8(words, scale, bias, has_bias, chunk_to_block_log2, x, xnorm, ep, n_pass, rows_per_block):
     part = cuda.shared.array(PARTIALS, np.float32)
+    sums = cuda.shared.array(MAX_WARPS, np.float32)
     xv = cuda.local.array(32, np.float32)
     xq = cuda.local.array(16, np.uint32)
     code_a = cuda.local.array((2, 8), np.uint32)  # two buffers of GROUP["q8"] rows, two 16-byte chunks each
@@ -295,6 +344,7 @@ def _matvec_q8(words, scale, bias, has_bias, chunk_to_block_log2, x, out, n_pass
         _q8_load(words, scale, bias, has_bias, chunk_to_block_log2, first_row, c0, code_a, sb_a)  # while x is read
         _load_x16(x, t, 16 * c0, xv, 0)
         _load_x16(x, t, 16 * (c0 + WARP), xv, 16)
+        _normalize(xv, 16 * c0, 16 * (c0 + WARP), xnorm, sums)
         xsum0 = _sum16(xv, 0)
         xsum1 = _sum16(xv, 16)
         u = _quantize_x(xv, xq)
@@ -304,14 +354,14 @@ def _matvec_q8(words, scale, bias, has_bias, chunk_to_block_log2, x, out, n_pass
             if i0 + 4 < rows_per_block:
                 _q8_load(words, scale, bias, has_bias, chunk_to_block_log2, first_row + i0 + 4, c0, code_a, sb_a)
             _q8_rows(part, i0 + 2, code_b, sb_b, xq, u, xsum0, xsum1)
-    _store_rows(part, first_row, rows_per_block, out, t)
+    _store_rows(part, first_row, rows_per_block, words.shape[0], ep, t)
 
 
 # ---- f32 ------------------------------------------------------------------------------------------------
 
 
 @cuda.jit
-def _matvec_f32(w, x, out):
+def _matvec_f32(w, x, ep):
     # one warp per row: f32 weights are rare (small models' norms-sized tables), not worth a wide kernel
     r = cuda.blockIdx.x * F32_ROWS_PER_BLOCK + cuda.threadIdx.x // WARP
     lane, t = cuda.threadIdx.x % WARP, cuda.blockIdx.y
@@ -321,4 +371,4 @@ def _matvec_f32(w, x, out):
         acc += w[r, k] * x[t, k]
     acc = warp_sum(acc)
     if lane == 0 and r < w.shape[0]:
-        out[t, r] = acc
+        put(ep, t, r, acc)

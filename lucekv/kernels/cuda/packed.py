@@ -1,8 +1,11 @@
-"""PackedMatrix weights on the GPU, and per-element decoding for the kernels that tile or gather them."""
+"""PackedMatrix weights on the GPU, per-element decoding for the kernels that tile or gather them, and where
+products write their rows (`Epilogue`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -71,3 +74,59 @@ def f32_at(w, scale, bias, block_log2, r, k):
 
 def element_decoder(kind: str):
     return {"q4": q4_at, "q8": q8_at, "f32": f32_at}[kind]
+
+
+# ---- where a product's rows go ----------------------------------------------------------------------------
+
+
+class Epilogue(NamedTuple):
+    """A product's destination, passed to its kernel as one tuple argument: rows [0, end0) go to out0,
+    [end0, end1) to out1, the rest to out2, each plus bias[row] (a vector over all rows) and residual[t, row]
+    where the flags say so. One product can thus fill the separate q, k, v (or gate, up) arrays of stacked
+    weights, add its bias and the residual stream, with no pass of its own. Unused arrays are stand-ins of the
+    right type (never read or written)."""
+
+    out0: object
+    out1: object
+    out2: object
+    end0: int
+    end1: int
+    bias: object
+    has_bias: bool
+    residual: object
+    has_residual: bool
+
+
+def epilogue(outs: Sequence, bias=None, residual=None) -> Epilogue:
+    """outs: 1 to 3 device arrays [n, rows_i] taking consecutive rows; bias: float32 [sum rows_i];
+    residual: [n, rows] (with a single output)."""
+    if not 1 <= len(outs) <= 3:
+        raise ValueError(f"a product writes 1 to 3 arrays, got {len(outs)}")
+    if residual is not None and len(outs) != 1:
+        raise ValueError("a residual is added to a single output")
+    ends = np.cumsum([o.shape[1] for o in outs]).tolist()
+    padded = list(outs) + [outs[-1]] * (3 - len(outs))
+    end0, end1 = (ends + [ends[-1]] * 2)[:2]
+    first = outs[0]
+    return Epilogue(*padded, end0, end1, first[0] if bias is None else bias, bias is not None,
+                    first if residual is None else residual, residual is not None)
+
+
+def as_epilogue(out) -> Epilogue:
+    """A plain output array means: all rows there, nothing added."""
+    return out if isinstance(out, Epilogue) else epilogue((out,))
+
+
+@cuda.jit(device=True, inline=True)
+def put(ep, t, r, v):
+    """Row r of token t's product, value v, to its place (see Epilogue)."""
+    if ep.has_bias:
+        v += ep.bias[r]
+    if ep.has_residual:
+        v += ep.residual[t, r]
+    if r < ep.end0:
+        ep.out0[t, r] = v
+    elif r < ep.end1:
+        ep.out1[t, r - ep.end0] = v
+    else:
+        ep.out2[t, r - ep.end1] = v
