@@ -50,6 +50,9 @@ class CpuOps:
                     ) -> list[tuple[PackedMatrix, np.ndarray | None]]:
         return [(self.matrix(w), None if b is None else self.vector(b)) for w, b in zip(ws, biases, strict=True)]
 
+    def gated(self, gate: TensorInfo, up: TensorInfo) -> tuple[PackedMatrix, PackedMatrix]:
+        return self.matrix(gate), self.matrix(up)
+
     def vector(self, t: TensorInfo) -> np.ndarray:
         return dequantize(t.data, t.qtype, t.shape).reshape(-1)
 
@@ -111,7 +114,11 @@ class CpuOps:
             out = attend_batch(qh, kp, vp, pool.slot_pos, pool.high_water, positions, window, spec.attn_scale)
         return out.reshape(len(q), -1)
 
-    def gated_act(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    def gated_linear(self, x: np.ndarray, g: tuple[PackedMatrix, PackedMatrix], norm: np.ndarray) -> np.ndarray:
+        h = self.rmsnorm(x, norm)
+        return self._gated_act(self.linear(g[0], h), self.linear(g[1], h))
+
+    def _gated_act(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         if self.spec.arch.activation == "silu":
             return gate / (1.0 + np.exp(-gate)) * up
         g = gate

@@ -18,13 +18,13 @@ import numpy as np
 from lucekv.backends.cpu import KV_DTYPES
 from lucekv.backends.slots import SlotMap
 from lucekv.errors import UnsupportedModelError
-from lucekv.kernels.cpu.quants import dequantize, pack_tensor, stack_rows
+from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, interleave_rows, pack_tensor, stack_rows
 from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, norm, rope
 from lucekv.kernels.cuda._numba import device_zeros
 from lucekv.kernels.cuda.embed import embed
 from lucekv.kernels.cuda.matmul import matmul
 from lucekv.kernels.cuda.matvec import fuses_norm, matvec
-from lucekv.kernels.cuda.packed import DeviceMatrix, Epilogue, epilogue, upload
+from lucekv.kernels.cuda.packed import GATE_ROWS, GELU, NO_GATE, SILU, DeviceMatrix, Epilogue, epilogue, upload
 from lucekv.kvflash.host_store import HostStore
 from lucekv.kvflash.pager import CHUNK_TOKENS, Move, PageOut
 from lucekv.model.arch import ModelSpec
@@ -105,11 +105,13 @@ MAX_STACK = 3  # matrices one product fills (an Epilogue's outputs)
 @dataclass
 class Stacked:
     """Matrices of one input (q, k, v; gate, up) stacked into one DeviceMatrix: one product, one weight stream,
-    fills their separate outputs (`widths` rows each) and adds their biases (`bias`: all rows, or None)."""
+    fills their separate outputs (`widths` rows each) and adds their biases (`bias`: all rows, or None).
+    `gated`: gate and up rows interleaved (kernels.cpu.quants.interleave_rows), one output of act(gate) * up."""
 
     matrix: DeviceMatrix
     widths: list[int]
     bias: object | None
+    gated: bool = False
 
 
 class CudaOps:
@@ -162,15 +164,7 @@ class CudaOps:
 
     def projections(self, ws: Sequence[TensorInfo], biases: Sequence[TensorInfo | None]) -> list[Stacked]:
         """Consecutive matrices of one kind, block and width stacked (by 3 at most); the others alone."""
-        groups: list[list[tuple]] = []
-        for m, b in zip(map(pack_tensor, ws), biases, strict=True):
-            last = groups[-1][-1][0] if groups else None
-            if last is not None and (last.kind, last.block, last.cols) == (m.kind, m.block, m.cols) \
-                    and len(groups[-1]) < MAX_STACK:
-                groups[-1].append((m, b))
-            else:
-                groups.append([(m, b)])
-        return [self._stack(g) for g in groups]
+        return [self._stack(g) for g in _groups(list(zip(map(pack_tensor, ws), biases, strict=True)))]
 
     def _stack(self, group: list[tuple]) -> Stacked:
         ms = [m for m, _ in group]
@@ -180,6 +174,14 @@ class CudaOps:
                                    for m, b in group])
             bias = cuda.to_device(bias, stream=self.stream)
         return Stacked(upload(stack_rows(ms), stream=self.stream), [m.rows for m in ms], bias)
+
+    def gated(self, gate: TensorInfo, up: TensorInfo) -> list[Stacked]:
+        """Gate and up interleaved into one quantized matrix that applies the activation itself; where the two
+        differ in kind (or are float32), stacked as any projections, with a separate activation."""
+        g, u = pack_tensor(gate), pack_tensor(up)
+        if _interleavable(g, u):
+            return [Stacked(upload(interleave_rows(g, u, GATE_ROWS), stream=self.stream), [g.rows], None, True)]
+        return [self._stack(group) for group in _groups([(g, None), (u, None)])]
 
     def vector(self, t: TensorInfo):
         return cuda.to_device(self._host_vector(t), stream=self.stream)
@@ -197,11 +199,20 @@ class CudaOps:
         if x.shape[0] > 1 or not all(fuses_norm(s.matrix) for s in p):
             x, norm = self.rmsnorm(x, norm), None
         outs = []
+        gate = GELU if self.spec.arch.activation == "gelu_tanh" else SILU
         for s in p:
             parts = [self._empty(x.shape[0], width) for width in s.widths]
-            self._product(s.matrix, x, epilogue(parts, bias=s.bias), norm)
+            self._product(s.matrix, x, epilogue(parts, bias=s.bias, gate=gate if s.gated else NO_GATE), norm)
             outs += parts
         return outs
+
+    def gated_linear(self, x, g: list[Stacked], norm):
+        outs = self.project(x, g, norm)
+        if len(outs) == 1:  # the product applied the activation
+            return outs[0]
+        out = self._empty(*outs[0].shape)
+        act.gated_act(*outs, self.spec.arch.activation == "gelu_tanh", out, stream=self.stream)
+        return out
 
     def linear(self, w: DeviceMatrix, x, norm=None, residual=None):
         if norm is not None and (x.shape[0] > 1 or not fuses_norm(w)):
@@ -240,11 +251,6 @@ class CudaOps:
                          window, spec.attn_scale, parts, out, stream=s)
         return out
 
-    def gated_act(self, gate, up):
-        out = self._empty(*gate.shape)
-        act.gated_act(gate, up, self.spec.arch.activation == "gelu_tanh", out, stream=self.stream)
-        return out
-
     def add(self, x, y):
         out = self._empty(*x.shape)
         act.add(x, y, out, stream=self.stream)
@@ -253,6 +259,24 @@ class CudaOps:
     def rows(self, x, idx: slice):
         start, stop, _ = idx.indices(x.shape[0])
         return x[start:stop]
+
+
+def _groups(pairs: list[tuple[PackedMatrix, TensorInfo | None]]) -> list[list[tuple]]:
+    """Consecutive (matrix, bias) pairs of one kind, block and width together, by MAX_STACK at most."""
+    groups: list[list[tuple]] = []
+    for m, b in pairs:
+        last = groups[-1][-1][0] if groups else None
+        if last is not None and (last.kind, last.block, last.cols) == (m.kind, m.block, m.cols) \
+                and len(groups[-1]) < MAX_STACK:
+            groups[-1].append((m, b))
+        else:
+            groups.append([(m, b)])
+    return groups
+
+
+def _interleavable(g: PackedMatrix, u: PackedMatrix) -> bool:
+    return g.kind != "f32" and (g.kind, g.block, g.cols, g.rows) == (u.kind, u.block, u.cols, u.rows) \
+        and g.rows % GATE_ROWS == 0
 
 
 class CudaBackend:
@@ -279,7 +303,7 @@ class CudaBackend:
         replay = len(tokens) == 1 and self.graph is not None and self.graph.ready
         self.ops.begin_step(tokens, positions, slots, mark=not replay)
         if replay:
-            logits = self.graph.replay()
+            return self.graph.replay()
         else:
             logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits)
             if len(tokens) == 1 and self.graph is not None:
@@ -326,6 +350,7 @@ class DecodeGraph:
     def __init__(self, backend: CudaBackend):
         self.backend = backend
         self.logits = None
+        self._host_logits: np.ndarray | None = None
         self._exec = None
         self._keep: list = []
 
@@ -350,15 +375,24 @@ class DecodeGraph:
                     graph = _check(driver.cuStreamEndCapture(handle))
                 self._exec = _check(driver.cuGraphInstantiate(graph, 0))
                 _check(driver.cuGraphDestroy(graph))  # the executable graph is independent of it
+                self._host_logits = cuda.pinned_array(self.logits.shape, np.float32)
         finally:
             b.ops.keep = None
 
-    def replay(self):
-        """Run the captured step (inputs already in the fixed buffers); its logits device array."""
+    def launch(self) -> None:
+        """Enqueue the captured step (inputs already in the fixed buffers) on the backend's stream."""
         from cuda.bindings import driver
 
         _check(driver.cuGraphLaunch(self._exec, driver.CUstream(int(self.backend.stream.handle))))
-        return self.logits
+
+    def replay(self) -> np.ndarray:
+        """Run the captured step; its logits on the host, through pinned memory (a pageable copy of a 150K-token
+        vocabulary's logits costs more than the copy out of it)."""
+        stream = self.backend.stream
+        self.launch()
+        self.logits.copy_to_host(self._host_logits, stream=stream)
+        stream.synchronize()
+        return self._host_logits.copy()
 
 
 def _check(result):

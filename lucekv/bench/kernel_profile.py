@@ -30,8 +30,7 @@ from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
 
 # CudaOps methods whose launches are labelled, and their labels (_product: each product of linear / project)
-OPS = {"embed": "embed", "_product": "linear", "rmsnorm": "rmsnorm", "attention": "attention",
-       "gated_act": "gated_act", "add": "add"}
+OPS = {"embed": "embed", "_product": "linear", "rmsnorm": "rmsnorm", "attention": "attention", "add": "add"}
 
 
 class LaunchRecorder:
@@ -103,7 +102,7 @@ def replay_ms(graph: DecodeGraph, stream, replays: int) -> float:
     for _ in range(replays):
         start, end = cuda.event(), cuda.event()
         start.record(stream)
-        graph.replay()
+        graph.launch()
         end.record(stream)
         end.synchronize()
         times.append(cuda.event_elapsed_time(start, end))
@@ -147,7 +146,7 @@ def profile(path: str, pool: int, n_prompt: int, replays: int) -> dict:
     per_launch: list[list[float]] = [[] for _ in recorder.marks[:-1]]
     timed_ms = []
     for _ in range(replays):
-        timed.replay()
+        timed.launch()
         b.stream.synchronize()
         ev = recorder.events
         for i in range(len(per_launch)):

@@ -17,6 +17,7 @@ from lucekv.model.gguf import GGUFFile, TensorInfo
 
 Matrix = Any  # a backend's packed weight handle
 Projections = Any  # a backend's handle of several matrices (and biases) applied to one input
+Gated = Any  # a backend's handle of a gated FFN's gate and up matrices
 Vector = Any  # a backend's float32 vector
 Act = Any  # a backend's activation array, [n_tokens, width]
 
@@ -27,17 +28,19 @@ class Ops(Protocol):
 
     def matrix(self, t: TensorInfo) -> Matrix: ...
     def projections(self, ws: Sequence[TensorInfo], biases: Sequence[TensorInfo | None]) -> Projections: ...
+    def gated(self, gate: TensorInfo, up: TensorInfo) -> Gated: ...
     def vector(self, t: TensorInfo) -> Vector: ...
     def embed(self, table: Matrix, tokens: np.ndarray, scale: float) -> Act: ...
     def project(self, x: Act, p: Projections, norm: Vector) -> list[Act]:
         """norm(x) through each matrix of p (plus its bias)."""
     def linear(self, w: Matrix, x: Act, norm: Vector | None = None, residual: Act | None = None) -> Act:
         """[residual +] (norm(x) or x) @ W.T"""
+    def gated_linear(self, x: Act, g: Gated, norm: Vector) -> Act:
+        """act(norm(x) @ W_gate.T) * (norm(x) @ W_up.T), act the architecture's (SiLU or GELU-tanh)."""
     def rmsnorm(self, x: Act, w: Vector, groups: int = 1) -> Act: ...
     def attention(self, layer: int, q: Act, k: Act, v: Act, positions: np.ndarray, slots: np.ndarray,
                   window: int, rope_base: float) -> Act:
         """RoPE on q and k, k and v written to `slots`, then q attends over the pool."""
-    def gated_act(self, gate: Act, up: Act) -> Act: ...
     def add(self, x: Act, y: Act) -> Act: ...
     def rows(self, x: Act, idx: slice) -> Act: ...
 
@@ -48,7 +51,7 @@ class LayerWeights:
     qkv: Projections  # q, k, v (with their biases, where the model has them)
     wo: Matrix
     ffn_norm: Vector
-    gate_up: Projections
+    gate_up: Gated
     w_down: Matrix
     q_norm: Vector | None = None
     k_norm: Vector | None = None
@@ -74,7 +77,7 @@ def load_weights(g: GGUFFile, spec: ModelSpec, ops: Ops) -> Weights:
             qkv=ops.projections([g.tensor(n + ".weight") for n in qkv], [g.tensors.get(n + ".bias") for n in qkv]),
             wo=ops.matrix(g.tensor(p + "attn_output.weight")),
             ffn_norm=ops.vector(g.tensor(p + "ffn_norm.weight")),
-            gate_up=ops.projections([g.tensor(p + "ffn_gate.weight"), g.tensor(p + "ffn_up.weight")], [None, None]),
+            gate_up=ops.gated(g.tensor(p + "ffn_gate.weight"), g.tensor(p + "ffn_up.weight")),
             w_down=ops.matrix(g.tensor(p + "ffn_down.weight")),
             q_norm=ops.vector(g.tensor(p + "attn_q_norm.weight")) if spec.arch.qk_norm else None,
             k_norm=ops.vector(g.tensor(p + "attn_k_norm.weight")) if spec.arch.qk_norm else None,
@@ -97,8 +100,7 @@ def forward(spec: ModelSpec, w: Weights, ops: Ops, tokens: np.ndarray, positions
             k = ops.rmsnorm(k, lw.k_norm, groups=spec.n_kv_head)
         attn = ops.attention(i, q, k, v, positions, slots, spec.window(i), spec.layer_rope_base(i))
         x = _add_branch(ops, x, lw.wo, attn, lw.post_attn_norm)
-        gate, up = ops.project(x, lw.gate_up, norm=lw.ffn_norm)
-        x = _add_branch(ops, x, lw.w_down, ops.gated_act(gate, up), lw.post_ffn_norm)
+        x = _add_branch(ops, x, lw.w_down, ops.gated_linear(x, lw.gate_up, norm=lw.ffn_norm), lw.post_ffn_norm)
     if not all_logits:
         x = ops.rows(x, slice(-1, None))
     return ops.linear(w.output, x, norm=w.output_norm)

@@ -110,6 +110,36 @@ def check_fused_product(kernel: str, m: PackedMatrix, n: int, seed: int = 0) -> 
     assert rel_err(out.copy_to_host(), x64 @ w.T + residual) <= 1e-3
 
 
+def check_gated_product(kernel: str, qtype: Q, n: int) -> None:
+    """Gate and up rows interleaved: the product's output is gelu(x @ G.T) * (x @ U.T) (the matvec normalizing x)."""
+    from lucekv.kernels.cpu.quants import interleave_rows
+    from lucekv.kernels.cuda import matmul, matvec
+    from lucekv.kernels.cuda.packed import GATE_ROWS, GELU, epilogue, upload
+
+    rng = np.random.default_rng(11)
+    gate, up = (random_packed(rng, qtype, 3 * GATE_ROWS, 256) for _ in range(2))
+    x = rng.standard_normal((n, 256)).astype(np.float32)
+    norm_w = rng.standard_normal(256).astype(np.float32)
+    out = cuda.device_array((n, gate.rows), np.float32)
+    ep = epilogue((out,), gate=GELU)
+    w = upload(interleave_rows(gate, up, GATE_ROWS))
+    x64 = x.astype(np.float64)
+    if kernel == "matvec":
+        matvec.matvec(w, cuda.to_device(x), ep, norm=(cuda.to_device(norm_w), 1e-5))
+        x64 = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + 1e-5) * norm_w
+    else:
+        matmul.matmul(w, cuda.to_device(x), ep)
+    g, u = x64 @ dense(gate).T, x64 @ dense(up).T
+    ref = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) * u
+    assert rel_err(out.copy_to_host(), ref) <= 1e-3
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_matvec_gated(qtype):
+    check_gated_product("matvec", qtype, n=1)
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_matvec_fused_norm_and_epilogue(qtype):

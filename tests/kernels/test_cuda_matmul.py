@@ -16,7 +16,7 @@ from lucekv.kernels.cpu.quants import PackedMatrix
 from lucekv.kernels.cuda import available, cuda
 from lucekv.kernels.cuda._numba import mma_f16_16816, pack_half2, sub_f16x2
 from tests.kernels.cuda_sim import needs_gpu, needs_kernels, run_in_simulator
-from tests.kernels.test_cuda_kernels import check_fused_product, check_product, random_packed
+from tests.kernels.test_cuda_kernels import check_fused_product, check_gated_product, check_product, random_packed
 
 
 @pytest.mark.skipif(available(), reason="kernels run directly in this process")
@@ -105,6 +105,11 @@ def test_matmul(qtype, rows, cols, n):
 @needs_kernels
 def test_matmul_epilogue():
     check_fused_product("matmul", random_packed(np.random.default_rng(3), Q.Q8_0, 6, 64), n=3)
+
+
+@needs_kernels
+def test_matmul_gated():
+    check_gated_product("matmul", Q.Q8_0, n=3)
 
 
 @needs_kernels

@@ -58,6 +58,17 @@ def stack_rows(ms: Sequence[PackedMatrix]) -> PackedMatrix:
                         *(np.concatenate([getattr(m, f) for m in ms]) for f in ("codes", "scale", "bias")))
 
 
+def interleave_rows(a: PackedMatrix, b: PackedMatrix, group: int) -> PackedMatrix:
+    """Rows of a and b (same shape and kind) in alternating groups: a's first `group`, b's first `group`, a's
+    next... A product then computes a row of a and the same row of b side by side (gated FFNs)."""
+    if a.rows != b.rows or a.rows % group:
+        raise ValueError(f"interleave_rows needs two matrices of the same rows, a multiple of {group}")
+    m = stack_rows([a, b])
+    order = np.arange(m.rows).reshape(2, -1, group).transpose(1, 0, 2).reshape(-1)
+    arrays = (m.codes, m.scale, m.bias)
+    return PackedMatrix(m.kind, m.rows, m.cols, m.block, *(x[order] if x.size else x for x in arrays))
+
+
 def pack(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> PackedMatrix:
     """Repack the tensor data `raw` of numpy shape (rows, cols) into canonical form."""
     if len(shape) != 2:

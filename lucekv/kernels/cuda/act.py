@@ -14,7 +14,7 @@ GELU_K = np.float32(0.044715)
 
 
 def gated_act(gate, up, gelu: bool, out, stream=0) -> None:
-    """out = act(gate) * up, all [n, width]."""
+    """out = act(gate) * up, all [n, width] (products of stacked gate/up rows apply it themselves)."""
     _gated_act[blocks(gate.size, THREADS), THREADS, stream](gate, up, gelu, out)
 
 
@@ -31,12 +31,17 @@ def _gated_act(gate, up, gelu, out):
         return
     t = i // width
     j = i % width
-    g = gate[t, j]
+    out[t, j] = gated(gate[t, j], up[t, j], gelu)
+
+
+@cuda.jit(device=True, inline=True)
+def gated(g, u, gelu):
+    """act(g) * u: GELU (tanh form) or SiLU."""
     if gelu:
         a = np.float32(0.5) * g * (np.float32(1) + math.tanh(GELU_C * (g + GELU_K * g * g * g)))
     else:
         a = g / (np.float32(1) + math.exp(-g))
-    out[t, j] = a * up[t, j]
+    return a * u
 
 
 @cuda.jit

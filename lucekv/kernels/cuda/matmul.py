@@ -44,7 +44,7 @@ from lucekv.kernels.cuda._numba import (
     sub_f16x2,
     warp_shfl_xor,
 )
-from lucekv.kernels.cuda.packed import DeviceMatrix, as_epilogue, put
+from lucekv.kernels.cuda.packed import GATE_ROWS, DeviceMatrix, as_epilogue, put, put_gated
 
 ROWS = 128  # weight rows per block tile
 TOKENS = 64  # tokens per block tile
@@ -242,13 +242,17 @@ def _mma_step(a_tile, x_tile, s_tile, m_tile, xs_tile, acc, wr, wt, g, tig, per_
 
 @cuda.jit(device=True, inline=True)
 def _store(acc, ep, rows, n, r0, t0, g, tig):
+    # accumulators c and c + 2 are rows 8 apart: with gate/up groups of GATE_ROWS = 8 a gate row and its up row
     for i in range(M_TILES):
         for j in range(N_TILES):
             for c in range(4):
                 t = t0 + 8 * j + 2 * tig + (c & 1)
-                r = r0 + 16 * i + g + 8 * (c >> 1)
+                r = r0 + 16 * i + g + GATE_ROWS * (c >> 1)
                 if t < n and r < rows:
-                    put(ep, t, r, acc[i, j, c])
+                    if not ep.gate:
+                        put(ep, t, r, acc[i, j, c])
+                    elif c < 2:
+                        put_gated(ep, t, r, acc[i, j, c], acc[i, j, c + 2])
 
 
 _KERNELS = {(kind, block): _make_tensor_matmul(kind, block) for kind, block in (("q4", 32), ("q8", 32), ("q8", 16))}
@@ -306,6 +310,8 @@ def matmul(w: DeviceMatrix, x, out, stream=0) -> None:
     if w.kind != "f32" and w.cols % K_STEP:
         raise ValueError(f"matmul: {w.kind} weights need a multiple of {K_STEP} columns, got {w.cols}")
     ep = as_epilogue(out)
+    if ep.gate and w.kind == "f32":
+        raise ValueError("gated products take quantized matrices")
     if w.kind == "f32":
         _matmul_f32[(blocks(w.rows, F32_TILE), blocks(n, F32_TILE)), F32_THREADS, stream](w.codes, x, ep)
         return

@@ -44,7 +44,7 @@ from lucekv.kernels.cuda._numba import (
     load_u32x4,
     warp_sum,
 )
-from lucekv.kernels.cuda.packed import DeviceMatrix, as_epilogue, put
+from lucekv.kernels.cuda.packed import GATE_ROWS, DeviceMatrix, as_epilogue, put, put_gated
 
 SEGMENT = WARP * 32  # columns per warp and pass: 32 per lane
 MAX_WARPS = 16  # rows of up to 16384 columns in one pass
@@ -65,6 +65,8 @@ def matvec(w: DeviceMatrix, x, out, stream=0, norm: tuple | None = None) -> None
     ep = as_epilogue(out)
     if norm is not None and not fuses_norm(w):
         raise ValueError(f"no fused RMSNorm for a {w.kind} matrix of {w.cols} columns")
+    if ep.gate and w.kind == "f32":
+        raise ValueError("gated products take quantized matrices")
     if w.kind == "f32":
         grid = (blocks(w.rows, F32_ROWS_PER_BLOCK), x.shape[0])
         _matvec_f32[grid, F32_ROWS_PER_BLOCK * WARP, stream](w.codes, x, ep)
@@ -74,7 +76,9 @@ def matvec(w: DeviceMatrix, x, out, stream=0, norm: tuple | None = None) -> None
     segments = blocks(w.cols, SEGMENT)
     n_pass = blocks(segments, MAX_WARPS)
     n_warps = blocks(segments, n_pass)
-    rows_per_block = _rows_per_block(w.rows, n_warps, 2 * GROUP[w.kind])
+    # both register buffers' rows; whole gate/up groups
+    step = max(2 * GROUP[w.kind], 2 * GATE_ROWS) if ep.gate else 2 * GROUP[w.kind]
+    rows_per_block = _rows_per_block(w.rows, n_warps, step)
     launch = ((blocks(w.rows, rows_per_block), x.shape[0]), n_warps * WARP, stream)
     if w.kind == "q4":
         _matvec_q4[launch](w.codes, w.scale, w.bias, w.has_bias, x, xnorm, ep, n_pass, rows_per_block)
@@ -197,15 +201,26 @@ def _clear_partials(part):
 
 
 @cuda.jit(device=True, inline=True)
+def _row_sum(part, i, n_warps):
+    acc = np.float32(0)
+    for w in range(n_warps):
+        acc += part[w * MAX_ROWS_PER_BLOCK + i]
+    return acc
+
+
+@cuda.jit(device=True, inline=True)
 def _store_rows(part, first_row, rows_per_block, rows, ep, t):
     cuda.syncthreads()
     n_warps = cuda.blockDim.x // WARP
+    if ep.gate:  # thread i: the i-th gate row of the block and its up row, GATE_ROWS further
+        for i in range(cuda.threadIdx.x, rows_per_block // 2, cuda.blockDim.x):
+            g = (i // GATE_ROWS) * 2 * GATE_ROWS + i % GATE_ROWS
+            if first_row + g < rows:
+                put_gated(ep, t, first_row + g, _row_sum(part, g, n_warps), _row_sum(part, g + GATE_ROWS, n_warps))
+        return
     for i in range(cuda.threadIdx.x, rows_per_block, cuda.blockDim.x):
         if first_row + i < rows:
-            acc = np.float32(0)
-            for w in range(n_warps):
-                acc += part[w * MAX_ROWS_PER_BLOCK + i]
-            put(ep, t, first_row + i, acc)
+            put(ep, t, first_row + i, _row_sum(part, i, n_warps))
 
 
 # ---- q4 -------------------------------------------------------------------------------------------------

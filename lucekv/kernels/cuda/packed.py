@@ -11,6 +11,7 @@ import numpy as np
 
 from lucekv.kernels.cpu.quants import PackedMatrix
 from lucekv.kernels.cuda._numba import cuda
+from lucekv.kernels.cuda.act import gated
 
 
 @dataclass
@@ -79,12 +80,17 @@ def element_decoder(kind: str):
 # ---- where a product's rows go ----------------------------------------------------------------------------
 
 
+GATE_ROWS = 8  # gated products: rows in groups of 8 gate rows, then the same 8 rows of up (see interleave_rows)
+NO_GATE, SILU, GELU = 0, 1, 2
+
+
 class Epilogue(NamedTuple):
     """A product's destination, passed to its kernel as one tuple argument: rows [0, end0) go to out0,
     [end0, end1) to out1, the rest to out2, each plus bias[row] (a vector over all rows) and residual[t, row]
-    where the flags say so. One product can thus fill the separate q, k, v (or gate, up) arrays of stacked
-    weights, add its bias and the residual stream, with no pass of its own. Unused arrays are stand-ins of the
-    right type (never read or written)."""
+    where the flags say so. One product can thus fill the separate q, k, v arrays of stacked weights, add its
+    bias and the residual stream, with no pass of its own. Unused arrays are stand-ins of the right type (never
+    read or written). With `gate` (SILU or GELU) the rows are gate/up groups of GATE_ROWS and out0 receives
+    act(gate) * up instead (one column per pair: the products' kernels pair them, `put` does not)."""
 
     out0: object
     out1: object
@@ -95,11 +101,12 @@ class Epilogue(NamedTuple):
     has_bias: bool
     residual: object
     has_residual: bool
+    gate: int
 
 
-def epilogue(outs: Sequence, bias=None, residual=None) -> Epilogue:
+def epilogue(outs: Sequence, bias=None, residual=None, gate: int = NO_GATE) -> Epilogue:
     """outs: 1 to 3 device arrays [n, rows_i] taking consecutive rows; bias: float32 [sum rows_i];
-    residual: [n, rows] (with a single output)."""
+    residual: [n, rows] (with a single output); gate: SILU or GELU for a gated product into one output."""
     if not 1 <= len(outs) <= 3:
         raise ValueError(f"a product writes 1 to 3 arrays, got {len(outs)}")
     if residual is not None and len(outs) != 1:
@@ -109,12 +116,18 @@ def epilogue(outs: Sequence, bias=None, residual=None) -> Epilogue:
     end0, end1 = (ends + [ends[-1]] * 2)[:2]
     first = outs[0]
     return Epilogue(*padded, end0, end1, first[0] if bias is None else bias, bias is not None,
-                    first if residual is None else residual, residual is not None)
+                    first if residual is None else residual, residual is not None, gate)
 
 
 def as_epilogue(out) -> Epilogue:
     """A plain output array means: all rows there, nothing added."""
     return out if isinstance(out, Epilogue) else epilogue((out,))
+
+
+@cuda.jit(device=True, inline=True)
+def put_gated(ep, t, r, g, u):
+    """Gate row r's value g and its up row's u: act(g) * u to its column of out0."""
+    ep.out0[t, (r // (2 * GATE_ROWS)) * GATE_ROWS + r % GATE_ROWS] = gated(g, u, ep.gate == GELU)
 
 
 @cuda.jit(device=True, inline=True)
