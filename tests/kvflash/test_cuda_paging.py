@@ -266,14 +266,14 @@ def test_paged_cuda_engine_matches_the_paged_cpu_engine(model, policy):
 def test_a_cuda_pool_that_holds_everything_equals_the_unpaged_cuda_engine(model):
     ids = prompt(700, seed=4)
     full = lucekv.load(model, backend="cuda", kv_dtype="f32", kv_pool=None)
-    # the same prefill forwards as the pooled engine's: attention splits its work by the number of queries, so
-    # other chunks sum in another order (measured: 3e-5 in a log-prob with 512-token forwards)
-    full.backend.prefill_chunk = PAGED_PREFILL_CHUNK
+    full.backend.prefill_chunk = PAGED_PREFILL_CHUNK  # the same prefill forwards as the pooled engine's
     full_tokens, full_lp = greedy(full, ids)
     pooled = lucekv.load(model, backend="cuda", kv_dtype="f32", kv_pool=1024)
     tokens, lp = greedy(pooled, ids)
     assert tokens == full_tokens
-    assert np.array_equal(lp, full_lp)
+    # attention splits the used slots by the pool's size and the step's query count, so the two pools sum in
+    # another order (measured on an H200: 1e-5 at most; 3e-5 with 512-token prefill forwards on one side)
+    np.testing.assert_allclose(lp, full_lp, rtol=0, atol=1e-4)
     assert pooled.paged.usage().page_outs == 0
 
 
