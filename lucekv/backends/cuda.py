@@ -120,7 +120,11 @@ class CudaOps:
     """The decoder's ops on device arrays (see lucekv.model.decoder.Ops).
 
     The host tokens / positions / slots the decoder passes are ignored: `begin_step` uploaded them.
-    Arrays allocated while `keep` is a list are appended to it (a captured graph must keep them alive)."""
+    Arrays allocated while `keep` is a list are appended to it (a captured graph must keep them alive).
+    Otherwise a forward's activations are the previous forward's again, in the order it allocated them, where
+    the shapes agree: numba allocates device memory synchronously and frees it with a device-wide wait, which
+    left a 512-token prefill's GPU idle between launches (measured on an H200, 8B shape: ~30 ms of 140). The
+    price is one forward's activations kept allocated between forwards."""
 
     def __init__(self, spec: ModelSpec, pool: CudaKVPool, stream):
         self.spec = spec
@@ -134,11 +138,14 @@ class CudaOps:
         self._one = {name: self._one_dev[i:i + 1] for i, name in enumerate(("tokens", "positions", "slots"))}
         self.tokens = self.positions = self.slots = None
         self.keep: list | None = None
+        self._scratch: list = []  # the last forward's arrays, in allocation order
+        self._allocated = 0  # arrays this forward has taken
 
     def begin_step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, mark: bool = True) -> None:
         """Upload the step's inputs (one-token steps into the fixed buffers) and, with `mark`, mark their slots
         (a replayed decode graph marks them itself)."""
         s = self.stream
+        self._allocated = 0
         inputs = {"tokens": tokens, "positions": positions, "slots": slots}
         if len(tokens) == 1:
             self._one_host[:] = [int(np.asarray(v).reshape(-1)[0]) for v in inputs.values()]
@@ -156,9 +163,19 @@ class CudaOps:
         attention.set_slot_pos(self.pool.d_slot_pos, self.slots, self.positions, stream=self.stream)
 
     def _empty(self, n: int, width: int):
-        out = cuda.device_array((n, width), np.float32, stream=self.stream)
+        return self._alloc((n, width), np.float32)
+
+    def _alloc(self, shape: tuple[int, ...], dtype):
         if self.keep is not None:
+            out = cuda.device_array(shape, dtype, stream=self.stream)
             self.keep.append(out)
+            return out
+        i = self._allocated
+        self._allocated += 1
+        if i < len(self._scratch) and self._scratch[i].shape == shape and self._scratch[i].dtype == dtype:
+            return self._scratch[i]
+        out = cuda.device_array(shape, dtype, stream=self.stream)
+        self._scratch[i:i + 1] = [out]
         return out
 
     def matrix(self, t: TensorInfo) -> DeviceMatrix:
@@ -245,9 +262,7 @@ class CudaOps:
         # KVFlash scorers read the latest token's rotated query from pool.last_q (a replayed graph writes it too)
         attention.rope_and_store(q, k, v, self.positions, self.slots, rotary, pool.k[layer], pool.v[layer], q_rot,
                                  pool.last_q[layer], stream=s)
-        parts = attention.partials(n, spec.n_head, spec.n_kv_head, spec.head_dim, pool.size)
-        if self.keep is not None:
-            self.keep.extend(parts)
+        parts = attention.partials(n, spec.n_head, spec.n_kv_head, spec.head_dim, pool.size, self._alloc)
         out = self._empty(n, spec.n_head * spec.head_dim)
         attention.attend(q_rot, pool.k[layer], pool.v[layer], pool.d_slot_pos, pool.d_high_water, self.positions,
                          window, spec.attn_scale, parts, out, stream=s)
@@ -307,7 +322,8 @@ class CudaBackend:
         if replay:
             return self.graph.replay()
         else:
-            logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits)
+            with cuda.defer_cleanup():  # numba frees device memory synchronously: not between a forward's launches
+                logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits)
             if len(tokens) == 1 and self.graph is not None:
                 # kernels are compiled and loaded now: capture the same step for the next ones
                 self.graph.capture(tokens, positions, slots)

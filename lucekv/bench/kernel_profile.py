@@ -1,13 +1,17 @@
-"""Per-kernel GPU time of one CUDA decode step, measured inside the captured graph (no launch overhead).
+"""Per-kernel GPU time of one CUDA decode step, measured inside the captured graph (no launch overhead), or of
+one prefill forward.
 
-    python -m lucekv.bench.kernel_profile MODEL.gguf [--pool 131072] [--prompt 512] [--replays 20] [--json OUT]
+    python -m lucekv.bench.kernel_profile MODEL.gguf [--pool 131072] [--prompt 512] [--replays 20] [--prefill]
+                                         [--json OUT]
 
 After a prompt of `--prompt` tokens the one-token step is captured twice: as DecodeGraph captures it, and
 once more with a CUDA event recorded before every kernel launch and after the last (event nodes between
 the kernel nodes). Replaying the second gives each kernel's time at its place in the step (its run plus
 the gap to the next node); replaying the first gives the step's real time, so the table shows what the
-event nodes add. Launches are labelled with the CudaOps op that made them (linears with their matrix
-shape and kind, and GB/s of the weight bytes they read) and grouped by (op, kernel).
+event nodes add. `--prefill` times the `--prompt`-token forward instead, run eagerly with an event recorded
+before every launch (its kernels are long enough that the host stays ahead). Launches are labelled with
+the CudaOps op that made them (linears with their matrix shape and kind, and GB/s of the weight bytes they
+read) and grouped by (op, kernel).
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ OPS = {"embed": "embed", "_product": "linear", "rmsnorm": "rmsnorm", "attention"
 class LaunchRecorder:
     """While `active`, records an event on `stream` before every kernel launch, labelled by op and kernel."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, captured: bool = True):
         self.stream = stream
+        self.captured = captured  # marks become event record nodes of a stream capture
         self.active = False
         self.op = "step"
         self.op_bytes = 0
@@ -48,9 +53,12 @@ class LaunchRecorder:
         from cuda.bindings import driver
 
         ev = cuda.event(timing=True)
-        # external: captured as an event record node (a plain record would only order the capture)
-        _check(driver.cuEventRecordWithFlags(driver.CUevent(int(ev.handle)), driver.CUstream(int(self.stream.handle)),
-                                             driver.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL))
+        if self.captured:  # external: an event record node (a plain record would only order the capture)
+            _check(driver.cuEventRecordWithFlags(driver.CUevent(int(ev.handle)),
+                                                 driver.CUstream(int(self.stream.handle)),
+                                                 driver.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL))
+        else:
+            ev.record(self.stream)
         self.events.append(ev)
         self.marks.append((op, kernel, nbytes))
 
@@ -153,28 +161,69 @@ def profile(path: str, pool: int, n_prompt: int, replays: int) -> dict:
             per_launch[i].append(cuda.event_elapsed_time(ev[i], ev[i + 1]) * 1000)
         timed_ms.append(cuda.event_elapsed_time(ev[0], ev[-1]))
 
-    groups: dict[tuple[str, str], dict] = defaultdict(lambda: {"count": 0, "us": 0.0, "bytes": 0})
-    for (op, kernel, nbytes), times in zip(recorder.marks[:-1], per_launch, strict=True):
-        row = groups[(op, kernel)]
-        row["count"] += 1
-        row["us"] += statistics.median(times)
-        row["bytes"] += nbytes
-    rows = []
-    for (op, kernel), row in sorted(groups.items(), key=lambda kv: -kv[1]["us"]):
-        rows.append({"op": op, "kernel": kernel, "count": row["count"], "total_us": row["us"],
-                     "us_each": row["us"] / row["count"],
-                     "gbps": row["bytes"] / (row["us"] * 1e3) if row["bytes"] else None})
-    dev = cuda.get_current_device()
-    return {"bench": "kernel_profile", "device": device_name(dev), "model": Path(path).name, "pool": pool,
-            "prompt_tokens": n_prompt, "replays": replays, "kernels_per_step": len(per_launch),
+    rows = kernel_rows(recorder.marks[:-1], per_launch)
+    return {"bench": "kernel_profile", "device": device_name(cuda.get_current_device()), "model": Path(path).name,
+            "pool": pool, "prompt_tokens": n_prompt, "replays": replays, "kernels_per_step": len(per_launch),
             "graph_step_ms": step_ms, "timed_step_ms": statistics.median(timed_ms),
             "sum_of_kernels_ms": sum(r["total_us"] for r in rows) / 1000, "kernels": rows}
 
 
+def profile_prefill(path: str, pool: int, n_prompt: int, repeats: int) -> dict:
+    """Per-kernel time of one `n_prompt`-token forward, run eagerly (after a warm-up that compiles)."""
+    g = open_gguf(path)
+    spec = ModelSpec.from_gguf(g)
+    b = CudaBackend(g, spec, "f16", pool, use_graph=False)
+    prompt = np.random.default_rng(0).integers(3, spec.vocab_size, n_prompt).astype(np.int32)
+    pos = np.arange(n_prompt, dtype=np.int32)
+    b.forward(prompt, pos, pos)
+    recorder = LaunchRecorder(b.stream, captured=False)
+    per_launch: list[list[float]] = []
+    forward_ms = []
+    for _ in range(repeats):  # each forward rewrites the same slots
+        recorder.marks, recorder.events = [], []
+        with recorder.patched():
+            recorder.active = True
+            try:
+                b.forward(prompt, pos, pos)
+            finally:
+                recorder.active = False
+        recorder.mark("end", "", 0)
+        recorder.events[-1].synchronize()
+        ev = recorder.events
+        per_launch = per_launch or [[] for _ in recorder.marks[:-1]]
+        for i, times in enumerate(per_launch):
+            times.append(cuda.event_elapsed_time(ev[i], ev[i + 1]) * 1000)
+        forward_ms.append(cuda.event_elapsed_time(ev[0], ev[-1]))
+    rows = kernel_rows(recorder.marks[:-1], per_launch)
+    ms = statistics.median(forward_ms)
+    return {"bench": "kernel_profile_prefill", "device": device_name(cuda.get_current_device()),
+            "model": Path(path).name, "pool": pool, "prompt_tokens": n_prompt, "repeats": repeats,
+            "kernels_per_forward": len(per_launch), "forward_ms": ms, "tok_s": n_prompt / ms * 1000,
+            "sum_of_kernels_ms": sum(r["total_us"] for r in rows) / 1000, "kernels": rows}
+
+
+def kernel_rows(marks: list[tuple[str, str, int]], per_launch: list[list[float]]) -> list[dict]:
+    """Launch times (median over runs, us) grouped by (op, kernel), the most time first."""
+    groups: dict[tuple[str, str], dict] = defaultdict(lambda: {"count": 0, "us": 0.0, "bytes": 0})
+    for (op, kernel, nbytes), times in zip(marks, per_launch, strict=True):
+        row = groups[(op, kernel)]
+        row["count"] += 1
+        row["us"] += statistics.median(times)
+        row["bytes"] += nbytes
+    return [{"op": op, "kernel": kernel, "count": row["count"], "total_us": row["us"],
+             "us_each": row["us"] / row["count"],
+             "gbps": row["bytes"] / (row["us"] * 1e3) if row["bytes"] else None}
+            for (op, kernel), row in sorted(groups.items(), key=lambda kv: -kv[1]["us"])]
+
+
 def print_table(r: dict) -> None:
-    print(f"{r['device']}, {r['model']}, pool {r['pool']}, after {r['prompt_tokens']} tokens: "
-          f"graph step {r['graph_step_ms']:.3f} ms; with event nodes {r['timed_step_ms']:.3f} ms, "
-          f"{r['kernels_per_step']} kernels")
+    if r["bench"] == "kernel_profile":
+        print(f"{r['device']}, {r['model']}, pool {r['pool']}, after {r['prompt_tokens']} tokens: "
+              f"graph step {r['graph_step_ms']:.3f} ms; with event nodes {r['timed_step_ms']:.3f} ms, "
+              f"{r['kernels_per_step']} kernels")
+    else:
+        print(f"{r['device']}, {r['model']}, pool {r['pool']}, {r['prompt_tokens']}-token forward: "
+              f"{r['forward_ms']:.2f} ms ({r['tok_s']:.0f} tok/s), {r['kernels_per_forward']} kernels")
     print(f"{'op':34s} {'kernel':22s} {'n':>4s} {'us each':>9s} {'total us':>9s} {'share':>6s} {'GB/s':>6s}")
     total = sum(x["total_us"] for x in r["kernels"])
     for x in r["kernels"]:
@@ -189,9 +238,10 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=4096)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--prefill", action="store_true", help="time the prompt's forward instead of a decode step")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    r = profile(a.model, a.pool, a.prompt, a.replays)
+    r = (profile_prefill if a.prefill else profile)(a.model, a.pool, a.prompt, a.replays)
     print_table(r)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ F2, U2, F1, I1 = types.float32[:, ::1], types.uint32[:, ::1], types.float32[::1]
 F64, H3 = types.float64[::1], types.float16[:, :, ::1]
 I64, F32, B = types.int64, types.float32, types.boolean
 PART = (types.float32[:, :, ::1], types.float32[:, :, ::1], types.float32[:, :, :, ::1])
-ATTEND = (F2, U2, U2, I1, I1, I1, I64, F32, *PART)
+ATTEND = (F2, U2, U2, I1, I1, I1, I64, F32, *PART, F2)
 # tuple arguments, typed from host arrays of the device ones' dtype, dimensions and layout
 _m = np.zeros((2, 4), np.float32)
 EP = typeof(epilogue((_m, _m), bias=_m[0]))
@@ -55,7 +55,7 @@ CHECKS = {
     "argmax": (sample._argmax, (F2, I1)),
 }
 for (kind, block), kernel in matmul._KERNELS.items():
-    CHECKS[f"matmul_{kind}_{block}"] = (kernel, (U2, F2, F2, B, I64, F2, EP))
+    CHECKS[f"matmul_{kind}_{block}"] = (kernel, (U2, F2, F2, I64, F32, F2, EP))
 CHECKS["matmul_f32"] = (matmul._matmul_f32, (F2, F2, EP))
 for kind, codes in (("q4", U2), ("q8", U2), ("f32", F2)):
     CHECKS[f"embed_{kind}"] = (embed._KERNELS[kind], (codes, F2, F2, I64, I1, F32, F2))

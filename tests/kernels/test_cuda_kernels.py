@@ -365,6 +365,11 @@ def test_attention_gpu(kv_dtype):
 # ---- the backend against the CPU backend ----------------------------------------------------------------
 
 
+# CUDA logits against the CPU backend's once a prompt went through the prefill matmul, whose operands are float16
+# (measured on an H200: 5e-4 to 1.9e-3 for the synthetic 2- and 6-layer models here; the bound is 1e-2)
+F16_PREFILL = 5e-3
+
+
 def check_backend_matches_cpu(tmp_path, arch: str, qtype: Q, decode_steps: int, **dims) -> None:
     from lucekv.backends.cpu import CpuBackend
     from lucekv.backends.cuda import CudaBackend
@@ -378,12 +383,12 @@ def check_backend_matches_cpu(tmp_path, arch: str, qtype: Q, decode_steps: int, 
     tokens = np.array([5, 17, 42, 7], np.int32)
     pos = np.arange(len(tokens), dtype=np.int32)
     ref = cpu.forward(tokens, pos, pos, all_logits=True)
-    assert rel_err(gpu.forward(tokens, pos, pos, all_logits=True), ref) <= 1e-3
+    assert rel_err(gpu.forward(tokens, pos, pos, all_logits=True), ref) <= F16_PREFILL
     for step in range(decode_steps):
         tok = np.array([np.argmax(ref[-1])], np.int32)
         p = np.array([len(tokens) + step], np.int32)
         ref = cpu.forward(tok, p, p)
-        assert rel_err(gpu.forward(tok, p, p), ref) <= 1e-3
+        assert rel_err(gpu.forward(tok, p, p), ref) <= F16_PREFILL  # the prompt's K/V came from the prefill
 
 
 @gpu

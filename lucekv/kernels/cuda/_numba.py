@@ -19,8 +19,8 @@ Compatibility shims live here and nowhere else:
 - Tensor cores: `mma_f16_16816` is one warp-wide `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`
   (operands as words of two float16, low half first, in the PTX ISA's fragment layout); its simulator twin
   gathers the warp's fragments through a scratch array between barriers, like the reductions above (so it
-  too is called in block-uniform control flow). `pack_half2` (two float32 to one word of float16) and
-  `sub_f16x2` (halfwise float16 subtraction) build the operand words; `warp_shfl_xor` is lane
+  too is called in block-uniform control flow). `pack_half2` (two float32 to one word of float16),
+  `sub_f16x2` and `fma_f16x2` (halfwise float16 a - b, a * b + c) build the operand words; `warp_shfl_xor` is lane
   `lane ^ lane_mask`'s value (a reduction over a few neighbouring lanes).
 - `jit_bounded`: cuda.jit with launch bounds, which the simulator does not accept.
 """
@@ -133,6 +133,10 @@ if SIMULATOR:
     def sub_f16x2(a, b):
         h = np.array([int(a), int(b)], np.uint32).view(np.float16)
         return np.array([h[0] - h[2], h[1] - h[3]], np.float16).view(np.uint32)[0]
+
+    def fma_f16x2(a, b, c):
+        h = np.array([int(a), int(b), int(c)], np.uint32).view(np.float16).astype(np.float64)
+        return np.array([h[0] * h[2] + h[4], h[1] * h[3] + h[5]], np.float16).view(np.uint32)[0]
 
     def _mma_layout():
         """(row, col) of each fragment element per lane, as the PTX ISA gives them for mma.m16n8k16 with f16
@@ -329,6 +333,16 @@ else:
             return builder.call(asm, values)
 
         return types.uint32(a, b), codegen
+
+    @intrinsic
+    def fma_f16x2(typingctx, a, b, c):
+        """Halfwise a * b + c of three words of two float16 each, rounded once."""
+        def codegen(context, builder, sig, args):
+            values = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args, strict=True)]
+            asm = ir.InlineAsm(ir.FunctionType(I32, [I32] * 3), "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(asm, values)
+
+        return types.uint32(a, b, c), codegen
 
     @intrinsic
     def mma_f16_16816(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):

@@ -8,7 +8,9 @@ Split-K ("flash decoding") over the used part of the pool only: the slots below 
 whole TILE-slot tiles, as many as `splits` gives (128 for a decode step: enough blocks to keep every SM
 busy at 4K slots as at 128K; a prefill's queries fill the GPU with fewer). One block per (KV head,
 chunk, query), one warp per query head of the KV head's group, runs an online softmax over its chunk and
-writes a partial (max, sum, weighted values); a combine kernel merges the partials. The grid is the same
+writes a partial (max, sum, weighted values); a combine kernel merges the partials. With one chunk (a
+prefill's many queries fill the GPU without a split) the block writes the output itself, and tiles with no
+slot visible to the query (a prefill's later positions, under the causal mask) are skipped whole. The grid is the same
 at every step, its work follows the high-water mark, not the pool's size.
 Per tile the block copies the K and V rows into shared memory as raw 32-bit words, 16-byte loads issued
 together into registers before any is stored (one memory latency per tile, not one per slot; rows wider
@@ -89,8 +91,10 @@ def attend(q, k_pool, v_pool, slot_pos, n_slots, positions, window: int, scale: 
     v_words = v_pool.view(np.uint32).reshape(size * n_kv, -1)
     kernel = _split_kernel(4 // k_pool.dtype.itemsize, k_words.shape[1])
     kernel[(n_kv, part_m.shape[2], n), group * WARP, stream](q, k_words, v_words, slot_pos, n_slots, positions,
-                                                            window, np.float32(scale), part_m, part_l, part_acc)
-    _combine[(q.shape[1] // head_dim, n), blocks(head_dim, WARP) * WARP, stream](part_m, part_l, part_acc, out)
+                                                            window, np.float32(scale), part_m, part_l, part_acc,
+                                                            out)
+    if part_m.shape[2] > 1:
+        _combine[(q.shape[1] // head_dim, n), blocks(head_dim, WARP) * WARP, stream](part_m, part_l, part_acc, out)
 
 
 def unsupported(n_head: int, n_kv_head: int, head_dim: int) -> str | None:
@@ -109,11 +113,12 @@ def splits(n: int, n_kv: int, slots: int) -> int:
     return max(1, min(MAX_SPLITS, TARGET_BLOCKS // (n * n_kv), -(-slots // MIN_CHUNK)))
 
 
-def partials(n: int, n_head: int, n_kv: int, head_dim: int, slots: int):
-    """Device scratch for `attend` over a pool of `slots`: per (query, head, chunk) max, sum and weighted values."""
+def partials(n: int, n_head: int, n_kv: int, head_dim: int, slots: int, alloc=cuda.device_array):
+    """Device scratch for `attend` over a pool of `slots`: per (query, head, chunk) max, sum and weighted values;
+    alloc(shape, dtype) makes each array."""
     s = splits(n, n_kv, slots)
-    return (cuda.device_array((n, n_head, s), np.float32), cuda.device_array((n, n_head, s), np.float32),
-            cuda.device_array((n, n_head, s, head_dim), np.float32))
+    return alloc((n, n_head, s), np.float32), alloc((n, n_head, s), np.float32), alloc((n, n_head, s, head_dim),
+                                                                                        np.float32)
 
 
 @cuda.jit
@@ -207,7 +212,7 @@ def _split_kernel(dims_per_word: int, row_words: int):
         else:
             acc[k] += w * bits_f32(word)
 
-    def kernel(q, k_words, v_words, slot_pos, n_slots, positions, window, scale, part_m, part_l, part_acc):
+    def kernel(q, k_words, v_words, slot_pos, n_slots, positions, window, scale, part_m, part_l, part_acc, out):
         kvh = cuda.blockIdx.x
         split = cuda.blockIdx.y
         t = cuda.blockIdx.z
@@ -234,14 +239,16 @@ def _split_kernel(dims_per_word: int, row_words: int):
         total = np.float32(0)  # this lane's share of the softmax denominator
         for base in range(start, end, TILE):
             n_in = min(TILE, end - base)
-            cuda.syncthreads()  # every warp is done with the previous tile (and has written its query)
-            load_tiles(k_words, v_words, both, base, n_in, n_kv, kvh, tile, k_stride, v_at)
-            cuda.syncthreads()
-            # lane i scores slot base + i against the whole query: no cross-lane sums
-            visible = False
+            visible = False  # lane i's slot base + i, the same for every warp of the block
             if lane < n_in:
                 sp = slot_pos[base + lane]
                 visible = sp >= 0 and sp <= pos and (window <= 0 or sp > pos - window)
+            # every warp is done with the previous tile (and has written its query); nothing visible: next tile
+            if not cuda.syncthreads_or(np.int32(visible)):
+                continue
+            load_tiles(k_words, v_words, both, base, n_in, n_kv, kvh, tile, k_stride, v_at)
+            cuda.syncthreads()
+            # lane i scores slot base + i against the whole query: no cross-lane sums
             score = NEG_INF
             if visible:
                 p0 = np.float32(0)  # two sums: two dependency chains
@@ -272,6 +279,14 @@ def _split_kernel(dims_per_word: int, row_words: int):
                             add_word(load1(tile, v_at + i * row_words + word), w, acc, k)
             m = m_new
         total = warp_sum(total)
+        if n_splits == 1:  # the whole output: normalized here, no combine
+            inv = np.float32(1) / total if total > np.float32(0) else np.float32(0)  # nothing visible: 0
+            for k in range(words_per_lane):
+                word = lane + WARP * k
+                if word < row_words:
+                    for u in range(dims_per_word):
+                        out[t, h * head_dim + word * dims_per_word + u] = acc[k * dims_per_word + u] * inv
+            return
         if lane == 0:
             part_m[t, h, split] = m
             part_l[t, h, split] = total

@@ -22,7 +22,8 @@ class DeviceMatrix:
     f32: float32 [rows, cols]. scale, bias: float32 [rows, cols // block] ([1, 1] placeholders for f32).
     block_log2: log2 of the elements per (scale, bias) block (0 for f32).
     has_bias: whether any bias is nonzero; types without one (Q8_0, Q6_K, ...) have all -0.0, and the
-    decode matvec then skips reading them (a sixth of a 16-block q8 matrix's bytes)."""
+    decode matvec then skips reading them (a sixth of a 16-block q8 matrix's bytes).
+    half_scale: a power of two that brings the largest |weight| near 2^14, for the matmul's float16 staging."""
 
     kind: str
     rows: int
@@ -32,6 +33,10 @@ class DeviceMatrix:
     scale: object
     bias: object
     has_bias: bool
+    half_scale: float = 1.0
+
+
+HALF_TOP = 2.0**14  # where half_scale puts a matrix's largest |weight|: float16 holds up to 65504
 
 
 def upload(m: PackedMatrix, stream=0) -> DeviceMatrix:
@@ -44,7 +49,17 @@ def upload(m: PackedMatrix, stream=0) -> DeviceMatrix:
         scale, bias = np.ascontiguousarray(m.scale), np.ascontiguousarray(m.bias)
     return DeviceMatrix(m.kind, m.rows, m.cols, max(m.block.bit_length() - 1, 0),
                         cuda.to_device(codes, stream=stream), cuda.to_device(scale, stream=stream),
-                        cuda.to_device(bias, stream=stream), bool(np.any(bias != 0)))
+                        cuda.to_device(bias, stream=stream), bool(np.any(bias != 0)), half_scale(m))
+
+
+def half_scale(m: PackedMatrix) -> float:
+    """2^e with the matrix's largest |weight| (bounded by its largest |scale| times its largest |code| plus its
+    largest |bias|) times 2^e in [HALF_TOP / 2, HALF_TOP]: float16 then holds every weight without overflow,
+    and weights down to 2^-28 of the largest as normal numbers."""
+    if m.kind == "f32":
+        return 1.0
+    top = float(np.max(np.abs(m.scale))) * (15 if m.kind == "q4" else 128) + float(np.max(np.abs(m.bias)))
+    return float(2.0 ** np.clip(np.floor(np.log2(HALF_TOP / top)), -100, 100)) if top > 0 else 1.0
 
 
 # Element decoders, one signature for every kind: (codes, scale, bias, block_log2, row, col) -> float32.
