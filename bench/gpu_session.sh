@@ -37,12 +37,29 @@ bench)
     timeout 420 bash .anchors/build_llama_bench.sh || tail -20 /tmp/llama_cmake.log /tmp/llama_build.log
   fi
 
-  run_pair() {  # NAME GGUF: lucekv then llama.cpp on the same file
+  peak_mib() {  # FILE CMD...: run CMD, sampling the GPU's memory in use; the peak above the idle level to FILE
+    local idle f sampler
+    idle=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1); f=$(mktemp)
+    ( while :; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1 >> "$f"; sleep 0.1; done ) &
+    sampler=$!
+    "${@:2}"; local rc=$?
+    kill $sampler; wait $sampler 2>/dev/null
+    echo $(( $(sort -n "$f" | tail -1) - idle )) > "$1"; echo "peak GPU memory above idle: $(cat "$1") MiB"
+    return $rc
+  }
+  run_pair() {  # NAME GGUF: lucekv then llama.cpp on the same file; then both at the same 640-token context for memory
     python3 -m lucekv.cli bench decode --model "$2" --backend cuda --prompt-tokens 512 --gen-tokens 128 \
       --json "$OUT/cuda-decode-$1.json" 2>&1 | grep -E "^run|median|rror"
     [ -x $LB ] && $LB -m "$2" -p 512 -n 128 -fa 1 -ngl 99 -o json > "$OUT/llama-bench-$1.json" 2>/dev/null \
       && python3 -c "import json,sys; [print(r['n_prompt'], r['n_gen'], round(r['avg_ts'], 1)) for r in json.load(open(sys.argv[1]))]" "$OUT/llama-bench-$1.json"
+    peak_mib "$OUT/mem-lucekv-$1.txt" python3 -m lucekv.cli bench decode --model "$2" --backend cuda --kv-pool 640 \
+      --prompt-tokens 512 --gen-tokens 128 --repeats 1 2>&1 | grep -E "^peak|rror"
+    [ -x $LB ] && peak_mib "$OUT/mem-llama-$1.txt" $LB -m "$2" -p 512 -n 128 -fa 1 -ngl 99 -r 1 -o json >/dev/null 2>&1
+    [ -x $LB ] && cat "$OUT/mem-llama-$1.txt"
   }
+  for p in .models/*.part*; do [ -e "$p" ] && cp "$p" /tmp/; done
+  [ -f /tmp/qwen05.part07 ] && [ ! -f /tmp/qwen05.gguf ] && cat /tmp/qwen05.part* > /tmp/qwen05.gguf
+  [ -f /tmp/qwen05.gguf ] && sha256sum /tmp/qwen05.gguf | tee "$OUT/qwen05_sha.txt" && run_pair qwen05 /tmp/qwen05.gguf
   [ -f /tmp/smollm2-135m.gguf ] && run_pair smollm2 /tmp/smollm2-135m.gguf
   # the 8B-shaped anchor file of shared/tools (carried in .anchors/): raw random Q4_K/Q6_K blocks, seconds to write
   [ -f /tmp/qwen3-8b-shape.gguf ] || timeout 120 python3 .anchors/synth_gguf.py /tmp/qwen3-8b-shape.gguf qwen3-8b-shape
