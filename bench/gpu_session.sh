@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine, from the repo root, with .whl/ (gguf, threadpoolctl, pytest) carried.
 #   bash bench/gpu_session.sh tests    every gpu test, the kernel tests, graph replay check
-#   bash bench/gpu_session.sh models   CUDA-vs-CPU parity on the model pieces in .models/
-#   bash bench/gpu_session.sh bench    decode/prefill speed, lucekv and llama-bench in the same run
+#   bash bench/gpu_session.sh models   CUDA-vs-CPU parity on the real models whose pieces reached /tmp
+#   bash bench/gpu_session.sh bench    decode/prefill speed, lucekv, llama-bench and (real models) transformers in
+#                                      the same run
 #   bash bench/gpu_session.sh profile  matvec and attention speed at 8B shapes, per-kernel time of the 8B decode step
 #   bash bench/gpu_session.sh depth    decode tok/s at 4K..128K context, 8B shape, pool 4096 vs full cache vs
 #                                      llama-bench (~5 min); `depth build` first builds llama-bench (~4 min, a call
@@ -10,7 +11,8 @@
 # Results go to $OUT (the device tool brings them back). Prepare here first (all git-ignored):
 #   .whl/     wheels the GPU machine lacks (gguf, threadpoolctl, grpcio>=1.85.1, protobuf, pytest), see shared/GPU.md
 #   .anchors/ bash ../shared/tools/prepare_llamacpp_anchor.sh .anchors; cp ../shared/tools/synth_gguf.py .anchors/
-#   .models/  split -b 50M -d -a 2 smollm2-135m.gguf .models/smollm2.part  (one piece per call: 64 MiB limit)
+#   .models/  split -b 50M -d -a 2 smollm2-135m.gguf .models/smollm2.part  (one piece per call: 64 MiB limit;
+#             each call's piece is copied to /tmp, which lasts while the machine stays warm; also gemma3, qwen05)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LB=${TMPDIR:-/tmp}/llama.cpp/build/bin/llama-bench  # where .anchors/build_llama_bench.sh puts it
@@ -19,18 +21,26 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
 
+for p in .models/*.part*; do [ -e "$p" ] && cp "$p" /tmp/; done
+MODELS="smollm2:smollm2-135m gemma3:gemma3-270m qwen05:qwen2.5-coder-0.5b"
+for m in $MODELS; do  # whole files from the pieces that arrived, checked against shared/tools/fetch_models.sh
+  f=/tmp/${m#*:}.gguf
+  [ -f "$f" ] || { ls /tmp/${m%%:*}.part* >/dev/null 2>&1 && cat /tmp/${m%%:*}.part* > "$f"; }
+  [ -f "$f" ] && sha256sum "$f" | tee -a "$OUT/model_sha.txt"
+done
+
 case "${1:-tests}" in
 tests)
-  for p in .models/*.part*; do [ -e "$p" ] && cp "$p" /tmp/; done
   # every gpu test (kernels, backend vs CPU, CUDA paging and sessions), then the kernel files' tiny-shape tests
   python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
   python3 -m pytest -q tests/kernels/test_cuda_kernels.py tests/kernels/test_cuda_matmul.py 2>&1 | tail -3
   python3 -m lucekv.bench.cuda_graph_check --n-embd 1024 --n-layer 8 --steps 64 --out "$OUT/graph.json" 2>&1 | tail -20
   ;;
 models)
-  for p in .models/*.part*; do [ -e "$p" ] && cp "$p" /tmp/; done
-  cat /tmp/smollm2.part* > /tmp/smollm2-135m.gguf && sha256sum /tmp/smollm2-135m.gguf | tee "$OUT/model_sha.txt"
-  python3 -m lucekv.bench.parity /tmp/smollm2-135m.gguf --json "$OUT/parity-smollm2.json" 2>&1 | tail -25
+  for m in $MODELS; do
+    f=/tmp/${m#*:}.gguf
+    [ -f "$f" ] && python3 -m lucekv.bench.parity "$f" --json "$OUT/parity-${m#*:}.json" 2>&1 | grep -v -i warn | tail -22
+  done
   ;;
 bench)
   if [ ! -x "$LB" ] && [ -d .anchors ]; then
@@ -47,9 +57,10 @@ bench)
     echo $(( $(sort -n "$f" | tail -1) - idle )) > "$1"; echo "peak GPU memory above idle: $(cat "$1") MiB"
     return $rc
   }
-  run_pair() {  # NAME GGUF: lucekv then llama.cpp on the same file; then both at the same 640-token context for memory
-    python3 -m lucekv.cli bench decode --model "$2" --backend cuda --prompt-tokens 512 --gen-tokens 128 \
-      --json "$OUT/cuda-decode-$1.json" 2>&1 | grep -E "^run|median|rror"
+  run_pair() {  # NAME GGUF [--transformers]: lucekv (and transformers) then llama.cpp on the same file; then lucekv
+    # and llama.cpp at the same 640-token context for memory
+    python3 -m lucekv.cli bench decode --model "$2" --backend cuda --prompt-tokens 512 --gen-tokens 128 ${3:-} \
+      --json "$OUT/cuda-decode-$1.json" 2>&1 | grep -E "^run|^transformers run|median|rror"
     [ -x $LB ] && $LB -m "$2" -p 512 -n 128 -fa 1 -ngl 99 -o json > "$OUT/llama-bench-$1.json" 2>/dev/null \
       && python3 -c "import json,sys; [print(r['n_prompt'], r['n_gen'], round(r['avg_ts'], 1)) for r in json.load(open(sys.argv[1]))]" "$OUT/llama-bench-$1.json"
     peak_mib "$OUT/mem-lucekv-$1.txt" python3 -m lucekv.cli bench decode --model "$2" --backend cuda --kv-pool 640 \
@@ -57,10 +68,8 @@ bench)
     [ -x $LB ] && peak_mib "$OUT/mem-llama-$1.txt" $LB -m "$2" -p 512 -n 128 -fa 1 -ngl 99 -r 1 -o json >/dev/null 2>&1
     [ -x $LB ] && cat "$OUT/mem-llama-$1.txt"
   }
-  for p in .models/*.part*; do [ -e "$p" ] && cp "$p" /tmp/; done
-  [ -f /tmp/qwen05.part07 ] && [ ! -f /tmp/qwen05.gguf ] && cat /tmp/qwen05.part* > /tmp/qwen05.gguf
-  [ -f /tmp/qwen05.gguf ] && sha256sum /tmp/qwen05.gguf | tee "$OUT/qwen05_sha.txt" && run_pair qwen05 /tmp/qwen05.gguf
-  [ -f /tmp/smollm2-135m.gguf ] && run_pair smollm2 /tmp/smollm2-135m.gguf
+  Q05=/tmp/qwen2.5-coder-0.5b.gguf  # the real model of the issue's figures (the others get `models` parity)
+  [ -f $Q05 ] && run_pair qwen2.5-coder-0.5b $Q05 --transformers
   # the 8B-shaped anchor file of shared/tools (carried in .anchors/): raw random Q4_K/Q6_K blocks, seconds to write
   [ -f /tmp/qwen3-8b-shape.gguf ] || timeout 120 python3 .anchors/synth_gguf.py /tmp/qwen3-8b-shape.gguf qwen3-8b-shape
   [ -f /tmp/qwen3-8b-shape.gguf ] && run_pair qwen3-8b-shape /tmp/qwen3-8b-shape.gguf

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--json", help="also write the result here")
         add_engine_flags(b)
         b.set_defaults(func=cmd_bench)
+    bench_sub.choices["decode"].add_argument(
+        "--transformers", action="store_true",
+        help="also run Hugging Face transformers on the same GGUF and prompts (needs the `ref` extra)")
 
     niah = bench_sub.add_parser("niah", help="needle-in-a-haystack recall: full cache vs KVFlash pools")
     niah.add_argument("--model", default=DEFAULT_MODEL)

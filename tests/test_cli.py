@@ -43,6 +43,20 @@ def test_bench_decode_writes_json(tiny, tmp_path, capsys):
     assert len(result["model"]["sha256"]) == 64
 
 
+def test_bench_decode_runs_transformers_beside_lucekv(tiny, tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "r.json"
+    argv = ["bench", "decode", "--model", str(tiny), "--backend", "cpu", "--kv-dtype", "f32", "--prompt-tokens",
+            "16", "--gen-tokens", "4", "--repeats", "1", "--transformers", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    hf = result["transformers"]
+    assert hf["device"] == "cpu" and hf["logits"]["tokens"] == 16
+    assert hf["logits"]["max_rel_err_of_lucekv"] <= 1e-3 and hf["logits"]["argmax_agree"] == 1.0
+    assert hf["decode_tok_s_median"] > 0 and hf["prefill_tok_s_median"] > 0
+    assert result["over_transformers"]["decode"] == result["decode_tok_s_median"] / hf["decode_tok_s_median"]
+
+
 def test_bench_niah_runs_full_and_pooled(tmp_path):
     model = write_synthetic_gguf(tmp_path / "long.gguf", "llama", n_ctx=1024)
     out = tmp_path / "n.json"

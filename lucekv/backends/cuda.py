@@ -121,10 +121,12 @@ class CudaOps:
 
     The host tokens / positions / slots the decoder passes are ignored: `begin_step` uploaded them.
     Arrays allocated while `keep` is a list are appended to it (a captured graph must keep them alive).
-    Otherwise a forward's activations are the previous forward's again, in the order it allocated them, where
-    the shapes agree: numba allocates device memory synchronously and frees it with a device-wide wait, which
-    left a 512-token prefill's GPU idle between launches (measured on an H200, 8B shape: ~30 ms of 140). The
-    price is one forward's activations kept allocated between forwards."""
+    Otherwise activations come from pools kept between forwards: numba allocates device memory synchronously
+    and frees it with a device-wide wait, which left a 512-token prefill's GPU idle between launches (measured on
+    an H200, 8B shape: ~30 ms of 140). A forward is cut into segments at each layer's attention; a segment reads
+    only its own arrays and the previous segment's, so layers of one parity share a pool (the embedding has its
+    own): two layers' activations stay allocated, not a whole forward's. A forward of another token count
+    empties the pools."""
 
     def __init__(self, spec: ModelSpec, pool: CudaKVPool, stream):
         self.spec = spec
@@ -138,14 +140,18 @@ class CudaOps:
         self._one = {name: self._one_dev[i:i + 1] for i, name in enumerate(("tokens", "positions", "slots"))}
         self.tokens = self.positions = self.slots = None
         self.keep: list | None = None
-        self._scratch: list = []  # the last forward's arrays, in allocation order
-        self._allocated = 0  # arrays this forward has taken
+        self._pools: dict[object, dict[tuple, list]] = {}  # segment -> (shape, dtype) -> arrays
+        self._pool: dict[tuple, list] = {}  # the current segment's
+        self._taken: dict[tuple, int] = {}  # arrays of each (shape, dtype) the current segment has taken
+        self._pooled_tokens = 0  # the token count the pools' arrays are shaped for
 
     def begin_step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, mark: bool = True) -> None:
         """Upload the step's inputs (one-token steps into the fixed buffers) and, with `mark`, mark their slots
         (a replayed decode graph marks them itself)."""
         s = self.stream
-        self._allocated = 0
+        if len(tokens) != self._pooled_tokens:
+            self._pools, self._pooled_tokens = {}, len(tokens)
+        self._use_pool("embed")
         inputs = {"tokens": tokens, "positions": positions, "slots": slots}
         if len(tokens) == 1:
             self._one_host[:] = [int(np.asarray(v).reshape(-1)[0]) for v in inputs.values()]
@@ -170,13 +176,18 @@ class CudaOps:
             out = cuda.device_array(shape, dtype, stream=self.stream)
             self.keep.append(out)
             return out
-        i = self._allocated
-        self._allocated += 1
-        if i < len(self._scratch) and self._scratch[i].shape == shape and self._scratch[i].dtype == dtype:
-            return self._scratch[i]
-        out = cuda.device_array(shape, dtype, stream=self.stream)
-        self._scratch[i:i + 1] = [out]
-        return out
+        key = (shape, np.dtype(dtype))
+        arrays = self._pool.setdefault(key, [])
+        i = self._taken.get(key, 0)
+        self._taken[key] = i + 1
+        if i == len(arrays):
+            arrays.append(cuda.device_array(shape, dtype, stream=self.stream))
+        return arrays[i]
+
+    def _use_pool(self, segment) -> None:
+        """Allocations from here on take the arrays of `segment`'s pool, from its first."""
+        self._pool = self._pools.setdefault(segment, {})
+        self._taken = {}
 
     def matrix(self, t: TensorInfo) -> DeviceMatrix:
         return upload(pack_tensor(t), stream=self.stream)
@@ -256,6 +267,7 @@ class CudaOps:
     def attention(self, layer: int, q, k, v, positions: np.ndarray, slots: np.ndarray, window: int,
                   rope_base: float):
         spec, pool, s = self.spec, self.pool, self.stream
+        self._use_pool(layer % 2)  # a new segment: it overwrites the arrays of two layers back
         n = q.shape[0]
         q_rot = self._empty(n, q.shape[1])
         rotary = (self._inv_freq[rope_base], spec.rope_scale, spec.arch.rope_style == "neox")

@@ -1,4 +1,6 @@
-"""`lucekv bench decode`: prefill and decode tokens per second through the public generate path."""
+"""`lucekv bench decode`: prefill and decode tokens per second through the public generate path; with
+`--transformers`, Hugging Face transformers on the same GGUF, prompts and device in the same run (speed, and the
+relative error of lucekv's logits against its float32 ones)."""
 
 from __future__ import annotations
 
@@ -55,15 +57,16 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def run(model: str, prompt_tokens: int, gen_tokens: int, repeats: int, engine_options: dict) -> dict:
+def run(model: str, prompt_tokens: int, gen_tokens: int, repeats: int, engine_options: dict,
+        transformers: bool = False) -> dict:
     from lucekv.model.registry import resolve_model
 
     path = resolve_model(model)
     engine = lucekv.load(path, **engine_options)
     params = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
     prefill, decode = [], []
-    for i in range(repeats + 1):  # the first run warms up numba's caches and is not counted
-        ids = prompt_ids(engine.tokenizer.encode, prompt_tokens, i)
+    prompts = [prompt_ids(engine.tokenizer.encode, prompt_tokens, i) for i in range(repeats + 1)]
+    for i, ids in enumerate(prompts):  # the first run warms up numba's caches and is not counted
         t0 = time.perf_counter()
         last = list(engine.generate(ids, params))[-1]
         if last.usage.cached_tokens:
@@ -74,7 +77,7 @@ def run(model: str, prompt_tokens: int, gen_tokens: int, repeats: int, engine_op
         prefill.append(len(ids) / last.usage.time_to_first_token_s)
         decode.append(last.usage.decode_tokens_per_s)
         print(f"run {i}: prefill {prefill[-1]:.1f} tok/s, decode {decode[-1]:.1f} tok/s", file=sys.stderr)
-    return {
+    result = {
         "bench": "decode",
         "commit": git_commit(),
         "machine": machine(),
@@ -91,12 +94,23 @@ def run(model: str, prompt_tokens: int, gen_tokens: int, repeats: int, engine_op
         "prefill_tok_s": prefill,
         "decode_tok_s": decode,
     }
+    if transformers:
+        from lucekv.bench import hf_anchor
+
+        ours = engine.score(prompts[0][:hf_anchor.LOGIT_TOKENS])
+        del engine  # its GPU memory goes before transformers loads
+        hf = hf_anchor.anchor(path, prompts, gen_tokens, ours)
+        result["transformers"] = hf
+        result["over_transformers"] = {k: result[f"{k}_tok_s_median"] / hf[f"{k}_tok_s_median"]
+                                       for k in ("prefill", "decode")}
+    return result
 
 
 def main(args) -> int:
     from lucekv.cli_server import engine_options
 
-    report(run(args.model, args.prompt_tokens, args.gen_tokens, args.repeats, engine_options(args)), args.json)
+    report(run(args.model, args.prompt_tokens, args.gen_tokens, args.repeats, engine_options(args),
+               args.transformers), args.json)
     return 0
 
 

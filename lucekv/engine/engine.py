@@ -33,7 +33,6 @@ from lucekv.snapshot.blob import (
 from lucekv.snapshot.store import SnapshotStore, check_session_id
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
-PAGED_PREFILL_CHUNK = 64  # with a bounded pool: one chunk per forward, so eviction keeps pace
 AUTO_POOL_SHARE = 0.9  # of the GPU memory free after the weights, for --kv-pool auto's pool
 
 
@@ -139,10 +138,12 @@ class Engine:
     def _forward(self, ids: list[int], start: int, all_logits: bool = False, decoding: bool = False,
                  ) -> list[np.ndarray]:
         out = []
-        step = self.backend.prefill_chunk if self.paged is None else PAGED_PREFILL_CHUNK
-        for i in range(0, len(ids), step):
-            chunk = np.asarray(ids[i : i + step], np.int32)
-            pos = np.arange(start + i, start + i + len(chunk), dtype=np.int32)
+        done = 0
+        while done < len(ids):
+            n = self._batch(start + done, len(ids) - done)
+            chunk = np.asarray(ids[done : done + n], np.int32)
+            pos = np.arange(start + done, start + done + n, dtype=np.int32)
+            done += n
             # Without a pager the pool holds the whole context: slot = position.
             slots = pos if self.paged is None else self.paged.alloc(int(pos[0]), len(chunk))
             out.append(self.backend.forward(chunk, pos, slots, all_logits))
@@ -150,6 +151,20 @@ class Engine:
             if self.paged is not None:
                 self.paged.after_forward(decoded=len(chunk) if decoding else 0)
         return out
+
+    def _batch(self, start: int, n: int) -> int:
+        """Tokens of the next forward from position `start`, at most n: the backend's batch, and with a bounded pool
+        no more than fit it beside the protected chunks (whole chunks, so the pool evicts as the prompt goes)."""
+        n = min(n, self.backend.prefill_chunk)
+        if self.paged is None:
+            return n
+        pager = self.paged.pager
+        end = start + n
+        while not pager.span_fits(start, end):
+            end = (end - 1) // pager.chunk * pager.chunk  # down to the previous chunk boundary
+            if end <= start:
+                return min(n, pager.chunk - start % pager.chunk)
+        return end - start
 
     def _truncate(self, n: int) -> None:
         if self.paged is None:

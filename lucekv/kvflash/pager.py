@@ -446,7 +446,12 @@ class Pager:
         self.last_use = _grow(self.last_use, cap, 0)
         self.scores = _grow(self.scores, cap, UNSCORED)
 
-    def _check_span_fits(self, start: int, end: int) -> None:
+    def span_fits(self, start: int, end: int) -> bool:
+        """Whether positions [start, end) can be written in one allocation: the span and every protected chunk
+        resident at once."""
+        return self._blocks_needed(start, end) <= self.n_blocks
+
+    def _blocks_needed(self, start: int, end: int) -> int:
         # protected_mask() plus the span, counted as a union of chunk ranges: no per-chunk array on every token
         head = (max(self.n_tokens, end) - 1) // self.chunk
         ranges = [(0, self.sink_chunks - 1), (head - self.tail_chunks, head),
@@ -456,6 +461,10 @@ class Pager:
             c0, c1 = max(c0, reach + 1, 0), min(c1, head)
             if c1 >= c0:
                 need, reach = need + c1 - c0 + 1, c1
+        return need
+
+    def _check_span_fits(self, start: int, end: int) -> None:
+        need = self._blocks_needed(start, end)
         if need > self.n_blocks:
             raise ConfigError(
                 f"a write of positions {start}..{end - 1} needs {need} "

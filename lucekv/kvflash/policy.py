@@ -77,7 +77,8 @@ class _QueryWindow:
 
     def push(self, query: np.ndarray) -> None:
         n_layers, n_head, head_dim = query.shape
-        self._ring.append(np.asarray(query, np.float32).reshape(n_layers, self.n_kv_head, -1, head_dim))
+        # a copy: a backend may hand out the buffer its next forward overwrites
+        self._ring.append(np.array(query, np.float32).reshape(n_layers, self.n_kv_head, -1, head_dim))
 
     def stacked(self) -> np.ndarray | None:
         return np.stack(self._ring) if self._ring else None

@@ -50,6 +50,18 @@ def test_prefill_of_a_prompt_four_times_the_pool_runs_at_constant_pool_memory(mo
     assert engine.paged.host.nbytes == usage.paged_chunks * engine.paged.host.chunk_bytes
 
 
+def test_a_pooled_prefill_forwards_the_largest_batches_that_fit_beside_the_protected_chunks(model):
+    engine = lucekv.load(model, backend="cpu", kv_pool=512, kv_policy="lru")
+    engine.backend.prefill_chunk = 1024  # more than the pool: batches shrink to whole chunks that fit
+    sizes = []
+    forward = engine.backend.forward
+    engine.backend.forward = lambda tokens, *a, **kw: sizes.append(len(tokens)) or forward(tokens, *a, **kw)
+    greedy(engine, prompt(2048), n=1)
+    # 8 blocks: the first 8 chunks, then 7 beside the sink (the tail lies inside the batch), then the rest
+    assert sizes == [512, 448, 448, 448, 192]
+    assert engine.paged.usage().resident_chunks == 8
+
+
 def test_decode_never_reads_a_free_or_paged_out_slot(model):
     ids = prompt(1500, seed=1)
     engine = lucekv.load(model, backend="cpu", kv_dtype="f32", kv_pool=512, kv_policy="lru")

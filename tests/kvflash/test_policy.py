@@ -183,6 +183,21 @@ def test_only_the_queries_a_reselect_ranks_against_are_fetched(scorer):
     assert wanted == expected
 
 
+@pytest.mark.parametrize("scorer_type", [BoundScorer, MeanKeyScorer])
+def test_scores_do_not_follow_a_reused_query_buffer(scorer_type):
+    """A backend may hand out the buffer its next forward overwrites (the CPU backend does)."""
+    keys, query = synthetic(4, seed=3)
+    pager = Pager(8 * 64)
+    FakeBackend(pager).prefill(4 * 64, batch=64)
+    scorer = scorer_type(KV_HEADS)
+    seal_all(scorer, pager, keys)
+    buffer = query.copy()
+    scorer.observe(buffer)
+    before = scorer.scores(pager)
+    buffer[:] = np.random.default_rng(4).standard_normal(buffer.shape)
+    np.testing.assert_array_equal(scorer.scores(pager), before)
+
+
 def test_unknown_policy_and_bad_tau_are_config_errors():
     with pytest.raises(ConfigError, match="unknown kv policy 'h2o'"):
         make_policy("h2o", 2)

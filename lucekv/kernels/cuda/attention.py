@@ -60,7 +60,6 @@ MAX_ROW_WORDS = MAX_HEAD_DIM  # a float32 row of MAX_HEAD_DIM
 # K rows are staged 4 words longer than they are (lane i reads row i, 16 bytes at a time: a quarter-warp's
 # reads fall in different banks); V rows are read along the row and need no padding
 TILE_WORDS = TILE * (MAX_ROW_WORDS + 4)  # 32.5 KiB: K and V of one tile when rows are <= half of the widest
-QUERY_WORDS = MAX_GROUP * MAX_HEAD_DIM  # the queries of a block's warps
 QUADS_IN_FLIGHT = 4  # 16-byte loads per thread and array issued before any is stored
 THREADS = 128
 
@@ -157,6 +156,10 @@ def _split_kernel(dims_per_word: int, row_words: int):
     k_stride = row_words + 4  # padded K rows: 16-byte aligned, and lane i's reads of row i hit other banks
     both = TILE * (k_stride + row_words) <= TILE_WORDS  # K and V of a tile fit the buffer together
     v_at = TILE * k_stride if both else 0
+    # shared memory sized to these rows, not the widest: it bounds the blocks an SM holds (at float16 x 128, 20.5
+    # KiB, 11 of them, where 40.5 KiB held 5)
+    tile_words = TILE * k_stride + (TILE * row_words if both else 0)
+    query_words = MAX_GROUP * head_dim
     words_per_lane = (row_words + WARP - 1) // WARP
     lane_dims = words_per_lane * dims_per_word
     quads = row_words // 4
@@ -220,9 +223,9 @@ def _split_kernel(dims_per_word: int, row_words: int):
         warp = cuda.threadIdx.x // WARP
         n_kv = cuda.gridDim.x
         h = kvh * (cuda.blockDim.x // WARP) + warp
-        tile = cuda.shared.array(TILE_WORDS, np.uint32, alignment=ALIGN_16)
-        qs = cuda.shared.array(QUERY_WORDS, np.float32, alignment=ALIGN_16)  # each warp's query, scaled
-        q_at = warp * MAX_HEAD_DIM
+        tile = cuda.shared.array(tile_words, np.uint32, alignment=ALIGN_16)
+        qs = cuda.shared.array(query_words, np.float32, alignment=ALIGN_16)  # each warp's query, scaled
+        q_at = warp * head_dim
         acc = cuda.local.array(lane_dims, np.float32)  # dims of words lane, lane + WARP, ...
         for d in range(lane, head_dim, WARP):
             qs[q_at + d] = q[t, h * head_dim + d] * scale
