@@ -156,8 +156,8 @@ class Engine:
         """Tokens of the next forward from position `start`, at most n: the backend's batch, and with a bounded pool
         no more than fit it beside the protected chunks (whole chunks, so the pool evicts as the prompt goes)."""
         n = min(n, self.backend.prefill_chunk)
-        if self.paged is None:
-            return n
+        if self.paged is None or start % CHUNK_TOKENS + n <= CHUNK_TOKENS:
+            return n  # within one chunk (every decode step): the allocation checks the fit itself
         pager = self.paged.pager
         end = start + n
         while not pager.span_fits(start, end):
