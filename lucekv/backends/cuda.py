@@ -193,7 +193,7 @@ class CudaOps:
         return upload(pack_tensor(t), stream=self.stream)
 
     def projections(self, ws: Sequence[TensorInfo], biases: Sequence[TensorInfo | None]) -> list[Stacked]:
-        """Consecutive matrices of one kind, block and width stacked (by 3 at most); the others alone."""
+        """Consecutive matrices of one layout (kind, block, group, width) stacked (by 3 at most); the rest alone."""
         return [self._stack(g) for g in _groups(list(zip(map(pack_tensor, ws), biases, strict=True)))]
 
     def _stack(self, group: list[tuple]) -> Stacked:
@@ -291,12 +291,11 @@ class CudaOps:
 
 
 def _groups(pairs: list[tuple[PackedMatrix, TensorInfo | None]]) -> list[list[tuple]]:
-    """Consecutive (matrix, bias) pairs of one kind, block and width together, by MAX_STACK at most."""
+    """Consecutive (matrix, bias) pairs of one layout together, by MAX_STACK at most."""
     groups: list[list[tuple]] = []
     for m, b in pairs:
         last = groups[-1][-1][0] if groups else None
-        if last is not None and (last.kind, last.block, last.cols) == (m.kind, m.block, m.cols) \
-                and len(groups[-1]) < MAX_STACK:
+        if last is not None and last.layout == m.layout and len(groups[-1]) < MAX_STACK:
             groups[-1].append((m, b))
         else:
             groups.append([(m, b)])
@@ -304,8 +303,7 @@ def _groups(pairs: list[tuple[PackedMatrix, TensorInfo | None]]) -> list[list[tu
 
 
 def _interleavable(g: PackedMatrix, u: PackedMatrix) -> bool:
-    return g.kind != "f32" and (g.kind, g.block, g.cols, g.rows) == (u.kind, u.block, u.cols, u.rows) \
-        and g.rows % GATE_ROWS == 0
+    return g.kind != "f32" and (g.layout, g.rows) == (u.layout, u.rows) and g.rows % GATE_ROWS == 0
 
 
 class CudaBackend:

@@ -100,8 +100,8 @@ class LaunchRecorder:
 
 
 def _weight_bytes(w: DeviceMatrix) -> int:
-    """What a matvec over `w` must read: codes, scales, and biases where the matrix has any."""
-    return w.codes.nbytes + (w.scale.nbytes + (w.bias.nbytes if w.has_bias else 0) if w.kind != "f32" else 0)
+    """What a matvec over `w` must read."""
+    return w.nbytes
 
 
 def replay_ms(graph: DecodeGraph, stream, replays: int) -> float:

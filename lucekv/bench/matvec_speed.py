@@ -1,14 +1,15 @@
-"""GPU timing of the decode matvec at Qwen3-8B shapes (Q4_K_M: q4 attention / FFN, Q6_K -> q8 16-blocks).
+"""GPU timing of the decode matvec at Qwen3-8B shapes (Q4_K_M: Q4_K attention / FFN, Q6_K v / down / output).
 
     python -m lucekv.bench.matvec_speed [--json OUT] [--replays 20]
 
-Random codes, scales and biases, uploaded as DeviceMatrix directly. Each kernel is timed as the decode step
-runs it: `LAUNCHES` launches captured as one CUDA graph and replayed (no numba launch overhead), each
-launch on the next of several copies of the matrix (enough to exceed twice the L2 cache), so no launch
-reads weights another left in L2; the median over replays, per launch. GB/s counts the bytes a matvec
-must read once: codes + scales (+ biases, Q4_K only). Two references frame it: `stream`, a kernel that
-only reads the same number of bytes (16 per lane and load), is what a kernel of that size can reach;
-and the device-to-device copy bandwidth (bytes read + written) of a 1 GiB buffer.
+Random GGUF blocks, packed and uploaded as the backend does (Q6_K becomes the device's q6 form). Each kernel
+is timed as the decode step runs it: `LAUNCHES` launches captured as one CUDA graph and replayed (no numba
+launch overhead), each launch on the next of several copies of the matrix (enough to exceed twice the L2
+cache), so no launch reads weights another left in L2; the median over replays, per launch. GB/s counts the
+bytes a matvec must read once (`DeviceMatrix.nbytes`: codes and scale factors); the error is against float64
+numpy. Two references frame it: `stream`, a kernel that only reads the same number of bytes (16 per lane and
+load), is what a kernel of that size can reach; and the device-to-device copy bandwidth (bytes read +
+written) of a 1 GiB buffer.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
+from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows, pack
 from lucekv.kernels.cuda._numba import cuda, load_u32x4
 from lucekv.kernels.cuda.matvec import matvec
-from lucekv.kernels.cuda.packed import DeviceMatrix
+from lucekv.kernels.cuda.packed import upload
 
 LAUNCHES = 36  # per captured graph: as many as a decode step has of the big shapes
 
@@ -34,38 +38,30 @@ class Shape:
     name: str
     rows: int
     cols: int
-    kind: str
-    block: int
+    qtype: Q
     per_token: int  # how many such products one Qwen3-8B decode step runs
-
-    @property
-    def has_bias(self) -> bool:
-        return self.kind == "q4"
 
 
 N_LAYER = 36
 SHAPES = (
-    Shape("attn q / o   4096x4096 q4", 4096, 4096, "q4", 32, 2 * N_LAYER),
-    Shape("attn k       1024x4096 q4", 1024, 4096, "q4", 32, N_LAYER),
-    Shape("attn v       1024x4096 q8/16", 1024, 4096, "q8", 16, N_LAYER),
-    Shape("ffn gate/up 12288x4096 q4", 12288, 4096, "q4", 32, 2 * N_LAYER),
-    Shape("ffn down    4096x12288 q8/16", 4096, 12288, "q8", 16, N_LAYER),
-    Shape("output    151936x4096 q8/16", 151936, 4096, "q8", 16, 1),
+    Shape("attn q / o   4096x4096 Q4_K", 4096, 4096, Q.Q4_K, 2 * N_LAYER),
+    Shape("attn k       1024x4096 Q4_K", 1024, 4096, Q.Q4_K, N_LAYER),
+    Shape("attn v       1024x4096 Q6_K", 1024, 4096, Q.Q6_K, N_LAYER),
+    Shape("ffn gate/up 12288x4096 Q4_K", 12288, 4096, Q.Q4_K, 2 * N_LAYER),
+    Shape("ffn down    4096x12288 Q6_K", 4096, 12288, Q.Q6_K, N_LAYER),
+    Shape("output    151936x4096 Q6_K", 151936, 4096, Q.Q6_K, 1),
 )
+_D_FIELDS = {Q.Q4_K: (0.01, 0.005), Q.Q6_K: (0.01,)}  # the f16 d (and dmin) at the start / end of a block
 
 
-def random_matrix(rng: np.random.Generator, s: Shape) -> DeviceMatrix:
-    code_bytes = s.rows * s.cols // (2 if s.kind == "q4" else 1)
-    codes = np.frombuffer(rng.bytes(code_bytes), np.uint32).reshape(s.rows, -1)
-    scale = (rng.random((s.rows, s.cols // s.block), np.float32) * 0.01).astype(np.float32)
-    # Q4_K has biases (its mins), Q6_K none
-    bias = (rng.random((s.rows, s.cols // s.block), np.float32) * -0.01).astype(np.float32) * s.has_bias
-    return DeviceMatrix(s.kind, s.rows, s.cols, s.block.bit_length() - 1, cuda.to_device(codes),
-                        cuda.to_device(scale), cuda.to_device(bias), s.has_bias)
-
-
-def weight_bytes(w: DeviceMatrix) -> int:
-    return w.codes.nbytes + w.scale.nbytes + (w.bias.nbytes if w.has_bias else 0)
+def random_matrix(rng: np.random.Generator, s: Shape) -> PackedMatrix:
+    """Random blocks of s.qtype (random codes and sub-scales, fixed small d, dmin)."""
+    block, size = GGML_QUANT_SIZES[s.qtype]
+    raw = rng.integers(0, 256, (s.rows * s.cols // block, size), dtype=np.uint8)
+    fields = np.frombuffer(np.float16(_D_FIELDS[s.qtype]).tobytes(), np.uint8)
+    at = 0 if s.qtype == Q.Q4_K else size - 2
+    raw[:, at:at + fields.size] = fields
+    return pack(raw, s.qtype, (s.rows, s.cols))
 
 
 def _check(result):
@@ -142,37 +138,25 @@ def copy_bandwidth(stream, nbytes: int = 1 << 30, replays: int = 10) -> float:
 
 
 def bench_shape(s: Shape, rng: np.random.Generator, replays: int, l2_bytes: int, sm_count: int, stream) -> dict:
-    first = random_matrix(rng, s)
-    n_copies = max(3, math.ceil(2 * l2_bytes / weight_bytes(first)))
-    mats = [first] + [random_matrix(rng, s) for _ in range(n_copies - 1)]
+    packed = random_matrix(rng, s)
+    first = upload(packed)
+    n_copies = max(3, math.ceil(2 * l2_bytes / first.nbytes))
+    mats = [first] + [upload(random_matrix(rng, s)) for _ in range(n_copies - 1)]
     xs = [cuda.to_device(rng.standard_normal((1, s.cols)).astype(np.float32)) for _ in mats]
     outs = [cuda.device_array((1, s.rows), np.float32) for _ in mats]
     order = [i % n_copies for i in range(max(LAUNCHES, n_copies))]
     us = graph_us(stream, [lambda st, k=k: matvec(mats[k], xs[k], outs[k], stream=st) for k in order], replays)
     got = outs[0].copy_to_host().astype(np.float64)
-    ref = _reference(mats[0], xs[0].copy_to_host())
-    bufs = [cuda.device_array((1, weight_bytes(first) // 4), np.uint32) for _ in range(n_copies)]
+    ref = dequantize_rows(packed, 0, s.rows).astype(np.float64) @ xs[0].copy_to_host()[0].astype(np.float64)
+    bufs = [cuda.device_array((1, first.nbytes // 4), np.uint32) for _ in range(n_copies)]
     flag = cuda.device_array(1, np.uint32)
     stream_us = graph_us(stream, [stream_launch(bufs[k], flag, sm_count) for k in order], replays)
-    gb = weight_bytes(first) / 1e9
-    return {"shape": s.name, "rows": s.rows, "cols": s.cols, "kind": s.kind, "block": s.block,
-            "copies": n_copies, "weight_bytes": weight_bytes(first), "per_token": s.per_token,
-            "us": us, "gbps": gb / (us * 1e-6), "stream_us": stream_us, "stream_gbps": gb / (stream_us * 1e-6),
+    gb = first.nbytes / 1e9
+    return {"shape": s.name, "rows": s.rows, "cols": s.cols, "qtype": s.qtype.name, "kind": first.kind,
+            "bits_per_weight": 8 * first.nbytes / (s.rows * s.cols), "copies": n_copies,
+            "weight_bytes": first.nbytes, "per_token": s.per_token, "us": us, "gbps": gb / (us * 1e-6),
+            "stream_us": stream_us, "stream_gbps": gb / (stream_us * 1e-6),
             "max_rel_err": float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))}
-
-
-def _reference(w: DeviceMatrix, x: np.ndarray) -> np.ndarray:
-    """float64 W @ x from the device matrix's own arrays."""
-    codes = w.codes.copy_to_host().view(np.uint8)
-    scale, bias = w.scale.copy_to_host().astype(np.float64), w.bias.copy_to_host().astype(np.float64)
-    if w.kind == "q4":  # per 32-block 16 bytes: low nibbles elements 0..15, high ones 16..31
-        b = codes.reshape(w.rows, -1, 16)
-        q = np.concatenate([b & 15, b >> 4], axis=2).reshape(w.rows, w.cols).astype(np.float64)
-    else:
-        q = codes.view(np.int8).astype(np.float64)
-    block = w.cols // scale.shape[1]
-    dense = q * np.repeat(scale, block, axis=1) + np.repeat(bias, block, axis=1)
-    return dense @ x[0].astype(np.float64)
 
 
 def device_name(dev) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 from numba import typeof, types
 
 from lucekv.kernels.cuda import act, attention, cuda, embed, matmul, matvec, norm, sample
-from lucekv.kernels.cuda.packed import epilogue
+from lucekv.kernels.cuda.packed import Quant, epilogue
 
 
 class _Hopper:  # device functions ask the current device for its compute capability
@@ -38,10 +38,24 @@ _m = np.zeros((2, 4), np.float32)
 EP = typeof(epilogue((_m, _m), bias=_m[0]))
 XNORM = typeof((_m, np.float32(0), True))
 
+
+def _quant(codes, scales, subs) -> types.Type:
+    """A Quant's type: codes of that dtype, scale words (uint32 with a bias, uint16 without), sub words."""
+    a = np.zeros((2, 4), np.uint32)
+    return typeof(Quant(np.zeros((2, 4), codes), a, np.zeros((2, 4), scales), np.zeros((2, 4), subs), 5, 3, True,
+                        True))
+
+
+Q4_K = _quant(np.uint32, np.uint32, np.uint16)  # sub-scaled, with a bias
+Q6_K = _quant(np.uint32, np.uint16, np.uint8)  # sub-scaled, no bias
+Q8_0 = _quant(np.uint32, np.uint16, np.uint8)  # (sub words a stand-in)
+MATVEC = (F2, XNORM, EP, I64, I64)
+
 # kernel: argument types (return void)
 CHECKS = {
-    "matvec_q4": (matvec._matvec_q4, (U2, F2, F2, B, F2, XNORM, EP, I64, I64)),
-    "matvec_q8": (matvec._matvec_q8, (U2, F2, F2, B, I64, F2, XNORM, EP, I64, I64)),
+    "matvec_q4": (matvec._KERNELS["q4"], (Q4_K, *MATVEC)),
+    "matvec_q6": (matvec._KERNELS["q6"], (Q6_K, *MATVEC)),
+    "matvec_q8": (matvec._KERNELS["q8"], (Q8_0, *MATVEC)),
     "matvec_f32": (matvec._matvec_f32, (F2, F2, EP)),
     "rmsnorm": (norm._rmsnorm, (F2, F1, F32, F2)),
     "gated_act": (act._gated_act, (F2, F2, B, F2)),
@@ -54,11 +68,12 @@ CHECKS = {
     "set_slot_pos": (attention._set_slot_pos, (I1, I1, I1)),
     "argmax": (sample._argmax, (F2, I1)),
 }
+QUANTS = {"q4": Q4_K, "q6": Q6_K, "q8": Q8_0}
 for (kind, block), kernel in matmul._KERNELS.items():
-    CHECKS[f"matmul_{kind}_{block}"] = (kernel, (U2, F2, F2, I64, F32, F2, EP))
+    CHECKS[f"matmul_{kind}_{block}"] = (kernel, (QUANTS[kind], I64, F32, F2, EP))
 CHECKS["matmul_f32"] = (matmul._matmul_f32, (F2, F2, EP))
-for kind, codes in (("q4", U2), ("q8", U2), ("f32", F2)):
-    CHECKS[f"embed_{kind}"] = (embed._KERNELS[kind], (codes, F2, F2, I64, I1, F32, F2))
+for kind, quant in (*QUANTS.items(), ("f32", _quant(np.float32, np.uint8, np.uint8))):
+    CHECKS[f"embed_{kind}"] = (embed._KERNELS[kind], (quant, I1, F32, F2))
 
 
 def find_ptxas() -> str | None:

@@ -53,7 +53,8 @@ def dense(m: PackedMatrix) -> np.ndarray:
 
 # ---- products -------------------------------------------------------------------------------------------
 
-QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_1, Q.Q4_K, Q.Q6_K, Q.F32]  # q4 / q8 (32 and 16 blocks) / f32
+# device forms: q4 (sub-scaled or not), q8, q6 (32-blocks with a bias, 16-blocks without), f32
+QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_1, Q.Q4_K, Q.Q6_K, Q.F32]
 
 
 def check_product(kernel: str, m: PackedMatrix, n: int, bound: float = 1e-3, seed: int = 0) -> None:
@@ -76,6 +77,23 @@ def check_matvec(qtype: Q, rows: int, cols: int, n: int, seed: int = 0) -> None:
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 def test_matvec(qtype):
     check_matvec(qtype, rows=5, cols=256, n=2)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("qtype", "kind", "sub_scaled", "has_bias", "bits"), [
+    (Q.Q4_K, "q4", True, True, 4.625),  # 16 code bytes + sub-scale and sub-min bytes per 32, d and dmin per 256
+    (Q.Q4_0, "q4", True, True, 5.5),  # one d per block, its offset 8 as a sub-min
+    (Q.Q4_1, "q4", False, True, 5.0),
+    (Q.Q6_K, "q6", True, False, 6.5625),  # 6-bit codes, an int8 sub-scale per 16, d per 256 (as the file)
+    (Q.Q5_1, "q6", False, True, 7.0),
+    (Q.Q8_0, "q8", False, False, 8.5),
+], ids=lambda v: getattr(v, "name", str(v)))
+def test_upload_keeps_the_scales_factored(qtype, kind, sub_scaled, has_bias, bits):
+    from lucekv.kernels.cuda.packed import upload
+
+    w = upload(random_packed(np.random.default_rng(5), qtype, 4, 512))
+    assert (w.kind, w.sub_scaled, w.has_bias) == (kind, sub_scaled, has_bias)
+    assert 8 * w.nbytes / (4 * 512) == bits
 
 
 def check_fused_product(kernel: str, m: PackedMatrix, n: int, seed: int = 0) -> None:
@@ -171,7 +189,7 @@ def test_matvec_f32_ragged_width():
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q6_K, Q.F32], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q5_1, Q.Q8_0, Q.Q6_K, Q.F32], ids=lambda q: q.name)
 def test_embed(qtype):
     from lucekv.kernels.cuda.embed import embed
     from lucekv.kernels.cuda.packed import upload
@@ -430,3 +448,4 @@ def test_decode_graph_replays_the_eager_step(tmp_path):
         a, b = eager.forward(tok, p, p), graphed.forward(tok, p, p)
         assert np.array_equal(a, b), f"step {step}"
     assert graphed.graph.ready
+

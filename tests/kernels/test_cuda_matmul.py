@@ -112,9 +112,10 @@ def test_matmul(qtype, rows, cols, n):
 
 @needs_kernels
 def test_matmul_of_tiny_weights_keeps_float16_precision():
-    # weights around 1e-7 are float16 subnormals (or zero) as they are: staged times half_scale they are not
+    # weights around 1e-6 are float16 subnormals as they are: staged times half_scale they are not
     m = random_packed(np.random.default_rng(4), Q.Q8_0, 20, 64)
-    tiny = PackedMatrix(m.kind, m.rows, m.cols, m.block, m.codes, m.scale * np.float32(1e-6), m.bias)
+    tiny = PackedMatrix(m.kind, m.rows, m.cols, m.block, m.codes, m.d * np.float16(2.0**-14), m.dmin, m.sub_scale,
+                        m.sub_min)
     check_matmul(tiny, n=3, bound=1e-3)
 
 
@@ -129,14 +130,18 @@ def test_matmul_gated():
 
 
 @needs_kernels
-def test_matmul_16_blocks_with_bias():
-    # as Q2_K packs (its 256-column super-blocks would cost the simulator 8 steps): q8 codes, 16-blocks, a bias
+@pytest.mark.parametrize("codes", [(-128, 128), (0, 4)], ids=["q8", "q6"])
+def test_matmul_16_blocks_with_bias(codes):
+    # sub-scaled 16-blocks with a bias, as Q2_K packs (its 256-column super-blocks would cost the simulator 8
+    # steps): byte codes (device q8), or Q2_K's own 2-bit codes (device q6)
     rng = np.random.default_rng(12)
     rows, cols = 20, 64
-    scale = rng.uniform(0.001, 0.02, (rows, cols // 16)).astype(np.float32)
-    bias = -rng.uniform(0, 0.1, (rows, cols // 16)).astype(np.float32)
-    codes = rng.integers(-128, 128, (rows, cols), dtype=np.int8)
-    check_matmul(PackedMatrix("q8", rows, cols, 16, codes, scale, bias), n=5, bound=1e-3)
+    d = rng.uniform(0.0005, 0.001, (rows, 1)).astype(np.float16)
+    dmin = rng.uniform(0.001, 0.002, (rows, 1)).astype(np.float16)
+    sub_scale, sub_min = (rng.integers(1, 64, (rows, cols // 16), dtype=np.int8) for _ in range(2))
+    m = PackedMatrix("q8", rows, cols, 16, rng.integers(*codes, (rows, cols), dtype=np.int8), d, dmin, sub_scale,
+                     sub_min)
+    check_matmul(m, n=5, bound=1e-3)
 
 
 def test_matmul_rejects_ragged_quantized_width():
@@ -144,7 +149,8 @@ def test_matmul_rejects_ragged_quantized_width():
     from lucekv.kernels.cuda.packed import DeviceMatrix
 
     with pytest.raises(ValueError, match="multiple of 32"):
-        matmul(DeviceMatrix("q8", 4, 48, 4, None, None, None, False), np.zeros((2, 48), np.float32), None)
+        matmul(DeviceMatrix("q8", 4, 48, 4, 0, None, None, None, None, False, False), np.zeros((2, 48), np.float32),
+               None)
 
 
 # ---- real shapes, GPU only -------------------------------------------------------------------------------

@@ -5,6 +5,10 @@ kernels (plus a float one) exist: weights stay quantized as integer codes with o
 pair per block of 16 or 32 elements, `value = scale * code + bias`. The repack is lossless: expanding it
 reproduces `gguf.quants.dequantize` bit for bit (scales are products of an f16 and a small integer, so
 `scale * code` is exact wherever the reference's product is, and the one rounding left is the same add).
+The (scale, bias) pairs are kept factored as the file has them: float16 `d`, `dmin` per group of blocks
+(a K-quant's 256-element super-block, or the block itself) and int8 sub-scales and sub-mins per block, with
+`scale = d * sub_scale` and `bias = -(dmin * sub_min)`, both exact in float32. GPU kernels read the factors
+(about a fifth of the bytes of float32 pairs); the CPU kernels read the products, expanded once.
 
 numba kernels unpack the bit fields into integer codes and sub-scales; the float math (f16 fields to
 float32, `d * sc`, `dmin * m`) is numpy, written in the same order as the reference so it rounds the same.
@@ -12,6 +16,7 @@ float32, `d * sc`, `dmin * m`) is numpy, written in the same order as the refere
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -28,7 +33,6 @@ SUPPORTED_QTYPES: tuple[GGMLQuantizationType, ...] = (
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
 )
 FLOAT_QTYPES = (Q.F32, Q.F16, Q.BF16)
-NEGATIVE_ZERO = np.float32(-0.0)  # the bias of types without one: x + -0.0 == x for every x, signed zeros too
 
 
 @dataclass
@@ -41,21 +45,51 @@ class PackedMatrix:
     block: int  # elements per (scale, bias) pair: 32 or 16 (0 for f32)
     codes: np.ndarray  # q4: uint8 [rows, cols//2], per 32-block 16 bytes: low nibbles = elements 0..15,
     #                    high nibbles = 16..31;  q8: int8 [rows, cols];  f32: float32 [rows, cols]
-    scale: np.ndarray  # float32 [rows, cols//block]; shape (0,) for f32
-    bias: np.ndarray  # float32 [rows, cols//block]; shape (0,) for f32
+    d: np.ndarray  # float16 [rows, groups]: the scale factor of each group's blocks ([rows, 0] for f32)
+    dmin: np.ndarray  # float16 [rows, groups]: the bias factor (zeros for types without a bias)
+    sub_scale: np.ndarray  # int8 [rows, cols//block] (ones where a group is one block)
+    sub_min: np.ndarray  # int8 [rows, cols//block]
 
     def __post_init__(self) -> None:
         # One numba specialization per kernel: mmap views are read-only, so make every array read-only.
-        self.codes, self.scale, self.bias = (_read_only(a) for a in (self.codes, self.scale, self.bias))
+        for f in FACTORED:
+            setattr(self, f, _read_only(getattr(self, f)))
+
+    @property
+    def layout(self) -> tuple:
+        """What matrices must share to be stacked into one: kind, block, group and width."""
+        return self.kind, self.block, self.group, self.cols
+
+    @property
+    def group(self) -> int:
+        """Blocks per (d, dmin) pair: 1, or a K-quant super-block's 8 or 16."""
+        return self.sub_scale.shape[1] // max(self.d.shape[1], 1)
+
+    @functools.cached_property
+    def scale(self) -> np.ndarray:
+        """float32 [rows, cols//block]: d * sub_scale."""
+        return _read_only(self._per_block(self.d) * self.sub_scale.astype(np.float32))
+
+    @functools.cached_property
+    def bias(self) -> np.ndarray:
+        """float32 [rows, cols//block]: -(dmin * sub_min); -0.0 for types without a bias (x + -0.0 == x)."""
+        return _read_only(-(self._per_block(self.dmin) * self.sub_min.astype(np.float32)))
+
+    def _per_block(self, factor: np.ndarray) -> np.ndarray:
+        return np.repeat(factor.astype(np.float32), self.group, axis=1)
+
+
+FACTORED = ("codes", "d", "dmin", "sub_scale", "sub_min")  # the arrays with one row per matrix row
 
 
 def stack_rows(ms: Sequence[PackedMatrix]) -> PackedMatrix:
-    """One matrix holding the rows of `ms` in order (same kind, block and width): one product computes them all."""
+    """One matrix holding the rows of `ms` in order (same kind, block, group and width): one product computes
+    them all."""
     a = ms[0]
-    if any((m.kind, m.cols, m.block) != (a.kind, a.cols, a.block) for m in ms):
-        raise ValueError("stack_rows needs matrices of one kind, block and width")
+    if any(m.layout != a.layout for m in ms):
+        raise ValueError("stack_rows needs matrices of one kind, block, group and width")
     return PackedMatrix(a.kind, sum(m.rows for m in ms), a.cols, a.block,
-                        *(np.concatenate([getattr(m, f) for m in ms]) for f in ("codes", "scale", "bias")))
+                        *(np.concatenate([getattr(m, f) for m in ms]) for f in FACTORED))
 
 
 def interleave_rows(a: PackedMatrix, b: PackedMatrix, group: int) -> PackedMatrix:
@@ -65,8 +99,7 @@ def interleave_rows(a: PackedMatrix, b: PackedMatrix, group: int) -> PackedMatri
         raise ValueError(f"interleave_rows needs two matrices of the same rows, a multiple of {group}")
     m = stack_rows([a, b])
     order = np.arange(m.rows).reshape(2, -1, group).transpose(1, 0, 2).reshape(-1)
-    arrays = (m.codes, m.scale, m.bias)
-    return PackedMatrix(m.kind, m.rows, m.cols, m.block, *(x[order] if x.size else x for x in arrays))
+    return PackedMatrix(m.kind, m.rows, m.cols, m.block, *(getattr(m, f)[order] for f in FACTORED))
 
 
 def pack(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> PackedMatrix:
@@ -93,7 +126,7 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, .
         # scale*code + bias gives +0.0 for code 8 where the reference's d*(q-8) gives -0.0 (d < 0):
         # equal values, different bits. Subtracting the offset first reproduces the reference exactly.
         out = np.empty((rows, cols), np.float32)
-        _expand_q4(m.codes, m.scale, _read_only(_no_bias(m.scale)), np.float32(8), out)
+        _expand_q4(m.codes, m.scale, _read_only(np.full_like(m.scale, -0.0)), np.float32(8), out)
         return out.reshape(shape)
     return dequantize_rows(m, 0, rows).reshape(shape)
 
@@ -122,12 +155,13 @@ def _decode(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int) 
     data = _raw_bytes(raw, qtype, rows * cols)
     if qtype in FLOAT_QTYPES:
         values = _float_values(data, qtype).reshape(rows, cols)
-        return PackedMatrix("f32", rows, cols, 0, values, np.zeros(0, np.float32), np.zeros(0, np.float32))
+        no_d, no_sub = np.zeros((rows, 0), np.float16), np.zeros((rows, 0), np.int8)
+        return PackedMatrix("f32", rows, cols, 0, values, no_d, no_d, no_sub, no_sub)
     blocks = _read_only(data.reshape(-1, GGML_QUANT_SIZES[qtype][1]))
-    kind, block, codes, scale, bias = _BLOCK_DECODERS[qtype](blocks)
+    kind, block, codes, *factors = _BLOCK_DECODERS[qtype](blocks)
     code_cols = cols // 2 if kind == "q4" else cols
     return PackedMatrix(kind, rows, cols, block, codes.reshape(rows, code_cols),
-                        scale.reshape(rows, cols // block), bias.reshape(rows, cols // block))
+                        *(f.reshape(rows, -1) for f in factors))
 
 
 def _raw_bytes(raw: np.ndarray, qtype: GGMLQuantizationType, n_elements: int) -> np.ndarray:
@@ -156,64 +190,71 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 
 
 def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
-    """float32 [n_blocks, 1] from the f16 field at byte `offset` of each block."""
-    return np.ascontiguousarray(blocks[:, offset:offset + 2]).view(np.float16).astype(np.float32)
+    """float16 [n_blocks, 1]: the f16 field at byte `offset` of each block."""
+    return np.ascontiguousarray(blocks[:, offset:offset + 2]).view(np.float16)
 
 
-def _no_bias(scale: np.ndarray) -> np.ndarray:
-    return np.full_like(scale, NEGATIVE_ZERO)
+def _int8(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.int8)
 
 
-# Each block decoder: uint8 [n_blocks, type_size] -> (kind, block, codes, scale, bias), arrays per block.
+def _scaled(d: np.ndarray, sub_scale: np.ndarray) -> tuple:
+    """(d, dmin, sub_scale, sub_min) of a type without a bias."""
+    return d, np.zeros_like(d), _int8(sub_scale), np.zeros(sub_scale.shape, np.int8)
+
+
+def _per_block(d: np.ndarray, dmin: np.ndarray, sub_min: int = 1) -> tuple:
+    """(d, dmin, sub_scale, sub_min) of a type with one (d, dmin) per block."""
+    return d, dmin, np.ones(d.shape, np.int8), np.full(d.shape, sub_min, np.int8)
+
+
+# Each block decoder: uint8 [n_blocks, type_size] -> (kind, block, codes, d, dmin, sub_scale, sub_min), arrays
+# per block (see PackedMatrix).
 
 
 def _decode_q4_0(blocks):
     d = _f16(blocks, 0)
-    return "q4", 32, blocks[:, 2:], d, -8 * d  # the nibble layout already is the canonical one
+    return "q4", 32, blocks[:, 2:], *_per_block(d, d, sub_min=8)  # d (q - 8); nibbles in canonical layout
 
 
 def _decode_q4_1(blocks):
-    return "q4", 32, blocks[:, 4:], _f16(blocks, 0), _f16(blocks, 2)
+    return "q4", 32, blocks[:, 4:], *_per_block(_f16(blocks, 0), -_f16(blocks, 2))
 
 
 def _decode_q5_0(blocks):
-    d = _f16(blocks, 0)
-    return "q8", 32, _unpack_q5(blocks, 2, 16), d, _no_bias(d)
+    return "q8", 32, _unpack_q5(blocks, 2, 16), *_scaled(_f16(blocks, 0), np.ones((blocks.shape[0], 1)))
 
 
 def _decode_q5_1(blocks):
-    return "q8", 32, _unpack_q5(blocks, 4, 0), _f16(blocks, 0), _f16(blocks, 2)
+    return "q8", 32, _unpack_q5(blocks, 4, 0), *_per_block(_f16(blocks, 0), -_f16(blocks, 2))
 
 
 def _decode_q8_0(blocks):
-    d = _f16(blocks, 0)
-    return "q8", 32, blocks[:, 2:].view(np.int8), d, _no_bias(d)
+    return "q8", 32, blocks[:, 2:].view(np.int8), *_scaled(_f16(blocks, 0), np.ones((blocks.shape[0], 1)))
 
 
 def _decode_q2_k(blocks):
     codes, sc, mins = _unpack_q2_k(blocks)
-    return "q8", 16, codes, _f16(blocks, 80) * sc, -(_f16(blocks, 82) * mins)
+    return "q8", 16, codes, _f16(blocks, 80), _f16(blocks, 82), _int8(sc), _int8(mins)
 
 
 def _decode_q3_k(blocks):
     codes, sc = _unpack_q3_k(blocks)
-    scale = _f16(blocks, 108) * sc
-    return "q8", 16, codes, scale, _no_bias(scale)
+    return "q8", 16, codes, *_scaled(_f16(blocks, 108), sc)
 
 
 def _decode_q4_k(blocks):
     codes, sc, mins = _unpack_q4_k(blocks)
-    return "q4", 32, codes, _f16(blocks, 0) * sc, -(_f16(blocks, 2) * mins)
+    return "q4", 32, codes, _f16(blocks, 0), _f16(blocks, 2), _int8(sc), _int8(mins)
 
 
 def _decode_q5_k(blocks):
     codes, sc, mins = _unpack_q5_k(blocks)
-    return "q8", 32, codes, _f16(blocks, 0) * sc, -(_f16(blocks, 2) * mins)
+    return "q8", 32, codes, _f16(blocks, 0), _f16(blocks, 2), _int8(sc), _int8(mins)
 
 
 def _decode_q6_k(blocks):
-    scale = _f16(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)
-    return "q8", 16, _unpack_q6_k(blocks), scale, _no_bias(scale)
+    return "q8", 16, _unpack_q6_k(blocks), *_scaled(_f16(blocks, 208), blocks[:, 192:208].view(np.int8))
 
 
 _BLOCK_DECODERS = {
@@ -224,7 +265,7 @@ _BLOCK_DECODERS = {
 
 
 # ---- bit unpacking (numba) ------------------------------------------------------------------------------
-# Sub-scales come back as float32 arrays of small integers, ready for the reference's `d * sc` in numpy.
+# Sub-scales come back as float32 arrays of small integers (stored as int8).
 
 
 @njit(cache=True)

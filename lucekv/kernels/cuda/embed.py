@@ -12,20 +12,19 @@ THREADS = 128
 
 def _make_embed(weight_at):
     @cuda.jit
-    def kernel(codes, scale, bias, block_log2, tokens, mult, out):
+    def kernel(w, tokens, mult, out):
         k = cuda.grid(1)
         t = cuda.blockIdx.y
         if k < out.shape[1]:
-            out[t, k] = weight_at(codes, scale, bias, block_log2, tokens[t], k) * mult
+            out[t, k] = weight_at(w, tokens[t], k) * mult
 
     return kernel
 
 
-_KERNELS = {kind: _make_embed(element_decoder(kind)) for kind in ("q4", "q8", "f32")}
+_KERNELS = {kind: _make_embed(element_decoder(kind)) for kind in ("q4", "q6", "q8", "f32")}
 
 
 def embed(table: DeviceMatrix, tokens, scale: float, out, stream=0) -> None:
     """out[n, cols] = table[tokens[i]] * scale; tokens int32 [n] on the device."""
     grid = (blocks(table.cols, THREADS), tokens.shape[0])
-    _KERNELS[table.kind][grid, THREADS, stream](table.codes, table.scale, table.bias, table.block_log2,
-                                                tokens, np.float32(scale), out)
+    _KERNELS[table.kind][grid, THREADS, stream](table.quant, tokens, np.float32(scale), out)

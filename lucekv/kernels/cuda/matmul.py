@@ -41,7 +41,16 @@ from lucekv.kernels.cuda._numba import (
     pack_half2,
     sub_f16x2,
 )
-from lucekv.kernels.cuda.packed import GATE_ROWS, DeviceMatrix, as_epilogue, put, put_gated
+from lucekv.kernels.cuda.packed import (
+    GATE_ROWS,
+    DeviceMatrix,
+    as_epilogue,
+    block_words,
+    put,
+    put_gated,
+    q6_word,
+    scale_bias,
+)
 
 ROWS = 128  # weight rows per block tile
 TOKENS = 64  # tokens per block tile
@@ -57,6 +66,7 @@ PAIRS = K_STEP // 2  # f16 pairs per staged row and step
 STRIDE = PAIRS + 4
 MAGIC = np.uint32(0x64006400)  # two float16 1024.0: or'ed with fields below 1024, 1024 + field
 MAGIC_SIGNED = np.uint32(0x64806480)  # two float16 1152.0 = 1024 + 128
+MAGIC_Q6 = np.uint32(0x64206420)  # two float16 1056.0 = 1024 + Q6_OFFSET
 SIGN_BITS = np.uint32(0x80808080)  # flips each signed byte c to the unsigned c + 128
 NIBBLE_PAIRS = np.uint32(0x000F000F)
 BYTE_PAIRS = np.uint32(0x00FF00FF)
@@ -65,12 +75,13 @@ ZERO = np.uint32(0)
 
 def _make_tensor_matmul(kind: str, block: int):
     """The kernel for `kind` codes with (scale, bias) per `block` columns."""
-    load_codes, stage_codes = {"q4": (_load_q4, _stage_q4), "q8": (_load_q8, _stage_q8)}[kind]
+    load_codes, stage_codes = {"q4": (_load_q4, _stage_q4), "q6": (_load_q6, _stage_q6),
+                               "q8": (_load_q8, _stage_q8)}[kind]
     x_span, x_gap = (4, 16) if kind == "q4" else (8, 4)  # columns of x part p: span p .., span p + gap ..
     per_step = K_STEP // block  # (scale, bias) blocks per step
     block_log2 = block.bit_length() - 1
 
-    def kernel(codes, scale, bias, rows, half_scale, x, ep):
+    def kernel(w, rows, half_scale, x, ep):
         tid = cuda.threadIdx.x
         r0 = cuda.blockIdx.x * ROWS
         t0 = cuda.blockIdx.y * TOKENS
@@ -93,34 +104,34 @@ def _make_tensor_matmul(kind: str, block: int):
         # two register sets of loads in flight, for even and odd steps: a step's loads are issued two steps
         # (two rounds of mmas) before they are staged
         k1 = min(K_STEP, cols - K_STEP)
-        words0 = load_codes(codes, rows, r, 0, a_half)
-        s0, m0 = _load_scale_bias(scale, bias, rows, r, sub)
+        words0 = load_codes(w, rows, r, 0, a_half)
+        sw0 = _load_block_words(w, rows, r, sub)
         x_first0, x_second0 = _load_x(x, n, t, x_col, x_gap)
-        words1 = load_codes(codes, rows, r, k1, a_half)
-        s1, m1 = _load_scale_bias(scale, bias, rows, r, (k1 >> block_log2) + sub)
+        words1 = load_codes(w, rows, r, k1, a_half)
+        sw1 = _load_block_words(w, rows, r, (k1 >> block_log2) + sub)
         x_first1, x_second1 = _load_x(x, n, t, k1 + x_col, x_gap)
         # mma: warp (wr, wt) computes rows wr.., tokens wt.. of the tile; lane in group g, index tig
         warp, lane = (tid >> 5) & (THREADS // WARP - 1), tid & (WARP - 1)
         wr, wt = (warp % ROW_WARPS) * WARP_ROWS, (warp // ROW_WARPS) * WARP_TOKENS
         for k0 in range(0, cols, 2 * K_STEP):
             # even step, buffer 0 (the last step loads its own columns again, unused)
-            stage_codes(words0, pack_half2(s0 * half_scale, s0 * half_scale),
-                        pack_half2(m0 * half_scale, m0 * half_scale), a_tile, 0, a_row, a_half)
+            s2, m2 = _half_scale_bias(w, sw0, half_scale)
+            stage_codes(words0, s2, m2, a_tile, 0, a_row, a_half)
             _stage_x(x_first0, x_second0, x_tile, 0, x_tok, x_part)
             cuda.syncthreads()  # this step is staged; every warp is done with the step before (the other buffer)
             k_next = min(k0 + 2 * K_STEP, cols - K_STEP)
-            words0 = load_codes(codes, rows, r, k_next, a_half)
-            s0, m0 = _load_scale_bias(scale, bias, rows, r, (k_next >> block_log2) + sub)
+            words0 = load_codes(w, rows, r, k_next, a_half)
+            sw0 = _load_block_words(w, rows, r, (k_next >> block_log2) + sub)
             x_first0, x_second0 = _load_x(x, n, t, k_next + x_col, x_gap)
             _mma_step(a_tile, x_tile, 0, acc, wr, wt, lane >> 2, lane & 3)
             if k0 + K_STEP < cols:  # odd step, buffer 1
-                stage_codes(words1, pack_half2(s1 * half_scale, s1 * half_scale),
-                            pack_half2(m1 * half_scale, m1 * half_scale), a_tile, 1, a_row, a_half)
+                s2, m2 = _half_scale_bias(w, sw1, half_scale)
+                stage_codes(words1, s2, m2, a_tile, 1, a_row, a_half)
                 _stage_x(x_first1, x_second1, x_tile, 1, x_tok, x_part)
                 cuda.syncthreads()
                 k_next = min(k0 + 3 * K_STEP, cols - K_STEP)
-                words1 = load_codes(codes, rows, r, k_next, a_half)
-                s1, m1 = _load_scale_bias(scale, bias, rows, r, (k_next >> block_log2) + sub)
+                words1 = load_codes(w, rows, r, k_next, a_half)
+                sw1 = _load_block_words(w, rows, r, (k_next >> block_log2) + sub)
                 x_first1, x_second1 = _load_x(x, n, t, k_next + x_col, x_gap)
                 _mma_step(a_tile, x_tile, 1, acc, wr, wt, lane >> 2, lane & 3)
         _store(acc, np.float32(1) / half_scale, ep, rows, n, r0 + wr, t0 + wt, lane >> 2, lane & 3)
@@ -130,19 +141,31 @@ def _make_tensor_matmul(kind: str, block: int):
 
 
 @cuda.jit(device=True, inline=True)
-def _load_q4(words, rows, r, k0, half):
+def _load_q4(w, rows, r, k0, half):
     """Code words 2 half, 2 half + 1 of row r's 32-block at k0 (zeros past the last row)."""
     if r < rows:
         c = 4 * (k0 >> 5) + 2 * half
-        return words[r, c], words[r, c + 1]
+        return w.codes[r, c], w.codes[r, c + 1]
     return ZERO, ZERO
 
 
 @cuda.jit(device=True, inline=True)
-def _load_q8(words, rows, r, k0, half):
+def _load_q6(w, rows, r, k0, half):
+    """Columns k0 + 16 half .. + 15 of row r as 4 words of 6-bit codes + 32, laid out as q8's (zeros past the
+    last row)."""
+    if r < rows:
+        low = load_u32x4(w.codes, r, 4 * (k0 >> 5))
+        high = w.high[r, 2 * (k0 >> 5) + half]
+        return (q6_word(low[0], high, 4 * half), q6_word(low[1], high, 4 * half + 1),
+                q6_word(low[2], high, 4 * half + 2), q6_word(low[3], high, 4 * half + 3))
+    return ZERO, ZERO, ZERO, ZERO
+
+
+@cuda.jit(device=True, inline=True)
+def _load_q8(w, rows, r, k0, half):
     """Columns k0 + 16 half .. + 15 of row r: 4 words of signed bytes (zeros past the last row)."""
     if r < rows:
-        return load_u32x4(words, r, (k0 >> 2) + 4 * half)
+        return load_u32x4(w.codes, r, (k0 >> 2) + 4 * half)
     return ZERO, ZERO, ZERO, ZERO
 
 
@@ -156,20 +179,39 @@ def _stage_q4(words, s2, m2, a_tile, buf, row, half):
 
 
 @cuda.jit(device=True, inline=True)
-def _stage_q8(words, s2, m2, a_tile, buf, row, half):
-    # code word w = 4 half + i, bytes (0, 2) then (1, 3): columns (4w, 4w + 2), (4w + 1, 4w + 3)
+def _stage_bytes(words, flip, offset, s2, m2, a_tile, buf, row, half):
+    """Byte codes (each c ^ flip is c + offset - 1024 over MAGIC's 1024) as float16 pairs times scale plus bias.
+    Code word w = 4 half + i, bytes (0, 2) then (1, 3): columns (4w, 4w + 2), (4w + 1, 4w + 3)."""
     for i in range(4):
-        unsigned = words[i] ^ SIGN_BITS
+        unsigned = words[i] ^ flip
         for v in range(2):
             fields = (unsigned >> np.uint32(8 * v)) & BYTE_PAIRS
-            a_tile[buf, row, 8 * half + 2 * i + v] = fma_f16x2(sub_f16x2(fields | MAGIC, MAGIC_SIGNED), s2, m2)
+            a_tile[buf, row, 8 * half + 2 * i + v] = fma_f16x2(sub_f16x2(fields | MAGIC, offset), s2, m2)
 
 
 @cuda.jit(device=True, inline=True)
-def _load_scale_bias(scale, bias, rows, r, b):
+def _stage_q8(words, s2, m2, a_tile, buf, row, half):
+    _stage_bytes(words, SIGN_BITS, MAGIC_SIGNED, s2, m2, a_tile, buf, row, half)
+
+
+@cuda.jit(device=True, inline=True)
+def _stage_q6(words, s2, m2, a_tile, buf, row, half):
+    _stage_bytes(words, ZERO, MAGIC_Q6, s2, m2, a_tile, buf, row, half)
+
+
+@cuda.jit(device=True, inline=True)
+def _load_block_words(w, rows, r, b):
+    """Row r's (scale word, sub word) of block b (zeros past the last row: scale and bias 0)."""
     if r < rows:
-        return scale[r, b], bias[r, b]
-    return np.float32(0), np.float32(0)
+        return block_words(w, r, b)
+    return ZERO, ZERO
+
+
+@cuda.jit(device=True, inline=True)
+def _half_scale_bias(w, words, half_scale):
+    """A block's scale and bias, times half_scale, each as a float16 pair."""
+    s, m = scale_bias(w, words[0], words[1])
+    return pack_half2(s * half_scale, s * half_scale), pack_half2(m * half_scale, m * half_scale)
 
 
 @cuda.jit(device=True, inline=True)
@@ -227,7 +269,8 @@ def _store(acc, unscale, ep, rows, n, r0, t0, g, tig):
                         put_gated(ep, t, r, acc[i, j, c] * unscale, acc[i, j, c + 2] * unscale)
 
 
-_KERNELS = {(kind, block): _make_tensor_matmul(kind, block) for kind, block in (("q4", 32), ("q8", 32), ("q8", 16))}
+_KERNELS = {(kind, block): _make_tensor_matmul(kind, block)
+            for kind, block in (("q4", 32), ("q6", 32), ("q6", 16), ("q8", 32), ("q8", 16))}
 
 F32_TILE = 64  # tokens and rows per block tile of the float32 kernel
 F32_THREADS = 256  # 16 x 16 threads, 4 x 4 outputs each
@@ -288,5 +331,5 @@ def matmul(w: DeviceMatrix, x, out, stream=0) -> None:
         _matmul_f32[(blocks(w.rows, F32_TILE), blocks(n, F32_TILE)), F32_THREADS, stream](w.codes, x, ep)
         return
     kernel = _KERNELS[w.kind, 1 << w.block_log2]
-    kernel[(blocks(w.rows, ROWS), blocks(n, TOKENS)), THREADS, stream](w.codes, w.scale, w.bias, w.rows,
-                                                                        np.float32(w.half_scale), x, ep)
+    kernel[(blocks(w.rows, ROWS), blocks(n, TOKENS)), THREADS, stream](w.quant, w.rows, np.float32(w.half_scale),
+                                                                        x, ep)

@@ -4,12 +4,16 @@ Decode reads every weight byte once per token, so these kernels stream HBM with 
 - Integer dot products. Each lane turns its 32 x values into int8 twice over: hi = round(x / s) with
   s = max|x| / 127 over those columns, lo = round((x - s hi) / u) with u = s / 256, so that
   x = u (256 hi + lo) to within u / 2 (about 16 bits). Codes times x then take one `dp4a` per 4 products
-  and part (q8 codes are signed bytes already; q4 nibbles need a mask, or a shift and a mask, per word)
-  and one int-to-float conversion per block and row: a third of the instructions of float products.
+  and part (q8 codes are signed bytes already; q4 nibbles need a mask, or a shift and a mask, per word;
+  q6 codes a few more to merge their high bits, and their offset of 32 comes off with one integer sum of
+  x per pass) and one int-to-float conversion per block and row: a third of the instructions of float
+  products.
 - Lanes own columns, not rows. Lane `l` of warp `w` owns 32 columns of a 1024-column segment and keeps
   their int8 x in 16 registers; it walks the block's rows, loading per row one 16-byte word of q4 codes
-  (one 32-block) or two of q8 codes, with the (scale, bias) pairs of its columns. A warp's loads of one
-  row are 512 (q4) or 2 x 512 (q8) consecutive bytes, and x is read and quantized once per block.
+  (one 32-block), one of q6 low nibbles and 8 bytes of their high bits, or two 16-byte words of q8 codes,
+  and the factored scales of its blocks (`block_words`: raw words, decoded by `scale_bias` only when the
+  row is used, so the loads stay in flight). A warp's code loads of one row are 512 (q4, q6) or 2 x 512
+  (q8) consecutive bytes, and x is read and quantized once per block.
 - A block has one warp per segment (up to MAX_WARPS; wider rows take several passes) and handles
   `rows_per_block` rows in groups of GROUP rows, double-buffered in registers: a group's loads are issued
   before the previous group is used (the first group's before x is read), so that a warp always has
@@ -39,21 +43,31 @@ from lucekv.kernels.cuda._numba import (
     dot4_s8s8,
     dot4_u8s8,
     jit_bounded,
-    load_f32,
     load_f32x4,
     load_u32x4,
     warp_sum,
 )
-from lucekv.kernels.cuda.packed import GATE_ROWS, DeviceMatrix, as_epilogue, put, put_gated
+from lucekv.kernels.cuda.packed import (
+    GATE_ROWS,
+    Q6_OFFSET,
+    DeviceMatrix,
+    as_epilogue,
+    block_words,
+    put,
+    put_gated,
+    q6_word,
+    scale_bias,
+)
 
 SEGMENT = WARP * 32  # columns per warp and pass: 32 per lane
 MAX_WARPS = 16  # rows of up to 16384 columns in one pass
 MAX_ROWS_PER_BLOCK = 64
 PARTIALS = MAX_WARPS * MAX_ROWS_PER_BLOCK  # one float per (warp, row) of a block
-GROUP = {"q4": 4, "q8": 2}  # rows per register buffer, equal footprints: 4 x (16 + 8) bytes, 2 x (32 + 16)
+GROUP = {"q4": 4, "q6": 2, "q8": 2}  # rows per register buffer: 4 x 6 words, 2 x 9, 2 x 12
 RESIDENT_WARPS_PER_SM = 16  # the kernels' registers are capped at 128 per thread (launch bounds) to fit them
 F32_ROWS_PER_BLOCK = 4
 LOW_NIBBLES = np.uint32(0x0F0F0F0F)
+ONES = np.uint32(0x01010101)  # four int8 ones: dp4a with it sums a word's bytes
 HI_STEPS = np.float32(127)  # |hi| <= 127, and |lo| <= 128 before it is clamped to 127
 
 
@@ -80,11 +94,7 @@ def matvec(w: DeviceMatrix, x, out, stream=0, norm: tuple | None = None) -> None
     step = max(2 * GROUP[w.kind], 2 * GATE_ROWS) if ep.gate else 2 * GROUP[w.kind]
     rows_per_block = _rows_per_block(w.rows, n_warps, step)
     launch = ((blocks(w.rows, rows_per_block), x.shape[0]), n_warps * WARP, stream)
-    if w.kind == "q4":
-        _matvec_q4[launch](w.codes, w.scale, w.bias, w.has_bias, x, xnorm, ep, n_pass, rows_per_block)
-    else:
-        _matvec_q8[launch](w.codes, w.scale, w.bias, w.has_bias, w.block_log2 - 4, x, xnorm, ep, n_pass,
-                           rows_per_block)
+    _KERNELS[w.kind][launch](w.quant, x, xnorm, ep, n_pass, rows_per_block)
 
 
 def fuses_norm(w: DeviceMatrix) -> bool:
@@ -223,43 +233,76 @@ def _store_rows(part, first_row, rows_per_block, rows, ep, t):
             put(ep, t, first_row + i, _row_sum(part, i, n_warps))
 
 
-# ---- q4 -------------------------------------------------------------------------------------------------
+# ---- q4 and q6: each lane owns a run of 32 columns ------------------------------------------------------
 
 
 @cuda.jit(device=True, inline=True)
-def _q4_dot(code, i, xq):
-    """sum(code * x) / u for in-flight row i: word k holds elements 4k.. (low nibbles) and 16 + 4k.. (high)."""
+def _q4_load(w, r, run, buf, i):
+    """Row r's words of the run into buf[i]: 4 code words, the scale word, the sub word."""
+    buf[i, 0], buf[i, 1], buf[i, 2], buf[i, 3] = load_u32x4(w.codes, r, 4 * run)
+    buf[i, 4], buf[i, 5] = block_words(w, r, run)
+
+
+@cuda.jit(device=True, inline=True)
+def _q4_row(w, buf, i, xq, xs):
+    """Row i's partial: word k holds elements 4k.. (low nibbles) and 16 + 4k.. (high), one 32-block."""
     hi = np.int32(0)
     lo = np.int32(0)
     for k in range(4):
-        low = code[i, k] & LOW_NIBBLES
-        high = (code[i, k] >> np.uint32(4)) & LOW_NIBBLES
+        low = buf[i, k] & LOW_NIBBLES
+        high = (buf[i, k] >> np.uint32(4)) & LOW_NIBBLES
         hi = dot4_u8s8(low, xq[k], hi)
         hi = dot4_u8s8(high, xq[4 + k], hi)
         lo = dot4_u8s8(low, xq[8 + k], lo)
         lo = dot4_u8s8(high, xq[12 + k], lo)
-    return np.float32(np.int32(hi * 256 + lo))
+    u, xsum0, xsum1, _, _ = xs
+    s, t = scale_bias(w, buf[i, 4], buf[i, 5])
+    acc = s * (u * np.float32(np.int32(hi * 256 + lo)))
+    return acc + t * (xsum0 + xsum1) if w.has_bias else acc
 
 
 @cuda.jit(device=True, inline=True)
-def _q4_load(words, scale, bias, has_bias, first, b, code, sb):
-    """Issue the loads of rows first.. first + 3, block b, into code / sb (zeros where b is past the row)."""
-    for i in range(4):
-        r = min(first + i, words.shape[0] - 1)  # rows past the end load a real row, stored nowhere
-        if b < scale.shape[1]:
-            code[i, 0], code[i, 1], code[i, 2], code[i, 3] = load_u32x4(words, r, 4 * b)
-            sb[i, 0] = load_f32(scale, r, b)
-            sb[i, 1] = load_f32(bias, r, b) if has_bias else np.float32(0)
-        else:
-            sb[i, 0], sb[i, 1] = np.float32(0), np.float32(0)
-            for k in range(4):
-                code[i, k] = np.uint32(0)
+def _q6_load(w, r, run, buf, i):
+    """Row r's words of the run into buf[i]: 4 low words, 2 high words, the scale word, the sub words of
+    columns 0..15 and 16..31 (one block of 32, or two of 16)."""
+    buf[i, 0], buf[i, 1], buf[i, 2], buf[i, 3] = load_u32x4(w.codes, r, 4 * run)
+    buf[i, 4] = w.high[r, 2 * run]
+    buf[i, 5] = w.high[r, 2 * run + 1]
+    buf[i, 6], buf[i, 7] = block_words(w, r, (32 * run) >> w.block_log2)
+    buf[i, 8] = block_words(w, r, (32 * run + 16) >> w.block_log2)[1]
 
 
 @cuda.jit(device=True, inline=True)
-def _q4_rows(part, i0, code, sb, xq, u, xsum):
-    for i in range(4):
-        _add_row(part, i0 + i, sb[i, 0] * (u * _q4_dot(code, i, xq)) + sb[i, 1] * xsum)
+def _q6_half(buf, i, h, xq):
+    """sum((code + 32) * x) / u over columns 16h..16h+15 of row i."""
+    hi = np.int32(0)
+    lo = np.int32(0)
+    for k in range(4):
+        code = q6_word(buf[i, k], buf[i, 4 + h], 4 * h + k)
+        hi = dot4_u8s8(code, xq[4 * h + k], hi)
+        lo = dot4_u8s8(code, xq[8 + 4 * h + k], lo)
+    return hi * 256 + lo
+
+
+@cuda.jit(device=True, inline=True)
+def _q6_row(w, buf, i, xq, xs):
+    u, xsum0, xsum1, offset0, offset1 = xs
+    s0, t0 = scale_bias(w, buf[i, 6], buf[i, 7])
+    s1, t1 = scale_bias(w, buf[i, 6], buf[i, 8])
+    acc = s0 * (u * np.float32(_q6_half(buf, i, 0, xq) - offset0))
+    acc += s1 * (u * np.float32(_q6_half(buf, i, 1, xq) - offset1))
+    return acc + t0 * xsum0 + t1 * xsum1 if w.has_bias else acc
+
+
+@cuda.jit(device=True, inline=True)
+def _offset_sum(xq, h):
+    """Q6_OFFSET * sum(x) / u over columns 16h..16h+15 in x's int8 parts: what q6 codes, stored + 32, add."""
+    hi = np.int32(0)
+    lo = np.int32(0)
+    for k in range(4):
+        hi = dot4_s8s8(ONES, xq[4 * h + k], hi)
+        lo = dot4_s8s8(ONES, xq[8 + 4 * h + k], lo)
+    return Q6_OFFSET * (hi * 256 + lo)
 
 
 def _bounded(kernel):
@@ -267,35 +310,59 @@ def _bounded(kernel):
     return jit_bounded(kernel, MAX_WARPS * WARP, RESIDENT_WARPS_PER_SM // MAX_WARPS)
 
 
-@_bounded
-def _matvec_q4(words, scale, bias, has_bias, x, xnorm, ep, n_pass, rows_per_block):
-    part = cuda.shared.array(PARTIALS, np.float32)
-    sums = cuda.shared.array(MAX_WARPS, np.float32)
-    xv = cuda.local.array(32, np.float32)
-    xq = cuda.local.array(16, np.uint32)
-    code_a = cuda.local.array((4, 4), np.uint32)  # two buffers of GROUP["q4"] rows
-    sb_a = cuda.local.array((4, 2), np.float32)
-    code_b = cuda.local.array((4, 4), np.uint32)
-    sb_b = cuda.local.array((4, 2), np.float32)
-    t = cuda.blockIdx.y
-    first_row = cuda.blockIdx.x * rows_per_block
-    n_warps = cuda.blockDim.x // WARP
-    _clear_partials(part)
-    for p in range(n_pass):
-        b = (p * n_warps + cuda.threadIdx.x // WARP) * WARP + cuda.threadIdx.x % WARP  # this lane's block
-        _q4_load(words, scale, bias, has_bias, first_row, b, code_a, sb_a)  # in flight while x is read
-        _load_x16(x, t, 32 * b, xv, 0)
-        _load_x16(x, t, 32 * b + 16, xv, 16)
-        _normalize(xv, 32 * b, 32 * b + 16, xnorm, sums)
-        xsum = _sum16(xv, 0) + _sum16(xv, 16)
-        u = _quantize_x(xv, xq)
-        for i0 in range(0, rows_per_block, 8):
-            _q4_load(words, scale, bias, has_bias, first_row + i0 + 4, b, code_b, sb_b)
-            _q4_rows(part, i0, code_a, sb_a, xq, u, xsum)
-            if i0 + 8 < rows_per_block:
-                _q4_load(words, scale, bias, has_bias, first_row + i0 + 8, b, code_a, sb_a)
-            _q4_rows(part, i0 + 4, code_b, sb_b, xq, u, xsum)
-    _store_rows(part, first_row, rows_per_block, words.shape[0], ep, t)
+def _make_run_matvec(kind: str, load, row, words: int):
+    """The kernel for `kind`: `load(w, r, run, buf, i)` issues row r's `words` words of a lane's run into
+    buf[i], `row(w, buf, i, xq, xs)` is that row's partial dot product, xs = (u, sums of x over columns 0..15
+    and 16..31, `_offset_sum` of both)."""
+    group = GROUP[kind]
+
+    @cuda.jit(device=True, inline=True)
+    def load_group(w, first, run, buf):
+        """Rows first.. first + group - 1 into buf (zeros where the run is past the row's end)."""
+        for i in range(group):
+            r = min(first + i, w.codes.shape[0] - 1)  # rows past the end load a real row, stored nowhere
+            if run < w.codes.shape[1] >> 2:
+                load(w, r, run, buf, i)
+            else:
+                for k in range(words):
+                    buf[i, k] = np.uint32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def add_group(w, part, i0, buf, xq, xs):
+        for i in range(group):
+            _add_row(part, i0 + i, row(w, buf, i, xq, xs))
+
+    def kernel(w, x, xnorm, ep, n_pass, rows_per_block):
+        part = cuda.shared.array(PARTIALS, np.float32)
+        sums = cuda.shared.array(MAX_WARPS, np.float32)
+        xv = cuda.local.array(32, np.float32)
+        xq = cuda.local.array(16, np.uint32)
+        buf_a = cuda.local.array((group, words), np.uint32)  # two register buffers of `group` rows
+        buf_b = cuda.local.array((group, words), np.uint32)
+        t = cuda.blockIdx.y
+        first_row = cuda.blockIdx.x * rows_per_block
+        n_warps = cuda.blockDim.x // WARP
+        _clear_partials(part)
+        for p in range(n_pass):
+            run = (p * n_warps + cuda.threadIdx.x // WARP) * WARP + cuda.threadIdx.x % WARP  # this lane's run
+            load_group(w, first_row, run, buf_a)  # in flight while x is read
+            _load_x16(x, t, 32 * run, xv, 0)
+            _load_x16(x, t, 32 * run + 16, xv, 16)
+            _normalize(xv, 32 * run, 32 * run + 16, xnorm, sums)
+            xsum0 = _sum16(xv, 0)
+            xsum1 = _sum16(xv, 16)
+            u = _quantize_x(xv, xq)
+            xs = (u, xsum0, xsum1, _offset_sum(xq, 0), _offset_sum(xq, 1))  # (q4 leaves the offsets unused)
+            for i0 in range(0, rows_per_block, 2 * group):
+                load_group(w, first_row + i0 + group, run, buf_b)
+                add_group(w, part, i0, buf_a, xq, xs)
+                if i0 + 2 * group < rows_per_block:
+                    load_group(w, first_row + i0 + 2 * group, run, buf_a)
+                add_group(w, part, i0 + group, buf_b, xq, xs)
+        _store_rows(part, first_row, rows_per_block, w.codes.shape[0], ep, t)
+
+    kernel.__name__ = kernel.__qualname__ = f"_matvec_{kind}"
+    return _bounded(kernel)
 
 
 # ---- q8 -------------------------------------------------------------------------------------------------
@@ -313,42 +380,43 @@ def _q8_dot(code, i, h, xq):
 
 
 @cuda.jit(device=True, inline=True)
-def _q8_load(words, scale, bias, has_bias, chunk_to_block_log2, first, c0, code, sb):
-    """Issue the loads of rows first and first + 1, chunks c0 and c0 + 32, into code / sb."""
+def _q8_load(w, first, c0, code, sw):
+    """Issue the loads of rows first and first + 1, chunks c0 and c0 + 32, into code / sw (raw words)."""
     for i in range(2):
-        r = min(first + i, words.shape[0] - 1)  # rows past the end load a real row, stored nowhere
+        r = min(first + i, w.codes.shape[0] - 1)  # rows past the end load a real row, stored nowhere
         for h in range(2):
             c = c0 + h * WARP
-            if c < words.shape[1] >> 2:
-                blk = c >> chunk_to_block_log2
-                w0, w1, w2, w3 = load_u32x4(words, r, 4 * c)
+            if c < w.codes.shape[1] >> 2:
+                w0, w1, w2, w3 = load_u32x4(w.codes, r, 4 * c)
                 code[i, 4 * h], code[i, 4 * h + 1], code[i, 4 * h + 2], code[i, 4 * h + 3] = w0, w1, w2, w3
-                sb[i, 2 * h] = load_f32(scale, r, blk)
-                sb[i, 2 * h + 1] = load_f32(bias, r, blk) if has_bias else np.float32(0)
+                sw[i, 2 * h], sw[i, 2 * h + 1] = block_words(w, r, (16 * c) >> w.block_log2)
             else:
-                sb[i, 2 * h], sb[i, 2 * h + 1] = np.float32(0), np.float32(0)
+                sw[i, 2 * h], sw[i, 2 * h + 1] = np.uint32(0), np.uint32(0)
                 for k in range(4):
                     code[i, 4 * h + k] = np.uint32(0)
 
 
 @cuda.jit(device=True, inline=True)
-def _q8_rows(part, i0, code, sb, xq, u, xsum0, xsum1):
+def _q8_rows(w, part, i0, code, sw, xq, u, xsum0, xsum1):
     for i in range(2):
-        acc = sb[i, 0] * (u * _q8_dot(code, i, 0, xq)) + sb[i, 1] * xsum0
-        acc += sb[i, 2] * (u * _q8_dot(code, i, 1, xq)) + sb[i, 3] * xsum1
+        s0, t0 = scale_bias(w, sw[i, 0], sw[i, 1])
+        s1, t1 = scale_bias(w, sw[i, 2], sw[i, 3])
+        acc = s0 * (u * _q8_dot(code, i, 0, xq)) + s1 * (u * _q8_dot(code, i, 1, xq))
+        if w.has_bias:
+            acc += t0 * xsum0 + t1 * xsum1
         _add_row(part, i0 + i, acc)
 
 
 @_bounded
-def _matvec_q8(words, scale, bias, has_bias, chunk_to_block_log2, x, xnorm, ep, n_pass, rows_per_block):
+def _matvec_q8(w, x, xnorm, ep, n_pass, rows_per_block):
     part = cuda.shared.array(PARTIALS, np.float32)
     sums = cuda.shared.array(MAX_WARPS, np.float32)
     xv = cuda.local.array(32, np.float32)
     xq = cuda.local.array(16, np.uint32)
     code_a = cuda.local.array((2, 8), np.uint32)  # two buffers of GROUP["q8"] rows, two 16-byte chunks each
-    sb_a = cuda.local.array((2, 4), np.float32)  # scale, bias of chunk 0, then of chunk 1
+    sw_a = cuda.local.array((2, 4), np.uint32)  # scale and sub words of chunk 0, then of chunk 1
     code_b = cuda.local.array((2, 8), np.uint32)
-    sb_b = cuda.local.array((2, 4), np.float32)
+    sw_b = cuda.local.array((2, 4), np.uint32)
     t = cuda.blockIdx.y
     first_row = cuda.blockIdx.x * rows_per_block
     n_warps = cuda.blockDim.x // WARP
@@ -356,7 +424,7 @@ def _matvec_q8(words, scale, bias, has_bias, chunk_to_block_log2, x, xnorm, ep, 
     for p in range(n_pass):
         # lane l owns the 16-column chunks l and l + 32 of its warp's segment
         c0 = (p * n_warps + cuda.threadIdx.x // WARP) * 2 * WARP + cuda.threadIdx.x % WARP
-        _q8_load(words, scale, bias, has_bias, chunk_to_block_log2, first_row, c0, code_a, sb_a)  # while x is read
+        _q8_load(w, first_row, c0, code_a, sw_a)  # in flight while x is read
         _load_x16(x, t, 16 * c0, xv, 0)
         _load_x16(x, t, 16 * (c0 + WARP), xv, 16)
         _normalize(xv, 16 * c0, 16 * (c0 + WARP), xnorm, sums)
@@ -364,12 +432,12 @@ def _matvec_q8(words, scale, bias, has_bias, chunk_to_block_log2, x, xnorm, ep, 
         xsum1 = _sum16(xv, 16)
         u = _quantize_x(xv, xq)
         for i0 in range(0, rows_per_block, 4):
-            _q8_load(words, scale, bias, has_bias, chunk_to_block_log2, first_row + i0 + 2, c0, code_b, sb_b)
-            _q8_rows(part, i0, code_a, sb_a, xq, u, xsum0, xsum1)
+            _q8_load(w, first_row + i0 + 2, c0, code_b, sw_b)
+            _q8_rows(w, part, i0, code_a, sw_a, xq, u, xsum0, xsum1)
             if i0 + 4 < rows_per_block:
-                _q8_load(words, scale, bias, has_bias, chunk_to_block_log2, first_row + i0 + 4, c0, code_a, sb_a)
-            _q8_rows(part, i0 + 2, code_b, sb_b, xq, u, xsum0, xsum1)
-    _store_rows(part, first_row, rows_per_block, words.shape[0], ep, t)
+                _q8_load(w, first_row + i0 + 4, c0, code_a, sw_a)
+            _q8_rows(w, part, i0 + 2, code_b, sw_b, xq, u, xsum0, xsum1)
+    _store_rows(part, first_row, rows_per_block, w.codes.shape[0], ep, t)
 
 
 # ---- f32 ------------------------------------------------------------------------------------------------
@@ -387,3 +455,7 @@ def _matvec_f32(w, x, ep):
     acc = warp_sum(acc)
     if lane == 0 and r < w.shape[0]:
         put(ep, t, r, acc)
+
+
+_KERNELS = {"q4": _make_run_matvec("q4", _q4_load, _q4_row, 6), "q6": _make_run_matvec("q6", _q6_load, _q6_row, 9),
+            "q8": _matvec_q8}

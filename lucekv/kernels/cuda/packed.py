@@ -10,46 +10,105 @@ from typing import NamedTuple
 import numpy as np
 
 from lucekv.kernels.cpu.quants import PackedMatrix
-from lucekv.kernels.cuda._numba import cuda
+from lucekv.kernels.cuda._numba import cuda, half2_floats
 from lucekv.kernels.cuda.act import gated
+
+
+class Quant(NamedTuple):
+    """What kernels read of a DeviceMatrix, passed as one tuple argument (see DeviceMatrix)."""
+
+    codes: object
+    high: object
+    scales: object
+    subs: object
+    block_log2: int
+    group_log2: int
+    sub_scaled: bool
+    has_bias: bool
 
 
 @dataclass
 class DeviceMatrix:
-    """A PackedMatrix on the GPU, still quantized.
+    """A PackedMatrix on the GPU, still quantized, its (scale, bias) pairs kept factored (see
+    kernels.cpu.quants): a block's scale is d * sub_scale and its bias -(dmin * sub_min).
 
-    codes: q4 / q8: uint32 [rows, words], the packed bytes as little-endian words (wide loads);
-    f32: float32 [rows, cols]. scale, bias: float32 [rows, cols // block] ([1, 1] placeholders for f32).
-    block_log2: log2 of the elements per (scale, bias) block (0 for f32).
-    has_bias: whether any bias is nonzero; types without one (Q8_0, Q6_K, ...) have all -0.0, and the
-    decode matvec then skips reading them (a sixth of a 16-block q8 matrix's bytes).
+    codes: q4: uint32 [rows, cols // 8], the packed bytes as little-endian words (wide loads); q8 likewise
+    [rows, cols // 4]; q6 (q8 codes that fit in [-32, 31], e.g. Q6_K, Q5_x, Q3_K, Q2_K, stored as 6-bit
+    codes + 32): the low nibbles, laid out as q4's, [rows, cols // 8]; f32: float32 [rows, cols].
+    high: q6: the codes' bits 4-5 as uint32 [rows, cols // 16], 8 bytes per 32 columns: bits 2s..2s+1 of
+    byte j of word w hold element 4 (4w + s) + j of those columns (`q6_word` rebuilds a q8-like word).
+    scales: per group of 2^group_log2 blocks the float16 bits of d (low half) and dmin (high half) as uint32,
+    or of d alone as uint16 when no block has a bias.
+    subs: where sub_scaled, per block the int8 sub_scale (low byte) and sub_min (high byte) as uint16, or
+    sub_scale alone as uint8 without a bias; where every sub-factor is one (Q8_0, Q4_1, ...) it is a
+    stand-in, never read. Unused arrays are stand-ins of the right type.
+    has_bias: whether any bias is nonzero; the products then skip the bias terms entirely.
     half_scale: a power of two that brings the largest |weight| near 2^14, for the matmul's float16 staging."""
 
     kind: str
     rows: int
     cols: int
     block_log2: int
+    group_log2: int
     codes: object
-    scale: object
-    bias: object
+    high: object
+    scales: object
+    subs: object
+    sub_scaled: bool
     has_bias: bool
     half_scale: float = 1.0
 
+    @property
+    def quant(self) -> Quant:
+        return Quant(self.codes, self.high, self.scales, self.subs, self.block_log2, self.group_log2,
+                     self.sub_scaled, self.has_bias)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a product streams: codes, high bits and the factors it reads."""
+        read = (self.codes, self.high if self.kind == "q6" else None, self.scales if self.kind != "f32" else None,
+                self.subs if self.sub_scaled else None)
+        return sum(a.nbytes for a in read if a is not None)
+
 
 HALF_TOP = 2.0**14  # where half_scale puts a matrix's largest |weight|: float16 holds up to 65504
+Q6_OFFSET = 32  # q6 codes are q8 codes + 32, in 0..63
 
 
 def upload(m: PackedMatrix, stream=0) -> DeviceMatrix:
     """Copy `m` to the GPU once."""
+    def put(a):
+        return cuda.to_device(np.ascontiguousarray(a), stream=stream)
+
+    stand_in = np.zeros((1, 1), np.uint8)
     if m.kind == "f32":
-        codes = np.ascontiguousarray(m.codes, np.float32)
-        scale = bias = np.zeros((1, 1), np.float32)
-    else:
-        codes = np.ascontiguousarray(m.codes).view(np.uint32)
-        scale, bias = np.ascontiguousarray(m.scale), np.ascontiguousarray(m.bias)
-    return DeviceMatrix(m.kind, m.rows, m.cols, max(m.block.bit_length() - 1, 0),
-                        cuda.to_device(codes, stream=stream), cuda.to_device(scale, stream=stream),
-                        cuda.to_device(bias, stream=stream), bool(np.any(bias != 0)), half_scale(m))
+        return DeviceMatrix("f32", m.rows, m.cols, 0, 0, put(np.asarray(m.codes, np.float32)),
+                            *(put(stand_in) for _ in range(3)), False, False)
+    has_bias = bool(np.any(m.bias != 0))
+    d = m.d.view(np.uint16)
+    scales = d.astype(np.uint32) | m.dmin.view(np.uint16).astype(np.uint32) << 16 if has_bias else d
+    sub_scaled = bool(np.any(m.sub_scale != 1) or has_bias and np.any(m.sub_min != 1))
+    sub_scale = m.sub_scale.view(np.uint8)
+    subs = sub_scale.astype(np.uint16) | m.sub_min.view(np.uint8).astype(np.uint16) << 8 if has_bias else sub_scale
+    kind, codes, high = _device_codes(m)
+    return DeviceMatrix(kind, m.rows, m.cols, m.block.bit_length() - 1, m.group.bit_length() - 1, put(codes),
+                        put(high), put(scales), put(subs if sub_scaled else stand_in), sub_scaled, has_bias,
+                        half_scale(m))
+
+
+def _device_codes(m: PackedMatrix) -> tuple[str, np.ndarray, np.ndarray]:
+    """(kind, codes, high) as DeviceMatrix holds them."""
+    stand_in = np.zeros((1, 1), np.uint32)
+    codes = np.ascontiguousarray(m.codes)
+    if m.kind == "q4" or m.cols % 32 or codes.min(initial=0) < -Q6_OFFSET or codes.max(initial=0) >= Q6_OFFSET:
+        return m.kind, codes.view(np.uint32), stand_in
+    u = (codes + np.int8(Q6_OFFSET)).view(np.uint8).reshape(m.rows, -1, 32)  # 6-bit codes, 32 columns a run
+    low = (u[:, :, :16] & 15) | (u[:, :, 16:] & 15) << 4  # q4's layout
+    fields = (u >> 4).reshape(m.rows, -1, 2, 4, 4)  # [row, run, word w, slot s, byte j]: element 4(4w+s)+j
+    high = np.zeros(fields.shape[:3] + (4,), np.uint8)
+    for slot in range(4):
+        high |= fields[:, :, :, slot, :] << (2 * slot)
+    return "q6", low.reshape(m.rows, -1).view(np.uint32), high.reshape(m.rows, -1).view(np.uint32)
 
 
 def half_scale(m: PackedMatrix) -> float:
@@ -62,34 +121,85 @@ def half_scale(m: PackedMatrix) -> float:
     return float(2.0 ** np.clip(np.floor(np.log2(HALF_TOP / top)), -100, 100)) if top > 0 else 1.0
 
 
-# Element decoders, one signature for every kind: (codes, scale, bias, block_log2, row, col) -> float32.
+# ---- (scale, bias) of a block, element decoders -------------------------------------------------------
 
 
 @cuda.jit(device=True, inline=True)
-def q4_at(words, scale, bias, block_log2, r, k):
-    # canonical q4: per 32-block 16 bytes; byte j holds element j (low nibble) and j + 16 (high)
-    b = k >> 5
-    j = k & 31
-    byte = b * 16 + (j & 15)
-    shift = np.uint32(8 * (byte & 3) + 4 * (j >> 4))
-    code = (words[r, byte >> 2] >> shift) & np.uint32(15)
-    return scale[r, b] * np.float32(code) + bias[r, b]
+def signed_byte(v):
+    """The low byte of v as an int8 value."""
+    return np.int32(v & np.uint32(0xFF)) - np.int32((v & np.uint32(0x80)) << np.uint32(1))
 
 
 @cuda.jit(device=True, inline=True)
-def q8_at(words, scale, bias, block_log2, r, k):
-    byte = np.int32((words[r, k >> 2] >> np.uint32(8 * (k & 3))) & np.uint32(0xFF))
-    b = k >> block_log2
-    return scale[r, b] * np.float32(byte - ((byte & 0x80) << 1)) + bias[r, b]
+def block_words(w, r, b):
+    """The raw (scale word, sub word) of row r's block b: loads kept apart from the math, so that kernels can
+    issue them early and decode them (`scale_bias`) when they are needed."""
+    sub = np.uint32(w.subs[r, b]) if w.sub_scaled else np.uint32(0)
+    return np.uint32(w.scales[r, b >> w.group_log2]), sub
 
 
 @cuda.jit(device=True, inline=True)
-def f32_at(w, scale, bias, block_log2, r, k):
-    return w[r, k]
+def scale_bias(w, scale_word, sub_word):
+    """(scale, bias) of a block from its words: float32 d * sub_scale and -(dmin * sub_min), exactly as the
+    CPU's PackedMatrix.scale and .bias."""
+    d, dmin = half2_floats(scale_word)
+    if w.sub_scaled:
+        d *= np.float32(signed_byte(sub_word))
+        dmin *= np.float32(signed_byte(sub_word >> np.uint32(8)))
+    return d, -dmin
+
+
+@cuda.jit(device=True, inline=True)
+def block_scale_bias(w, r, b):
+    scale_word, sub_word = block_words(w, r, b)
+    return scale_bias(w, scale_word, sub_word)
+
+
+@cuda.jit(device=True, inline=True)
+def q6_word(low, high, g):
+    """The 6-bit codes of elements 4g..4g+3 of a 32-column run (one byte each, low first) from its low word
+    g % 4 and high word g // 4 (see DeviceMatrix)."""
+    nibbles = (low >> np.uint32(4 * (g >> 2))) & np.uint32(0x0F0F0F0F)
+    return nibbles | ((high >> np.uint32(2 * (g & 3))) & np.uint32(0x03030303)) << np.uint32(4)
+
+
+# Element decoders, one signature for every kind: (Quant, row, col) -> float32.
+
+
+@cuda.jit(device=True, inline=True)
+def _nibble(words, r, k):
+    """Element k of a row in q4's layout: per 32-run 16 bytes, byte j holds element j (low) and j + 16."""
+    byte = (k >> 5) * 16 + (k & 15)
+    return (words[r, byte >> 2] >> np.uint32(8 * (byte & 3) + 4 * ((k >> 4) & 1))) & np.uint32(15)
+
+
+@cuda.jit(device=True, inline=True)
+def q4_at(w, r, k):
+    s, t = block_scale_bias(w, r, k >> 5)
+    return s * np.float32(_nibble(w.codes, r, k)) + t
+
+
+@cuda.jit(device=True, inline=True)
+def q6_at(w, r, k):
+    g = (k & 31) >> 2
+    high = (w.high[r, 2 * (k >> 5) + (g >> 2)] >> np.uint32(8 * (k & 3) + 2 * (g & 3))) & np.uint32(3)
+    s, t = block_scale_bias(w, r, k >> w.block_log2)
+    return s * np.float32(np.int32(_nibble(w.codes, r, k) | high << np.uint32(4)) - Q6_OFFSET) + t
+
+
+@cuda.jit(device=True, inline=True)
+def q8_at(w, r, k):
+    s, t = block_scale_bias(w, r, k >> w.block_log2)
+    return s * np.float32(signed_byte(w.codes[r, k >> 2] >> np.uint32(8 * (k & 3)))) + t
+
+
+@cuda.jit(device=True, inline=True)
+def f32_at(w, r, k):
+    return w.codes[r, k]
 
 
 def element_decoder(kind: str):
-    return {"q4": q4_at, "q8": q8_at, "f32": f32_at}[kind]
+    return {"q4": q4_at, "q6": q6_at, "q8": q8_at, "f32": f32_at}[kind]
 
 
 # ---- where a product's rows go ----------------------------------------------------------------------------
