@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from lucekv.backends.ahead import RunAhead
 from lucekv.backends.slots import SlotMap
 from lucekv.kernels.cpu.attention import attend_batch, attend_decode
 from lucekv.kernels.cpu.matvec import matmul, matvec
@@ -131,7 +132,7 @@ class CpuOps:
         return x[idx]
 
 
-class CpuBackend:
+class CpuBackend(RunAhead):
     name = "cpu"
     prefill_chunk = 256  # tokens per prefill forward: bounds the attention score matrix
 
@@ -139,6 +140,7 @@ class CpuBackend:
         # numba's threads already use every core. BLAS threads spinning beside them starve both (measured
         # on 2 cores: prefill 16 tok/s with 2 BLAS threads, 250 with 1), so BLAS runs single-threaded.
         threadpool_limits(limits=1, user_api="blas")
+        super().__init__()
         self.spec = spec
         self.pool = KVPool(spec, pool_size or spec.n_ctx, kv_dtype)
         self.ops = CpuOps(spec, self.pool)

@@ -1,26 +1,30 @@
 """CUDA backend: weights uploaded once and kept quantized, the KV slot pool on the GPU, numba.cuda kernels.
 
 Activations are device arrays [n_tokens, width] float32; only the step's tokens / positions / slots go
-up and the logits come down. Everything runs on one stream. On a GPU the one-token decode step is
-captured once as a CUDA graph (`DecodeGraph`) and replayed: numba pays 24-53 us per kernel launch, a
-replayed graph about 0.5 us (shared/GPU.md). A decode step reads its inputs from fixed one-token device
-buffers and attends over the slots below the pool's high-water mark, read on the device, with a grid that
-does not depend on it, so the eager and the replayed step run the same kernels on the same addresses.
+up, and the logits come down (a greedy step enqueued ahead: only its token id, the argmax taken in the graph).
+Everything runs on one stream (products of one input side by side on a second stream were measured slower:
+8B-shape step 3.80 vs 3.73 ms). On a GPU the one-token decode step is captured once as a CUDA graph
+(`DecodeGraph`) and replayed: numba pays 24-53 us per kernel launch, a replayed graph about 0.5 us
+(shared/GPU.md). A decode step reads its inputs from fixed one-token device buffers and attends over the
+slots below the pool's high-water mark, read on the device, with a grid that does not depend on it, so the
+eager and the replayed step run the same kernels on the same addresses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
+from lucekv.backends.ahead import RunAhead
 from lucekv.backends.cpu import KV_DTYPES
 from lucekv.backends.slots import SlotMap
 from lucekv.errors import UnsupportedModelError
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, interleave_rows, pack_tensor, stack_rows
-from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, norm, rope
-from lucekv.kernels.cuda._numba import device_zeros
+from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, norm, rope, sample
+from lucekv.kernels.cuda._numba import device_zeros, ordering_event
 from lucekv.kernels.cuda.embed import embed
 from lucekv.kernels.cuda.matmul import matmul
 from lucekv.kernels.cuda.matvec import fuses_norm, matvec
@@ -46,7 +50,8 @@ class CudaKVPool(SlotMap):
         self.d_slot_pos = cuda.to_device(self.slot_pos, stream=stream)
         self._mirrored = self.slot_pos.copy()  # what d_slot_pos holds
         self.d_high_water = cuda.to_device(np.zeros(1, np.int32), stream=stream)
-        self._high_water_host = cuda.pinned_array(1, np.int32)
+        self._high_water_host = cuda.pinned_array(2, np.int32)  # two turns: one step may run ahead (see assign)
+        self._turn = 0
         # post-RoPE query of each layer's latest token, written by CudaOps.attention (KVFlash scorers read it)
         self.last_q = cuda.to_device(np.zeros((spec.n_layer, spec.n_head * spec.head_dim), np.float32),
                                      stream=stream)
@@ -60,8 +65,11 @@ class CudaKVPool(SlotMap):
         """The host map as KVPool keeps it; CudaOps.begin_step writes these slots on the device. Any other edit
         of the host map since the last upload (a pager's truncate frees blocks and moves no bytes) uploads it."""
         super().assign(slots, positions)
-        self._high_water_host[0] = self.high_water
-        copy_to_device_async(self.d_high_water, self._high_water_host, self._stream)
+        # the pinned source of a copy still queued behind a running step is the other turn's
+        self._turn ^= 1
+        source = self._high_water_host[self._turn : self._turn + 1]
+        source[0] = self.high_water
+        copy_to_device_async(self.d_high_water, source, self._stream)
         self._mirrored[slots] = positions
         if not np.array_equal(self._mirrored, self.slot_pos):
             self.upload_slot_pos()
@@ -135,7 +143,10 @@ class CudaOps:
         bases = {spec.layer_rope_base(i) for i in range(spec.n_layer)}
         self._inv_freq = {b: cuda.to_device(rope.inv_freq(b, spec.rope_dim), stream=stream) for b in bases}
         # one-token steps: token, position, slot in one fixed device buffer, filled by one copy from pinned memory
-        self._one_host = cuda.pinned_array(3, np.int32)
+        # (two turns of it: a step may be queued while the one before it runs); a decode graph's argmax writes the
+        # token, so that a step enqueued ahead takes its input from the step before it
+        self._one_host = cuda.pinned_array((2, 3), np.int32)
+        self._one_turn = 0
         self._one_dev = cuda.to_device(np.zeros(3, np.int32), stream=stream)
         self._one = {name: self._one_dev[i:i + 1] for i, name in enumerate(("tokens", "positions", "slots"))}
         self.tokens = self.positions = self.slots = None
@@ -154,8 +165,7 @@ class CudaOps:
         self._use_pool("embed")
         inputs = {"tokens": tokens, "positions": positions, "slots": slots}
         if len(tokens) == 1:
-            self._one_host[:] = [int(np.asarray(v).reshape(-1)[0]) for v in inputs.values()]
-            copy_to_device_async(self._one_dev, self._one_host, s)
+            self.upload_one(*(int(np.asarray(v).reshape(-1)[0]) for v in inputs.values()))
             for name in inputs:
                 setattr(self, name, self._one[name])
         else:
@@ -163,6 +173,19 @@ class CudaOps:
                 setattr(self, name, cuda.to_device(np.ascontiguousarray(host, np.int32), stream=s))
         if mark:
             self.mark_slots()
+
+    def upload_one(self, token: int | None, position: int, slot: int) -> None:
+        """A one-token step's inputs into the fixed buffers; token None keeps the device's (a graph's argmax)."""
+        self._one_turn ^= 1
+        host = self._one_host[self._one_turn]
+        host[:] = (token or 0, position, slot)
+        first = 0 if token is not None else 1
+        copy_to_device_async(self._one_dev[first:], host[first:], self.stream)
+
+    @property
+    def next_token_buffer(self):
+        """The device int32 [1] a one-token step reads its token from."""
+        return self._one_dev[0:1]
 
     def mark_slots(self) -> None:
         """The step's slots hold its positions in the device slot map."""
@@ -306,7 +329,7 @@ def _interleavable(g: PackedMatrix, u: PackedMatrix) -> bool:
     return g.kind != "f32" and (g.layout, g.rows) == (u.layout, u.rows) and g.rows % GATE_ROWS == 0
 
 
-class CudaBackend:
+class CudaBackend(RunAhead):
     name = "cuda"
     prefill_chunk = 512  # tokens per prefill forward: each reads every weight once (no score matrix here)
 
@@ -315,8 +338,10 @@ class CudaBackend:
         """use_graph: replay decode steps from a CUDA graph; default: on a GPU (the simulator has none)."""
         if why := attention.unsupported(spec.n_head, spec.n_kv_head, spec.head_dim):
             raise UnsupportedModelError(f"the CUDA backend cannot run {spec.name}: {why}")
+        super().__init__()
         self.spec = spec
         self.stream = cuda.stream()
+        self._chained = False  # the device's step token is the argmax of the latest step (a graph replay's)
         self.pool = CudaKVPool(spec, pool_size or spec.n_ctx, kv_dtype, self.stream)
         self.ops = CudaOps(spec, self.pool, self.stream)
         self.weights: Weights = load_weights(g, spec, self.ops)
@@ -326,6 +351,7 @@ class CudaBackend:
                 all_logits: bool = False) -> np.ndarray:
         """Logits [1 or n, vocab] float32 on the host for `tokens` at `positions`, K/V written to `slots`."""
         tokens = np.asarray(tokens)
+        self._chained = False
         self.pool.assign(slots, positions)
         replay = len(tokens) == 1 and self.graph is not None and self.graph.ready
         self.ops.begin_step(tokens, positions, slots, mark=not replay)
@@ -340,6 +366,23 @@ class CudaBackend:
         out = logits.copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return out
+
+    def decode_ahead(self, position: int, slot: int, token: int | None = None) -> None:
+        """RunAhead's step as a graph replay left running: inputs copied in, the replay and the copy out of its
+        argmax queued on the stream, nothing waited for. Without a captured graph, the plain synchronous step."""
+        if token is None and not self._chained:  # the latest step ran eagerly: its token is on the host
+            token = self._ahead_last
+        if self.graph is None or not self.graph.ready:
+            super().decode_ahead(position, slot, token)
+            return
+        self.pool.assign(np.array([slot], np.int32), np.array([position], np.int32))
+        self.ops.upload_one(token, position, slot)
+        self._ahead.append(self.graph.launch_ahead())
+        self._chained = True
+
+    def next_token(self) -> int:
+        entry = self._ahead.popleft()
+        return entry if isinstance(entry, int) else self.graph.token(entry)
 
     # ---- KVFlash: the pager decides, the backend moves bytes (lucekv.kvflash.sequence.PoolBackend) ----
 
@@ -368,8 +411,16 @@ class CudaBackend:
         return q.reshape(self.spec.n_layer, self.spec.n_head, self.spec.head_dim)
 
 
+class TokenReadback(NamedTuple):
+    """A run-ahead step's token, on its way to the host: the pinned slot and event of `DecodeGraph.launch_ahead`."""
+
+    turn: int
+
+
 class DecodeGraph:
     """The one-token forward captured once as a CUDA graph on the backend's stream, replayed per step.
+    The graph ends with the argmax of the logits written to the step's token buffer: a replay left running
+    (`launch_ahead`) feeds the next one without the host.
 
     Capture records the launches without running them. Every array the step allocates is kept for the
     graph's lifetime (its kernels hold their addresses), and deallocation is deferred during capture.
@@ -381,6 +432,13 @@ class DecodeGraph:
         self._host_logits: np.ndarray | None = None
         self._exec = None
         self._keep: list = []
+        self._tokens_host = cuda.pinned_array(2, np.int32)  # two turns, as the step inputs (CudaOps.upload_one)
+        self._token_ready = [ordering_event() for _ in range(2)]
+        self._turn = 0
+        self._argmax_scratch = sample.argmax_scratch(1, stream=backend.stream)
+        # compiled now: a capture only records launches (the forward's kernels compile in the eager step before it)
+        sample.argmax(cuda.device_array((1, 4), np.float32), 4, cuda.device_array(1, np.int32), self._argmax_scratch,
+                      stream=backend.stream)
 
     @property
     def ready(self) -> bool:
@@ -399,6 +457,8 @@ class DecodeGraph:
                 try:
                     b.ops.mark_slots()
                     self.logits = forward(b.spec, b.weights, b.ops, tokens, positions, slots)
+                    sample.argmax(self.logits, b.spec.vocab_size, b.ops.next_token_buffer, self._argmax_scratch,
+                                  stream=b.stream)
                 finally:
                     graph = _check(driver.cuStreamEndCapture(handle))
                 self._exec = _check(driver.cuGraphInstantiate(graph, 0))
@@ -412,6 +472,24 @@ class DecodeGraph:
         from cuda.bindings import driver
 
         _check(driver.cuGraphLaunch(self._exec, driver.CUstream(int(self.backend.stream.handle))))
+
+    def launch_ahead(self) -> TokenReadback:
+        """Enqueue the captured step and the copy of its argmax to the host; wait for it with `token`. At most one
+        launch may be left untaken when the next is made (two turns of pinned slots and events)."""
+        from cuda.bindings import driver
+
+        b = self.backend
+        self.launch()
+        self._turn ^= 1
+        t = self._turn
+        _check(driver.cuMemcpyDtoHAsync(self._tokens_host[t:].ctypes.data, _device_pointer(b.ops.next_token_buffer), 4,
+                                        driver.CUstream(int(b.stream.handle))))
+        self._token_ready[t].record(b.stream)
+        return TokenReadback(t)
+
+    def token(self, r: TokenReadback) -> int:
+        self._token_ready[r.turn].synchronize()
+        return int(self._tokens_host[r.turn])
 
     def replay(self) -> np.ndarray:
         """Run the captured step; its logits on the host, through pinned memory (a pageable copy of a 150K-token

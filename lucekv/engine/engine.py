@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -78,6 +79,8 @@ class Engine:
         self.max_sessions, self.session_host_bytes, self.store = max_sessions, session_host_bytes, snapshot_store
         self.sessions = SessionTable()
         self._anonymous = self._live = self._new_session("")
+        self._in_flight: deque[int | None] = deque()  # input tokens of enqueued greedy steps (None: chained)
+        self._last_greedy = 0  # the token of the latest settled greedy step
         for key in snapshot_store.keys() if snapshot_store is not None else ():
             self.sessions.put(Session(key, stored_bytes=snapshot_store.size(key)))
         self.info = EngineInfo(self.spec.name, self.spec.arch.name, g.fingerprint, self.n_ctx,
@@ -144,13 +147,19 @@ class Engine:
             chunk = np.asarray(ids[done : done + n], np.int32)
             pos = np.arange(start + done, start + done + n, dtype=np.int32)
             done += n
-            # Without a pager the pool holds the whole context: slot = position.
-            slots = pos if self.paged is None else self.paged.alloc(int(pos[0]), len(chunk))
+            slots = self._slots(int(pos[0]), len(chunk))
             out.append(self.backend.forward(chunk, pos, slots, all_logits))
             self._live.tokens.extend(int(t) for t in chunk)
             if self.paged is not None:
                 self.paged.after_forward(decoded=len(chunk) if decoding else 0)
         return out
+
+    def _slots(self, start: int, n: int) -> np.ndarray:
+        """Pool slots for positions start .. start + n - 1: the positions themselves when the pool holds the whole
+        context, else the pager's (which may move chunks first)."""
+        if self.paged is None:
+            return np.arange(start, start + n, dtype=np.int32)
+        return self.paged.alloc(start, n)
 
     def _batch(self, start: int, n: int) -> int:
         """Tokens of the next forward from position `start`, at most n: the backend's batch, and with a bounded pool
@@ -201,6 +210,7 @@ class Engine:
         try:
             yield from self._generate(ids, params, t0)
         finally:
+            self._drain()  # a cancelled stream may leave a step in flight
             session.last_used_unix = time.time()
             self._enforce_host_limit()
 
@@ -212,9 +222,11 @@ class Engine:
         end_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eog_ids))
         t_first = 0.0
         n_out = 0
+        device_greedy = sampler.plain_greedy and not params.logprobs  # the sample is the argmax: the device's
+        next_tok = None
         while True:
             banned = sorted(end_ids) if n_out < params.min_tokens else None
-            tok = sampler.sample(logits, banned)
+            tok = sampler.sample(logits, banned) if next_tok is None else next_tok
             sampler.observe(tok)
             n_out += 1
             if n_out == 1:
@@ -232,6 +244,7 @@ class Engine:
                     finish = "length"
                     text += stops.feed(detok.flush())[0] + stops.flush()
             if finish:
+                self._drain()  # before the last delta: a caller may never resume this generator
                 elapsed = time.perf_counter() - t_first
                 usage = Usage(len(ids), cached, n_out, t_first - t0, (n_out - 1) / elapsed if elapsed > 0 else 0.0)
                 if self.paged is not None:
@@ -242,7 +255,39 @@ class Engine:
                 return
             yield GenerationDelta([tok], text, logprobs)
             pos = len(ids) + n_out - 1
-            logits = self._forward([tok], pos, decoding=True)[0][-1]
+            if device_greedy and n_out >= params.min_tokens:
+                next_tok = self._decode_greedy(tok, pos, more=n_out + 1 < params.max_tokens)
+            else:
+                logits = self._forward([tok], pos, decoding=True)[0][-1]
+
+    def _decode_greedy(self, tok: int, pos: int, more: bool) -> int:
+        """The greedy token after `tok` at `pos`, argmax taken by the backend. Run-ahead: with `more` (a token after
+        the next is wanted) and nothing for the pager to do, the step after this one is enqueued before this one's
+        token is read, its input the device's argmax: the device runs while the host handles the token."""
+        if not self._in_flight:  # else the previous call enqueued this step
+            self._enqueue_greedy(tok, pos)
+        if more and (self.paged is None or self.paged.quiet_step(pos)):
+            self._enqueue_greedy(None, pos + 1)
+        return self._settle_greedy()
+
+    def _enqueue_greedy(self, tok: int | None, pos: int) -> None:
+        self.backend.decode_ahead(pos, int(self._slots(pos, 1)[0]), tok)
+        self._in_flight.append(tok)
+
+    def _settle_greedy(self) -> int:
+        """Wait for the oldest enqueued greedy step: its token joins the sequence, the pager counts it."""
+        out = self.backend.next_token()
+        tok = self._in_flight.popleft()
+        self._live.tokens.append(self._last_greedy if tok is None else tok)
+        if self.paged is not None:
+            self.paged.after_forward(decoded=1)
+        self._last_greedy = out
+        return out
+
+    def _drain(self) -> None:
+        """Settle every enqueued step (its K/V is written: the sequence keeps it)."""
+        while self._in_flight:
+            self._settle_greedy()
 
     def _logprob(self, logits: np.ndarray, tok: int, top: int) -> TokenLogprob:
         lp = log_softmax(logits)

@@ -86,10 +86,16 @@ class Sampler:
         self.seen[token] = True
         self.counts[token] += 1
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits: the sample is their argmax (the device can take it)."""
+        p = self.p
+        return p.greedy and p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty)
+
     def sample(self, logits: np.ndarray, banned: list[int] | None = None) -> int:
         p = self.p
         x = logits[: self.vocab_size]
-        if p.greedy and p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty or banned):
+        if self.plain_greedy and not banned:
             return int(np.argmax(x))  # nothing to change: no copy (a decode step's cost, at 150K-token vocabularies)
         x = x.astype(np.float32, copy=True)
         if p.repetition_penalty != 1.0:

@@ -240,6 +240,11 @@ class Policy:
         only those reach the scorer's window by then, so the others need not leave the GPU."""
         return self._decoded_since + n_tokens > self.tau_eff(history) - self.scorer.window
 
+    def quiet(self, history: int) -> bool:
+        """Whether `after_decode` of the next token only counts it: no query wanted, no reselect due (and still so
+        after more history, as tau_eff only grows)."""
+        return not self.wants_query(history) and self._decoded_since + 1 < self.tau_eff(history)
+
     def after_decode(self, pager: Pager, n_tokens: int = 1) -> list[Move]:
         """Count `n_tokens` newly decoded tokens; reselect when due. Returns the moves to run now."""
         self._decoded_since += n_tokens

@@ -54,6 +54,12 @@ class PagedSequence:
                 self.policy.scorer.observe(self.backend.last_queries())
             self._run(self.policy.after_decode(self.pager, decoded))
 
+    def quiet_step(self, position: int) -> bool:
+        """Whether `after_forward` of the decode step at `position` (allocated) will only count it, and allocating
+        position + 1 neither seals a chunk nor needs a block: then the step at position + 1 may be allocated and
+        run before that `after_forward` with the same result (the engine's run-ahead decode)."""
+        return position % self.pager.chunk < self.pager.chunk - 2 and self.policy.quiet(self.pager.n_tokens)
+
     def recall_for_last_query(self) -> bool:
         """After a prompt: rank chunks against its last token's query and recall the best. True if anything moved
         (the caller then recomputes that token so its logits see the recalled chunks)."""

@@ -1,5 +1,7 @@
 """The generation loop on tiny synthetic models: finish reasons, stops, seeds, and bad requests."""
 
+from unittest import mock
+
 import pytest
 
 import lucekv
@@ -149,3 +151,30 @@ def test_a_cancelled_generation_leaves_a_consistent_cache(engine):
 
 def engine_path(engine):
     return engine.path
+
+
+def test_run_ahead_greedy_decode_equals_the_step_by_step_loop(engine, monkeypatch):
+    prompt = engine.tokenizer.encode("run ahead of the host")
+    spy = mock.Mock(wraps=engine.backend.decode_ahead)
+    monkeypatch.setattr(engine.backend, "decode_ahead", spy)
+    ahead = run(engine, prompt, temperature=0.0, max_tokens=16, ignore_eos=True)
+    chained = [c.args[2] is None for c in spy.call_args_list]
+    assert sum(chained) >= 10  # most steps took their input from the step before, not from the host
+    fresh = lucekv.load(engine_path(engine), backend="cpu")
+    stepwise = run(fresh, prompt, temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=True)  # needs logits
+    assert tokens(ahead) == tokens(stepwise)
+
+
+def test_a_step_run_ahead_past_a_stop_stays_in_the_cache(engine):
+    prompt = engine.tokenizer.encode("stop me somewhere")
+    expected = tokens(run(engine, prompt, temperature=0.0, max_tokens=12, ignore_eos=True))
+    stop = expected[6]
+    out = tokens(run(engine, prompt, temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop]))
+    assert out == expected[: expected.index(stop) + 1]
+    # the step fed the stop token was already running: its K/V is kept, and the next turn reuses it
+    follow_up = prompt + out + engine.tokenizer.encode(" and go on")
+    reused = run(engine, follow_up, temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert reused[-1].usage.cached_tokens == len(prompt) + len(out)
+    fresh = run(lucekv.load(engine_path(engine), backend="cpu"), follow_up, temperature=0.0, max_tokens=6,
+                ignore_eos=True)
+    assert tokens(reused) == tokens(fresh)

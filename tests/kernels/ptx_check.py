@@ -64,9 +64,9 @@ CHECKS = {
     "attend_f16_128": (attention._split_kernel(2, 64), ATTEND),
     "attend_f32_128": (attention._split_kernel(1, 128), ATTEND),
     "attend_f32_160": (attention._split_kernel(1, 160), ATTEND),
-    "combine": (attention._combine, (*PART, F2)),
+    "combine": (attention._combine, (PART[0], PART[1], F2, F2)),
     "set_slot_pos": (attention._set_slot_pos, (I1, I1, I1)),
-    "argmax": (sample._argmax, (F2, I1)),
+    "argmax": (sample._argmax, (F2, I64, F2, types.int32[:, ::1], I1, I1)),
 }
 QUANTS = {"q4": Q4_K, "q6": Q6_K, "q8": Q8_0}
 for (kind, block), kernel in matmul._KERNELS.items():

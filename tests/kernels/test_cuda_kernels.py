@@ -333,8 +333,9 @@ def test_attention(kv_dtype, window):
 
 @needs_kernels
 def test_attention_wide_rows():
-    # float32 rows of 160 values: K and V of a tile do not fit the buffer together, V is staged after K
-    check_attention(40, 2, 1, 160, np.array([30], np.int32), 0, np.float32)
+    # float32 rows of 160 values: K and V of a tile do not fit the buffer together, V is staged after K; 200
+    # slots: 4 chunks, more than the simulator's combine warps, whose lanes hold 16 bytes of a row or none
+    check_attention(200, 2, 1, 160, np.array([190], np.int32), 0, np.float32)
 
 
 def test_attention_splits_and_supported_heads():
@@ -349,15 +350,21 @@ def test_attention_splits_and_supported_heads():
 
 
 @needs_kernels
-def test_argmax():
-    from lucekv.kernels.cuda.sample import argmax
+@pytest.mark.parametrize("cols, n", [(400, 400), (403, 403), (300, 297)])
+def test_argmax(cols, n):
+    from lucekv.kernels.cuda.sample import argmax, argmax_scratch
 
     rng = np.random.default_rng(7)
-    logits = rng.standard_normal((3, 1000)).astype(np.float32)
-    logits[1, [17, 900]] = 50.0  # a tie: the first index wins, as in numpy
-    out = cuda.device_array(3, np.int32)
-    argmax(cuda.to_device(logits), out)
-    assert out.copy_to_host().tolist() == np.argmax(logits, axis=1).tolist()
+    logits = rng.standard_normal((4, cols)).astype(np.float32)
+    logits[1, [17, n - 1]] = 50.0  # a tie: the first index wins, as in numpy
+    logits[2, [n - 2, n - 1]] = 60.0  # a tie in the columns past the whole runs of 4
+    logits[3, n:] = 99.0  # past n: not looked at
+    out = cuda.device_array(4, np.int32)
+    scratch = argmax_scratch(4)
+    for _ in range(2):  # the blocks' counters reset themselves for the next launch
+        argmax(cuda.to_device(logits), n, out, scratch)
+        assert out.copy_to_host().tolist() == np.argmax(logits[:, :n], axis=1).tolist()
+        logits[0] = logits[0, ::-1]
 
 
 # ---- real shapes, GPU only ------------------------------------------------------------------------------

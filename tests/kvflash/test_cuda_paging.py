@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import namedtuple
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -324,3 +325,20 @@ def test_paging_round_trip_and_cost_at_qwen3_8b_kv_shape(tmp_path, capsys):
     with capsys.disabled():
         print(f"\nchunk {mb:.1f} MB: page-out {(t1 - t0) / n * 1e6:.0f} us ({mb * n / (t1 - t0) / 1e3:.1f} GB/s), "
               f"page-in {(t2 - t1) / n * 1e6:.0f} us ({mb * n / (t2 - t1) / 1e3:.1f} GB/s)")
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("pool", [None, 512], ids=["whole", "paged"])
+def test_run_ahead_decode_through_the_graph_equals_the_step_by_step_loop(model, pool, monkeypatch):
+    ids = prompt(900, seed=6)
+    runs = []
+    for logprobs in (False, True):  # logprobs need the logits on the host: one synchronous step at a time
+        engine = lucekv.load(model, backend="cuda", kv_dtype="f32", kv_pool=pool, kv_policy="quest", kv_tau=8)
+        graph = engine.backend.graph
+        launches = mock.Mock(wraps=graph.launch_ahead)
+        monkeypatch.setattr(graph, "launch_ahead", launches)
+        params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True, logprobs=logprobs)
+        runs.append([d.token_ids[0] for d in engine.generate(ids, params)])
+        assert (launches.call_count > 100) != logprobs
+    assert runs[0] == runs[1]

@@ -142,3 +142,18 @@ def test_a_pin_the_pool_cannot_hold_is_refused(model, pin, message):
     with pytest.raises(InvalidRequestError, match=message):
         list(engine.generate(prompt(2048), SamplingParams(max_tokens=1), "s", pin_prefix=pin))
     assert engine.paged.pager.pins == []
+
+
+def test_run_ahead_decode_with_reselects_equals_the_step_by_step_loop(model):
+    ids = prompt(1200, seed=5)
+    runs = []
+    for logprobs in (False, True):  # logprobs need host logits: one step at a time
+        engine = lucekv.load(model, backend="cpu", kv_pool=512, kv_policy="quest", kv_tau=8)
+        n = 2 * engine.paged.policy.tau_eff(len(ids) + 80) + 70  # reselects and chunk boundaries during decode
+        tokens, _ = greedy(engine, ids, n=n, logprobs=logprobs)
+        usage = engine.paged.usage()
+        runs.append((tokens, usage.page_ins, usage.page_outs, engine.paged.pager.scores.copy()))
+    (ahead, *ahead_rest), (stepwise, *stepwise_rest) = runs
+    assert ahead == stepwise
+    assert ahead_rest[:2] == stepwise_rest[:2] and ahead_rest[0] > 0
+    np.testing.assert_array_equal(ahead_rest[2], stepwise_rest[2])

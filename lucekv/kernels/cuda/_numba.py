@@ -403,3 +403,8 @@ def device_zeros(shape: tuple[int, ...], dtype, stream=0):
     a = cuda.device_array(shape, dtype, stream=stream)
     device_memset(a, 0, a.nbytes, stream=stream)
     return a
+
+
+def ordering_event():
+    """An event for stream order only (no timing: cheaper to record). The simulator's events take no options."""
+    return cuda.event() if SIMULATOR else cuda.event(timing=False)

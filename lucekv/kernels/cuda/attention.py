@@ -33,6 +33,7 @@ import numpy as np
 from lucekv.kernels.cuda._numba import (
     ALIGN_16,
     NEG_INF,
+    SIMULATOR,
     WARP,
     bits_f32,
     blocks,
@@ -40,6 +41,7 @@ from lucekv.kernels.cuda._numba import (
     half2_floats,
     load1,
     load4,
+    load_f32x4,
     load_u32x4,
     store4,
     warp_broadcast,
@@ -62,6 +64,10 @@ MAX_ROW_WORDS = MAX_HEAD_DIM  # a float32 row of MAX_HEAD_DIM
 TILE_WORDS = TILE * (MAX_ROW_WORDS + 4)  # 32.5 KiB: K and V of one tile when rows are <= half of the widest
 QUADS_IN_FLIGHT = 4  # 16-byte loads per thread and array issued before any is stored
 THREADS = 128
+# chunks summed side by side: at 4K slots 64 chunks, 8 loads in flight per lane (the simulator pays per thread)
+COMBINE_WARPS = 2 if SIMULATOR else 8
+COMBINE_QUADS = MAX_HEAD_DIM // (4 * WARP)  # 16-byte pieces of a row per lane
+COMBINE_LANE_DIMS = 4 * COMBINE_QUADS
 
 
 def rope_and_store(q, k, v, positions, slots, rope: tuple, k_pool, v_pool, q_out, last_q, stream=0) -> None:
@@ -93,7 +99,8 @@ def attend(q, k_pool, v_pool, slot_pos, n_slots, positions, window: int, scale: 
                                                             window, np.float32(scale), part_m, part_l, part_acc,
                                                             out)
     if part_m.shape[2] > 1:
-        _combine[(q.shape[1] // head_dim, n), blocks(head_dim, WARP) * WARP, stream](part_m, part_l, part_acc, out)
+        _combine[(q.shape[1] // head_dim, n), COMBINE_WARPS * WARP, stream](part_m, part_l,
+                                                                            part_acc.reshape(-1, head_dim), out)
 
 
 def unsupported(n_head: int, n_kv_head: int, head_dim: int) -> str | None:
@@ -304,17 +311,20 @@ def _split_kernel(dims_per_word: int, row_words: int):
 
 
 @cuda.jit
-def _combine(part_m, part_l, part_acc, out):
-    # One block per (head, query), one thread per dimension. Lane c of every warp weighs chunks c, c + 32, ...
-    # (warp 0 keeps the weights; all warps run the warp reductions, as the simulator needs); the sum over
-    # chunks stops after the last one with something visible (chunks past the used slots are empty).
+def _combine(part_m, part_l, part_rows, out):
+    # One block per (head, query). Every warp weighs the chunks (lane c: chunks c, c + 32, ...; warp 0 keeps the
+    # weights, all run the warp reductions, as the simulator needs); the sum over chunks stops after the last one
+    # with something visible (chunks past the used slots are empty). Then warp w sums chunks w, w + COMBINE_WARPS,
+    # ..., 16 bytes of the row per lane, independent loads in flight together, and the warps' sums are added
+    # through shared memory. part_rows: part_acc as rows [(query, head, chunk), head_dim].
     h = cuda.blockIdx.x
     t = cuda.blockIdx.y
-    d = cuda.threadIdx.x
-    lane = d & (WARP - 1)
+    lane = cuda.threadIdx.x & (WARP - 1)
+    warp = cuda.threadIdx.x // WARP
     n_splits = part_m.shape[2]
-    head_dim = part_acc.shape[3]
+    head_dim = part_rows.shape[1]
     weight = cuda.shared.array(MAX_SPLITS, np.float32)
+    sums = cuda.shared.array((COMBINE_WARPS, MAX_HEAD_DIM), np.float32)
     m = NEG_INF
     for c in range(lane, n_splits, WARP):
         m = max(m, part_m[t, h, c])
@@ -327,15 +337,35 @@ def _combine(part_m, part_l, part_acc, out):
         total += part_l[t, h, c] * w
         if w > np.float32(0):
             last = np.float32(c)
-        if d < WARP:
+        if warp == 0:
             weight[c] = w
     total = warp_sum(total)
     n_used = np.int32(warp_max(last)) + 1
     cuda.syncthreads()
-    if d < head_dim:
+    acc = cuda.local.array(COMBINE_LANE_DIMS, np.float32)  # dims 4 (lane + WARP k) .. + 3 of this warp's chunks
+    for j in range(COMBINE_LANE_DIMS):
+        acc[j] = np.float32(0)
+    row0 = (t * part_m.shape[1] + h) * n_splits
+    for c in range(warp, n_used, COMBINE_WARPS):
+        w = weight[c]
+        for k in range(COMBINE_QUADS):
+            d = 4 * (lane + WARP * k)
+            if d < head_dim:
+                a0, a1, a2, a3 = load_f32x4(part_rows, row0 + c, d)
+                acc[4 * k] += a0 * w
+                acc[4 * k + 1] += a1 * w
+                acc[4 * k + 2] += a2 * w
+                acc[4 * k + 3] += a3 * w
+    for k in range(COMBINE_QUADS):
+        d = 4 * (lane + WARP * k)
+        if d < head_dim:
+            for u in range(4):
+                sums[warp, d + u] = acc[4 * k + u]
+    cuda.syncthreads()
+    for d in range(cuda.threadIdx.x, head_dim, cuda.blockDim.x):
         a = np.float32(0)
-        for c in range(n_used):
-            a += part_acc[t, h, c, d] * weight[c]
+        for w in range(COMBINE_WARPS):
+            a += sums[w, d]
         out[t, h * head_dim + d] = a / total if total > np.float32(0) else np.float32(0)  # nothing visible: 0
 
 
