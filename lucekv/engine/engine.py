@@ -276,8 +276,8 @@ class Engine:
 
     def _settle_greedy(self) -> int:
         """Wait for the oldest enqueued greedy step: its token joins the sequence, the pager counts it."""
+        tok = self._in_flight.popleft()  # first: a backend error leaves nothing for the drain to wait on again
         out = self.backend.next_token()
-        tok = self._in_flight.popleft()
         self._live.tokens.append(self._last_greedy if tok is None else tok)
         if self.paged is not None:
             self.paged.after_forward(decoded=1)
