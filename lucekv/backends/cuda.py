@@ -56,6 +56,7 @@ class CudaKVPool(SlotMap):
         self.last_q = cuda.to_device(np.zeros((spec.n_layer, spec.n_head * spec.head_dim), np.float32),
                                      stream=stream)
         self._staging: tuple | None = None  # (device, pinned host) buffers of one block, made on first use
+        self._key_staging: tuple | None = None  # the same for one block's keys as float32
 
     def truncate(self, n: int) -> None:
         super().truncate(n)
@@ -79,14 +80,26 @@ class CudaKVPool(SlotMap):
         self.d_slot_pos.copy_to_device(self.slot_pos, stream=self._stream)
         self._mirrored[:] = self.slot_pos
 
-    def read_block(self, block: int, keys_only: bool = False) -> np.ndarray:
+    def read_block(self, block: int) -> np.ndarray:
         """Block's rows of every layer in pinned host memory, [2 (K, V), n_layer, CHUNK_TOKENS, n_kv_head,
-        head_dim] (only [0] is filled if keys_only): a buffer the next read or write reuses. One gather
-        launch and one device-to-host copy."""
+        head_dim]: a buffer the next read or write reuses. One gather launch and one device-to-host copy."""
         device, host = self._staging_buffers()
         kv_copy.gather_rows(self.kv, block * CHUNK_TOKENS, device, stream=self._stream)
-        halves = 1 if keys_only else 2
-        device[:halves].copy_to_host(host[:halves], stream=self._stream)
+        device.copy_to_host(host, stream=self._stream)
+        self._stream.synchronize()
+        return host
+
+    def read_keys(self, block: int) -> np.ndarray:
+        """Block's keys of every layer as float32 [n_layer, CHUNK_TOKENS, n_kv_head, head_dim] in pinned host
+        memory, converted on the device: a buffer the next read_keys reuses."""
+        if self._key_staging is None:
+            n_layer, _, _, n_kv_head, head_dim = self.kv.shape
+            shape = (n_layer, CHUNK_TOKENS, n_kv_head, head_dim)
+            self._key_staging = (cuda.device_array(shape, np.float32, stream=self._stream),
+                                 cuda.pinned_array(shape, np.float32))
+        device, host = self._key_staging
+        kv_copy.gather_keys_f32(self.kv, block * CHUNK_TOKENS, device, stream=self._stream)
+        device.copy_to_host(host, stream=self._stream)
         self._stream.synchronize()
         return host
 
@@ -403,7 +416,8 @@ class CudaBackend(RunAhead):
             self.pool.upload_slot_pos()
 
     def chunk_keys(self, block: int) -> np.ndarray:
-        return self.pool.read_block(block, keys_only=True)[0].astype(np.float32)
+        """The block's keys as float32 [n_layer, CHUNK_TOKENS, n_kv_head, head_dim]: a buffer the next call reuses."""
+        return self.pool.read_keys(block)
 
     def last_queries(self) -> np.ndarray:
         q = self.pool.last_q.copy_to_host(stream=self.stream)

@@ -22,6 +22,11 @@ Compatibility shims live here and nowhere else:
   too is called in block-uniform control flow). `pack_half2` (two float32 to one word of float16),
   `sub_f16x2` and `fma_f16x2` (halfwise float16 a - b, a * b + c) build the operand words; `warp_shfl_xor` is lane
   `lane ^ lane_mask`'s value (a reduction over a few neighbouring lanes).
+- Asynchronous copies (sm_80+): `copy_async16` puts 16 bytes of a global matrix into shared memory without
+  passing through registers (`cp.async.cg`), `copy_async_commit` closes a group of them, `copy_async_wait_all`
+  / `copy_async_wait_one` wait until none / at most the latest group is still in flight; a barrier after the
+  wait makes every thread's copies visible to the block. So a kernel copies its next tile while it computes on
+  this one. In the simulator the copy is immediate and the commit and waits do nothing.
 - `jit_bounded`: cuda.jit with launch bounds, which the simulator does not accept.
 """
 
@@ -76,6 +81,18 @@ if SIMULATOR:
 
     def load1(a, i):
         return a[i]
+
+    def copy_async16(tile, i, words, r, c):
+        tile[i], tile[i + 1], tile[i + 2], tile[i + 3] = words[r, c], words[r, c + 1], words[r, c + 2], words[r, c + 3]
+
+    def copy_async_commit():
+        pass
+
+    def copy_async_wait_all():
+        pass
+
+    def copy_async_wait_one():
+        pass
 
     def _bytes(word, signed):
         return [((int(word) >> (8 * j)) & 0xFF) - (256 if signed and (int(word) >> (8 * j)) & 0x80 else 0)
@@ -302,6 +319,47 @@ else:
             return builder.load(_item_pointer(context, builder, sig, args))
 
         return a.dtype(a, i), codegen
+
+    @intrinsic
+    def copy_async16(typingctx, tile, i, words, r, c):
+        """Start copying words[r, c:c+4] (a C-contiguous uint32 matrix in global memory, c a multiple of 4, rows
+        16-byte aligned) to tile[i:i+4] (a 16-byte aligned shared array, i a multiple of 4)."""
+        def codegen(context, builder, sig, args):
+            dst = _item_pointer(context, builder, sig, args)  # reads the first two arguments
+            words_type = sig.args[2]
+            array = context.make_array(words_type)(context, builder, value=args[2])
+            index = [context.cast(builder, v, t, types.intp) for v, t in zip(args[3:], sig.args[3:], strict=True)]
+            src = cgutils.get_item_pointer(context, builder, words_type, array, index)
+            ptx = ("{ .reg .u64 a; .reg .u32 s; cvta.to.shared.u64 a, $0; cvt.u32.u64 s, a; "
+                   "cp.async.cg.shared.global [s], [$1], 16; }")
+            fn = ir.FunctionType(ir.VoidType(), [dst.type, src.type])
+            builder.call(ir.InlineAsm(fn, ptx, "l,l,~{memory}", side_effect=True), [dst, src])
+            return context.get_dummy_value()
+
+        return types.none(tile, i, words, r, c), codegen
+
+    def _async_copy_control(ptx: str):
+        def codegen(context, builder, sig, args):
+            # a memory clobber: the compiler may move no shared-memory access across it
+            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), ptx, "~{memory}", side_effect=True), [])
+            return context.get_dummy_value()
+
+        return types.none(), codegen
+
+    @intrinsic
+    def copy_async_commit(typingctx):
+        """Close the group of this thread's copies started since the last commit."""
+        return _async_copy_control("cp.async.commit_group;")
+
+    @intrinsic
+    def copy_async_wait_all(typingctx):
+        """Wait until every copy this thread started has landed."""
+        return _async_copy_control("cp.async.wait_all;")
+
+    @intrinsic
+    def copy_async_wait_one(typingctx):
+        """Wait until at most this thread's latest committed group is still in flight."""
+        return _async_copy_control("cp.async.wait_group 1;")
 
     @intrinsic
     def load_f32(typingctx, a, r, c):

@@ -12,15 +12,16 @@ writes a partial (max, sum, weighted values); a combine kernel merges the partia
 prefill's many queries fill the GPU without a split) the block writes the output itself, and tiles with no
 slot visible to the query (a prefill's later positions, under the causal mask) are skipped whole. The grid is the same
 at every step, its work follows the high-water mark, not the pool's size.
-Per tile the block copies the K and V rows into shared memory as raw 32-bit words, 16-byte loads issued
-together into registers before any is stored (one memory latency per tile, not one per slot; rows wider
-than half the buffer, float32 with head_dim > 128, take K then V), and every warp of the group reads them
-there. Scores: lane i computes slot i's whole dot product, reading its K row 16 bytes at a time (rows
-staged 4 words longer, so the lanes' reads fall in different banks) against the warp's query in shared
-memory (one address for all lanes: a broadcast); no cross-lane sums. Values: each slot's weight is broadcast and lane l
-accumulates the dimensions of words l, l + 32, ... (consecutive lanes, consecutive banks). The same
-kernels serve prefill (queries = tokens); a flash-style prefill that shares K/V tiles between queries
-is the next step.
+Per tile the block copies the K and V rows into shared memory as raw 32-bit words with asynchronous 16-byte
+copies (rows wider than half the buffer, head_dim > 128 in float32, take K then V), and every warp of the group
+reads them there. Where two tile buffers fit (rows up to 64 words: float16 up to head_dim 128) the next tile's
+copies are started before this tile is scored, and the slot positions are read two tiles ahead, so a block of a
+few tiles waits for memory about once, not three times per tile. Scores: lane i computes slot i's whole dot
+product, reading its K row 16 bytes at a time (rows staged 4 words longer, so the lanes' reads fall in different
+banks) against the warp's query in shared memory (one address for all lanes: a broadcast); no cross-lane sums.
+Values: each slot's weight is broadcast and lane l accumulates the dimensions of words l, l + 32, ...
+(consecutive lanes, consecutive banks). The same kernels serve prefill (queries = tokens); a flash-style prefill
+that shares K/V tiles between queries is the next step.
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ from lucekv.kernels.cuda._numba import (
     WARP,
     bits_f32,
     blocks,
+    copy_async16,
+    copy_async_commit,
+    copy_async_wait_all,
+    copy_async_wait_one,
     cuda,
     half2_floats,
     load1,
     load4,
     load_f32x4,
-    load_u32x4,
-    store4,
     warp_broadcast,
     warp_max,
     warp_sum,
@@ -62,7 +65,7 @@ MAX_ROW_WORDS = MAX_HEAD_DIM  # a float32 row of MAX_HEAD_DIM
 # K rows are staged 4 words longer than they are (lane i reads row i, 16 bytes at a time: a quarter-warp's
 # reads fall in different banks); V rows are read along the row and need no padding
 TILE_WORDS = TILE * (MAX_ROW_WORDS + 4)  # 32.5 KiB: K and V of one tile when rows are <= half of the widest
-QUADS_IN_FLIGHT = 4  # 16-byte loads per thread and array issued before any is stored
+SHARED_BYTES = 48 * 1024  # static shared memory a block may have
 THREADS = 128
 # chunks summed side by side: at 4K slots 64 chunks, 8 loads in flight per lane (the simulator pays per thread)
 COMBINE_WARPS = 2 if SIMULATOR else 8
@@ -163,40 +166,39 @@ def _split_kernel(dims_per_word: int, row_words: int):
     k_stride = row_words + 4  # padded K rows: 16-byte aligned, and lane i's reads of row i hit other banks
     both = TILE * (k_stride + row_words) <= TILE_WORDS  # K and V of a tile fit the buffer together
     v_at = TILE * k_stride if both else 0
-    # shared memory sized to these rows, not the widest: it bounds the blocks an SM holds (at float16 x 128, 20.5
-    # KiB, 11 of them, where 40.5 KiB held 5)
+    # shared memory sized to these rows, not the widest: it bounds the blocks an SM holds
     tile_words = TILE * k_stride + (TILE * row_words if both else 0)
     query_words = MAX_GROUP * head_dim
+    # two tile buffers where they fit: the next tile's copies run while this one is scored (float16 x 128: 37 KiB)
+    stages = 2 if 4 * (2 * tile_words + query_words) <= SHARED_BYTES else 1
+    buffer_words = stages * tile_words
     words_per_lane = (row_words + WARP - 1) // WARP
     lane_dims = words_per_lane * dims_per_word
     quads = row_words // 4
 
     @cuda.jit(device=True, inline=True)
-    def load_tiles(first, second, with_second, base, n_in, n_kv, kvh, tile, first_stride, second_at):
-        # rows base .. base + n_in - 1 of KV head kvh of `first` into tile[i * first_stride + c] and, if
-        # `with_second`, of `second` into tile[second_at + i * row_words + c]; 16 bytes per load, a round's loads
-        # issued before any is stored
-        staged = cuda.local.array((2, QUADS_IN_FLIGHT, 4), np.uint32)
-        for e0 in range(0, n_in * quads, QUADS_IN_FLIGHT * cuda.blockDim.x):
-            for j in range(QUADS_IN_FLIGHT):
-                e = e0 + j * cuda.blockDim.x + cuda.threadIdx.x
-                if e < n_in * quads:
-                    i = e // quads
-                    r = (base + i) * n_kv + kvh
-                    c = 4 * (e - i * quads)
-                    staged[0, j, 0], staged[0, j, 1], staged[0, j, 2], staged[0, j, 3] = load_u32x4(first, r, c)
-                    if with_second:
-                        staged[1, j, 0], staged[1, j, 1], staged[1, j, 2], staged[1, j, 3] = load_u32x4(second, r, c)
-            for j in range(QUADS_IN_FLIGHT):
-                e = e0 + j * cuda.blockDim.x + cuda.threadIdx.x
-                if e < n_in * quads:
-                    i = e // quads
-                    c = 4 * (e - i * quads)
-                    store4(tile, i * first_stride + c, staged[0, j, 0], staged[0, j, 1], staged[0, j, 2],
-                           staged[0, j, 3])
-                    if with_second:
-                        store4(tile, second_at + i * row_words + c, staged[1, j, 0], staged[1, j, 1],
-                               staged[1, j, 2], staged[1, j, 3])
+    def copy_rows(src, base, n_in, n_kv, kvh, tile, at, stride):
+        # start copying rows base .. base + n_in - 1 of KV head kvh of src to tile[at + i * stride + c]
+        for e in range(cuda.threadIdx.x, n_in * quads, cuda.blockDim.x):
+            i = e // quads
+            c = 4 * (e - i * quads)
+            copy_async16(tile, at + i * stride + c, src, (base + i) * n_kv + kvh, c)
+
+    @cuda.jit(device=True, inline=True)
+    def copy_tile(k_words, v_words, base, n_in, n_kv, kvh, tile, at):
+        # one group: the tile's K rows (padded) and, when both fit, its V rows
+        copy_rows(k_words, base, n_in, n_kv, kvh, tile, at, k_stride)
+        if both:
+            copy_rows(v_words, base, n_in, n_kv, kvh, tile, at + v_at, row_words)
+        copy_async_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def slot_position(slot_pos, s, end):
+        return slot_pos[s] if s < end else np.int32(-1)
+
+    @cuda.jit(device=True, inline=True)
+    def seen(sp, pos, window):
+        return sp >= 0 and sp <= pos and (window <= 0 or sp > pos - window)
 
     @cuda.jit(device=True, inline=True)
     def dot_quad(tile, at, qs, q_at):
@@ -230,14 +232,10 @@ def _split_kernel(dims_per_word: int, row_words: int):
         warp = cuda.threadIdx.x // WARP
         n_kv = cuda.gridDim.x
         h = kvh * (cuda.blockDim.x // WARP) + warp
-        tile = cuda.shared.array(tile_words, np.uint32, alignment=ALIGN_16)
+        tile = cuda.shared.array(buffer_words, np.uint32, alignment=ALIGN_16)
         qs = cuda.shared.array(query_words, np.float32, alignment=ALIGN_16)  # each warp's query, scaled
         q_at = warp * head_dim
         acc = cuda.local.array(lane_dims, np.float32)  # dims of words lane, lane + WARP, ...
-        for d in range(lane, head_dim, WARP):
-            qs[q_at + d] = q[t, h * head_dim + d] * scale
-        for j in range(lane_dims):
-            acc[j] = np.float32(0)
         pos = positions[t]
         used = n_slots[0]
         n_splits = cuda.gridDim.y
@@ -245,49 +243,77 @@ def _split_kernel(dims_per_word: int, row_words: int):
         chunk = ((used + n_splits - 1) // n_splits + TILE - 1) // TILE * TILE
         start = split * chunk
         end = min(start + chunk, used)  # chunks past the end loop zero times and report nothing
+        # the first two tiles' slot positions and the query are read together (one memory latency, not three);
+        # visibility: lane i's slot of a tile, the same for every warp of the block (measured on an H200: copying
+        # the first tile before its visibility is known was 4% slower)
+        sp_next = slot_position(slot_pos, start + TILE + lane, end)
+        visible = seen(slot_position(slot_pos, start + lane, end), pos, window)
+        for d in range(lane, head_dim, WARP):
+            qs[q_at + d] = q[t, h * head_dim + d] * scale
+        for j in range(lane_dims):
+            acc[j] = np.float32(0)
+        any_visible = cuda.syncthreads_or(np.int32(visible))  # (and every warp has written its query)
+        if any_visible:  # a tile is copied when part of it is visible, and then scored
+            copy_tile(k_words, v_words, start, min(TILE, end - start), n_kv, kvh, tile, 0)
+        at = 0  # this tile's buffer
         m = NEG_INF
         total = np.float32(0)  # this lane's share of the softmax denominator
         for base in range(start, end, TILE):
             n_in = min(TILE, end - base)
-            visible = False  # lane i's slot base + i, the same for every warp of the block
-            if lane < n_in:
-                sp = slot_pos[base + lane]
-                visible = sp >= 0 and sp <= pos and (window <= 0 or sp > pos - window)
-            # every warp is done with the previous tile (and has written its query); nothing visible: next tile
-            if not cuda.syncthreads_or(np.int32(visible)):
-                continue
-            load_tiles(k_words, v_words, both, base, n_in, n_kv, kvh, tile, k_stride, v_at)
-            cuda.syncthreads()
-            # lane i scores slot base + i against the whole query: no cross-lane sums
-            score = NEG_INF
-            if visible:
-                p0 = np.float32(0)  # two sums: two dependency chains
-                p1 = np.float32(0)
-                row = lane * k_stride
-                for c in range(0, quads, 2):
-                    p0 += dot_quad(tile, row + 4 * c, qs, q_at + 4 * dims_per_word * c)
-                    if c + 1 < quads:
-                        p1 += dot_quad(tile, row + 4 * c + 4, qs, q_at + 4 * dims_per_word * (c + 1))
-                score = p0 + p1
-            m_new = max(m, warp_max(score))
-            e = math.exp(score - m_new) if visible else np.float32(0)
-            corr = math.exp(m - m_new) if m != NEG_INF else np.float32(0)
-            if not both:
-                cuda.syncthreads()  # every warp has read the K tile
-                load_tiles(v_words, k_words, False, base, n_in, n_kv, kvh, tile, row_words, 0)
-                cuda.syncthreads()
-            # with nothing visible yet m, m_new are -inf, corr and e 0: acc and total stay 0
-            total = total * corr + e
-            for j in range(lane_dims):
-                acc[j] *= corr
-            for i in range(TILE):
-                w = warp_broadcast(e, i)
-                if i < n_in:
-                    for k in range(words_per_lane):
-                        word = lane + WARP * k
-                        if word < row_words:
-                            add_word(load1(tile, v_at + i * row_words + word), w, acc, k)
-            m = m_new
+            nxt = base + TILE
+            visible_next = seen(sp_next, pos, window)
+            sp_next = slot_position(slot_pos, nxt + TILE + lane, end)  # two tiles ahead
+            # every warp is done with the previous tile (its buffer is copied into next); nothing visible in the
+            # next tile: it is not copied
+            any_next = cuda.syncthreads_or(np.int32(visible_next))
+            ahead = stages == 2 and any_next != 0
+            if ahead:
+                copy_tile(k_words, v_words, nxt, min(TILE, end - nxt), n_kv, kvh, tile, tile_words - at)
+            if any_visible:
+                if ahead:
+                    copy_async_wait_one()
+                else:
+                    copy_async_wait_all()
+                cuda.syncthreads()  # every thread's copies of this tile have landed
+                # lane i scores slot base + i against the whole query: no cross-lane sums
+                score = NEG_INF
+                if visible:
+                    p0 = np.float32(0)  # two sums: two dependency chains
+                    p1 = np.float32(0)
+                    row = at + lane * k_stride
+                    for c in range(0, quads, 2):
+                        p0 += dot_quad(tile, row + 4 * c, qs, q_at + 4 * dims_per_word * c)
+                        if c + 1 < quads:
+                            p1 += dot_quad(tile, row + 4 * c + 4, qs, q_at + 4 * dims_per_word * (c + 1))
+                    score = p0 + p1
+                m_new = max(m, warp_max(score))
+                e = math.exp(score - m_new) if visible else np.float32(0)
+                corr = math.exp(m - m_new) if m != NEG_INF else np.float32(0)
+                if not both:  # V over the K rows, once every warp has scored them
+                    cuda.syncthreads()
+                    copy_rows(v_words, base, n_in, n_kv, kvh, tile, at, row_words)
+                    copy_async_commit()
+                    copy_async_wait_all()
+                    cuda.syncthreads()
+                # with nothing visible yet m, m_new are -inf, corr and e 0: acc and total stay 0
+                total = total * corr + e
+                for j in range(lane_dims):
+                    acc[j] *= corr
+                for i in range(TILE):
+                    w = warp_broadcast(e, i)
+                    if i < n_in:
+                        for k in range(words_per_lane):
+                            word = lane + WARP * k
+                            if word < row_words:
+                                add_word(load1(tile, at + v_at + i * row_words + word), w, acc, k)
+                m = m_new
+            if stages == 1 and any_next:
+                cuda.syncthreads()  # every warp is done with the one buffer
+                copy_tile(k_words, v_words, nxt, min(TILE, end - nxt), n_kv, kvh, tile, 0)
+            if stages == 2:
+                at = tile_words - at
+            visible = visible_next
+            any_visible = any_next
         total = warp_sum(total)
         if n_splits == 1:  # the whole output: normalized here, no combine
             inv = np.float32(1) / total if total > np.float32(0) else np.float32(0)  # nothing visible: 0

@@ -4,7 +4,9 @@ buffer, so that a page-out or a page-in is one kernel launch and one host copy, 
 Pool: kv [n_layer, 2 (K, V), slots, n_kv_head, head_dim]. Staging: [2 (K, V), n_layer, rows, n_kv_head,
 head_dim], the K of every layer first (a caller that needs only keys copies that half to the host).
 The kernels copy 32-bit words whatever the dtype (a row of f16 is an even number of halves): raw bits, so a
-round trip is bit-exact, NaN payloads included.
+round trip is bit-exact, NaN payloads included. A scorer's read of a block's keys (`gather_keys_f32`) converts
+them to float32 on the device: numpy takes ~4 ms to convert a chunk of an 8B model's float16 keys, time in which
+the GPU would wait.
 """
 
 from __future__ import annotations
@@ -27,6 +29,17 @@ def scatter_rows(staging, kv, first_slot: int, stream=0) -> None:
     """kv[l, w, first_slot : first_slot + rows] = staging[w, l]: the inverse of `gather_rows`."""
     flat_kv, flat_staging = _flat(kv, staging)
     _scatter[_grid(flat_staging), THREADS, stream](flat_staging, flat_kv, first_slot * _row_words(kv))
+
+
+def gather_keys_f32(kv, first_slot: int, out, stream=0) -> None:
+    """out[l] = kv[l, 0, first_slot : first_slot + rows] as float32 for every layer l; out [n_layer, rows,
+    n_kv_head, head_dim]."""
+    n_layer, halves, slots = kv.shape[:3]
+    width = kv.shape[3] * kv.shape[4]
+    flat_out = out.reshape(n_layer, out.shape[1] * width)
+    x = 1 if SIMULATOR else blocks(flat_out.shape[1], THREADS)
+    _gather_keys_f32[(x, n_layer), THREADS, stream](kv.reshape(n_layer, halves, slots * width), first_slot * width,
+                                                     flat_out)
 
 
 def _row_words(kv) -> int:
@@ -60,3 +73,10 @@ def _scatter(staging, kv, offset):
     layer, half = cuda.blockIdx.y, cuda.blockIdx.z
     for i in range(cuda.grid(1), staging.shape[2], cuda.gridDim.x * cuda.blockDim.x):
         kv[layer, half, offset + i] = staging[half, layer, i]
+
+
+@cuda.jit
+def _gather_keys_f32(kv, offset, out):
+    layer = cuda.blockIdx.y
+    for i in range(cuda.grid(1), out.shape[1], cuda.gridDim.x * cuda.blockDim.x):
+        out[layer, i] = np.float32(kv[layer, 0, offset + i])
