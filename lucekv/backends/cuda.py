@@ -113,6 +113,14 @@ class CudaKVPool(SlotMap):
         device.copy_to_device(host, stream=self._stream)
         kv_copy.scatter_rows(device, self.kv, block * CHUNK_TOKENS, stream=self._stream)
 
+    def compile_paging(self) -> None:
+        """Run the paging kernels once, block 0 out and back in (bit-exact) and its keys read: numba compiles a
+        kernel at its first launch (a tenth of a second or so), which would otherwise land in a session's decode."""
+        rows = self.read_block(0)
+        self.read_keys(0)
+        self.write_block(0, zip(rows[0], rows[1], strict=True))
+        self._stream.synchronize()
+
     def _staging_buffers(self) -> tuple:
         if self._staging is None:
             n_layer, _, _, n_kv_head, head_dim = self.kv.shape
@@ -356,6 +364,8 @@ class CudaBackend(RunAhead):
         self.stream = cuda.stream()
         self._chained = False  # the device's step token is the argmax of the latest step (a graph replay's)
         self.pool = CudaKVPool(spec, pool_size or spec.n_ctx, kv_dtype, self.stream)
+        if self.pool.size < spec.n_ctx:  # a pager may page: its kernels compile now, not in a session's decode
+            self.pool.compile_paging()
         self.ops = CudaOps(spec, self.pool, self.stream)
         self.weights: Weights = load_weights(g, spec, self.ops)
         self.graph = DecodeGraph(self) if (not SIMULATOR if use_graph is None else use_graph) else None
