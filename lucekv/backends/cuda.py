@@ -24,7 +24,7 @@ from lucekv.backends.slots import SlotMap
 from lucekv.errors import UnsupportedModelError
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, interleave_rows, pack_tensor, stack_rows
 from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, norm, rope, sample
-from lucekv.kernels.cuda._numba import device_zeros, ordering_event
+from lucekv.kernels.cuda._numba import device_zeros, ordering_event, overlapped_launches
 from lucekv.kernels.cuda.embed import embed
 from lucekv.kernels.cuda.matmul import matmul
 from lucekv.kernels.cuda.matvec import fuses_norm, matvec
@@ -131,6 +131,9 @@ class CudaKVPool(SlotMap):
 
 
 MAX_STACK = 3  # matrices one product fills (an Epilogue's outputs)
+# a grid with this many warps per SM or more fills the GPU (an 8B model's products and attention hold 9.7 to 15.5,
+# the 0.5B's 1.7 to 8.5): see overlap_kernel_launches
+BUSY_WARPS_PER_SM = 9
 
 
 @dataclass
@@ -456,6 +459,7 @@ class DecodeGraph:
         self._host_logits: np.ndarray | None = None
         self._exec = None
         self._keep: list = []
+        self.overlapped_edges = 0  # kernel-to-kernel edges of the captured step made programmatic
         self._tokens_host = cuda.pinned_array(2, np.int32)  # two turns, as the step inputs (CudaOps.upload_one)
         self._token_ready = [ordering_event() for _ in range(2)]
         self._turn = 0
@@ -485,6 +489,7 @@ class DecodeGraph:
                                   stream=b.stream)
                 finally:
                     graph = _check(driver.cuStreamEndCapture(handle))
+                self.overlapped_edges = overlap_kernel_launches(graph)
                 self._exec = _check(driver.cuGraphInstantiate(graph, 0))
                 _check(driver.cuGraphDestroy(graph))  # the executable graph is independent of it
                 self._host_logits = cuda.pinned_array(self.logits.shape, np.float32)
@@ -526,6 +531,49 @@ class DecodeGraph:
                                         self._host_logits.nbytes, handle))
         _check(driver.cuStreamSynchronize(handle))
         return self._host_logits.copy()
+
+
+def overlap_kernel_launches(graph) -> int:
+    """Make the captured graph's kernel-to-kernel edges programmatic (sm_90+): the next kernel is launched once
+    every block of this one is past its own `await_grid`, and its blocks wait in theirs until this one has
+    finished, instead of being launched after it. Most of a decode step's kernels run for a few microseconds, so
+    the launch latency saved at each of its ~300 boundaries is a good part of the step.
+
+    An edge out of a kernel that fills the GPU (BUSY_WARPS_PER_SM warps per SM or more: an 8B model's products and
+    attention, one wave of blocks by design) stays a plain one: launched while such a kernel runs, the next one's
+    blocks land on whichever SMs have room first, unevenly. Measured on an H200, decode step of the 8B shape: every
+    edge programmatic 5.1% slower, all but those out of the big kernels 0.8% faster (3.637 -> 3.607 ms); 0.5B shape
+    (its kernels a fraction of a wave, every edge programmatic) 4.8% faster (1.226 -> 1.168 ms). Returns the edges
+    changed."""
+    if not overlapped_launches():
+        return 0
+    from cuda.bindings import driver
+
+    _, _, _, n = _check(driver.cuGraphGetEdges(graph, 0))
+    src, dst, data, n = _check(driver.cuGraphGetEdges(graph, n))
+    busy = {int(node): _busy(node) for node in (*src[:n], *dst[:n])}  # None: not a kernel node
+    edges = [(a, b, d) for a, b, d in zip(src[:n], dst[:n], data[:n], strict=True)
+             if busy[int(a)] is False and busy[int(b)] is not None]
+    if not edges:
+        return 0
+    src, dst, data = (list(x) for x in zip(*edges, strict=True))
+    programmatic = driver.CUgraphEdgeData()
+    programmatic.type = driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+    programmatic.from_port = driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+    _check(driver.cuGraphRemoveDependencies(graph, src, dst, data, len(src)))
+    _check(driver.cuGraphAddDependencies(graph, src, dst, [programmatic] * len(src), len(src)))
+    return len(src)
+
+
+def _busy(node) -> bool | None:
+    """Whether a kernel node's grid has BUSY_WARPS_PER_SM warps per SM or more; None for other nodes."""
+    from cuda.bindings import driver
+
+    if _check(driver.cuGraphNodeGetType(node)) != driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+        return None
+    p = _check(driver.cuGraphKernelNodeGetParams(node))
+    warps = p.gridDimX * p.gridDimY * p.gridDimZ * -(-p.blockDimX * p.blockDimY * p.blockDimZ // 32)
+    return warps >= BUSY_WARPS_PER_SM * cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
 def copy_to_device_async(dst, src: np.ndarray, stream) -> None:

@@ -35,14 +35,14 @@ import lucekv
 from lucekv.bench.decode import file_sha256, git_commit, machine, report
 from lucekv.engine.sampling import SamplingParams
 from lucekv.kvflash.pager import CHUNK_TOKENS, PageIn, PageOut
-from lucekv.kvflash.policy import HISTORY_PER_TAU, tau_eff
+from lucekv.kvflash.policy import HISTORY_PER_TAU, reselect_lag, tau_eff
 from lucekv.kvflash.sequence import PagedSequence
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import GGUFFile, open_gguf
 from lucekv.model.registry import resolve_model
 from lucekv.snapshot.blob import KVLayout, Snapshot, SnapshotHeader, chunk_rows
 
-RESELECT_MARGIN = 1.1  # pooled runs decode 10% past tau_eff, so each includes a reselect
+RESELECT_MARGIN = 1.1  # pooled runs decode 10% past a reselect's moves (tau_eff + its lag), so each includes one
 SHARED_VALUES = 4  # V arrays shared by all chunks
 F16_SIGN_MANTISSA, F16_ONE = 0x83FF, 0x3C00  # float16 bits: sign and mantissa; the exponent of 1.0
 NO_HOST_LIMIT = 1 << 40  # one session at a time, deleted after its run: the default 16 GiB would refuse 128K at 8B
@@ -64,10 +64,11 @@ DECODE_NOTE = ("decode_tok_s is the engine's usage.decode_tokens_per_s: (tokens 
 
 
 def gen_tokens_for(context: int, gen_tokens: int, tau: int, pooled: bool) -> int:
-    """Pooled runs decode past one reselect interval at this depth; full-cache runs (no reselects) just gen_tokens."""
+    """Pooled runs decode past one reselect's moves at this depth (its scoring included: started after tau_eff
+    tokens, its moves made reselect_lag tokens later); full-cache runs (no reselects) just gen_tokens."""
     if not pooled:
         return gen_tokens
-    return max(gen_tokens, math.ceil(RESELECT_MARGIN * tau_eff(context + 1, tau)))
+    return max(gen_tokens, math.ceil(RESELECT_MARGIN * (tau_eff(context + 1, tau) + reselect_lag(context + 1, tau))))
 
 
 def fit_context(context: int, n_ctx: int, gen_tokens: int, tau: int) -> int:
@@ -413,9 +414,10 @@ def run(model: str, backend: str, contexts: list[int], pool: int, policy: str, t
         "contexts_note": f"a requested context that leaves no room in the model's {n_ctx} tokens for one new token "
                          "and the pooled run's decode is cut to n_ctx - 1 - that decode",
         "decode_note": DECODE_NOTE,
-        "gen_tokens_note": f"pooled runs decode max(gen_tokens, ceil({RESELECT_MARGIN} * tau_eff)) tokens, tau_eff = "
-                           f"max(tau, history // {HISTORY_PER_TAU}), so each includes a reselect; full-cache runs "
-                           "decode gen_tokens",
+        "gen_tokens_note": f"pooled runs decode max(gen_tokens, ceil({RESELECT_MARGIN} * (tau_eff + lag))) tokens, "
+                           f"tau_eff = max(tau, history // {HISTORY_PER_TAU}), lag = min(64, tau_eff // 4) (a "
+                           "reselect is scored in the background and its moves made lag tokens after it starts), "
+                           "so each includes a reselect's scoring and moves; full-cache runs decode gen_tokens",
         "kv": {"pooled": pooled["kv"], "full": full["kv"]},
         "runs": pooled["runs"] + full["runs"],
         "llama_cpp": llama,

@@ -280,8 +280,7 @@ class Pager:
         resident = self.resident_chunks()
         return {"pool_tokens": self.pool_tokens, "resident": resident.tolist(),
                 "blocks": self.block_of[resident].tolist(), "last_use": self.last_use[:n].tolist(),
-                # base64 float64: exact, and scores hold infinities (unscored, missing) that JSON has no word for
-                "scores": base64.b64encode(self.scores[:n].astype("<f8").tobytes()).decode(), "clock": int(self.clock),
+                "scores": scores_text(self.scores[:n]), "clock": int(self.clock),
                 "pins": [list(span) for span in self.pins]}
 
     def check_residency(self, r: dict) -> None:
@@ -290,7 +289,7 @@ class Pager:
         try:
             resident, blocks = np.asarray(r["resident"], np.int64), np.asarray(r["blocks"], np.int64)
             last_use = np.asarray(r["last_use"], np.int64)
-            scores = _scores_from(r["scores"])
+            scores = scores_from_text(r["scores"])
             int(r["clock"])
             pins = [(int(a), int(b)) for a, b in r["pins"]]
         except (KeyError, TypeError, ValueError, OverflowError) as e:
@@ -313,7 +312,7 @@ class Pager:
             self._free.append(block)  # _place takes the free list's last block
             self._place(c, moves)
         self.last_use[:n] = r["last_use"]
-        self.scores[:n] = _scores_from(r["scores"])
+        self.scores[:n] = scores_from_text(r["scores"])
         self.clock = int(r["clock"])
         self.pins = [(int(a), int(b)) for a, b in r["pins"]]
         return moves
@@ -569,7 +568,12 @@ def _check_config(pool_tokens: int, chunk: int, sink_chunks: int, tail_chunks: i
             f"tokens ({need // chunk} blocks of {chunk})")
 
 
-def _scores_from(text: str) -> np.ndarray:
+def scores_text(scores: np.ndarray) -> str:
+    """Chunk scores as JSON-safe text (`scores_from_text` reads it back): base64 float64, exact, infinities too."""
+    return base64.b64encode(np.asarray(scores, "<f8").tobytes()).decode()
+
+
+def scores_from_text(text: str) -> np.ndarray:
     if not isinstance(text, str):
         raise TypeError(f"scores must be a base64 string, not {type(text).__name__}")
     raw = base64.b64decode(text, validate=True)

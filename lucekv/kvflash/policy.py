@@ -6,6 +6,12 @@ post-RoPE queries. `scores` ranks every materialized chunk; higher keeps. Scorin
 
 Shapes: keys of a sealed chunk [n_layers, chunk, n_kv_head, head_dim]; a query [n_layers, n_head, head_dim],
 for the same scored layers (a backend may score a subset of its pooled layers).
+
+A reselect during decode is scored in the background: its inputs (the query window, the summary tables as they
+are) are taken when it is due, the scoring runs on a thread while decoding goes on, and its moves are made a
+fixed number of decoded tokens later (`reselect_lag`), whatever the thread's speed: the residency, and so the
+tokens, are the same on any machine. (At 128K context an 8B model's ~2000 chunks take ~200 ms to score, 1.6% of
+decode time if decoding waited for it.)
 """
 
 from __future__ import annotations
@@ -13,20 +19,23 @@ from __future__ import annotations
 import base64
 import os
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from lucekv.errors import ConfigError
-from lucekv.kvflash.pager import Move, Pager
+from lucekv.kvflash.pager import UNSCORED, Move, Pager, scores_from_text, scores_text
 
 POLICIES = ("lru", "quest", "meankey")
 MISSING = -np.inf  # a sealed chunk without a summary ranks last
 SCORE_THREADS = min(8, os.cpu_count() or 1)  # threads scoring a reselect's chunks
 SCORE_BLOCK = 32  # chunks per scoring matmul: small temporaries (4.5 MiB for quest at 8B's shape), reused
 HISTORY_PER_TAU = 45  # tau_eff = max(tau, history/45) keeps rescoring near 15% of decode time (lucebox §1.7)
+RESELECT_LAG = 64  # at most this many decoded tokens from a reselect's inputs to its moves (~250 ms on an H200)
+_SCORING = ThreadPoolExecutor(1, thread_name_prefix="kv-score")  # reselects scored while decoding goes on
 
 
 class Scorer(Protocol):
@@ -37,8 +46,15 @@ class Scorer(Protocol):
 
     def observe(self, query: np.ndarray) -> None: ...
 
+    def score_inputs(self, pager: Pager) -> Any | None:
+        """What `score` reads, taken now, or None when there is nothing to score against yet. The pager goes on
+        changing while a background reselect is scored: summary rows of chunks sealed by then are written once."""
+
+    def score(self, inputs: Any) -> np.ndarray:
+        """float64 [the pager's n_chunks at `score_inputs`]; thread-safe (reads only `inputs`)."""
+
     def scores(self, pager: Pager) -> np.ndarray | None:
-        """float64 [pager.n_chunks], or None when there is nothing to score against yet."""
+        """`score(score_inputs(pager))`, now."""
 
     def state(self) -> dict:
         """JSON-safe state beyond the pager's summaries (for snapshots); `load_state` takes it back."""
@@ -46,7 +62,13 @@ class Scorer(Protocol):
     def load_state(self, state: dict) -> None: ...
 
 
-class LruScorer:
+class _ScoresNow:
+    def scores(self, pager: Pager) -> np.ndarray | None:
+        inputs = self.score_inputs(pager)
+        return None if inputs is None else self.score(inputs)
+
+
+class LruScorer(_ScoresNow):
     """Least recently written or recalled goes first."""
 
     name = "lru"
@@ -58,8 +80,11 @@ class LruScorer:
     def observe(self, query: np.ndarray) -> None:
         pass
 
-    def scores(self, pager: Pager) -> np.ndarray:
+    def score_inputs(self, pager: Pager) -> np.ndarray:
         return pager.last_use[: pager.n_chunks].astype(np.float64)
+
+    def score(self, inputs: np.ndarray) -> np.ndarray:
+        return inputs
 
     def state(self) -> dict:
         return {}
@@ -97,7 +122,7 @@ class _QueryWindow:
             self._ring.append(np.frombuffer(base64.b64decode(text, validate=True), np.float32).reshape(shape))
 
 
-class _QueryScorer:
+class _QueryScorer(_ScoresNow):
     """A scorer that ranks sealed chunks against a window of recent queries."""
 
     def __init__(self, n_kv_head: int, window: int = 8):
@@ -113,14 +138,14 @@ class _QueryScorer:
     def load_state(self, state: dict) -> None:
         self._queries.load_state(state["window"])
 
-    def _inputs(self, pager: Pager, summary: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-        """(recent queries, the summary table, sealed chunk ids, scores preset to MISSING); None without queries."""
+    def _inputs(self, pager: Pager, *summaries: str) -> tuple | None:
+        """(recent queries, sealed chunk ids, scores preset to MISSING, the summary tables); None without queries."""
         q = self._queries.stacked()
         if q is None:
             return None
         n = pager.n_chunks
-        table, present = pager.summaries.table(summary, n)
-        return q, table, np.flatnonzero(present), np.full(n, MISSING)
+        tables = [pager.summaries.table(name, n) for name in summaries]
+        return q, np.flatnonzero(tables[0][1]), np.full(n, MISSING), *(table for table, _ in tables)
 
 
 class BoundScorer(_QueryScorer):
@@ -147,12 +172,11 @@ class BoundScorer(_QueryScorer):
         pager.summaries.put("quest.kmin", chunk, sub.min(axis=2).transpose(0, 2, 1, 3).astype(np.float32))
         pager.summaries.put("quest.kmax", chunk, sub.max(axis=2).transpose(0, 2, 1, 3).astype(np.float32))
 
-    def scores(self, pager: Pager) -> np.ndarray | None:
-        inputs = self._inputs(pager, "quest.kmin")
-        if inputs is None:
-            return None
-        q, kmin, sealed, out = inputs
-        kmax, _ = pager.summaries.table("quest.kmax", pager.n_chunks)
+    def score_inputs(self, pager: Pager) -> tuple | None:
+        return self._inputs(pager, "quest.kmin", "quest.kmax")
+
+    def score(self, inputs: tuple) -> np.ndarray:
+        q, sealed, out, kmin, kmax = inputs
         if len(sealed) == 0:
             return out
         r, n_layers, n_kv, g, d = q.shape
@@ -180,11 +204,11 @@ class MeanKeyScorer(_QueryScorer):
         keys = np.asarray(keys, np.float32)  # no copy of keys that are float32 already
         pager.summaries.put("meankey.kmean", chunk, _unit(keys.mean(axis=1)))  # float32, as quest
 
-    def scores(self, pager: Pager) -> np.ndarray | None:
-        inputs = self._inputs(pager, "meankey.kmean")
-        if inputs is None:
-            return None
-        q, kmean, sealed, out = inputs
+    def score_inputs(self, pager: Pager) -> tuple | None:
+        return self._inputs(pager, "meankey.kmean")
+
+    def score(self, inputs: tuple) -> np.ndarray:
+        q, sealed, out, kmean = inputs
         if len(sealed):
             r, n_layers, n_kv, g, d = q.shape
             q = _unit(q).transpose(1, 2, 4, 0, 3).reshape(n_layers, n_kv, d, r * g)
@@ -200,6 +224,7 @@ def reselect(pager: Pager, scores: np.ndarray) -> list[Move]:
     to pick victims when later writes need a block."""
     n = pager.n_chunks
     scores = np.where(np.isnan(scores), MISSING, scores)  # a NaN (from inf keys) must not sort as the best
+    scores = np.concatenate([scores, np.full(n - len(scores), UNSCORED)])  # chunks newer than a background scoring
     protected = pager.protected_mask()
     cand = np.flatnonzero(~protected)
     budget = pager.n_blocks - int(protected.sum())
@@ -211,8 +236,15 @@ def reselect(pager: Pager, scores: np.ndarray) -> list[Move]:
     return pager.apply_residency(keep)
 
 
+@dataclass
+class _PendingReselect:
+    scores: Future  # of the scorer's float64 scores
+    due_in: int  # decoded tokens until its moves are made
+
+
 class Policy:
-    """A scorer and its reselect schedule: every tau_eff = max(tau, history/45) decoded tokens."""
+    """A scorer and its reselect schedule: every tau_eff = max(tau, history/45) decoded tokens a reselect starts,
+    scored in the background; its moves are made `reselect_lag` decoded tokens later."""
 
     def __init__(self, scorer: Scorer, tau: int = 64):
         if tau <= 0:
@@ -220,10 +252,15 @@ class Policy:
         self.scorer = scorer
         self.tau = tau
         self._decoded_since = 0
+        self._pending: _PendingReselect | None = None
 
     def state(self) -> dict:
-        """JSON-safe: the scorer's name and state, and the reselect schedule's count."""
-        return {"policy": self.scorer.name, "decoded_since": self._decoded_since, "scorer": self.scorer.state()}
+        """JSON-safe: the scorer's name and state, the reselect schedule's count and a reselect under way (its
+        scores, waited for: a restored sequence makes the same moves at the same token)."""
+        pending = self._pending and {"scores": scores_text(self._pending.scores.result()),
+                                     "due_in": self._pending.due_in}
+        return {"policy": self.scorer.name, "decoded_since": self._decoded_since, "scorer": self.scorer.state(),
+                "pending": pending}
 
     def load_state(self, state: dict) -> None:
         """Raises ValueError (or KeyError, TypeError) when `state` is not one of this policy's."""
@@ -231,34 +268,66 @@ class Policy:
             raise ValueError(f"policy {state['policy']!r} is not this pool's {self.scorer.name!r}")
         self.scorer.load_state(state["scorer"])
         self._decoded_since = int(state["decoded_since"])
+        self._pending = None
+        if pending := state.get("pending"):
+            done: Future = Future()
+            done.set_result(scores_from_text(pending["scores"]))
+            self._pending = _PendingReselect(done, int(pending["due_in"]))
 
     def tau_eff(self, history: int) -> int:
         return tau_eff(history, self.tau)
 
     def wants_query(self, history: int, n_tokens: int = 1) -> bool:
-        """Whether the query of the step decoding `n_tokens` more is among the last `window` before a reselect:
-        only those reach the scorer's window by then, so the others need not leave the GPU."""
-        return self._decoded_since + n_tokens > self.tau_eff(history) - self.scorer.window
+        """Whether the query of the step decoding `n_tokens` more is among the last `window` before a reselect
+        starts: only those reach the scorer's window by then, so the others need not leave the GPU."""
+        return self._pending is None and self._decoded_since + n_tokens > self.tau_eff(history) - self.scorer.window
 
     def quiet(self, history: int) -> bool:
-        """Whether `after_decode` of the next token only counts it: no query wanted, no reselect due (and still so
-        after more history, as tau_eff only grows)."""
+        """Whether `after_decode` of the next token only counts it: no query wanted, no reselect to start (and still
+        so after more history, as tau_eff only grows) and none whose moves are due."""
+        if self._pending is not None:
+            return self._pending.due_in > 1
         return not self.wants_query(history) and self._decoded_since + 1 < self.tau_eff(history)
 
     def after_decode(self, pager: Pager, n_tokens: int = 1) -> list[Move]:
-        """Count `n_tokens` newly decoded tokens; reselect when due. Returns the moves to run now."""
+        """Count `n_tokens` newly decoded tokens; start a reselect when due, or make the moves of the one under way
+        when they are due. Returns the moves to run now."""
         self._decoded_since += n_tokens
+        if self._pending is not None:
+            self._pending.due_in -= n_tokens
+            if self._pending.due_in > 0:
+                return []
+            scores, self._pending = self._pending.scores.result(), None
+            return reselect(pager, scores)
         if self._decoded_since < self.tau_eff(pager.n_tokens):
             return []
-        return self.reselect_now(pager)
+        inputs = self.scorer.score_inputs(pager)
+        if inputs is None:
+            return []
+        self._decoded_since = 0
+        self._pending = _PendingReselect(_SCORING.submit(self.scorer.score, inputs), reselect_lag(pager.n_tokens,
+                                                                                                   self.tau))
+        return []
 
     def reselect_now(self, pager: Pager) -> list[Move]:
-        """Reselect regardless of the schedule (e.g. once a new user turn is prefilled)."""
+        """Reselect at once, regardless of the schedule (e.g. once a new user turn is prefilled); a reselect under
+        way is dropped."""
+        self.drop_pending()
         scores = self.scorer.scores(pager)
         if scores is None:
             return []
         self._decoded_since = 0
         return reselect(pager, scores)
+
+    def drop_pending(self) -> None:
+        """Forget a reselect under way (its chunks changed: the sequence was cut)."""
+        self._pending = None
+
+
+def reselect_lag(history: int, tau: int) -> int:
+    """Decoded tokens from a reselect's start to its moves: RESELECT_LAG, or a quarter of tau_eff when that is
+    less (so the moves come well before the next reselect starts)."""
+    return min(RESELECT_LAG, tau_eff(history, tau) // 4)
 
 
 def tau_eff(history: int, tau: int) -> int:

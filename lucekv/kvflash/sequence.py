@@ -69,6 +69,7 @@ class PagedSequence:
         return any(isinstance(m, PageIn) for m in moves)
 
     def truncate(self, n_tokens: int) -> None:
+        self.policy.drop_pending()  # scored against chunks that are cut now
         cut = self.pager.truncate(n_tokens)
         for c in cut.dropped:
             self.host.discard(c)
@@ -106,6 +107,7 @@ class PagedSequence:
         host store, key summaries of its full chunks for the scorer, and `state` when it is of this pool and
         policy (else the policy starts afresh). Raises ValueError when `state` is malformed."""
         p = self.pager
+        self.policy.drop_pending()
         self.pager = Pager.parked(p.pool_tokens, n_tokens, p.chunk, p.sink_chunks, p.tail_chunks, p.chunk_bytes)
         self.pager.slot_pos = p.slot_pos
         for c, kv in enumerate(chunks):

@@ -1,11 +1,22 @@
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from lucekv.errors import ConfigError
 from lucekv.kvflash.pager import PageIn, PageOut, Pager
-from lucekv.kvflash.policy import BoundScorer, LruScorer, MeanKeyScorer, Policy, make_policy, reselect
+from lucekv.kvflash.policy import (
+    RESELECT_LAG,
+    BoundScorer,
+    LruScorer,
+    MeanKeyScorer,
+    Policy,
+    make_policy,
+    reselect,
+    reselect_lag,
+)
 from tests.kvflash.fake_backend import FakeBackend, check_invariants
 
 LAYERS, KV_HEADS, GROUP, DIM = 2, 2, 2, 64
@@ -146,24 +157,62 @@ def test_a_nan_score_ranks_last():
 
 
 class CountingScorer(LruScorer):
+    """Least recently used kept first (so that every reselect moves chunks); counts the reselects started."""
+
     def __init__(self):
         self.calls = 0
 
-    def scores(self, pager):
+    def score_inputs(self, pager):
         self.calls += 1
-        return super().scores(pager)
+        return -super().score_inputs(pager)
 
 
 @pytest.mark.parametrize(("history", "tau_eff"), [(1000, 64), (45 * 200, 200)])
-def test_reselect_runs_every_tau_eff_decoded_tokens(history, tau_eff):
+def test_reselect_starts_every_tau_eff_decoded_tokens_and_moves_lag_tokens_later(history, tau_eff):
     pager = Pager(8 * 64)
-    FakeBackend(pager).prefill(history, batch=64)
+    backend = FakeBackend(pager)
+    backend.prefill(history, batch=64)
     scorer = CountingScorer()
     policy = Policy(scorer, tau=64)
     assert policy.tau_eff(pager.n_tokens) == tau_eff
-    for step in range(1, 2 * tau_eff + 1):
-        policy.after_decode(pager)
+    lag = reselect_lag(pager.n_tokens, 64)
+    assert lag == min(RESELECT_LAG, tau_eff // 4)
+    moved, loud = [], []
+    for step in range(1, 2 * tau_eff + lag + 1):
+        if not policy.quiet(pager.n_tokens):
+            loud.append(step)
+        moves = policy.after_decode(pager)
+        backend.run(moves)
         assert scorer.calls == step // tau_eff
+        if moves:
+            moved.append(step)
+    assert moved == [tau_eff + lag, 2 * tau_eff + lag]
+    # a start, moves, or the steps whose queries the next start ranks against (none for LRU) are never quiet
+    assert set(loud) == {tau_eff, tau_eff + lag, 2 * tau_eff, 2 * tau_eff + lag}
+
+
+def test_a_reselect_under_way_survives_a_snapshot_of_the_policy():
+    """State taken while a reselect is being scored brings it back: the restored policy makes the same moves at the
+    same token as the original."""
+    keys, query = synthetic(12, seed=5)
+    runs = []
+    for restore in (False, True):
+        pager = Pager(8 * 64)
+        FakeBackend(pager).prefill(12 * 64, batch=64)
+        policy = Policy(BoundScorer(KV_HEADS, window=8), tau=64)
+        seal_all(policy.scorer, pager, keys)
+        for _ in range(8):
+            policy.scorer.observe(query)
+        moves = [policy.after_decode(pager) for _ in range(64 + 5)]  # started at 64, moves due at 64 + 16
+        if restore:
+            state = json.loads(json.dumps(policy.state()))
+            assert state["pending"]["due_in"] == reselect_lag(pager.n_tokens, 64) - 5
+            policy = Policy(BoundScorer(KV_HEADS, window=8), tau=64)
+            policy.load_state(state)
+        moves += [policy.after_decode(pager) for _ in range(20)]
+        runs.append(moves)
+    assert runs[0] == runs[1]
+    assert [i for i, m in enumerate(runs[0]) if m] == [64 + 16 - 1]
 
 
 @pytest.mark.parametrize("scorer", [BoundScorer(KV_HEADS, window=8), LruScorer()], ids=["quest", "lru"])

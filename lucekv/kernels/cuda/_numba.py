@@ -27,6 +27,12 @@ Compatibility shims live here and nowhere else:
   / `copy_async_wait_one` wait until none / at most the latest group is still in flight; a barrier after the
   wait makes every thread's copies visible to the block. So a kernel copies its next tile while it computes on
   this one. In the simulator the copy is immediate and the commit and waits do nothing.
+- Overlapped launches (sm_90+): every kernel begins with `await_grid()`, `griddepcontrol.wait` (wait until the
+  grid this one depends on has finished and its writes are visible) then `griddepcontrol.launch_dependents` (the
+  next grid may be launched now). Outside a programmatic dependency both do nothing; inside one (the edges of a
+  captured decode graph, `backends.cuda`) the next kernel's blocks are launched and made resident while this
+  one's last blocks still run, instead of after them. Nothing is read or written before the wait, so the
+  overlap can never see stale data. Before sm_90 it compiles to nothing.
 - `jit_bounded`: cuda.jit with launch bounds, which the simulator does not accept.
 """
 
@@ -48,6 +54,7 @@ ALIGN_16 = None if SIMULATOR else 16
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
 NEG_INF = np.float32(-math.inf)
+AWAIT_GRID_PTX = "griddepcontrol.wait; griddepcontrol.launch_dependents;"  # `await_grid` on sm_90+
 
 
 def available() -> bool:
@@ -92,6 +99,9 @@ if SIMULATOR:
         pass
 
     def copy_async_wait_one():
+        pass
+
+    def await_grid():
         pass
 
     def _bytes(word, signed):
@@ -338,9 +348,9 @@ else:
 
         return types.none(tile, i, words, r, c), codegen
 
-    def _async_copy_control(ptx: str):
+    def _control(ptx: str):
         def codegen(context, builder, sig, args):
-            # a memory clobber: the compiler may move no shared-memory access across it
+            # a memory clobber: the compiler may move no memory access across it
             builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), ptx, "~{memory}", side_effect=True), [])
             return context.get_dummy_value()
 
@@ -349,17 +359,22 @@ else:
     @intrinsic
     def copy_async_commit(typingctx):
         """Close the group of this thread's copies started since the last commit."""
-        return _async_copy_control("cp.async.commit_group;")
+        return _control("cp.async.commit_group;")
 
     @intrinsic
     def copy_async_wait_all(typingctx):
         """Wait until every copy this thread started has landed."""
-        return _async_copy_control("cp.async.wait_all;")
+        return _control("cp.async.wait_all;")
 
     @intrinsic
     def copy_async_wait_one(typingctx):
         """Wait until at most this thread's latest committed group is still in flight."""
-        return _async_copy_control("cp.async.wait_group 1;")
+        return _control("cp.async.wait_group 1;")
+
+    @intrinsic
+    def await_grid(typingctx):
+        """Wait for the grid this kernel depends on, then let the one after it launch (see the module's notes)."""
+        return _control(AWAIT_GRID_PTX if overlapped_launches() else "")
 
     @intrinsic
     def load_f32(typingctx, a, r, c):
@@ -439,6 +454,14 @@ else:
     @cuda.jit(device=True, inline=True)
     def warp_broadcast(v, src):
         return cuda.shfl_sync(FULL_MASK, v, src)
+
+
+def overlapped_launches() -> bool:
+    """Whether kernels compiled for the current device take part in programmatic dependent launches (sm_90+).
+    Asked through numba's dispatcher, which compiles for that device."""
+    from numba.cuda import dispatcher
+
+    return not SIMULATOR and dispatcher.get_current_device().compute_capability >= (9, 0)
 
 
 def jit_bounded(kernel, threads: int, blocks_per_sm: int):

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from lucekv.kernels.cuda._numba import blocks, cuda
+from lucekv.kernels.cuda._numba import await_grid, blocks, cuda
 
 THREADS = 256
 GELU_C = np.float32(math.sqrt(2.0 / math.pi))
@@ -25,6 +25,7 @@ def add(x, y, out, stream=0) -> None:
 
 @cuda.jit
 def _gated_act(gate, up, gelu, out):
+    await_grid()
     i = cuda.grid(1)
     width = gate.shape[1]
     if i >= gate.shape[0] * width:
@@ -46,6 +47,7 @@ def gated(g, u, gelu):
 
 @cuda.jit
 def _add(x, y, out):
+    await_grid()
     i = cuda.grid(1)
     width = x.shape[1]
     if i < x.shape[0] * width:

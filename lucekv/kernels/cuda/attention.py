@@ -36,6 +36,7 @@ from lucekv.kernels.cuda._numba import (
     NEG_INF,
     SIMULATOR,
     WARP,
+    await_grid,
     bits_f32,
     blocks,
     copy_async16,
@@ -133,6 +134,7 @@ def partials(n: int, n_head: int, n_kv: int, head_dim: int, slots: int, alloc=cu
 @cuda.jit
 def _rope_and_store(q, k, v, positions, slots, inv, pos_scale, neox, k_pool, v_pool, q_out, last_q):
     # one thread per value of the token's q, then k, then v row
+    await_grid()
     i = cuda.grid(1)
     n_q, n_k = q.shape[1], k.shape[1]
     width = n_q + 2 * n_k
@@ -225,6 +227,7 @@ def _split_kernel(dims_per_word: int, row_words: int):
             acc[k] += w * bits_f32(word)
 
     def kernel(q, k_words, v_words, slot_pos, n_slots, positions, window, scale, part_m, part_l, part_acc, out):
+        await_grid()
         kvh = cuda.blockIdx.x
         split = cuda.blockIdx.y
         t = cuda.blockIdx.z
@@ -343,6 +346,7 @@ def _combine(part_m, part_l, part_rows, out):
     # with something visible (chunks past the used slots are empty). Then warp w sums chunks w, w + COMBINE_WARPS,
     # ..., 16 bytes of the row per lane, independent loads in flight together, and the warps' sums are added
     # through shared memory. part_rows: part_acc as rows [(query, head, chunk), head_dim].
+    await_grid()
     h = cuda.blockIdx.x
     t = cuda.blockIdx.y
     lane = cuda.threadIdx.x & (WARP - 1)
@@ -402,6 +406,7 @@ def set_slot_pos(slot_pos, slots, positions, stream=0) -> None:
 
 @cuda.jit
 def _set_slot_pos(slot_pos, slots, positions):
+    await_grid()
     i = cuda.grid(1)
     if i < slots.shape[0]:
         slot_pos[slots[i]] = positions[i]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lucekv.kernels.cuda._numba import blocks, cuda
+from lucekv.kernels.cuda._numba import await_grid, blocks, cuda
 from lucekv.kernels.cuda.packed import DeviceMatrix, element_decoder
 
 THREADS = 128
@@ -13,6 +13,7 @@ THREADS = 128
 def _make_embed(weight_at):
     @cuda.jit
     def kernel(w, tokens, mult, out):
+        await_grid()
         k = cuda.grid(1)
         t = cuda.blockIdx.y
         if k < out.shape[1]:

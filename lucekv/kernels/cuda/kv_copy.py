@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lucekv.kernels.cuda._numba import SIMULATOR, WARP, blocks, cuda
+from lucekv.kernels.cuda._numba import SIMULATOR, WARP, await_grid, blocks, cuda
 
 # The simulator runs each thread as a Python thread: there one warp per plane loops over the words.
 THREADS = WARP if SIMULATOR else 256
@@ -63,6 +63,7 @@ def _grid(flat_staging) -> tuple[int, int, int]:
 
 @cuda.jit
 def _gather(kv, offset, staging):
+    await_grid()
     layer, half = cuda.blockIdx.y, cuda.blockIdx.z
     for i in range(cuda.grid(1), staging.shape[2], cuda.gridDim.x * cuda.blockDim.x):
         staging[half, layer, i] = kv[layer, half, offset + i]
@@ -70,6 +71,7 @@ def _gather(kv, offset, staging):
 
 @cuda.jit
 def _scatter(staging, kv, offset):
+    await_grid()
     layer, half = cuda.blockIdx.y, cuda.blockIdx.z
     for i in range(cuda.grid(1), staging.shape[2], cuda.gridDim.x * cuda.blockDim.x):
         kv[layer, half, offset + i] = staging[half, layer, i]
@@ -77,6 +79,7 @@ def _scatter(staging, kv, offset):
 
 @cuda.jit
 def _gather_keys_f32(kv, offset, out):
+    await_grid()
     layer = cuda.blockIdx.y
     for i in range(cuda.grid(1), out.shape[1], cuda.gridDim.x * cuda.blockDim.x):
         out[layer, i] = np.float32(kv[layer, 0, offset + i])

@@ -31,6 +31,7 @@ import numpy as np
 
 from lucekv.kernels.cuda._numba import (
     WARP,
+    await_grid,
     blocks,
     cuda,
     fma_f16x2,
@@ -82,6 +83,7 @@ def _make_tensor_matmul(kind: str, block: int):
     block_log2 = block.bit_length() - 1
 
     def kernel(w, rows, half_scale, x, ep):
+        await_grid()
         tid = cuda.threadIdx.x
         r0 = cuda.blockIdx.x * ROWS
         t0 = cuda.blockIdx.y * TOKENS
@@ -280,6 +282,7 @@ F32_K_STEP = 32
 
 @cuda.jit
 def _matmul_f32(w, x, ep):
+    await_grid()
     tid = cuda.threadIdx.x
     tx = tid % 16  # rows tx*4 .. tx*4 + 3 of the tile
     ty = tid // 16  # tokens ty*4 .. ty*4 + 3

@@ -38,6 +38,7 @@ import numpy as np
 from lucekv.kernels.cuda._numba import (
     SIMULATOR,
     WARP,
+    await_grid,
     blocks,
     cuda,
     dot4_s8s8,
@@ -333,6 +334,7 @@ def _make_run_matvec(kind: str, load, row, words: int):
             _add_row(part, i0 + i, row(w, buf, i, xq, xs))
 
     def kernel(w, x, xnorm, ep, n_pass, rows_per_block):
+        await_grid()
         part = cuda.shared.array(PARTIALS, np.float32)
         sums = cuda.shared.array(MAX_WARPS, np.float32)
         xv = cuda.local.array(32, np.float32)
@@ -409,6 +411,7 @@ def _q8_rows(w, part, i0, code, sw, xq, u, xsum0, xsum1):
 
 @_bounded
 def _matvec_q8(w, x, xnorm, ep, n_pass, rows_per_block):
+    await_grid()
     part = cuda.shared.array(PARTIALS, np.float32)
     sums = cuda.shared.array(MAX_WARPS, np.float32)
     xv = cuda.local.array(32, np.float32)
@@ -446,6 +449,7 @@ def _matvec_q8(w, x, xnorm, ep, n_pass, rows_per_block):
 @cuda.jit
 def _matvec_f32(w, x, ep):
     # one warp per row: f32 weights are rare (small models' norms-sized tables), not worth a wide kernel
+    await_grid()
     r = cuda.blockIdx.x * F32_ROWS_PER_BLOCK + cuda.threadIdx.x // WARP
     lane, t = cuda.threadIdx.x % WARP, cuda.blockIdx.y
     cols = w.shape[1] if r < w.shape[0] else 0  # rows past the end do no loads but join the warp sum

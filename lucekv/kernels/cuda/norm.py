@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from lucekv.kernels.cuda._numba import WARP, blocks, cuda, warp_sum
+from lucekv.kernels.cuda._numba import WARP, await_grid, blocks, cuda, warp_sum
 
 MAX_THREADS = 1024
 MAX_WARPS = MAX_THREADS // WARP
@@ -26,6 +26,7 @@ def rmsnorm(x, w, eps: float, groups: int, out, stream=0) -> None:
 
 @cuda.jit
 def _rmsnorm(x, w, eps, out):
+    await_grid()
     t = cuda.blockIdx.x
     d = w.shape[0]
     g0 = cuda.blockIdx.y * d

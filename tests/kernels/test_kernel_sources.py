@@ -1,0 +1,58 @@
+"""Every CUDA kernel begins with `await_grid()`.
+
+A captured decode graph launches each kernel before the one it depends on has finished (programmatic edges,
+`backends.cuda.overlap_kernel_launches`). That is safe only for a kernel that reads and writes nothing before
+its `await_grid()`: a kernel added without it would race with the kernel before it, on the GPU alone and not
+every time. This reads the sources, so it runs everywhere.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import lucekv.kernels.cuda as cuda_kernels
+
+JIT_WRAPPERS = {"jit_bounded", "_bounded"}  # functions that compile their first argument as a kernel
+
+
+def _is_cuda_jit(node: ast.expr) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "jit" and getattr(node.value, "id", None) == "cuda"
+
+
+def _kernel_names(tree: ast.Module) -> set[str]:
+    """Functions compiled as kernels: decorated with a bare `@cuda.jit` or `@_bounded`, or passed to
+    `cuda.jit(f)`, `jit_bounded(f, ...)` or `_bounded(f)` (device functions are `@cuda.jit(device=True)`)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            for d in node.decorator_list:
+                if _is_cuda_jit(d) or (isinstance(d, ast.Name) and d.id in JIT_WRAPPERS):
+                    names.add(node.name)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Name):
+            f = node.func
+            if (_is_cuda_jit(f) and not node.keywords) or (isinstance(f, ast.Name) and f.id in JIT_WRAPPERS):
+                names.add(node.args[0].id)
+    return names
+
+
+def _first_call(fn: ast.FunctionDef) -> str | None:
+    body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+    first = body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Call) and isinstance(first.value.func, ast.Name):
+        return first.value.func.id
+    return None
+
+
+def test_every_kernel_begins_with_await_grid():
+    found, late = [], []
+    for path in sorted(Path(cuda_kernels.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = _kernel_names(tree)
+        for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in names):
+            found.append(f"{path.name}:{fn.name}")
+            if _first_call(fn) != "await_grid":
+                late.append(f"{path.name}:{fn.name} (line {fn.lineno})")
+    # the kernels of norm, act, embed, matvec, matmul, attention, kv_copy and sample: the search finds them all
+    assert len(found) >= 17, found
+    assert not late, f"kernels that do not begin with await_grid(): {late}"
