@@ -12,6 +12,7 @@ eager and the replayed step run the same kernels on the same addresses.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -55,8 +56,6 @@ class CudaKVPool(SlotMap):
         # post-RoPE query of each layer's latest token, written by CudaOps.attention (KVFlash scorers read it)
         self.last_q = cuda.to_device(np.zeros((spec.n_layer, spec.n_head * spec.head_dim), np.float32),
                                      stream=stream)
-        self._staging: tuple | None = None  # (device, pinned host) buffers of one block, made on first use
-        self._key_staging: tuple | None = None  # the same for one block's keys as float32
 
     def truncate(self, n: int) -> None:
         super().truncate(n)
@@ -83,7 +82,7 @@ class CudaKVPool(SlotMap):
     def read_block(self, block: int) -> np.ndarray:
         """Block's rows of every layer in pinned host memory, [2 (K, V), n_layer, CHUNK_TOKENS, n_kv_head,
         head_dim]: a buffer the next read or write reuses. One gather launch and one device-to-host copy."""
-        device, host = self._staging_buffers()
+        device, host = self._staging
         kv_copy.gather_rows(self.kv, block * CHUNK_TOKENS, device, stream=self._stream)
         device.copy_to_host(host, stream=self._stream)
         self._stream.synchronize()
@@ -92,11 +91,6 @@ class CudaKVPool(SlotMap):
     def read_keys(self, block: int) -> np.ndarray:
         """Block's keys of every layer as float32 [n_layer, CHUNK_TOKENS, n_kv_head, head_dim] in pinned host
         memory, converted on the device: a buffer the next read_keys reuses."""
-        if self._key_staging is None:
-            n_layer, _, _, n_kv_head, head_dim = self.kv.shape
-            shape = (n_layer, CHUNK_TOKENS, n_kv_head, head_dim)
-            self._key_staging = (cuda.device_array(shape, np.float32, stream=self._stream),
-                                 cuda.pinned_array(shape, np.float32))
         device, host = self._key_staging
         kv_copy.gather_keys_f32(self.kv, block * CHUNK_TOKENS, device, stream=self._stream)
         device.copy_to_host(host, stream=self._stream)
@@ -106,7 +100,7 @@ class CudaKVPool(SlotMap):
     def write_block(self, block: int, rows: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
         """Block's rows from (K, V) [CHUNK_TOKENS, n_kv_head, head_dim] of each layer in turn. One host-to-device
         copy and one scatter launch, left running on the stream."""
-        device, host = self._staging_buffers()
+        device, host = self._staging
         self._stream.synchronize()  # the previous write's copy may still be reading the pinned buffer
         for layer, (k, v) in enumerate(rows):
             host[0, layer], host[1, layer] = k, v
@@ -121,13 +115,23 @@ class CudaKVPool(SlotMap):
         self.write_block(0, zip(rows[0], rows[1], strict=True))
         self._stream.synchronize()
 
-    def _staging_buffers(self) -> tuple:
-        if self._staging is None:
-            n_layer, _, _, n_kv_head, head_dim = self.kv.shape
-            shape = (2, n_layer, CHUNK_TOKENS, n_kv_head, head_dim)
-            self._staging = (cuda.device_array(shape, self.dtype, stream=self._stream),
-                             cuda.pinned_array(shape, self.dtype))
-        return self._staging
+    @functools.cached_property
+    def _staging(self) -> tuple:
+        """(device, pinned host) buffers of one block's K and V rows of every layer, made on first use."""
+        return self._buffer_pair((2, *self._block_shape), self.dtype)
+
+    @functools.cached_property
+    def _key_staging(self) -> tuple:
+        """The same for one block's keys as float32."""
+        return self._buffer_pair(self._block_shape, np.float32)
+
+    @property
+    def _block_shape(self) -> tuple[int, ...]:
+        n_layer, _, _, n_kv_head, head_dim = self.kv.shape
+        return n_layer, CHUNK_TOKENS, n_kv_head, head_dim
+
+    def _buffer_pair(self, shape: tuple[int, ...], dtype) -> tuple:
+        return cuda.device_array(shape, dtype, stream=self._stream), cuda.pinned_array(shape, dtype)
 
 
 MAX_STACK = 3  # matrices one product fills (an Epilogue's outputs)
