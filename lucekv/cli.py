@@ -96,7 +96,7 @@ def add_depth_commands(bench_sub: argparse._SubParsersAction, default_model: str
     depth.add_argument("--policy", default="quest", choices=["lru", "quest", "meankey"])
     depth.add_argument("--kv-tau", type=int, default=64, help="decoded tokens between reselects (default 64)")
     depth.add_argument("--gen-tokens", type=int, default=128,
-                       help="tokens decoded per run; pooled runs decode at least 1.1 reselect intervals")
+                       help="tokens decoded per run; pooled runs decode at least 1.1 x (a reselect interval + its lag)")
     depth.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"])
     depth.add_argument("--llama-bench", metavar="PATH", help="llama-bench binary: its tg at the same depths")
     depth.add_argument("--llama-reps", type=int, default=2, help="llama-bench repetitions (default 2)")
