@@ -156,13 +156,13 @@ class CudaOps:
     """The decoder's ops on device arrays (see lucekv.model.decoder.Ops).
 
     The host tokens / positions / slots the decoder passes are ignored: `begin_step` uploaded them.
-    Arrays allocated while `keep` is a list are appended to it (a captured graph must keep them alive).
-    Otherwise activations come from pools kept between forwards: numba allocates device memory synchronously
-    and frees it with a device-wide wait, which left a 512-token prefill's GPU idle between launches (measured on
-    an H200, 8B shape: ~30 ms of 140). A forward is cut into segments at each layer's attention; a segment reads
-    only its own arrays and the previous segment's, so layers of one parity share a pool (the embedding has its
-    own): two layers' activations stay allocated, not a whole forward's. A forward of another token count
-    empties the pools."""
+    Activations come from pools kept between forwards: numba allocates device memory synchronously and frees it
+    with a device-wide wait, which left a 512-token prefill's GPU idle between launches (measured on an H200, 8B
+    shape: ~30 ms of 140). A forward is cut into segments at each layer's attention; a segment reads only its own
+    arrays and the previous segment's, so layers of one parity share a pool (the embedding has its own): two
+    layers' activations stay allocated, not a whole forward's. A forward of another token count empties the
+    pools, but those of the token counts captured graphs run (`keep_pools`): a graph's kernels hold their arrays'
+    addresses, and the same forward run eagerly takes the same arrays, in the same order."""
 
     def __init__(self, spec: ModelSpec, pool: CudaKVPool, stream):
         self.spec = spec
@@ -178,8 +178,10 @@ class CudaOps:
         self._one_dev = cuda.to_device(np.zeros(3, np.int32), stream=stream)
         self._one = {name: self._one_dev[i:i + 1] for i, name in enumerate(("tokens", "positions", "slots"))}
         self.tokens = self.positions = self.slots = None
-        self.keep: list | None = None
-        self._pools: dict[object, dict[tuple, list]] = {}  # segment -> (shape, dtype) -> arrays
+        self._kept: set[int] = set()  # token counts whose pools and input buffers stay (see keep_pools)
+        self._inputs: dict[int, tuple] = {}  # token count > 1 in _kept -> (pinned [3, n], device [3, n]) inputs
+        self._pools_by_tokens: dict[int, dict] = {}  # token count -> segment -> (shape, dtype) -> arrays
+        self._pools: dict[object, dict[tuple, list]] = {}  # the current token count's
         self._pool: dict[tuple, list] = {}  # the current segment's
         self._taken: dict[tuple, int] = {}  # arrays of each (shape, dtype) the current segment has taken
         self._pooled_tokens = 0  # the token count the pools' arrays are shaped for
@@ -187,20 +189,36 @@ class CudaOps:
     def begin_step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, mark: bool = True) -> None:
         """Upload the step's inputs (one-token steps into the fixed buffers) and, with `mark`, mark their slots
         (a replayed decode graph marks them itself)."""
-        s = self.stream
-        if len(tokens) != self._pooled_tokens:
-            self._pools, self._pooled_tokens = {}, len(tokens)
-        self._use_pool("embed")
+        n = len(tokens)
+        if n != self._pooled_tokens:
+            self._pools_by_tokens = {c: p for c, p in self._pools_by_tokens.items() if c in self._kept}
+            self._pools, self._pooled_tokens = self._pools_by_tokens.setdefault(n, {}), n
+        self.rewind()
         inputs = {"tokens": tokens, "positions": positions, "slots": slots}
-        if len(tokens) == 1:
+        if n == 1:
             self.upload_one(*(int(np.asarray(v).reshape(-1)[0]) for v in inputs.values()))
             for name in inputs:
                 setattr(self, name, self._one[name])
+        elif n in self._kept:  # a graph's inputs: fixed buffers
+            host, device = self._inputs.setdefault(n, (cuda.pinned_array((3, n), np.int32),
+                                                       cuda.device_array((3, n), np.int32, stream=self.stream)))
+            host[:] = tokens, positions, slots  # (the forward before this one has finished: the copy is free)
+            copy_to_device_async(device, host, self.stream)
+            self.tokens, self.positions, self.slots = device[0], device[1], device[2]
         else:
             for name, host in inputs.items():
-                setattr(self, name, cuda.to_device(np.ascontiguousarray(host, np.int32), stream=s))
+                setattr(self, name, cuda.to_device(np.ascontiguousarray(host, np.int32), stream=self.stream))
         if mark:
             self.mark_slots()
+
+    def keep_pools(self, n: int) -> None:
+        """Keep the activation pools (and, for n > 1, fixed input buffers) of n-token forwards from now on."""
+        self._kept.add(n)
+
+    def rewind(self) -> None:
+        """Allocations from here on take the pools' arrays from the first: a forward's start (a graph's capture
+        records the forward just run on the same arrays)."""
+        self._use_pool("embed")
 
     def upload_one(self, token: int | None, position: int, slot: int) -> None:
         """A one-token step's inputs into the fixed buffers; token None keeps the device's (a graph's argmax)."""
@@ -223,10 +241,6 @@ class CudaOps:
         return self._alloc((n, width), np.float32)
 
     def _alloc(self, shape: tuple[int, ...], dtype):
-        if self.keep is not None:
-            out = cuda.device_array(shape, dtype, stream=self.stream)
-            self.keep.append(out)
-            return out
         key = (shape, np.dtype(dtype))
         arrays = self._pool.setdefault(key, [])
         i = self._taken.get(key, 0)
@@ -363,7 +377,8 @@ class CudaBackend(RunAhead):
 
     def __init__(self, g: GGUFFile, spec: ModelSpec, kv_dtype: str = "f16", pool_size: int | None = None,
                  use_graph: bool | None = None):
-        """use_graph: replay decode steps from a CUDA graph; default: on a GPU (the simulator has none)."""
+        """use_graph: replay decode steps and full prefill chunks from CUDA graphs; default: on a GPU (the simulator
+        has none)."""
         if why := attention.unsupported(spec.n_head, spec.n_kv_head, spec.head_dim):
             raise UnsupportedModelError(f"the CUDA backend cannot run {spec.name}: {why}")
         super().__init__()
@@ -375,7 +390,11 @@ class CudaBackend(RunAhead):
             self.pool.compile_paging()
         self.ops = CudaOps(spec, self.pool, self.stream)
         self.weights: Weights = load_weights(g, spec, self.ops)
-        self.graph = DecodeGraph(self) if (not SIMULATOR if use_graph is None else use_graph) else None
+        graphs = not SIMULATOR if use_graph is None else use_graph
+        self.graph = DecodeGraph(self) if graphs else None
+        # full prefill chunks (a long prompt's all but last) replay a graph too: as ~200 launches, numba's host time
+        # per launch made a small model's prefill host-bound (0.5B shape, H200: ~180 us per launch, 36 of 42 ms)
+        self.prefill_graph = ForwardGraph(self, self.prefill_chunk) if graphs else None
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                 all_logits: bool = False) -> np.ndarray:
@@ -383,19 +402,25 @@ class CudaBackend(RunAhead):
         tokens = np.asarray(tokens)
         self._chained = False
         self.pool.assign(slots, positions)
-        replay = len(tokens) == 1 and self.graph is not None and self.graph.ready
+        graph = self._graph_for(len(tokens), all_logits)
+        replay = graph is not None and graph.ready
         self.ops.begin_step(tokens, positions, slots, mark=not replay)
         if replay:
-            return self.graph.replay()
-        else:
-            with cuda.defer_cleanup():  # numba frees device memory synchronously: not between a forward's launches
-                logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits)
-            if len(tokens) == 1 and self.graph is not None:
-                # kernels are compiled and loaded now: capture the same step for the next ones
-                self.graph.capture(tokens, positions, slots)
+            return graph.replay()
+        with cuda.defer_cleanup():  # numba frees device memory synchronously: not between a forward's launches
+            logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits)
+        if graph is not None:  # kernels are compiled and loaded now: capture the same forward for the next ones
+            graph.capture(tokens, positions, slots)
         out = logits.copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return out
+
+    def _graph_for(self, n: int, all_logits: bool) -> ForwardGraph | None:
+        """The graph that runs an n-token forward, if any (one token's logits are all its logits)."""
+        if n == 1:
+            return self.graph
+        graph = self.prefill_graph
+        return graph if graph is not None and n == graph.n_tokens and not all_logits else None
 
     def decode_ahead(self, position: int, slot: int, token: int | None = None) -> None:
         """RunAhead's step as a graph replay left running: inputs copied in, the replay and the copy out of its
@@ -448,29 +473,22 @@ class TokenReadback(NamedTuple):
     turn: int
 
 
-class DecodeGraph:
-    """The one-token forward captured once as a CUDA graph on the backend's stream, replayed per step.
-    The graph ends with the argmax of the logits written to the step's token buffer: a replay left running
-    (`launch_ahead`) feeds the next one without the host.
+class ForwardGraph:
+    """An n-token forward (last-token logits) captured once as a CUDA graph on the backend's stream, and replayed:
+    numba pays 24-53 us of host time per kernel launch (more with many arguments), a replayed graph about 0.5 us.
 
-    Capture records the launches without running them. Every array the step allocates is kept for the
-    graph's lifetime (its kernels hold their addresses), and deallocation is deferred during capture.
-    Relaxed capture mode: numba allocates device memory while the step is being recorded."""
+    Capture records the launches of the forward just run eagerly (its kernels compiled and loaded), on the same
+    activation arrays: CudaOps keeps the pools of n-token forwards for the graph's lifetime, and their inputs in
+    fixed buffers. Relaxed capture mode: no allocation should happen while recording, but one would be allowed."""
 
-    def __init__(self, backend: CudaBackend):
+    def __init__(self, backend: CudaBackend, n_tokens: int):
         self.backend = backend
+        self.n_tokens = n_tokens
         self.logits = None
         self._host_logits: np.ndarray | None = None
         self._exec = None
-        self._keep: list = []
-        self.overlapped_edges = 0  # kernel-to-kernel edges of the captured step made programmatic
-        self._tokens_host = cuda.pinned_array(2, np.int32)  # two turns, as the step inputs (CudaOps.upload_one)
-        self._token_ready = [ordering_event() for _ in range(2)]
-        self._turn = 0
-        self._argmax_scratch = sample.argmax_scratch(1, stream=backend.stream)
-        # compiled now: a capture only records launches (the forward's kernels compile in the eager step before it)
-        sample.argmax(cuda.device_array((1, 4), np.float32), 4, cuda.device_array(1, np.int32), self._argmax_scratch,
-                      stream=backend.stream)
+        self.overlapped_edges = 0  # kernel-to-kernel edges of the captured forward made programmatic
+        backend.ops.keep_pools(n_tokens)
 
     @property
     def ready(self) -> bool:
@@ -481,30 +499,59 @@ class DecodeGraph:
 
         b = self.backend
         handle = driver.CUstream(int(b.stream.handle))
-        b.ops.keep = self._keep
-        try:
-            with cuda.defer_cleanup():
-                relaxed = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
-                _check(driver.cuStreamBeginCapture(handle, relaxed))
-                try:
-                    b.ops.mark_slots()
-                    self.logits = forward(b.spec, b.weights, b.ops, tokens, positions, slots)
-                    sample.argmax(self.logits, b.spec.vocab_size, b.ops.next_token_buffer, self._argmax_scratch,
-                                  stream=b.stream)
-                finally:
-                    graph = _check(driver.cuStreamEndCapture(handle))
-                self.overlapped_edges = overlap_kernel_launches(graph)
-                self._exec = _check(driver.cuGraphInstantiate(graph, 0))
-                _check(driver.cuGraphDestroy(graph))  # the executable graph is independent of it
-                self._host_logits = cuda.pinned_array(self.logits.shape, np.float32)
-        finally:
-            b.ops.keep = None
+        with cuda.defer_cleanup():
+            _check(driver.cuStreamBeginCapture(handle, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+            try:
+                b.ops.rewind()
+                b.ops.mark_slots()
+                self.logits = forward(b.spec, b.weights, b.ops, tokens, positions, slots)
+                self._record_after()
+            finally:
+                graph = _check(driver.cuStreamEndCapture(handle))
+            self.overlapped_edges = overlap_kernel_launches(graph)
+            self._exec = _check(driver.cuGraphInstantiate(graph, 0))
+            _check(driver.cuGraphDestroy(graph))  # the executable graph is independent of it
+            self._host_logits = cuda.pinned_array(self.logits.shape, np.float32)
+
+    def _record_after(self) -> None:
+        """Launches the graph makes after the forward's (none)."""
 
     def launch(self) -> None:
-        """Enqueue the captured step (inputs already in the fixed buffers) on the backend's stream."""
+        """Enqueue the captured forward (inputs already in the fixed buffers) on the backend's stream."""
         from cuda.bindings import driver
 
         _check(driver.cuGraphLaunch(self._exec, driver.CUstream(int(self.backend.stream.handle))))
+
+    def replay(self) -> np.ndarray:
+        """Run the captured forward; its logits on the host, through pinned memory (a pageable copy of a 150K-token
+        vocabulary's logits costs more than the copy out of it)."""
+        from cuda.bindings import driver
+
+        self.launch()
+        handle = driver.CUstream(int(self.backend.stream.handle))
+        _check(driver.cuMemcpyDtoHAsync(self._host_logits.ctypes.data, _device_pointer(self.logits),
+                                        self._host_logits.nbytes, handle))
+        _check(driver.cuStreamSynchronize(handle))
+        return self._host_logits.copy()
+
+
+class DecodeGraph(ForwardGraph):
+    """The one-token step, ending with the argmax of its logits written to the step's token buffer: a replay left
+    running (`launch_ahead`) feeds the next one without the host."""
+
+    def __init__(self, backend: CudaBackend):
+        super().__init__(backend, 1)
+        self._tokens_host = cuda.pinned_array(2, np.int32)  # two turns, as the step inputs (CudaOps.upload_one)
+        self._token_ready = [ordering_event() for _ in range(2)]
+        self._turn = 0
+        self._argmax_scratch = sample.argmax_scratch(1, stream=backend.stream)
+        # compiled now: a capture only records launches (the forward's kernels compile in the eager step before it)
+        sample.argmax(cuda.device_array((1, 4), np.float32), 4, cuda.device_array(1, np.int32), self._argmax_scratch,
+                      stream=backend.stream)
+
+    def _record_after(self) -> None:
+        b = self.backend
+        sample.argmax(self.logits, b.spec.vocab_size, b.ops.next_token_buffer, self._argmax_scratch, stream=b.stream)
 
     def launch_ahead(self) -> TokenReadback:
         """Enqueue the captured step and the copy of its argmax to the host; wait for it with `token`. At most one
@@ -523,18 +570,6 @@ class DecodeGraph:
     def token(self, r: TokenReadback) -> int:
         self._token_ready[r.turn].synchronize()
         return int(self._tokens_host[r.turn])
-
-    def replay(self) -> np.ndarray:
-        """Run the captured step; its logits on the host, through pinned memory (a pageable copy of a 150K-token
-        vocabulary's logits costs more than the copy out of it)."""
-        from cuda.bindings import driver
-
-        self.launch()
-        handle = driver.CUstream(int(self.backend.stream.handle))
-        _check(driver.cuMemcpyDtoHAsync(self._host_logits.ctypes.data, _device_pointer(self.logits),
-                                        self._host_logits.nbytes, handle))
-        _check(driver.cuStreamSynchronize(handle))
-        return self._host_logits.copy()
 
 
 def overlap_kernel_launches(graph) -> int:

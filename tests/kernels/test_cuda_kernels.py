@@ -446,6 +446,44 @@ def test_backend_matches_cpu_simulated(tmp_path):
     check_backend_matches_cpu(tmp_path, "llama", Q.Q4_0, 1, n_layer=2)
 
 
+def small_qwen2(tmp_path):
+    from lucekv.model.arch import ModelSpec
+    from lucekv.model.gguf import open_gguf
+    from lucekv.model.synth import write_synthetic_gguf
+
+    g = open_gguf(write_synthetic_gguf(tmp_path / "m.gguf", "qwen2", qtype=Q.Q4_0, n_embd=256, n_head=8,
+                                       n_kv_head=2, head_dim=32, n_ff=512, n_layer=4))
+    return g, ModelSpec.from_gguf(g)
+
+
+@gpu
+@needs_gpu
+def test_prefill_graph_replays_full_chunks(tmp_path, monkeypatch):
+    """A prompt of three full prefill chunks and a partial one: the first full chunk runs eagerly and is captured,
+    the next two replay it; every chunk's logits are the eager backend's exactly, as are a full chunk's logits of
+    every position (run eagerly: the graph keeps the last token's) and the decode steps after."""
+    from lucekv.backends.cuda import CudaBackend
+
+    monkeypatch.setattr(CudaBackend, "prefill_chunk", 16)
+    g, spec = small_qwen2(tmp_path)
+    eager = CudaBackend(g, spec, "f16", 128, use_graph=False)
+    graphed = CudaBackend(g, spec, "f16", 128, use_graph=True)
+    tokens = np.arange(3, 3 + 3 * 16 + 5, dtype=np.int32)
+    for start in range(0, len(tokens), 16):
+        pos = np.arange(start, min(start + 16, len(tokens)), dtype=np.int32)
+        a, b = eager.forward(tokens[pos], pos, pos), graphed.forward(tokens[pos], pos, pos)
+        assert np.array_equal(a, b), f"chunk at {start}"
+        assert graphed.prefill_graph.ready
+    pos = np.arange(16, dtype=np.int32)
+    a, b = eager.forward(tokens[pos], pos, pos, all_logits=True), graphed.forward(tokens[pos], pos, pos, True)
+    assert a.shape == (16, spec.vocab_size) and np.array_equal(a, b)
+    for step in range(8):
+        p = np.array([len(tokens) + step], np.int32)
+        tok = np.array([np.argmax(a[-1])], np.int32)
+        a, b = eager.forward(tok, p, p), graphed.forward(tok, p, p)
+        assert np.array_equal(a, b), f"step {step}"
+
+
 @gpu
 @needs_gpu
 def test_decode_graph_replays_the_eager_step(tmp_path):
@@ -453,13 +491,8 @@ def test_decode_graph_replays_the_eager_step(tmp_path):
     every kernel launched before the one before it has finished (programmatic edges)."""
     from lucekv.backends.cuda import CudaBackend
     from lucekv.kernels.cuda._numba import overlapped_launches
-    from lucekv.model.arch import ModelSpec
-    from lucekv.model.gguf import open_gguf
-    from lucekv.model.synth import write_synthetic_gguf
 
-    g = open_gguf(write_synthetic_gguf(tmp_path / "m.gguf", "qwen2", qtype=Q.Q4_0, n_embd=256, n_head=8,
-                                       n_kv_head=2, head_dim=32, n_ff=512, n_layer=4))
-    spec = ModelSpec.from_gguf(g)
+    g, spec = small_qwen2(tmp_path)
     eager = CudaBackend(g, spec, "f16", 600, use_graph=False)
     graphed = CudaBackend(g, spec, "f16", 600, use_graph=True)
     tokens = np.arange(3, 40, dtype=np.int32)
