@@ -187,8 +187,8 @@ class CudaOps:
         self._pooled_tokens = 0  # the token count the pools' arrays are shaped for
 
     def begin_step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, mark: bool = True) -> None:
-        """Upload the step's inputs (one-token steps into the fixed buffers) and, with `mark`, mark their slots
-        (a replayed decode graph marks them itself)."""
+        """Upload the step's inputs (those of a one-token step or of a kept token count into fixed buffers) and, with
+        `mark`, mark their slots (a replayed graph marks them itself)."""
         n = len(tokens)
         if n != self._pooled_tokens:
             self._pools_by_tokens = {c: p for c, p in self._pools_by_tokens.items() if c in self._kept}
