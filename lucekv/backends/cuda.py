@@ -200,8 +200,10 @@ class CudaOps:
             for name in inputs:
                 setattr(self, name, self._one[name])
         elif n in self._kept:  # a graph's inputs: fixed buffers
-            host, device = self._inputs.setdefault(n, (cuda.pinned_array((3, n), np.int32),
-                                                       cuda.device_array((3, n), np.int32, stream=self.stream)))
+            if n not in self._inputs:
+                self._inputs[n] = cuda.pinned_array((3, n), np.int32), cuda.device_array((3, n), np.int32,
+                                                                                         stream=self.stream)
+            host, device = self._inputs[n]
             host[:] = tokens, positions, slots  # (the forward before this one has finished: the copy is free)
             copy_to_device_async(device, host, self.stream)
             self.tokens, self.positions, self.slots = device[0], device[1], device[2]
