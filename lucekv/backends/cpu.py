@@ -15,7 +15,7 @@ from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, dequantize_rows,
 from lucekv.kvflash.host_store import HostStore
 from lucekv.kvflash.pager import CHUNK_TOKENS, Move, PageIn, PageOut
 from lucekv.model.arch import ModelSpec
-from lucekv.model.decoder import Weights, forward, load_weights
+from lucekv.model.decoder import LayerWeights, Weights, forward, load_weights, project_qkv
 from lucekv.model.gguf import GGUFFile, TensorInfo
 
 KV_DTYPES = {"f16": np.float16, "f32": np.float32}
@@ -98,9 +98,10 @@ class CpuOps:
             xh[..., 1:rd:2] = a * sin + b * cos
         return xh.reshape(x.shape)
 
-    def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
-                  slots: np.ndarray, window: int, rope_base: float) -> np.ndarray:
+    def attention(self, layer: int, x: np.ndarray, lw: LayerWeights, positions: np.ndarray, slots: np.ndarray,
+                  window: int, rope_base: float) -> np.ndarray:
         spec, pool = self.spec, self.pool
+        q, k, v = project_qkv(spec, self, x, lw)
         q = self._rope(q, spec.n_head, positions, rope_base)
         k = self._rope(k, spec.n_kv_head, positions, rope_base)
         kp, vp = pool.k[layer], pool.v[layer]

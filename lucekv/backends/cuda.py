@@ -23,17 +23,29 @@ from lucekv.backends.ahead import RunAhead
 from lucekv.backends.cpu import KV_DTYPES
 from lucekv.backends.slots import SlotMap
 from lucekv.errors import UnsupportedModelError
-from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, interleave_rows, pack_tensor, stack_rows
+from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, interleave_rows, pack_tensor, permute_rows, stack_rows
 from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, norm, rope, sample
 from lucekv.kernels.cuda._numba import device_zeros, ordering_event, overlapped_launches
 from lucekv.kernels.cuda.embed import embed
 from lucekv.kernels.cuda.matmul import matmul
 from lucekv.kernels.cuda.matvec import fuses_norm, matvec
-from lucekv.kernels.cuda.packed import GATE_ROWS, GELU, NO_GATE, SILU, DeviceMatrix, Epilogue, epilogue, upload
+from lucekv.kernels.cuda.packed import (
+    GATE_ROWS,
+    GELU,
+    NO_GATE,
+    SILU,
+    AttentionInputs,
+    DeviceMatrix,
+    Epilogue,
+    attention_inputs,
+    epilogue,
+    upload,
+)
+from lucekv.kernels.cuda.rope import Rotary, pair_order
 from lucekv.kvflash.host_store import HostStore
 from lucekv.kvflash.pager import CHUNK_TOKENS, Move, PageOut
 from lucekv.model.arch import ModelSpec
-from lucekv.model.decoder import Weights, forward, load_weights
+from lucekv.model.decoder import LayerWeights, Weights, forward, load_weights, project_qkv
 from lucekv.model.gguf import GGUFFile, TensorInfo
 
 
@@ -170,6 +182,11 @@ class CudaOps:
         self.stream = stream
         bases = {spec.layer_rope_base(i) for i in range(spec.n_layer)}
         self._inv_freq = {b: cuda.to_device(rope.inv_freq(b, spec.rope_dim), stream=stream) for b in bases}
+        # Where no per-head norm comes between, a one-token step's q/k/v product rotates q and k and stores k and v
+        # itself (AttentionInputs: one launch less per layer); a neox model's q and k weights then hold each rotary
+        # pair on adjacent rows (rope.pair_order), and so do its prefill's q and k activations
+        self._rotates_in_product = not spec.arch.qk_norm
+        self._paired = self._rotates_in_product and spec.arch.rope_style == "neox"
         # one-token steps: token, position, slot in one fixed device buffer, filled by one copy from pinned memory
         # (two turns of it: a step may be queued while the one before it runs); a decode graph's argmax writes the
         # token, so that a step enqueued ahead takes its input from the step before it
@@ -260,15 +277,24 @@ class CudaOps:
         return upload(pack_tensor(t), stream=self.stream)
 
     def projections(self, ws: Sequence[TensorInfo], biases: Sequence[TensorInfo | None]) -> list[Stacked]:
-        """Consecutive matrices of one layout (kind, block, group, width) stacked (by 3 at most); the rest alone."""
-        return [self._stack(g) for g in _groups(list(zip(map(pack_tensor, ws), biases, strict=True)))]
+        """q, k, v: consecutive matrices of one layout (kind, block, group, width) stacked (by 3 at most), the rest
+        alone; q and k rows (and biases) in paired order where the model's are (see __init__)."""
+        spec = self.spec
+        ms = [pack_tensor(w) for w in ws]
+        bs = [None if b is None else self._host_vector(b) for b in biases]
+        if self._paired:
+            for i, heads in enumerate((spec.n_head, spec.n_kv_head)):
+                order = pair_order(heads, spec.head_dim, spec.rope_dim)
+                ms[i] = permute_rows(ms[i], order)
+                bs[i] = None if bs[i] is None else bs[i][order]
+        return [self._stack(g) for g in _groups(list(zip(ms, bs, strict=True)))]
 
     def _stack(self, group: list[tuple]) -> Stacked:
+        """(matrix, host bias or None) pairs as one Stacked."""
         ms = [m for m, _ in group]
         bias = None
         if any(b is not None for _, b in group):
-            bias = np.concatenate([np.zeros(m.rows, np.float32) if b is None else self._host_vector(b)
-                                   for m, b in group])
+            bias = np.concatenate([np.zeros(m.rows, np.float32) if b is None else b for m, b in group])
             bias = cuda.to_device(bias, stream=self.stream)
         return Stacked(upload(stack_rows(ms), stream=self.stream), [m.rows for m in ms], bias)
 
@@ -293,8 +319,7 @@ class CudaOps:
         return out
 
     def project(self, x, p: list[Stacked], norm):
-        if x.shape[0] > 1 or not all(fuses_norm(s.matrix) for s in p):
-            x, norm = self.rmsnorm(x, norm), None
+        x, norm = self._norm_for(x, p, norm)
         outs = []
         gate = GELU if self.spec.arch.activation == "gelu_tanh" else SILU
         for s in p:
@@ -302,6 +327,12 @@ class CudaOps:
             self._product(s.matrix, x, epilogue(parts, bias=s.bias, gate=gate if s.gated else NO_GATE), norm)
             outs += parts
         return outs
+
+    def _norm_for(self, x, p: list[Stacked], norm):
+        """(x, norm) for the products of p: the norm left to them where they all fuse it, or x normalized here."""
+        if x.shape[0] > 1 or not all(fuses_norm(s.matrix) for s in p):
+            return self.rmsnorm(x, norm), None
+        return x, norm
 
     def gated_linear(self, x, g: list[Stacked], norm):
         outs = self.project(x, g, norm)
@@ -318,7 +349,7 @@ class CudaOps:
         self._product(w, x, epilogue((out,), residual=residual), norm)
         return out
 
-    def _product(self, w: DeviceMatrix, x, ep: Epilogue, norm) -> None:
+    def _product(self, w: DeviceMatrix, x, ep: Epilogue | AttentionInputs, norm) -> None:
         """One token: the decode matvec, normalizing x itself when `norm` is given; more: tensor-core matmul
         (the caller has normalized x)."""
         if x.shape[0] == 1:
@@ -331,19 +362,33 @@ class CudaOps:
         norm.rmsnorm(x, w, self.spec.rms_eps, groups, out, stream=self.stream)
         return out
 
-    def attention(self, layer: int, q, k, v, positions: np.ndarray, slots: np.ndarray, window: int,
+    def attention(self, layer: int, x, lw: LayerWeights, positions: np.ndarray, slots: np.ndarray, window: int,
                   rope_base: float):
         spec, pool, s = self.spec, self.pool, self.stream
-        self._use_pool(layer % 2)  # a new segment: it overwrites the arrays of two layers back
-        n = q.shape[0]
-        q_rot = self._empty(n, q.shape[1])
-        rotary = (self._inv_freq[rope_base], spec.rope_scale, spec.arch.rope_style == "neox")
+        n = x.shape[0]
+        rotary = Rotary(self._inv_freq[rope_base], np.float64(spec.rope_scale), spec.arch.rope_style == "neox",
+                        self._paired)
         # KVFlash scorers read the latest token's rotated query from pool.last_q (a replayed graph writes it too)
-        attention.rope_and_store(q, k, v, self.positions, self.slots, rotary, pool.k[layer], pool.v[layer], q_rot,
-                                 pool.last_q[layer], stream=s)
+        if n == 1 and self._rotates_in_product and all(st.matrix.kind != "f32" for st in lw.qkv):
+            x, norm = self._norm_for(x, lw.qkv, lw.attn_norm)
+            q = pool.last_q[layer:layer + 1]
+            n_q, n_k = spec.n_head * spec.head_dim, spec.n_kv_head * spec.head_dim
+            row0 = 0
+            for st in lw.qkv:
+                self._product(st.matrix, x, attention_inputs(q, pool.k[layer], pool.v[layer], self.positions,
+                                                             self.slots, rotary, n_q, n_k, row0, st.bias), norm)
+                row0 += st.matrix.rows
+            self._use_pool(layer % 2)  # a new segment: it overwrites the arrays of two layers back
+        else:
+            q, k, v = project_qkv(spec, self, x, lw)
+            self._use_pool(layer % 2)
+            q_rot = self._empty(n, q.shape[1])
+            attention.rope_and_store(q, k, v, self.positions, self.slots, rotary, pool.k[layer], pool.v[layer],
+                                     q_rot, pool.last_q[layer], stream=s)
+            q = q_rot
         parts = attention.partials(n, spec.n_head, spec.n_kv_head, spec.head_dim, pool.size, self._alloc)
         out = self._empty(n, spec.n_head * spec.head_dim)
-        attention.attend(q_rot, pool.k[layer], pool.v[layer], pool.d_slot_pos, pool.d_high_water, self.positions,
+        attention.attend(q, pool.k[layer], pool.v[layer], pool.d_slot_pos, pool.d_high_water, self.positions,
                          window, spec.attn_scale, parts, out, stream=s)
         return out
 

@@ -79,12 +79,13 @@ class LaunchRecorder:
         def labelled(name, fn):
             def op(self, *args, **kwargs):
                 w = args[0] if args and isinstance(args[0], DeviceMatrix) else None
+                outer = recorder.op  # an op inside another (attention's q/k/v product) labels its own launches
                 recorder.op = name if w is None else f"{name} {w.rows}x{w.cols} {w.kind}"
                 recorder.op_bytes = 0 if w is None else _weight_bytes(w)
                 try:
                     return fn(self, *args, **kwargs)
                 finally:
-                    recorder.op = "step"
+                    recorder.op = outer
             return op
 
         _LaunchConfiguration.__call__ = timed_launch

@@ -38,9 +38,10 @@ class Ops(Protocol):
     def gated_linear(self, x: Act, g: Gated, norm: Vector) -> Act:
         """act(norm(x) @ W_gate.T) * (norm(x) @ W_up.T), act the architecture's (SiLU or GELU-tanh)."""
     def rmsnorm(self, x: Act, w: Vector, groups: int = 1) -> Act: ...
-    def attention(self, layer: int, q: Act, k: Act, v: Act, positions: np.ndarray, slots: np.ndarray,
+    def attention(self, layer: int, x: Act, lw: LayerWeights, positions: np.ndarray, slots: np.ndarray,
                   window: int, rope_base: float) -> Act:
-        """RoPE on q and k, k and v written to `slots`, then q attends over the pool."""
+        """q, k, v of x (`project_qkv`), RoPE on q and k, k and v written to `slots`, then q attends over
+        the pool."""
     def add(self, x: Act, y: Act) -> Act: ...
     def rows(self, x: Act, idx: slice) -> Act: ...
 
@@ -94,16 +95,22 @@ def forward(spec: ModelSpec, w: Weights, ops: Ops, tokens: np.ndarray, positions
     """Run `tokens` at `positions`, writing their K/V to pool `slots`; logits of the last token (or all)."""
     x = ops.embed(w.token_embd, tokens, float(np.sqrt(spec.n_embd)) if spec.arch.embed_scale else 1.0)
     for i, lw in enumerate(w.layers):
-        q, k, v = ops.project(x, lw.qkv, norm=lw.attn_norm)
-        if spec.arch.qk_norm:
-            q = ops.rmsnorm(q, lw.q_norm, groups=spec.n_head)
-            k = ops.rmsnorm(k, lw.k_norm, groups=spec.n_kv_head)
-        attn = ops.attention(i, q, k, v, positions, slots, spec.window(i), spec.layer_rope_base(i))
+        attn = ops.attention(i, x, lw, positions, slots, spec.window(i), spec.layer_rope_base(i))
         x = _add_branch(ops, x, lw.wo, attn, lw.post_attn_norm)
         x = _add_branch(ops, x, lw.w_down, ops.gated_linear(x, lw.gate_up, norm=lw.ffn_norm), lw.post_ffn_norm)
     if not all_logits:
         x = ops.rows(x, slice(-1, None))
     return ops.linear(w.output, x, norm=w.output_norm)
+
+
+def project_qkv(spec: ModelSpec, ops: Ops, x: Act, lw: LayerWeights) -> tuple[Act, Act, Act]:
+    """q, k, v of the attention norm of x, q and k normalized per head where the model has q/k norms (before RoPE,
+    which `Ops.attention` applies)."""
+    q, k, v = ops.project(x, lw.qkv, norm=lw.attn_norm)
+    if lw.q_norm is not None:
+        q = ops.rmsnorm(q, lw.q_norm, groups=spec.n_head)
+        k = ops.rmsnorm(k, lw.k_norm, groups=spec.n_kv_head)
+    return q, k, v
 
 
 def _add_branch(ops: Ops, x: Act, w: Matrix, h: Act, post_norm: Vector | None) -> Act:

@@ -3,7 +3,8 @@
 The simulator runs kernels as Python, so it never types them the way the GPU compiler does; this does.
 Needs NVVM and NVRTC (pip wheels nvidia-nvvm, nvidia-cuda-nvrtc, no GPU) under CUDA_HOME:
     CUDA_HOME=<dir: lib/libnvvm.so.4, lib/libnvrtc.so.13, nvvm/libdevice> python tests/kernels/ptx_check.py
-Only rope_and_store should show float64 operations (its angles are float64 on purpose). Where a `ptxas` is found (on
+Only rope_and_store and the q/k/v products (`_qkv`) should show float64 operations (angles are float64 on
+purpose). Where a `ptxas` is found (on
 PATH, or in CUDA_HOME/bin), each PTX is also assembled for sm_90, which catches inline-asm errors, and its
 registers and spill bytes are printed.
 """
@@ -19,7 +20,8 @@ import numpy as np
 from numba import typeof, types
 
 from lucekv.kernels.cuda import act, attention, cuda, embed, matmul, matvec, norm, sample
-from lucekv.kernels.cuda.packed import Quant, epilogue
+from lucekv.kernels.cuda.packed import Quant, attention_inputs, epilogue
+from lucekv.kernels.cuda.rope import Rotary
 
 
 class _Hopper:  # device functions ask the current device for its compute capability
@@ -29,7 +31,7 @@ class _Hopper:  # device functions ask the current device for its compute capabi
 dispatcher.get_current_device = _Hopper
 
 F2, U2, F1, I1 = types.float32[:, ::1], types.uint32[:, ::1], types.float32[::1], types.int32[::1]
-F64, H3 = types.float64[::1], types.float16[:, :, ::1]
+H3 = types.float16[:, :, ::1]
 I64, F32, B = types.int64, types.float32, types.boolean
 PART = (types.float32[:, :, ::1], types.float32[:, :, ::1], types.float32[:, :, :, ::1])
 ATTEND = (F2, U2, U2, I1, I1, I1, I64, F32, *PART, F2)
@@ -37,6 +39,9 @@ ATTEND = (F2, U2, U2, I1, I1, I1, I64, F32, *PART, F2)
 _m = np.zeros((2, 4), np.float32)
 EP = typeof(epilogue((_m, _m), bias=_m[0]))
 XNORM = typeof((_m, np.float32(0), True))
+ROTARY = typeof(Rotary(np.zeros(4), np.float64(1), True, True))
+QKV = typeof(attention_inputs(_m, *(np.zeros((2, 2, 4), np.float16) for _ in range(2)), *(np.zeros(1, np.int32),) * 2,
+                              Rotary(np.zeros(4), np.float64(1), True, True), 4, 2, bias=_m[0]))
 
 
 def _quant(codes, scales, subs) -> types.Type:
@@ -53,14 +58,16 @@ MATVEC = (F2, XNORM, EP, I64, I64)
 
 # kernel: argument types (return void)
 CHECKS = {
-    "matvec_q4": (matvec._KERNELS["q4"], (Q4_K, *MATVEC)),
-    "matvec_q6": (matvec._KERNELS["q6"], (Q6_K, *MATVEC)),
-    "matvec_q8": (matvec._KERNELS["q8"], (Q8_0, *MATVEC)),
+    "matvec_q4": (matvec._KERNELS["q4", "rows"], (Q4_K, *MATVEC)),
+    "matvec_q6": (matvec._KERNELS["q6", "rows"], (Q6_K, *MATVEC)),
+    "matvec_q8": (matvec._KERNELS["q8", "rows"], (Q8_0, *MATVEC)),
+    "matvec_q4_qkv": (matvec._KERNELS["q4", "qkv"], (Q4_K, F2, XNORM, QKV, I64, I64)),
+    "matvec_q8_qkv": (matvec._KERNELS["q8", "qkv"], (Q8_0, F2, XNORM, QKV, I64, I64)),
     "matvec_f32": (matvec._matvec_f32, (F2, F2, EP)),
     "rmsnorm": (norm._rmsnorm, (F2, F1, F32, F2)),
     "gated_act": (act._gated_act, (F2, F2, B, F2)),
     "add": (act._add, (F2, F2, F2)),
-    "rope_and_store_f16": (attention._rope_and_store, (F2, F2, F2, I1, I1, F64, types.float64, B, H3, H3, F2, F1)),
+    "rope_and_store_f16": (attention._rope_and_store, (F2, F2, F2, I1, I1, ROTARY, H3, H3, F2, F1)),
     "attend_f16_128": (attention._split_kernel(2, 64), ATTEND),
     "attend_f32_128": (attention._split_kernel(1, 128), ATTEND),
     "attend_f32_160": (attention._split_kernel(1, 160), ATTEND),

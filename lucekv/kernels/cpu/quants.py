@@ -98,7 +98,11 @@ def interleave_rows(a: PackedMatrix, b: PackedMatrix, group: int) -> PackedMatri
     if a.rows != b.rows or a.rows % group:
         raise ValueError(f"interleave_rows needs two matrices of the same rows, a multiple of {group}")
     m = stack_rows([a, b])
-    order = np.arange(m.rows).reshape(2, -1, group).transpose(1, 0, 2).reshape(-1)
+    return permute_rows(m, np.arange(m.rows).reshape(2, -1, group).transpose(1, 0, 2).reshape(-1))
+
+
+def permute_rows(m: PackedMatrix, order: np.ndarray) -> PackedMatrix:
+    """m's rows reordered: row j of the result is row order[j] of m."""
     return PackedMatrix(m.kind, m.rows, m.cols, m.block, *(getattr(m, f)[order] for f in FACTORED))
 
 

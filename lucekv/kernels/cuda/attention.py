@@ -52,7 +52,7 @@ from lucekv.kernels.cuda._numba import (
     warp_max,
     warp_sum,
 )
-from lucekv.kernels.cuda.rope import rotated
+from lucekv.kernels.cuda.rope import Rotary, rotated
 
 MAX_SPLITS = 128  # chunks per (KV head, query)
 TARGET_BLOCKS = 1024  # split blocks per launch worth having: several per SM
@@ -74,15 +74,13 @@ COMBINE_QUADS = MAX_HEAD_DIM // (4 * WARP)  # 16-byte pieces of a row per lane
 COMBINE_LANE_DIMS = 4 * COMBINE_QUADS
 
 
-def rope_and_store(q, k, v, positions, slots, rope: tuple, k_pool, v_pool, q_out, last_q, stream=0) -> None:
+def rope_and_store(q, k, v, positions, slots, rope: Rotary, k_pool, v_pool, q_out, last_q, stream=0) -> None:
     """A step's attention inputs, one launch: q_out = RoPE(q); k_pool[slots[t]] = RoPE(k[t]) and
     v_pool[slots[t]] = v[t], in the pool's dtype; last_q = q_out[-1] (what KVFlash scorers read).
-    q, q_out: [n, n_head * head_dim]; k, v: [n, n_kv * head_dim]; rope: (inv_freq float64 [rope_dim // 2],
-    position scale, neox)."""
-    inv, pos_scale, neox = rope
+    q, q_out: [n, n_head * head_dim]; k, v: [n, n_kv * head_dim]; q_out and the pool in natural order."""
     n = q.shape[0] * (q.shape[1] + 2 * k.shape[1])
-    _rope_and_store[blocks(n, THREADS), THREADS, stream](q, k, v, positions, slots, inv, np.float64(pos_scale),
-                                                         neox, k_pool, v_pool, q_out, last_q)
+    _rope_and_store[blocks(n, THREADS), THREADS, stream](q, k, v, positions, slots, rope, k_pool, v_pool, q_out,
+                                                         last_q)
 
 
 def attend(q, k_pool, v_pool, slot_pos, n_slots, positions, window: int, scale: float, parts, out,
@@ -132,7 +130,7 @@ def partials(n: int, n_head: int, n_kv: int, head_dim: int, slots: int, alloc=cu
 
 
 @cuda.jit
-def _rope_and_store(q, k, v, positions, slots, inv, pos_scale, neox, k_pool, v_pool, q_out, last_q):
+def _rope_and_store(q, k, v, positions, slots, rope, k_pool, v_pool, q_out, last_q):
     # one thread per value of the token's q, then k, then v row
     await_grid()
     i = cuda.grid(1)
@@ -150,7 +148,7 @@ def _rope_and_store(q, k, v, positions, slots, inv, pos_scale, neox, k_pool, v_p
     is_q = j < n_q
     c = j if is_q else j - n_q
     d = c % head_dim
-    value = rotated(q if is_q else k, t, c - d, d, positions[t], inv, pos_scale, neox)
+    value = rotated(q if is_q else k, t, c - d, d, positions[t], rope)
     if is_q:
         q_out[t, c] = value
         if t == q.shape[0] - 1:

@@ -51,11 +51,14 @@ from lucekv.kernels.cuda._numba import (
 from lucekv.kernels.cuda.packed import (
     GATE_ROWS,
     Q6_OFFSET,
+    AttentionInputs,
     DeviceMatrix,
     as_epilogue,
     block_words,
+    pair_cos_sin,
     put,
     put_gated,
+    put_pair,
     q6_word,
     scale_bias,
 )
@@ -75,13 +78,15 @@ HI_STEPS = np.float32(127)  # |hi| <= 127, and |lo| <= 128 before it is clamped 
 def matvec(w: DeviceMatrix, x, out, stream=0, norm: tuple | None = None) -> None:
     """out[n, rows] = x[n, cols] @ W.T, weights streamed once per token (use for n of 1 to a few).
 
-    out: a device array or an Epilogue. norm: (weight [cols], eps) to use RMSNorm(x) * weight for x, where
-    `fuses_norm(w)`."""
-    ep = as_epilogue(out)
+    out: a device array, an Epilogue, or AttentionInputs (q/k/v rows rotated and stored). norm: (weight [cols],
+    eps) to use RMSNorm(x) * weight for x, where `fuses_norm(w)`."""
+    dest = "qkv" if isinstance(out, AttentionInputs) else "rows"
+    ep = out if dest == "qkv" else as_epilogue(out)
+    gated = dest == "rows" and ep.gate
     if norm is not None and not fuses_norm(w):
         raise ValueError(f"no fused RMSNorm for a {w.kind} matrix of {w.cols} columns")
-    if ep.gate and w.kind == "f32":
-        raise ValueError("gated products take quantized matrices")
+    if (gated or dest == "qkv") and w.kind == "f32":
+        raise ValueError("gated products and products into attention's inputs take quantized matrices")
     if w.kind == "f32":
         grid = (blocks(w.rows, F32_ROWS_PER_BLOCK), x.shape[0])
         _matvec_f32[grid, F32_ROWS_PER_BLOCK * WARP, stream](w.codes, x, ep)
@@ -92,10 +97,10 @@ def matvec(w: DeviceMatrix, x, out, stream=0, norm: tuple | None = None) -> None
     n_pass = blocks(segments, MAX_WARPS)
     n_warps = blocks(segments, n_pass)
     # both register buffers' rows; whole gate/up groups
-    step = max(2 * GROUP[w.kind], 2 * GATE_ROWS) if ep.gate else 2 * GROUP[w.kind]
+    step = max(2 * GROUP[w.kind], 2 * GATE_ROWS) if gated else 2 * GROUP[w.kind]
     rows_per_block = _rows_per_block(w.rows, n_warps, step)
     launch = ((blocks(w.rows, rows_per_block), x.shape[0]), n_warps * WARP, stream)
-    _KERNELS[w.kind][launch](w.quant, x, xnorm, ep, n_pass, rows_per_block)
+    _KERNELS[w.kind, dest][launch](w.quant, x, xnorm, ep, n_pass, rows_per_block)
 
 
 def fuses_norm(w: DeviceMatrix) -> bool:
@@ -220,7 +225,30 @@ def _row_sum(part, i, n_warps):
 
 
 @cuda.jit(device=True, inline=True)
-def _store_rows(part, first_row, rows_per_block, rows, ep, t):
+def _no_rotation(ep, t, first_row, rows_per_block):
+    return np.float32(1), np.float32(0)
+
+
+@cuda.jit(device=True, inline=True)
+def _pair_rotation(ep, t, first_row, rows_per_block):
+    """cos and sin of the rows this thread stores in `_store_pairs`: the block's rows 2i, 2i + 1 (thread i)."""
+    r = 2 * cuda.threadIdx.x
+    return pair_cos_sin(ep, t, first_row + r) if r < rows_per_block else (np.float32(1), np.float32(0))
+
+
+@cuda.jit(device=True, inline=True)
+def _store_pairs(part, first_row, rows_per_block, rows, ep, t, rotation):
+    """The block's rows to attention's inputs (AttentionInputs), rows 2i, 2i + 1 by thread i."""
+    cuda.syncthreads()
+    n_warps = cuda.blockDim.x // WARP
+    i = 2 * cuda.threadIdx.x
+    if i < rows_per_block and first_row + i < rows:
+        c, s = rotation
+        put_pair(ep, t, first_row + i, _row_sum(part, i, n_warps), _row_sum(part, i + 1, n_warps), c, s)
+
+
+@cuda.jit(device=True, inline=True)
+def _store_rows(part, first_row, rows_per_block, rows, ep, t, rotation):
     cuda.syncthreads()
     n_warps = cuda.blockDim.x // WARP
     if ep.gate:  # thread i: the i-th gate row of the block and its up row, GATE_ROWS further
@@ -311,11 +339,16 @@ def _bounded(kernel):
     return jit_bounded(kernel, MAX_WARPS * WARP, RESIDENT_WARPS_PER_SM // MAX_WARPS)
 
 
-def _make_run_matvec(kind: str, load, row, words: int):
-    """The kernel for `kind`: `load(w, r, run, buf, i)` issues row r's `words` words of a lane's run into
-    buf[i], `row(w, buf, i, xq, xs)` is that row's partial dot product, xs = (u, sums of x over columns 0..15
-    and 16..31, `_offset_sum` of both)."""
+# where a product's rows go: (what a thread computes early for its rows, the store), by `matvec`'s dest
+DESTS = {"rows": (_no_rotation, _store_rows), "qkv": (_pair_rotation, _store_pairs)}
+
+
+def _make_run_matvec(kind: str, load, row, words: int, dest: str):
+    """The kernel for `kind` storing to `dest`: `load(w, r, run, buf, i)` issues row r's `words` words of a lane's
+    run into buf[i], `row(w, buf, i, xq, xs)` is that row's partial dot product, xs = (u, sums of x over columns
+    0..15 and 16..31, `_offset_sum` of both)."""
     group = GROUP[kind]
+    rotation_of, store_rows = DESTS[dest]
 
     @cuda.jit(device=True, inline=True)
     def load_group(w, first, run, buf):
@@ -345,11 +378,14 @@ def _make_run_matvec(kind: str, load, row, words: int):
         first_row = cuda.blockIdx.x * rows_per_block
         n_warps = cuda.blockDim.x // WARP
         _clear_partials(part)
+        rotation = (np.float32(1), np.float32(0))
         for p in range(n_pass):
             run = (p * n_warps + cuda.threadIdx.x // WARP) * WARP + cuda.threadIdx.x % WARP  # this lane's run
             load_group(w, first_row, run, buf_a)  # in flight while x is read
             _load_x16(x, t, 32 * run, xv, 0)
             _load_x16(x, t, 32 * run + 16, xv, 16)
+            if p == 0:  # while the loads are in flight
+                rotation = rotation_of(ep, t, first_row, rows_per_block)
             _normalize(xv, 32 * run, 32 * run + 16, xnorm, sums)
             xsum0 = _sum16(xv, 0)
             xsum1 = _sum16(xv, 16)
@@ -361,10 +397,14 @@ def _make_run_matvec(kind: str, load, row, words: int):
                 if i0 + 2 * group < rows_per_block:
                     load_group(w, first_row + i0 + 2 * group, run, buf_a)
                 add_group(w, part, i0 + group, buf_b, xq, xs)
-        _store_rows(part, first_row, rows_per_block, w.codes.shape[0], ep, t)
+        store_rows(part, first_row, rows_per_block, w.codes.shape[0], ep, t, rotation)
 
-    kernel.__name__ = kernel.__qualname__ = f"_matvec_{kind}"
+    kernel.__name__ = kernel.__qualname__ = _kernel_name(kind, dest)
     return _bounded(kernel)
+
+
+def _kernel_name(kind: str, dest: str) -> str:
+    return f"_matvec_{kind}" + ("_qkv" if dest == "qkv" else "")
 
 
 # ---- q8 -------------------------------------------------------------------------------------------------
@@ -409,38 +449,47 @@ def _q8_rows(w, part, i0, code, sw, xq, u, xsum0, xsum1):
         _add_row(part, i0 + i, acc)
 
 
-@_bounded
-def _matvec_q8(w, x, xnorm, ep, n_pass, rows_per_block):
-    await_grid()
-    part = cuda.shared.array(PARTIALS, np.float32)
-    sums = cuda.shared.array(MAX_WARPS, np.float32)
-    xv = cuda.local.array(32, np.float32)
-    xq = cuda.local.array(16, np.uint32)
-    code_a = cuda.local.array((2, 8), np.uint32)  # two buffers of GROUP["q8"] rows, two 16-byte chunks each
-    sw_a = cuda.local.array((2, 4), np.uint32)  # scale and sub words of chunk 0, then of chunk 1
-    code_b = cuda.local.array((2, 8), np.uint32)
-    sw_b = cuda.local.array((2, 4), np.uint32)
-    t = cuda.blockIdx.y
-    first_row = cuda.blockIdx.x * rows_per_block
-    n_warps = cuda.blockDim.x // WARP
-    _clear_partials(part)
-    for p in range(n_pass):
-        # lane l owns the 16-column chunks l and l + 32 of its warp's segment
-        c0 = (p * n_warps + cuda.threadIdx.x // WARP) * 2 * WARP + cuda.threadIdx.x % WARP
-        _q8_load(w, first_row, c0, code_a, sw_a)  # in flight while x is read
-        _load_x16(x, t, 16 * c0, xv, 0)
-        _load_x16(x, t, 16 * (c0 + WARP), xv, 16)
-        _normalize(xv, 16 * c0, 16 * (c0 + WARP), xnorm, sums)
-        xsum0 = _sum16(xv, 0)
-        xsum1 = _sum16(xv, 16)
-        u = _quantize_x(xv, xq)
-        for i0 in range(0, rows_per_block, 4):
-            _q8_load(w, first_row + i0 + 2, c0, code_b, sw_b)
-            _q8_rows(w, part, i0, code_a, sw_a, xq, u, xsum0, xsum1)
-            if i0 + 4 < rows_per_block:
-                _q8_load(w, first_row + i0 + 4, c0, code_a, sw_a)
-            _q8_rows(w, part, i0 + 2, code_b, sw_b, xq, u, xsum0, xsum1)
-    _store_rows(part, first_row, rows_per_block, w.codes.shape[0], ep, t)
+def _make_q8_matvec(dest: str):
+    """The q8 kernel storing to `dest` (see _make_run_matvec)."""
+    rotation_of, store_rows = DESTS[dest]
+
+    def kernel(w, x, xnorm, ep, n_pass, rows_per_block):
+        await_grid()
+        part = cuda.shared.array(PARTIALS, np.float32)
+        sums = cuda.shared.array(MAX_WARPS, np.float32)
+        xv = cuda.local.array(32, np.float32)
+        xq = cuda.local.array(16, np.uint32)
+        code_a = cuda.local.array((2, 8), np.uint32)  # two buffers of GROUP["q8"] rows, two 16-byte chunks each
+        sw_a = cuda.local.array((2, 4), np.uint32)  # scale and sub words of chunk 0, then of chunk 1
+        code_b = cuda.local.array((2, 8), np.uint32)
+        sw_b = cuda.local.array((2, 4), np.uint32)
+        t = cuda.blockIdx.y
+        first_row = cuda.blockIdx.x * rows_per_block
+        n_warps = cuda.blockDim.x // WARP
+        _clear_partials(part)
+        rotation = (np.float32(1), np.float32(0))
+        for p in range(n_pass):
+            # lane l owns the 16-column chunks l and l + 32 of its warp's segment
+            c0 = (p * n_warps + cuda.threadIdx.x // WARP) * 2 * WARP + cuda.threadIdx.x % WARP
+            _q8_load(w, first_row, c0, code_a, sw_a)  # in flight while x is read
+            _load_x16(x, t, 16 * c0, xv, 0)
+            _load_x16(x, t, 16 * (c0 + WARP), xv, 16)
+            if p == 0:  # while the loads are in flight
+                rotation = rotation_of(ep, t, first_row, rows_per_block)
+            _normalize(xv, 16 * c0, 16 * (c0 + WARP), xnorm, sums)
+            xsum0 = _sum16(xv, 0)
+            xsum1 = _sum16(xv, 16)
+            u = _quantize_x(xv, xq)
+            for i0 in range(0, rows_per_block, 4):
+                _q8_load(w, first_row + i0 + 2, c0, code_b, sw_b)
+                _q8_rows(w, part, i0, code_a, sw_a, xq, u, xsum0, xsum1)
+                if i0 + 4 < rows_per_block:
+                    _q8_load(w, first_row + i0 + 4, c0, code_a, sw_a)
+                _q8_rows(w, part, i0 + 2, code_b, sw_b, xq, u, xsum0, xsum1)
+        store_rows(part, first_row, rows_per_block, w.codes.shape[0], ep, t, rotation)
+
+    kernel.__name__ = kernel.__qualname__ = _kernel_name("q8", dest)
+    return _bounded(kernel)
 
 
 # ---- f32 ------------------------------------------------------------------------------------------------
@@ -461,5 +510,7 @@ def _matvec_f32(w, x, ep):
         put(ep, t, r, acc)
 
 
-_KERNELS = {"q4": _make_run_matvec("q4", _q4_load, _q4_row, 6), "q6": _make_run_matvec("q6", _q6_load, _q6_row, 9),
-            "q8": _matvec_q8}
+_RUN_KINDS = {"q4": (_q4_load, _q4_row, 6), "q6": (_q6_load, _q6_row, 9)}
+_KERNELS = {**{(kind, dest): _make_run_matvec(kind, *parts, dest)
+               for kind, parts in _RUN_KINDS.items() for dest in DESTS},
+            **{("q8", dest): _make_q8_matvec(dest) for dest in DESTS}}

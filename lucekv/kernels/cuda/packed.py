@@ -12,6 +12,7 @@ import numpy as np
 from lucekv.kernels.cpu.quants import PackedMatrix
 from lucekv.kernels.cuda._numba import cuda, half2_floats
 from lucekv.kernels.cuda.act import gated
+from lucekv.kernels.cuda.rope import Rotary, cos_sin, pair_dims
 
 
 class Quant(NamedTuple):
@@ -268,3 +269,78 @@ def put(ep, t, r, v):
         ep.out1[t, r - ep.end0] = v
     else:
         ep.out2[t, r - ep.end1] = v
+
+
+class AttentionInputs(NamedTuple):
+    """A one-token step's q/k/v product writing attention's inputs itself (the product then replaces a RoPE and
+    store launch): its rows, from `row0` on, are the q (n_q), k (n_k) and v rows of the stacked projections, q
+    and k in paired order (rope.pair_order), each row plus bias[row] where has_bias. Token t's q, rotated, goes
+    to q_out[t] and its k, rotated, and v to the pool at slots[t], in natural order. Passed as one argument."""
+
+    q_out: object  # float32 [n, n_q]
+    k_pool: object  # [slots, n_kv, head_dim]
+    v_pool: object
+    positions: object  # int32 [n]
+    slots: object
+    rope: Rotary
+    n_q: int
+    n_k: int
+    row0: int
+    bias: object
+    has_bias: bool
+
+
+def attention_inputs(q_out, k_pool, v_pool, positions, slots, rope: Rotary, n_q: int, n_k: int, row0: int = 0,
+                     bias=None) -> AttentionInputs:
+    if not rope.paired and rope.neox:
+        raise ValueError("a product rotates q and k in paired order only (see rope.pair_order)")
+    return AttentionInputs(q_out, k_pool, v_pool, positions, slots, rope, n_q, n_k, row0,
+                           q_out[0] if bias is None else bias, bias is not None)
+
+
+@cuda.jit(device=True, inline=True)
+def _column(ep, r):
+    """Which of q (0), k (1) and v (2) row r of the stacked q/k/v rows belongs to, and its column there."""
+    if r < ep.n_q:
+        return 0, r
+    if r < ep.n_q + ep.n_k:
+        return 1, r - ep.n_q
+    return 2, r - ep.n_q - ep.n_k
+
+
+@cuda.jit(device=True, inline=True)
+def pair_cos_sin(ep, t, r):
+    """cos and sin of the rotation of the product's rows r, r + 1 (r even) for token t: (1, 0) where they are not
+    rotated. Kernels take it before their rows' sums are in (its float64 math then overlaps their loads)."""
+    part, col = _column(ep, r + ep.row0)
+    p = col % ep.k_pool.shape[2]
+    if part < 2 and p < 2 * ep.rope.inv.shape[0]:
+        return cos_sin(ep.positions[t], ep.rope.inv, p // 2, ep.rope.pos_scale)
+    return np.float32(1), np.float32(0)
+
+
+@cuda.jit(device=True, inline=True)
+def put_pair(ep, t, r, a, b, c, s):
+    """Rows r, r + 1 (r even) of token t's product, values a and b, to their places (see AttentionInputs); c, s:
+    `pair_cos_sin` of the rows."""
+    if ep.has_bias:
+        a += ep.bias[r]
+        b += ep.bias[r + 1]
+    part, col = _column(ep, r + ep.row0)
+    head_dim = ep.k_pool.shape[2]
+    head, p = col // head_dim, col % head_dim
+    slot = ep.slots[t]
+    if part == 2:
+        ep.v_pool[slot, head, p] = a
+        ep.v_pool[slot, head, p + 1] = b
+        return
+    d0, d1 = p, p + 1
+    if p < 2 * ep.rope.inv.shape[0]:
+        a, b = a * c - b * s, a * s + b * c
+        d0, d1 = pair_dims(p // 2, ep.rope.inv.shape[0], ep.rope.neox)
+    if part == 0:
+        ep.q_out[t, col - p + d0] = a
+        ep.q_out[t, col - p + d1] = b
+    else:
+        ep.k_pool[slot, head, d0] = a
+        ep.k_pool[slot, head, d1] = b
