@@ -28,7 +28,7 @@ from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, norm, 
 from lucekv.kernels.cuda._numba import device_zeros, ordering_event, overlapped_launches
 from lucekv.kernels.cuda.embed import embed
 from lucekv.kernels.cuda.matmul import matmul
-from lucekv.kernels.cuda.matvec import fuses_norm, matvec
+from lucekv.kernels.cuda.matvec import fuses_norm, matvecs
 from lucekv.kernels.cuda.packed import (
     GATE_ROWS,
     GELU,
@@ -320,12 +320,13 @@ class CudaOps:
 
     def project(self, x, p: list[Stacked], norm):
         x, norm = self._norm_for(x, p, norm)
-        outs = []
+        outs, products = [], []
         gate = GELU if self.spec.arch.activation == "gelu_tanh" else SILU
         for s in p:
             parts = [self._empty(x.shape[0], width) for width in s.widths]
-            self._product(s.matrix, x, epilogue(parts, bias=s.bias, gate=gate if s.gated else NO_GATE), norm)
+            products.append((s.matrix, epilogue(parts, bias=s.bias, gate=gate if s.gated else NO_GATE)))
             outs += parts
+        self._products(products, x, norm)
         return outs
 
     def _norm_for(self, x, p: list[Stacked], norm):
@@ -346,16 +347,17 @@ class CudaOps:
         if norm is not None and (x.shape[0] > 1 or not fuses_norm(w)):
             x, norm = self.rmsnorm(x, norm), None
         out = self._empty(x.shape[0], w.rows)
-        self._product(w, x, epilogue((out,), residual=residual), norm)
+        self._products([(w, epilogue((out,), residual=residual))], x, norm)
         return out
 
-    def _product(self, w: DeviceMatrix, x, ep: Epilogue | AttentionInputs, norm) -> None:
-        """One token: the decode matvec, normalizing x itself when `norm` is given; more: tensor-core matmul
-        (the caller has normalized x)."""
+    def _products(self, products: list[tuple[DeviceMatrix, Epilogue | AttentionInputs]], x, norm) -> None:
+        """Each (W, destination) of x: for one token the decode matvecs (two matrices to a launch), normalizing x
+        themselves when `norm` is given; for more, tensor-core matmuls (the caller has normalized x)."""
         if x.shape[0] == 1:
-            matvec(w, x, ep, self.stream, norm=None if norm is None else (norm, self.spec.rms_eps))
+            matvecs(products, x, self.stream, norm=None if norm is None else (norm, self.spec.rms_eps))
         else:
-            matmul(w, x, ep, stream=self.stream)
+            for w, ep in products:
+                matmul(w, x, ep, stream=self.stream)
 
     def rmsnorm(self, x, w, groups: int = 1):
         out = self._empty(*x.shape)
@@ -373,11 +375,10 @@ class CudaOps:
             x, norm = self._norm_for(x, lw.qkv, lw.attn_norm)
             q = pool.last_q[layer:layer + 1]
             n_q, n_k = spec.n_head * spec.head_dim, spec.n_kv_head * spec.head_dim
-            row0 = 0
-            for st in lw.qkv:
-                self._product(st.matrix, x, attention_inputs(q, pool.k[layer], pool.v[layer], self.positions,
-                                                             self.slots, rotary, n_q, n_k, row0, st.bias), norm)
-                row0 += st.matrix.rows
+            starts = np.cumsum([0] + [st.matrix.rows for st in lw.qkv]).tolist()
+            self._products([(st.matrix, attention_inputs(q, pool.k[layer], pool.v[layer], self.positions, self.slots,
+                                                         rotary, n_q, n_k, row0, st.bias))
+                            for st, row0 in zip(lw.qkv, starts, strict=False)], x, norm)
             self._use_pool(layer % 2)  # a new segment: it overwrites the arrays of two layers back
         else:
             q, k, v = project_qkv(spec, self, x, lw)

@@ -32,8 +32,8 @@ from lucekv.kernels.cuda.packed import DeviceMatrix
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
 
-# CudaOps methods whose launches are labelled, and their labels (_product: each product of linear / project)
-OPS = {"embed": "embed", "_product": "linear", "rmsnorm": "rmsnorm", "attention": "attention", "add": "add"}
+# CudaOps methods whose launches are labelled, and their labels (_products: the products of linear / project)
+OPS = {"embed": "embed", "_products": "linear", "rmsnorm": "rmsnorm", "attention": "attention", "add": "add"}
 
 
 class LaunchRecorder:
@@ -78,10 +78,10 @@ class LaunchRecorder:
 
         def labelled(name, fn):
             def op(self, *args, **kwargs):
-                w = args[0] if args and isinstance(args[0], DeviceMatrix) else None
+                ws = [w for w, _ in args[0]] if name == "linear" else []  # (matrix, destination) pairs
                 outer = recorder.op  # an op inside another (attention's q/k/v product) labels its own launches
-                recorder.op = name if w is None else f"{name} {w.rows}x{w.cols} {w.kind}"
-                recorder.op_bytes = 0 if w is None else _weight_bytes(w)
+                recorder.op = " + ".join(f"{name} {w.rows}x{w.cols} {w.kind}" for w in ws) or name
+                recorder.op_bytes = sum(_weight_bytes(w) for w in ws)
                 try:
                     return fn(self, *args, **kwargs)
                 finally:

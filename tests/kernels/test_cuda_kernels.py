@@ -288,21 +288,49 @@ def check_product_into_attention(qtypes: tuple[Q, Q, Q], neox: bool, kv_dtype=np
     q_out = cuda.device_array((1, n_head * head_dim), np.float32)
     k_pool, v_pool = (cuda.to_device(np.full((4, n_kv, head_dim), np.nan, kv_dtype)) for _ in range(2))
     rope = Rotary(cuda.to_device(inv_freq(base, rope_dim)), np.float64(scale), neox, neox)
-    stacks = [[0, 1, 2]] if len(set(qtypes)) == 1 else [[0, 1], [2]]
-    row0 = 0
+    stacks = [[0, 1, 2]] if len(set(qtypes)) == 1 else [[0, 1], [2]]  # two: one launch of the pair kernel
+    products, row0 = [], 0
     for stack in stacks:
         w = upload(stack_rows([ms[i] for i in stack]))
         bias = cuda.to_device(np.concatenate([biases[i] for i in stack]))
-        matvec.matvec(w, cuda.to_device(x), attention_inputs(q_out, k_pool, v_pool, cuda.to_device(positions),
-                                                             cuda.to_device(slots), rope, ms[0].rows, ms[1].rows,
-                                                             row0, bias), norm=(cuda.to_device(norm_w), 1e-5))
+        products.append((w, attention_inputs(q_out, k_pool, v_pool, cuda.to_device(positions), cuda.to_device(slots),
+                                             rope, ms[0].rows, ms[1].rows, row0, bias)))
         row0 += w.rows
+    matvec.matvecs(products, cuda.to_device(x), norm=(cuda.to_device(norm_w), 1e-5))
     bound = 1e-3 if kv_dtype == np.float32 else 1e-2
     assert rel_err(q_out.copy_to_host(), ref_q) <= 1e-3
     assert rel_err(k_pool.copy_to_host()[slots].reshape(1, -1), ref_k) <= bound
     assert rel_err(v_pool.copy_to_host()[slots].reshape(1, -1), ref[2]) <= bound
     assert np.isnan(np.delete(k_pool.copy_to_host(), slots, axis=0)).all()  # other slots untouched
     assert np.isnan(np.delete(v_pool.copy_to_host(), slots, axis=0)).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q4_0, Q.F32)], ids=["q4k-q6k", "q8-q4-f32"])
+def test_matvecs_of_several_kinds(qtypes):
+    """Products of one x in matrices of different kinds: two quantized ones share a launch (their blocks side by
+    side), a third or a float32 one takes its own; each with its own epilogue (bias, residual), the matvec
+    normalizing x itself."""
+    from lucekv.kernels.cuda import matvec
+    from lucekv.kernels.cuda.packed import epilogue, upload
+
+    rng = np.random.default_rng(11)
+    ms = [random_packed(rng, qt, rows, 256) for qt, rows in zip(qtypes, (40, 12, 8), strict=False)]
+    x = rng.standard_normal((1, 256)).astype(np.float32) * 3
+    norm_w = rng.standard_normal(256).astype(np.float32)
+    biases = [rng.standard_normal(m.rows).astype(np.float32) for m in ms]
+    residual = rng.standard_normal((1, ms[1].rows)).astype(np.float32)
+    outs = [cuda.device_array((1, m.rows), np.float32) for m in ms]
+    eps = [epilogue((o,), bias=cuda.to_device(b)) for o, b in zip(outs, biases, strict=True)]
+    eps[1] = epilogue((outs[1],), residual=cuda.to_device(residual))
+    norm = None if Q.F32 in qtypes else (cuda.to_device(norm_w), 1e-5)  # a float32 matrix fuses no norm
+    matvec.matvecs([(upload(m), ep) for m, ep in zip(ms, eps, strict=True)], cuda.to_device(x), norm=norm)
+    x64 = x.astype(np.float64)
+    if norm is not None:
+        x64 = x64 / np.sqrt(np.mean(x64 * x64) + 1e-5) * norm_w
+    added = [biases[0], residual[0], *biases[2:]]
+    for m, out, a in zip(ms, outs, added, strict=True):
+        assert rel_err(out.copy_to_host(), x64 @ dense(m).T + a) <= 1e-3
 
 
 @needs_kernels

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -50,6 +51,7 @@ from lucekv.kernels.cuda._numba import (
 )
 from lucekv.kernels.cuda.packed import (
     GATE_ROWS,
+    NO_GATE,
     Q6_OFFSET,
     AttentionInputs,
     DeviceMatrix,
@@ -80,27 +82,55 @@ def matvec(w: DeviceMatrix, x, out, stream=0, norm: tuple | None = None) -> None
 
     out: a device array, an Epilogue, or AttentionInputs (q/k/v rows rotated and stored). norm: (weight [cols],
     eps) to use RMSNorm(x) * weight for x, where `fuses_norm(w)`."""
-    dest = "qkv" if isinstance(out, AttentionInputs) else "rows"
-    ep = out if dest == "qkv" else as_epilogue(out)
-    gated = dest == "rows" and ep.gate
-    if norm is not None and not fuses_norm(w):
-        raise ValueError(f"no fused RMSNorm for a {w.kind} matrix of {w.cols} columns")
-    if (gated or dest == "qkv") and w.kind == "f32":
-        raise ValueError("gated products and products into attention's inputs take quantized matrices")
+    _launch([(w, out)], x, stream, norm)
+
+
+def matvecs(products: Sequence[tuple[DeviceMatrix, object]], x, stream=0, norm: tuple | None = None) -> None:
+    """`matvec` of each (W, out) of products, all of x's width, quantized matrices two to a launch (their blocks
+    side by side in one grid, whatever their kinds): in a decode step's chain of launches a small product costs
+    more as a launch of its own than beside another."""
+    quantized = [p for p in products if p[0].kind != "f32"]
+    for i in range(0, len(quantized), 2):
+        _launch(quantized[i:i + 2], x, stream, norm)
+    for p in products:
+        if p[0].kind == "f32":
+            _launch([p], x, stream, norm)
+
+
+def _launch(products: list[tuple[DeviceMatrix, object]], x, stream, norm: tuple | None) -> None:
+    """One launch: one matrix, or two quantized ones."""
+    qkv = [isinstance(out, AttentionInputs) for _, out in products]
+    if len(set(qkv)) > 1:
+        raise ValueError("products of one launch write one kind of destination")
+    dest = "qkv" if qkv[0] else "rows"
+    ws = [w for w, _ in products]
+    eps = [out if dest == "qkv" else as_epilogue(out) for _, out in products]
+    gated = [dest == "rows" and ep.gate != NO_GATE for ep in eps]
+    for w, g in zip(ws, gated, strict=True):
+        if w.cols != x.shape[1]:
+            raise ValueError(f"a {w.rows}x{w.cols} matrix times x of {x.shape[1]} columns")
+        if norm is not None and not fuses_norm(w):
+            raise ValueError(f"no fused RMSNorm for a {w.kind} matrix of {w.cols} columns")
+        if (g or dest == "qkv") and w.kind == "f32":
+            raise ValueError("gated products and products into attention's inputs take quantized matrices")
+    w = ws[0]
     if w.kind == "f32":
         grid = (blocks(w.rows, F32_ROWS_PER_BLOCK), x.shape[0])
-        _matvec_f32[grid, F32_ROWS_PER_BLOCK * WARP, stream](w.codes, x, ep)
+        _matvec_f32[grid, F32_ROWS_PER_BLOCK * WARP, stream](w.codes, x, eps[0])
         return
     # the norm's weight as a [1, cols] matrix (wide loads), or a stand-in of that type
     xnorm = (x, np.float32(0), False) if norm is None else (norm[0].reshape(1, -1), np.float32(norm[1]), True)
     segments = blocks(w.cols, SEGMENT)
     n_pass = blocks(segments, MAX_WARPS)
     n_warps = blocks(segments, n_pass)
-    # both register buffers' rows; whole gate/up groups
-    step = max(2 * GROUP[w.kind], 2 * GATE_ROWS) if gated else 2 * GROUP[w.kind]
-    rows_per_block = _rows_per_block(w.rows, n_warps, step)
-    launch = ((blocks(w.rows, rows_per_block), x.shape[0]), n_warps * WARP, stream)
-    _KERNELS[w.kind, dest][launch](w.quant, x, xnorm, ep, n_pass, rows_per_block)
+    rows = _rows_per_block([(m.rows, m.kind, g) for m, g in zip(ws, gated, strict=True)], n_warps)
+    grid = [blocks(m.rows, r) for m, r in zip(ws, rows, strict=True)]
+    launch = ((sum(grid), x.shape[0]), n_warps * WARP, stream)
+    if len(ws) == 1:
+        _KERNELS[w.kind, dest][launch](w.quant, x, xnorm, eps[0], n_pass, rows[0])
+    else:
+        _pair_kernel(ws[0].kind, ws[1].kind, dest)[launch](ws[0].quant, ws[1].quant, x, xnorm, *eps, n_pass, *rows,
+                                                           grid[0])
 
 
 def fuses_norm(w: DeviceMatrix) -> bool:
@@ -108,12 +138,19 @@ def fuses_norm(w: DeviceMatrix) -> bool:
     return w.kind != "f32" and w.cols <= MAX_WARPS * SEGMENT
 
 
-def _rows_per_block(rows: int, n_warps: int, step: int) -> int:
-    """Rows per block, a multiple of `step` (both register buffers): the fewest that let one wave of resident
-    blocks cover the matrix. A second wave, or SMs left without a block, cost up to a third of a big
-    product's time (measured: 12-warp blocks of 44 rows of a 4096 x 12288 matrix left 38 of 132 SMs idle)."""
+def _rows_per_block(shapes: list[tuple[int, str, bool]], n_warps: int) -> list[int]:
+    """Rows per block of each (rows, kind, gated) matrix of one launch: multiples of both register buffers' rows
+    (and of whole gate/up groups), with blocks of about the same number of buffer loads, the fewest that let one
+    wave of resident blocks cover the matrices. A second wave, or SMs left without a block, cost up to a third of a
+    big product's time (measured: 12-warp blocks of 44 rows of a 4096 x 12288 matrix left 38 of 132 SMs idle)."""
     slots = _sm_count() * max(RESIDENT_WARPS_PER_SM // n_warps, 1)
-    return min(blocks(blocks(rows, slots), step) * step, MAX_ROWS_PER_BLOCK)
+    steps = [max(2 * GROUP[kind], 2 * GATE_ROWS) if gated else 2 * GROUP[kind] for _, kind, gated in shapes]
+    for k in range(1, MAX_ROWS_PER_BLOCK + 1):
+        per_block = [min(blocks(k * 2 * GROUP[kind], step) * step, MAX_ROWS_PER_BLOCK)
+                     for (_, kind, _), step in zip(shapes, steps, strict=True)]
+        if sum(blocks(rows, r) for (rows, _, _), r in zip(shapes, per_block, strict=True)) <= slots:
+            return per_block
+    return per_block
 
 
 @functools.cache
@@ -343,10 +380,10 @@ def _bounded(kernel):
 DESTS = {"rows": (_no_rotation, _store_rows), "qkv": (_pair_rotation, _store_pairs)}
 
 
-def _make_run_matvec(kind: str, load, row, words: int, dest: str):
-    """The kernel for `kind` storing to `dest`: `load(w, r, run, buf, i)` issues row r's `words` words of a lane's
-    run into buf[i], `row(w, buf, i, xq, xs)` is that row's partial dot product, xs = (u, sums of x over columns
-    0..15 and 16..31, `_offset_sum` of both)."""
+def _make_run_body(kind: str, load, row, words: int, dest: str):
+    """A block's work for `kind` storing to `dest` (see _kernel): `load(w, r, run, buf, i)` issues row r's `words`
+    words of a lane's run into buf[i], `row(w, buf, i, xq, xs)` is that row's partial dot product, xs = (u, sums of
+    x over columns 0..15 and 16..31, `_offset_sum` of both)."""
     group = GROUP[kind]
     rotation_of, store_rows = DESTS[dest]
 
@@ -366,16 +403,14 @@ def _make_run_matvec(kind: str, load, row, words: int, dest: str):
         for i in range(group):
             _add_row(part, i0 + i, row(w, buf, i, xq, xs))
 
-    def kernel(w, x, xnorm, ep, n_pass, rows_per_block):
-        await_grid()
-        part = cuda.shared.array(PARTIALS, np.float32)
-        sums = cuda.shared.array(MAX_WARPS, np.float32)
+    @cuda.jit(device=True, inline=True)
+    def body(w, x, xnorm, ep, n_pass, rows_per_block, block, part, sums):
         xv = cuda.local.array(32, np.float32)
         xq = cuda.local.array(16, np.uint32)
         buf_a = cuda.local.array((group, words), np.uint32)  # two register buffers of `group` rows
         buf_b = cuda.local.array((group, words), np.uint32)
         t = cuda.blockIdx.y
-        first_row = cuda.blockIdx.x * rows_per_block
+        first_row = block * rows_per_block
         n_warps = cuda.blockDim.x // WARP
         _clear_partials(part)
         rotation = (np.float32(1), np.float32(0))
@@ -399,12 +434,7 @@ def _make_run_matvec(kind: str, load, row, words: int, dest: str):
                 add_group(w, part, i0 + group, buf_b, xq, xs)
         store_rows(part, first_row, rows_per_block, w.codes.shape[0], ep, t, rotation)
 
-    kernel.__name__ = kernel.__qualname__ = _kernel_name(kind, dest)
-    return _bounded(kernel)
-
-
-def _kernel_name(kind: str, dest: str) -> str:
-    return f"_matvec_{kind}" + ("_qkv" if dest == "qkv" else "")
+    return body
 
 
 # ---- q8 -------------------------------------------------------------------------------------------------
@@ -449,14 +479,12 @@ def _q8_rows(w, part, i0, code, sw, xq, u, xsum0, xsum1):
         _add_row(part, i0 + i, acc)
 
 
-def _make_q8_matvec(dest: str):
-    """The q8 kernel storing to `dest` (see _make_run_matvec)."""
+def _make_q8_body(dest: str):
+    """A block's work for q8 storing to `dest` (see _make_run_body)."""
     rotation_of, store_rows = DESTS[dest]
 
-    def kernel(w, x, xnorm, ep, n_pass, rows_per_block):
-        await_grid()
-        part = cuda.shared.array(PARTIALS, np.float32)
-        sums = cuda.shared.array(MAX_WARPS, np.float32)
+    @cuda.jit(device=True, inline=True)
+    def body(w, x, xnorm, ep, n_pass, rows_per_block, block, part, sums):
         xv = cuda.local.array(32, np.float32)
         xq = cuda.local.array(16, np.uint32)
         code_a = cuda.local.array((2, 8), np.uint32)  # two buffers of GROUP["q8"] rows, two 16-byte chunks each
@@ -464,7 +492,7 @@ def _make_q8_matvec(dest: str):
         code_b = cuda.local.array((2, 8), np.uint32)
         sw_b = cuda.local.array((2, 4), np.uint32)
         t = cuda.blockIdx.y
-        first_row = cuda.blockIdx.x * rows_per_block
+        first_row = block * rows_per_block
         n_warps = cuda.blockDim.x // WARP
         _clear_partials(part)
         rotation = (np.float32(1), np.float32(0))
@@ -488,8 +516,7 @@ def _make_q8_matvec(dest: str):
                 _q8_rows(w, part, i0 + 2, code_b, sw_b, xq, u, xsum0, xsum1)
         store_rows(part, first_row, rows_per_block, w.codes.shape[0], ep, t, rotation)
 
-    kernel.__name__ = kernel.__qualname__ = _kernel_name("q8", dest)
-    return _bounded(kernel)
+    return body
 
 
 # ---- f32 ------------------------------------------------------------------------------------------------
@@ -511,6 +538,45 @@ def _matvec_f32(w, x, ep):
 
 
 _RUN_KINDS = {"q4": (_q4_load, _q4_row, 6), "q6": (_q6_load, _q6_row, 9)}
-_KERNELS = {**{(kind, dest): _make_run_matvec(kind, *parts, dest)
-               for kind, parts in _RUN_KINDS.items() for dest in DESTS},
-            **{("q8", dest): _make_q8_matvec(dest) for dest in DESTS}}
+_BODIES = {**{(kind, dest): _make_run_body(kind, *parts, dest) for kind, parts in _RUN_KINDS.items() for dest in DESTS},
+           **{("q8", dest): _make_q8_body(dest) for dest in DESTS}}
+
+
+def _kernel_name(kinds: Sequence[str], dest: str) -> str:
+    return "_matvec_" + "_".join(kinds) + ("_qkv" if dest == "qkv" else "")
+
+
+def _make_kernel(kind: str, dest: str):
+    """The product of one matrix: block b does rows b * rows_per_block.."""
+    body = _BODIES[kind, dest]
+
+    def kernel(w, x, xnorm, ep, n_pass, rows_per_block):
+        await_grid()
+        part = cuda.shared.array(PARTIALS, np.float32)
+        sums = cuda.shared.array(MAX_WARPS, np.float32)
+        body(w, x, xnorm, ep, n_pass, rows_per_block, cuda.blockIdx.x, part, sums)
+
+    kernel.__name__ = kernel.__qualname__ = _kernel_name([kind], dest)
+    return _bounded(kernel)
+
+
+@functools.cache
+def _pair_kernel(kind_a: str, kind_b: str, dest: str):
+    """The products of two matrices of one x: the first `blocks_a` blocks do wa's rows, the others wb's (each
+    block's branch is uniform, so the barriers of a body stay block-wide)."""
+    body_a, body_b = _BODIES[kind_a, dest], _BODIES[kind_b, dest]
+
+    def kernel(wa, wb, x, xnorm, ep_a, ep_b, n_pass, rows_a, rows_b, blocks_a):
+        await_grid()
+        part = cuda.shared.array(PARTIALS, np.float32)
+        sums = cuda.shared.array(MAX_WARPS, np.float32)
+        if cuda.blockIdx.x < blocks_a:
+            body_a(wa, x, xnorm, ep_a, n_pass, rows_a, cuda.blockIdx.x, part, sums)
+        else:
+            body_b(wb, x, xnorm, ep_b, n_pass, rows_b, cuda.blockIdx.x - blocks_a, part, sums)
+
+    kernel.__name__ = kernel.__qualname__ = _kernel_name([kind_a, kind_b], dest)
+    return _bounded(kernel)
+
+
+_KERNELS = {key: _make_kernel(*key) for key in _BODIES}
