@@ -25,7 +25,9 @@ the unquantized x, and no bytes when the matrix has none (DeviceMatrix.has_bias)
 Several tokens (a short batch) run as grid rows of the same kernel.
 Fusions that save a launch and a pass over the activations each: the RMSNorm of x (`norm`), taken by every
 block from the 32 columns each lane loads anyway (one block-wide sum), and what the output rows receive
-(an `Epilogue`: split into separate arrays, plus a bias and a residual).
+(an `Epilogue`: split into separate arrays, plus a bias and a residual; or `AttentionInputs`: q and k rotated,
+k and v written to the KV pool, each thread storing one rotary pair). Two matrices of one x whose kinds differ
+share a launch (`matvecs`): the first blocks of the grid run one's rows, the rest the other's.
 """
 
 from __future__ import annotations
@@ -254,6 +256,13 @@ def _clear_partials(part):
 
 
 @cuda.jit(device=True, inline=True)
+def _begin(block, rows_per_block, part):
+    """(token, first row, warps) of a product's block `block`, its partial sums cleared."""
+    _clear_partials(part)
+    return cuda.blockIdx.y, block * rows_per_block, cuda.blockDim.x // WARP
+
+
+@cuda.jit(device=True, inline=True)
 def _row_sum(part, i, n_warps):
     acc = np.float32(0)
     for w in range(n_warps):
@@ -409,10 +418,7 @@ def _make_run_body(kind: str, load, row, words: int, dest: str):
         xq = cuda.local.array(16, np.uint32)
         buf_a = cuda.local.array((group, words), np.uint32)  # two register buffers of `group` rows
         buf_b = cuda.local.array((group, words), np.uint32)
-        t = cuda.blockIdx.y
-        first_row = block * rows_per_block
-        n_warps = cuda.blockDim.x // WARP
-        _clear_partials(part)
+        t, first_row, n_warps = _begin(block, rows_per_block, part)
         rotation = (np.float32(1), np.float32(0))
         for p in range(n_pass):
             run = (p * n_warps + cuda.threadIdx.x // WARP) * WARP + cuda.threadIdx.x % WARP  # this lane's run
@@ -491,10 +497,7 @@ def _make_q8_body(dest: str):
         sw_a = cuda.local.array((2, 4), np.uint32)  # scale and sub words of chunk 0, then of chunk 1
         code_b = cuda.local.array((2, 8), np.uint32)
         sw_b = cuda.local.array((2, 4), np.uint32)
-        t = cuda.blockIdx.y
-        first_row = block * rows_per_block
-        n_warps = cuda.blockDim.x // WARP
-        _clear_partials(part)
+        t, first_row, n_warps = _begin(block, rows_per_block, part)
         rotation = (np.float32(1), np.float32(0))
         for p in range(n_pass):
             # lane l owns the 16-column chunks l and l + 32 of its warp's segment
