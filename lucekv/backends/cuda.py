@@ -375,10 +375,10 @@ class CudaOps:
             x, norm = self._norm_for(x, lw.qkv, lw.attn_norm)
             q = pool.last_q[layer:layer + 1]
             n_q, n_k = spec.n_head * spec.head_dim, spec.n_kv_head * spec.head_dim
-            starts = np.cumsum([0] + [st.matrix.rows for st in lw.qkv]).tolist()
+            row0s = np.cumsum([0] + [st.matrix.rows for st in lw.qkv[:-1]]).tolist()  # each stack's first row
             self._products([(st.matrix, attention_inputs(q, pool.k[layer], pool.v[layer], self.positions, self.slots,
                                                          rotary, n_q, n_k, row0, st.bias))
-                            for st, row0 in zip(lw.qkv, starts, strict=False)], x, norm)
+                            for st, row0 in zip(lw.qkv, row0s, strict=True)], x, norm)
             self._use_pool(layer % 2)  # a new segment: it overwrites the arrays of two layers back
         else:
             q, k, v = project_qkv(spec, self, x, lw)
