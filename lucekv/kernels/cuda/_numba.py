@@ -31,9 +31,8 @@ Compatibility shims live here and nowhere else:
   grid this one depends on has finished and its writes are visible) then `griddepcontrol.launch_dependents` (the
   next grid may be launched now). Outside a programmatic dependency both do nothing; inside one (the edges of a
   captured decode graph, `backends.cuda`) the next kernel's blocks are launched and made resident while this
-  one's last blocks still run, instead of after them. Nothing that a kernel writes is read before the wait, so
-  the overlap can never see stale data: only the decode products read before it, their first rows of weights
-  (constant), so that those loads run during the kernel before. Before sm_90 it compiles to nothing.
+  one's last blocks still run, instead of after them. Nothing is read or written before the wait, so the
+  overlap can never see stale data. Before sm_90 it compiles to nothing.
 - `jit_bounded`: cuda.jit with launch bounds, which the simulator does not accept.
 """
 
