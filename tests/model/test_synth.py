@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +11,9 @@ from gguf import GGMLQuantizationType, TokenType
 from gguf.quants import Q4_K, dequantize
 from transformers import AutoTokenizer
 
+from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import TensorInfo, open_gguf
-from lucekv.model.synth import ARCHS, SUPPORTED_QTYPES, write_synthetic_gguf
+from lucekv.model.synth import ARCHS, SUPPORTED_QTYPES, write_synthetic_gguf, write_twin_gguf
 from lucekv.model.tokenizer import Tokenizer
 from tests.reference import hf_greedy, hf_logits, hf_model
 
@@ -117,6 +119,31 @@ def test_overrides_pick_types_by_suffix_and_vocab_pads(tmp_path: Path):
     tokens, types = g.metadata["tokenizer.ggml.tokens"], g.metadata["tokenizer.ggml.token_type"]
     assert len(tokens) == len(types) == 1000 and len(set(tokens)) == 1000
     assert types[-1] == TokenType.UNUSED
+
+
+def test_a_tensor_own_name_outranks_a_suffix(tmp_path: Path):
+    # "output.weight" is also the suffix of "blk.0.attn_output.weight", and comes first here
+    overrides = {"output.weight": Q.Q8_0, "blk.0.attn_output.weight": Q.Q5_0}
+    g = open_gguf(write_synthetic_gguf(tmp_path / "m.gguf", "llama", qtype=Q.Q4_0, tied_output=False,
+                                       qtype_overrides=overrides))
+    assert [g.tensor(n).qtype for n in ("output.weight", "blk.0.attn_output.weight", "blk.1.attn_output.weight")] \
+        == [Q.Q8_0, Q.Q5_0, Q.Q8_0]
+
+
+def test_a_twin_has_every_matrix_type_and_the_shape_of_its_model(tmp_path: Path):
+    # a "real" file in a Q4_K_M-like mix: per-layer types, and o in Q5_0 while the output head is Q8_0
+    mix = {"blk.0.attn_v.weight": Q.Q8_0, "blk.1.attn_v.weight": Q.Q5_0, "blk.0.ffn_down.weight": Q.Q6_K,
+           "blk.1.ffn_down.weight": Q.Q4_K, "attn_output.weight": Q.Q5_0, "output.weight": Q.Q8_0}
+    real = write_synthetic_gguf(tmp_path / "real.gguf", "qwen2", qtype=Q.Q5_0, vocab=600, tied_output=False,
+                                qtype_overrides=mix, seed=1, **K_DIMS)
+    twin = write_twin_gguf(tmp_path / "twin.gguf", real)
+    a, b = open_gguf(real), open_gguf(twin)
+    layout = {n: (t.qtype, t.shape) for n, t in a.tensors.items()}
+    assert layout == {n: (t.qtype, t.shape) for n, t in b.tensors.items()}
+    assert b.tensor("blk.1.attn_output.weight").qtype == Q.Q5_0 and b.tensor("output.weight").qtype == Q.Q8_0
+    spec = ModelSpec.from_gguf(b)
+    assert ModelSpec.from_gguf(a) == dataclasses.replace(spec, name=ModelSpec.from_gguf(a).name)
+    assert not np.array_equal(values(a.tensor("blk.0.ffn_up.weight")), values(b.tensor("blk.0.ffn_up.weight")))
 
 
 def test_same_seed_same_bytes_other_seed_other_weights(tmp_path: Path):
