@@ -241,8 +241,8 @@ def _tensor_type(spec: _TensorSpec, qtype: GGMLQuantizationType,
     if spec.kind != "matrix":
         return Q.F32  # llama.cpp keeps 1-D tensors in F32
     # a tensor's own name first: "output.weight" is also the suffix of every "blk.N.attn_output.weight"
-    chosen = overrides.get(spec.name) or next((t for suffix, t in overrides.items() if spec.name.endswith(suffix)),
-                                              qtype)
+    chosen = overrides[spec.name] if spec.name in overrides else next(
+        (t for suffix, t in overrides.items() if spec.name.endswith(suffix)), qtype)
     if chosen not in SUPPORTED_QTYPES:
         raise ValueError(f"quant type {chosen.name} is not supported (supported: "
                          f"{', '.join(sorted(t.name for t in SUPPORTED_QTYPES))})")

@@ -123,11 +123,13 @@ def test_overrides_pick_types_by_suffix_and_vocab_pads(tmp_path: Path):
 
 def test_a_tensor_own_name_outranks_a_suffix(tmp_path: Path):
     # "output.weight" is also the suffix of "blk.0.attn_output.weight", and comes first here
-    overrides = {"output.weight": Q.Q8_0, "blk.0.attn_output.weight": Q.Q5_0}
+    overrides = {"output.weight": Q.Q8_0, "blk.0.attn_output.weight": Q.Q5_0, "ffn_up.weight": Q.Q8_0,
+                 "blk.1.ffn_up.weight": Q.F32}
     g = open_gguf(write_synthetic_gguf(tmp_path / "m.gguf", "llama", qtype=Q.Q4_0, tied_output=False,
                                        qtype_overrides=overrides))
     assert [g.tensor(n).qtype for n in ("output.weight", "blk.0.attn_output.weight", "blk.1.attn_output.weight")] \
         == [Q.Q8_0, Q.Q5_0, Q.Q8_0]
+    assert g.tensor("blk.1.ffn_up.weight").qtype == Q.F32  # (F32 is 0: an own name's type, even a falsy one)
 
 
 def test_a_twin_has_every_matrix_type_and_the_shape_of_its_model(tmp_path: Path):
