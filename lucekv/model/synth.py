@@ -28,6 +28,9 @@ from gguf import (
 )
 from gguf.quants import dequantize, quantize
 
+from lucekv.model.arch import ModelSpec
+from lucekv.model.gguf import open_gguf
+
 Q = GGMLQuantizationType
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 K_QUANTS = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
@@ -170,9 +173,6 @@ def write_twin_gguf(path: str | Path, like: str | Path, *, seed: int = 0) -> Pat
     (measured on an H200: qwen2.5-coder-0.5b's twin decodes at the real file's speed, a twin with guessed quant
     types 2.6% faster). What changes no work (RoPE base, norm eps, the tokenizer's text) is the synthetic
     defaults."""
-    from lucekv.model.arch import ModelSpec
-    from lucekv.model.gguf import open_gguf
-
     real = open_gguf(like)
     spec = ModelSpec.from_gguf(real)
     return write_synthetic_gguf(
