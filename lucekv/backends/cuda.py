@@ -13,7 +13,7 @@ eager and the replayed step run the same kernels on the same addresses.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -543,32 +543,23 @@ class ForwardGraph:
         return self._exec is not None
 
     def capture(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
-        from cuda.bindings import driver
-
         b = self.backend
-        handle = driver.CUstream(int(b.stream.handle))
-        with cuda.defer_cleanup():
-            _check(driver.cuStreamBeginCapture(handle, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
-            try:
-                b.ops.rewind()
-                b.ops.mark_slots()
-                self.logits = forward(b.spec, b.weights, b.ops, tokens, positions, slots)
-                self._record_after()
-            finally:
-                graph = _check(driver.cuStreamEndCapture(handle))
-            self.overlapped_edges = overlap_kernel_launches(graph)
-            self._exec = _check(driver.cuGraphInstantiate(graph, 0))
-            _check(driver.cuGraphDestroy(graph))  # the executable graph is independent of it
-            self._host_logits = cuda.pinned_array(self.logits.shape, np.float32)
+
+        def record() -> None:
+            b.ops.rewind()
+            b.ops.mark_slots()
+            self.logits = forward(b.spec, b.weights, b.ops, tokens, positions, slots)
+            self._record_after()
+
+        self._exec, self.overlapped_edges = capture_graph(b.stream, record)
+        self._host_logits = cuda.pinned_array(self.logits.shape, np.float32)
 
     def _record_after(self) -> None:
         """Launches the graph makes after the forward's (none)."""
 
     def launch(self) -> None:
         """Enqueue the captured forward (inputs already in the fixed buffers) on the backend's stream."""
-        from cuda.bindings import driver
-
-        _check(driver.cuGraphLaunch(self._exec, driver.CUstream(int(self.backend.stream.handle))))
+        launch_graph(self._exec, self.backend.stream)
 
     def replay(self) -> np.ndarray:
         """Run the captured forward; its logits on the host, through pinned memory (a pageable copy of a 150K-token
@@ -618,6 +609,33 @@ class DecodeGraph(ForwardGraph):
     def token(self, r: TokenReadback) -> int:
         self._token_ready[r.turn].synchronize()
         return int(self._tokens_host[r.turn])
+
+
+def capture_graph(stream, record: Callable[[], None]) -> tuple[object, int]:
+    """The launches `record()` makes on `stream`, captured (relaxed mode) as an executable CUDA graph with its
+    kernel-to-kernel edges made programmatic where they may be (`overlap_kernel_launches`); returns the graph and
+    the number of such edges. Nothing runs: replay it with `launch_graph`."""
+    from cuda.bindings import driver
+
+    handle = driver.CUstream(int(stream.handle))
+    with cuda.defer_cleanup():
+        _check(driver.cuStreamBeginCapture(handle, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+        try:
+            record()
+        finally:
+            graph = _check(driver.cuStreamEndCapture(handle))
+        try:
+            overlapped = overlap_kernel_launches(graph)
+            return _check(driver.cuGraphInstantiate(graph, 0)), overlapped
+        finally:
+            _check(driver.cuGraphDestroy(graph))  # the executable graph is independent of it
+
+
+def launch_graph(executable, stream) -> None:
+    """Enqueue a graph from `capture_graph` on `stream`."""
+    from cuda.bindings import driver
+
+    _check(driver.cuGraphLaunch(executable, driver.CUstream(int(stream.handle))))
 
 
 def overlap_kernel_launches(graph) -> int:

@@ -9,9 +9,12 @@ Compatibility shims live here and nowhere else:
   block, the same number of times), which they do anyway to stay free of divergence. The same holds for
   `warp_broadcast` (lane `src`'s value to every lane).
 - Bandwidth-bound kernels need instructions numba does not expose, so they get inline PTX here and plain
-  Python twins in the simulator: `load_u32x4` / `load_f32x4` (16 bytes per lane in one `ld.global.nc.v4`;
-  numba cannot prove the alignment that would let the compiler merge four word loads), `load_f32` (a
-  read-only load without numba's negative-index wraparound arithmetic), `dot4_u8s8` / `dot4_s8s8`
+  Python twins in the simulator: `load_u32x4` / `load_f32x4` (16 bytes per lane in one `ld.global.v4`;
+  numba cannot prove the alignment that would let the compiler merge four word loads). `load_u32x4` reads
+  weights, through the non-coherent path (`.nc`); `load_f32x4` reads what another kernel wrote
+  (activations) and stays coherent: ptxas takes `.nc` data as constant for the kernel's whole life and
+  moves such loads above `griddepcontrol.wait` (seen in sm_90 SASS), where under overlapped launches
+  (below) they read the grid before's output before it is written. `dot4_u8s8` / `dot4_s8s8`
   (`dp4a`: four byte products summed into an int32 in one instruction), `half2_floats` / `bits_f32`
   (words of a K/V tile, staged as raw 32-bit words, back to floats), and `load4` / `store4` / `load1`
   (1-D array elements, four at a time in 16-byte accesses, without the wraparound arithmetic: in
@@ -31,8 +34,10 @@ Compatibility shims live here and nowhere else:
   grid this one depends on has finished and its writes are visible) then `griddepcontrol.launch_dependents` (the
   next grid may be launched now). Outside a programmatic dependency both do nothing; inside one (the edges of a
   captured decode graph, `backends.cuda`) the next kernel's blocks are launched and made resident while this
-  one's last blocks still run, instead of after them. Nothing is read or written before the wait, so the
-  overlap can never see stale data. Before sm_90 it compiles to nothing.
+  one's last blocks still run, instead of after them. Nothing that a kernel writes is read before the wait, so
+  the overlap can never see stale data: only the decode products read before it, their first rows of weights
+  (constant), so that those loads run during the kernel before. Every read of an activation is an ordinary
+  (coherent) load, which the compilers keep after the wait. Before sm_90 it compiles to nothing.
 - `jit_bounded`: cuda.jit with launch bounds, which the simulator does not accept.
 """
 
@@ -69,9 +74,6 @@ if SIMULATOR:
 
     def load_f32x4(a, r, c):
         return a[r, c], a[r, c + 1], a[r, c + 2], a[r, c + 3]
-
-    def load_f32(a, r, c):
-        return a[r, c]
 
     def half2_floats(word):
         h = np.array([int(word)], np.uint32).view(np.float16)
@@ -215,22 +217,26 @@ else:
 
     I32 = ir.IntType(32)
 
-    def _global_nc_load(builder, context, sig, args, ptx: str, results: list):
-        """Inline `ptx` reading the element at (row, col) of the 2-D array in args (no wraparound)."""
+    def _global_load(builder, context, sig, args, ptx: str, results: list, constant: bool):
+        """Inline `ptx` reading the element at (row, col) of the 2-D array in args (no wraparound). Unless the data
+        is `constant`, the asm counts as a side effect, so that LLVM keeps it after `await_grid`'s (it does not
+        see the asm read memory)."""
         array_type = sig.args[0]
         array = context.make_array(array_type)(context, builder, value=args[0])
         index = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:], strict=True)]
         ptr = cgutils.get_item_pointer(context, builder, array_type, array, index)
         out_type = ir.LiteralStructType(results) if len(results) > 1 else results[0]
         constraints = ",".join(["=f" if r == ir.FloatType() else "=r" for r in results] + ["l"])
-        return builder.call(ir.InlineAsm(ir.FunctionType(out_type, [ptr.type]), ptx, constraints), [ptr])
+        asm = ir.InlineAsm(ir.FunctionType(out_type, [ptr.type]), ptx, constraints, side_effect=not constant)
+        return builder.call(asm, [ptr])
 
     @intrinsic
     def load_u32x4(typingctx, words, r, c):
-        """words[r, c:c+4] of a C-contiguous uint32 matrix, c a multiple of 4 (rows 16-byte aligned)."""
+        """words[r, c:c+4] of a C-contiguous uint32 matrix of weights (constant: non-coherent load), c a multiple
+        of 4 (rows 16-byte aligned)."""
         def codegen(context, builder, sig, args):
             ptx = "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];"
-            loaded = _global_nc_load(builder, context, sig, args, ptx, [I32] * 4)
+            loaded = _global_load(builder, context, sig, args, ptx, [I32] * 4, constant=True)
             values = [builder.extract_value(loaded, i) for i in range(4)]
             return context.make_tuple(builder, sig.return_type, values)
 
@@ -238,11 +244,11 @@ else:
 
     @intrinsic
     def load_f32x4(typingctx, a, r, c):
-        """a[r, c:c+4] of a C-contiguous float32 matrix that no kernel writes while this one runs, c a multiple
-        of 4 (rows 16-byte aligned)."""
+        """a[r, c:c+4] of a C-contiguous float32 matrix, c a multiple of 4 (rows 16-byte aligned): a coherent
+        load, for data a kernel before this one wrote (see the module's notes)."""
         def codegen(context, builder, sig, args):
-            ptx = "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];"
-            loaded = _global_nc_load(builder, context, sig, args, ptx, [ir.FloatType()] * 4)
+            ptx = "ld.global.v4.f32 {$0, $1, $2, $3}, [$4];"
+            loaded = _global_load(builder, context, sig, args, ptx, [ir.FloatType()] * 4, constant=False)
             values = [builder.extract_value(loaded, i) for i in range(4)]
             return context.make_tuple(builder, sig.return_type, values)
 
@@ -375,15 +381,6 @@ else:
     def await_grid(typingctx):
         """Wait for the grid this kernel depends on, then let the one after it launch (see the module's notes)."""
         return _control(AWAIT_GRID_PTX if overlapped_launches() else "")
-
-    @intrinsic
-    def load_f32(typingctx, a, r, c):
-        """a[r, c] of a float32 matrix that no kernel writes while this one runs, r and c non-negative."""
-        def codegen(context, builder, sig, args):
-            ptx = "ld.global.nc.f32 $0, [$1];"
-            return _global_nc_load(builder, context, sig, args, ptx, [ir.FloatType()])
-
-        return types.float32(a, r, c), codegen
 
     @intrinsic
     def pack_half2(typingctx, lo, hi):
