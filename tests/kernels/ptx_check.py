@@ -19,7 +19,7 @@ import numba.cuda.dispatcher as dispatcher
 import numpy as np
 from numba import typeof, types
 
-from lucekv.kernels.cuda import act, attention, cuda, embed, matmul, matvec, norm, sample
+from lucekv.kernels.cuda import act, attention, cuda, embed, flash, matmul, matvec, norm, sample
 from lucekv.kernels.cuda.packed import Quant, attention_inputs, epilogue
 from lucekv.kernels.cuda.rope import Rotary
 
@@ -35,6 +35,7 @@ H3 = types.float16[:, :, ::1]
 I64, F32, B = types.int64, types.float32, types.boolean
 PART = (types.float32[:, :, ::1], types.float32[:, :, ::1], types.float32[:, :, :, ::1])
 ATTEND = (F2, U2, U2, I1, I1, I1, I64, F32, *PART, F2)
+FLASH = (F2, U2, U2, I1, I1, I1, I64, F32, F2)
 # tuple arguments, typed from host arrays of the device ones' dtype, dimensions and layout
 _m = np.zeros((2, 4), np.float32)
 EP = typeof(epilogue((_m, _m), bias=_m[0]))
@@ -72,6 +73,8 @@ CHECKS = {
     "attend_f16_128": (attention._split_kernel(2, 64), ATTEND),
     "attend_f32_128": (attention._split_kernel(1, 128), ATTEND),
     "attend_f32_160": (attention._split_kernel(1, 160), ATTEND),
+    "flash_128": (flash._kernel(128), FLASH),
+    "flash_64": (flash._kernel(64), FLASH),
     "combine": (attention._combine, (PART[0], PART[1], F2, F2)),
     "set_slot_pos": (attention._set_slot_pos, (I1, I1, I1)),
     "argmax": (sample._argmax, (F2, I64, F2, types.int32[:, ::1], I1, I1)),

@@ -378,10 +378,13 @@ def attention_reference(q, k_pool, v_pool, slot_pos, positions, window, scale):
     return out.reshape(len(positions), -1)
 
 
-def check_attention(n_slots, n_head, n_kv, d, positions, window, kv_dtype, seed=0, ordered=False, launches=1):
+def check_attention(n_slots, n_head, n_kv, d, positions, window, kv_dtype, seed=0, ordered=False, launches=1,
+                    flash=False):
     """Random pool with a shuffled (or, `ordered`, increasing) slot -> position map and free slots, queries at
-    `positions`; `launches` times with the same scratch, as a replayed graph does."""
+    `positions`; `launches` times with the same scratch, as a replayed graph does. `flash`: the tensor-core
+    prefill kernel (`flash.attend`) instead of the per-query one."""
     from lucekv.kernels.cuda.attention import attend, partials
+    from lucekv.kernels.cuda.flash import attend as flash_attend
 
     rng = np.random.default_rng(seed)
     slot_pos = (np.arange(n_slots) if ordered else rng.permutation(n_slots)).astype(np.int32)
@@ -405,9 +408,12 @@ def check_attention(n_slots, n_head, n_kv, d, positions, window, kv_dtype, seed=
     parts = partials(n, n_head, n_kv, d, n_slots)
     ref = attention_reference(q, k_pool[:used], v_pool[:used], slot_pos[:used], positions, window, scale)
     first = None
+    args = cuda.to_device(q), dk, dv, cuda.to_device(slot_pos), d_used, cuda.to_device(positions), window, scale
     for _ in range(launches):
-        attend(cuda.to_device(q), dk, dv, cuda.to_device(slot_pos), d_used, cuda.to_device(positions), window,
-               scale, parts, out)
+        if flash:
+            flash_attend(*args, out)
+        else:
+            attend(*args, parts, out)
         got = out.copy_to_host()
         assert rel_err(got, ref) <= (1e-2 if kv_dtype == np.float16 else 1e-3)
         first = got if first is None else first
@@ -495,7 +501,8 @@ def test_attention_gpu(kv_dtype):
 F16_PREFILL = 5e-3
 
 
-def check_backend_matches_cpu(tmp_path, arch: str, qtype: Q, decode_steps: int, **dims) -> None:
+def check_backend_matches_cpu(tmp_path, arch: str, qtype: Q, decode_steps: int, kv_dtype: str = "f32",
+                              prompt: int = 4, **dims) -> None:
     from lucekv.backends.cpu import CpuBackend
     from lucekv.backends.cuda import CudaBackend
     from lucekv.model.arch import ModelSpec
@@ -504,8 +511,8 @@ def check_backend_matches_cpu(tmp_path, arch: str, qtype: Q, decode_steps: int, 
 
     g = open_gguf(write_synthetic_gguf(tmp_path / f"{arch}.gguf", arch, qtype=qtype, **dims))
     spec = ModelSpec.from_gguf(g)
-    cpu, gpu = CpuBackend(g, spec, "f32", 64), CudaBackend(g, spec, "f32", 64)
-    tokens = np.array([5, 17, 42, 7], np.int32)
+    cpu, gpu = CpuBackend(g, spec, kv_dtype, 64), CudaBackend(g, spec, kv_dtype, 64)
+    tokens = np.array([5, 17, 42, 7] * (prompt // 4), np.int32)
     pos = np.arange(len(tokens), dtype=np.int32)
     ref = cpu.forward(tokens, pos, pos, all_logits=True)
     assert rel_err(gpu.forward(tokens, pos, pos, all_logits=True), ref) <= F16_PREFILL
@@ -523,6 +530,14 @@ def test_backend_matches_cpu(tmp_path, arch):
     k_quant_dims = dict(n_embd=256, n_head=4, head_dim=64, n_ff=512) if arch == "qwen3" else {}
     check_backend_matches_cpu(tmp_path, arch, Q.Q4_K if arch == "qwen3" else Q.Q8_0, 8, **k_quant_dims,
                               n_layer=6 if arch == "gemma3" else 2)
+
+
+@gpu
+@needs_gpu
+def test_backend_matches_cpu_through_the_flash_prefill(tmp_path):
+    """A float16 pool and a 40-token prompt: the prompt's attention runs in `flash` (GQA groups of 4)."""
+    check_backend_matches_cpu(tmp_path, "qwen2", Q.Q8_0, 4, kv_dtype="f16", prompt=40, n_embd=256, n_head=8,
+                              n_kv_head=2, head_dim=32, n_ff=512, n_layer=2)
 
 
 @pytest.mark.slow

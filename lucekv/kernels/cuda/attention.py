@@ -20,8 +20,9 @@ few tiles waits for memory about once, not three times per tile. Scores: lane i 
 product, reading its K row 16 bytes at a time (rows staged 4 words longer, so the lanes' reads fall in different
 banks) against the warp's query in shared memory (one address for all lanes: a broadcast); no cross-lane sums.
 Values: each slot's weight is broadcast and lane l accumulates the dimensions of words l, l + 32, ...
-(consecutive lanes, consecutive banks). The same kernels serve prefill (queries = tokens); a flash-style prefill
-that shares K/V tiles between queries is the next step.
+(consecutive lanes, consecutive banks). A prefill of float16 K/V (MIN_TOKENS queries or more, head_dim a multiple
+of 16 up to 128) goes to `flash` instead, which shares each K/V tile between a block's queries on tensor cores; the
+others run here too (queries = tokens).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import math
 
 import numpy as np
 
+from lucekv.kernels.cuda import flash
 from lucekv.kernels.cuda._numba import (
     ALIGN_16,
     NEG_INF,
@@ -92,6 +94,9 @@ def attend(q, k_pool, v_pool, slot_pos, n_slots, positions, window: int, scale: 
     """
     n = q.shape[0]
     size, n_kv, head_dim = k_pool.shape
+    if flash.serves(n, k_pool.dtype, head_dim):
+        flash.attend(q, k_pool, v_pool, slot_pos, n_slots, positions, window, scale, out, stream)
+        return
     group = q.shape[1] // head_dim // n_kv
     part_m, part_l, part_acc = parts
     k_words = k_pool.view(np.uint32).reshape(size * n_kv, -1)  # row s * n_kv + h: slot s, KV head h

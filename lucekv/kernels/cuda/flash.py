@@ -1,0 +1,246 @@
+"""Prefill attention on tensor cores (flash-style): many queries share each K/V tile.
+
+`attention.attend` runs one block per query, each reading every K/V tile its query sees and scoring it on the
+float32 cores: fine for a decode step, but a prefill of n tokens reads the pool n times over. Here a block takes
+ROWS (token, query head) rows of one KV head, rows in token-major order (row r = token r // group, head r % group
+of the KV head's group), so a block's rows are consecutive tokens that see nearly the same slots. Per tile of
+TILE slots it copies K and V once into shared memory, and each of its 4 warps computes its 16 rows' scores
+S = Q K^T and then O += P V with `mma.m16n8k16` (float16 operands, float32 accumulators), an online softmax in
+between (FlashAttention-2's order: scores never leave registers; a row's max and sum are kept per thread and
+shared across the 4 lanes that hold the row by two shuffles).
+- Fragments (PTX ISA layout, lane = 4 g + c): a thread holds rows g and g + 8 of its warp's 16, columns 2c, 2c + 1
+  (+ 8) of each 8-wide tile. The query is rounded to float16 once, times the softmax scale. A score tile's C
+  fragment is, rounded, the A fragment of P for the next product. K's rows (slots) are B's columns as stored;
+  V's columns (dimensions) are not, so a B word of V pairs two slots' halves of one dimension.
+- Slot s is visible to a row at position p iff 0 <= slot_pos[s] <= p (and slot_pos[s] > p - window with a
+  window): position-exact in slot space, as `attention`. A tile no row of the block sees is skipped whole.
+- Rows of K and V are staged padded to `words + 4` words: the fragment reads of 8 rows at one word offset
+  then fall in 8 different bank quads.
+Float16 pools and head_dim a multiple of 16 up to MAX_HEAD_DIM only (`serves`); the others keep `attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from lucekv.kernels.cuda._numba import (
+    ALIGN_16,
+    NEG_INF,
+    WARP,
+    await_grid,
+    blocks,
+    copy_async16,
+    copy_async_commit,
+    copy_async_wait_all,
+    cuda,
+    mma_f16_16816,
+    pack_half2,
+    warp_shfl_xor,
+)
+
+WARPS = 4
+ROWS = 16 * WARPS  # (token, head) rows per block: one m16 tile per warp
+TILE = 64  # slots per K/V tile
+MAX_HEAD_DIM = 128  # the output accumulators: head_dim / 2 float32 registers per thread
+MIN_TOKENS = 16  # fewer queries: the per-query kernel is as fast (a block would hold mostly padding)
+LOW_HALF = np.uint32(0xFFFF)
+
+
+def serves(n_tokens: int, pool_dtype, head_dim: int) -> bool:
+    """Whether `attend` takes these queries (else `attention.attend` does)."""
+    return (n_tokens >= MIN_TOKENS and np.dtype(pool_dtype) == np.float16 and head_dim % 16 == 0
+            and head_dim <= MAX_HEAD_DIM)
+
+
+def attend(q, k_pool, v_pool, slot_pos, n_slots, positions, window: int, scale: float, out, stream=0) -> None:
+    """out[n, n_head * head_dim] for queries q [n, n_head * head_dim] at `positions`, over the slots below n_slots[0]
+    of the float16 pools [slots, n_kv, head_dim] (the contract of `attention.attend`, where `serves`)."""
+    size, n_kv, head_dim = k_pool.shape
+    group = q.shape[1] // head_dim // n_kv
+    k_words = k_pool.view(np.uint32).reshape(size * n_kv, -1)  # row s * n_kv + h: slot s, KV head h
+    v_words = v_pool.view(np.uint32).reshape(size * n_kv, -1)
+    grid = (n_kv, blocks(q.shape[0] * group, ROWS))
+    _kernel(head_dim)[grid, WARPS * WARP, stream](q, k_words, v_words, slot_pos, n_slots, positions, window,
+                                                  np.float32(scale), out)
+
+
+@cuda.jit(device=True, inline=True)
+def _seen(sp, pos, window):
+    return sp >= 0 and sp <= pos and (window <= 0 or sp > pos - window)
+
+
+@cuda.jit(device=True, inline=True)
+def _half(word, odd):
+    return (word >> 16) if odd else (word & LOW_HALF)
+
+
+@cuda.jit(device=True, inline=True)
+def _quad_max(v):
+    """Max over the 4 lanes that hold one row (lanes 4g .. 4g + 3)."""
+    v = max(v, warp_shfl_xor(v, 1))
+    return max(v, warp_shfl_xor(v, 2))
+
+
+@cuda.jit(device=True, inline=True)
+def _quad_sum(v):
+    v += warp_shfl_xor(v, 1)
+    return v + warp_shfl_xor(v, 2)
+
+
+@functools.cache
+def _kernel(head_dim: int):
+    words = head_dim // 2  # float16 pairs per row
+    stride = words + 4  # padded staged rows (see the module's notes)
+    tile_words = TILE * stride
+    quads = words // 4  # 16-byte copies per row
+    k_steps = head_dim // 16  # k16 slices of a query row
+    d_tiles = head_dim // 8  # n8 tiles of an output row
+    s_tiles = TILE // 8  # n8 tiles of a score row
+    threads = WARPS * WARP
+
+    @cuda.jit(device=True, inline=True)
+    def query_value(q, row, n_rows, group, kvh, col, scale):
+        if row >= n_rows:
+            return np.float32(0)
+        t = row // group
+        return q[t, (kvh * group + row - t * group) * head_dim + col] * scale
+
+    @cuda.jit(device=True, inline=True)
+    def row_position(positions, row, n_rows, group):
+        return positions[row // group] if row < n_rows else np.int32(-1)
+
+    @cuda.jit(device=True, inline=True)
+    def v_pair(v_tile, slot, dim):
+        """Word of V[slot][dim] (low half) and V[slot + 1][dim] (high half): a B word of P V."""
+        at = slot * stride + (dim >> 1)
+        odd = dim & 1
+        return _half(v_tile[at], odd) | (_half(v_tile[at + stride], odd) << 16)
+
+    @cuda.jit(device=True, inline=True)
+    def store_row(out, o, row, n_rows, group, kvh, c, upper, total):
+        if row < n_rows:
+            inv = np.float32(1) / total if total > np.float32(0) else np.float32(0)  # nothing visible: 0
+            t = row // group
+            base = (kvh * group + row - t * group) * head_dim + 2 * c
+            for j in range(d_tiles):
+                out[t, base + 8 * j] = o[j, 2 * upper] * inv
+                out[t, base + 8 * j + 1] = o[j, 2 * upper + 1] * inv
+
+    def kernel(q, k_words, v_words, slot_pos, n_slots, positions, window, scale, out):
+        await_grid()
+        kvh = cuda.blockIdx.x
+        n_kv = cuda.gridDim.x
+        group = q.shape[1] // head_dim // n_kv
+        n_rows = q.shape[0] * group
+        lane = cuda.threadIdx.x & (WARP - 1)
+        g, c = lane >> 2, lane & 3
+        row_a = cuda.blockIdx.y * ROWS + (cuda.threadIdx.x // WARP) * 16 + g  # and row_b = row_a + 8
+        row_b = row_a + 8
+        pos_a = row_position(positions, row_a, n_rows, group)
+        pos_b = row_position(positions, row_b, n_rows, group)
+        k_tile = cuda.shared.array(tile_words, np.uint32, alignment=ALIGN_16)
+        v_tile = cuda.shared.array(tile_words, np.uint32, alignment=ALIGN_16)
+        tile_pos = cuda.shared.array(TILE, np.int32)
+        qf = cuda.local.array((k_steps, 4), np.uint32)  # this thread's A fragments of the query rows
+        for kk in range(k_steps):
+            col = 16 * kk + 2 * c
+            qf[kk, 0] = pack_half2(query_value(q, row_a, n_rows, group, kvh, col, scale),
+                                   query_value(q, row_a, n_rows, group, kvh, col + 1, scale))
+            qf[kk, 1] = pack_half2(query_value(q, row_b, n_rows, group, kvh, col, scale),
+                                   query_value(q, row_b, n_rows, group, kvh, col + 1, scale))
+            qf[kk, 2] = pack_half2(query_value(q, row_a, n_rows, group, kvh, col + 8, scale),
+                                   query_value(q, row_a, n_rows, group, kvh, col + 9, scale))
+            qf[kk, 3] = pack_half2(query_value(q, row_b, n_rows, group, kvh, col + 8, scale),
+                                   query_value(q, row_b, n_rows, group, kvh, col + 9, scale))
+        o = cuda.local.array((d_tiles, 4), np.float32)
+        for j in range(d_tiles):
+            for e in range(4):
+                o[j, e] = np.float32(0)
+        s = cuda.local.array((s_tiles, 4), np.float32)
+        m_a = NEG_INF
+        m_b = NEG_INF
+        l_a = np.float32(0)  # this thread's share of row a's softmax sum
+        l_b = np.float32(0)
+        used = n_slots[0]
+        for base in range(0, used, TILE):
+            for i in range(cuda.threadIdx.x, TILE, threads):
+                tile_pos[i] = slot_pos[base + i] if base + i < used else np.int32(-1)
+            cuda.syncthreads()
+            seen_any = False
+            for i in range(TILE):
+                seen_any = seen_any or _seen(tile_pos[i], pos_a, window) or _seen(tile_pos[i], pos_b, window)
+            if cuda.syncthreads_or(np.int32(seen_any)) == 0:  # no row of the block sees the tile
+                continue
+            for e in range(cuda.threadIdx.x, TILE * quads, threads):
+                i = e // quads
+                w = 4 * (e - i * quads)
+                r = min(base + i, used - 1) * n_kv + kvh  # past the used slots: a used row (finite: P is 0 there)
+                copy_async16(k_tile, i * stride + w, k_words, r, w)
+                copy_async16(v_tile, i * stride + w, v_words, r, w)
+            copy_async_commit()
+            copy_async_wait_all()
+            cuda.syncthreads()
+            # scores of this thread's two rows and columns 2c, 2c + 1 of each n8 tile, masked
+            mx_a = NEG_INF
+            mx_b = NEG_INF
+            for j in range(s_tiles):
+                at = (8 * j + g) * stride + c  # B: K's row 8j + g, words 8kk + c and 8kk + c + 4
+                c0 = np.float32(0)
+                c1 = np.float32(0)
+                c2 = np.float32(0)
+                c3 = np.float32(0)
+                for kk in range(k_steps):
+                    c0, c1, c2, c3 = mma_f16_16816(qf[kk, 0], qf[kk, 1], qf[kk, 2], qf[kk, 3],
+                                                   k_tile[at + 8 * kk], k_tile[at + 8 * kk + 4], c0, c1, c2, c3)
+                sp0 = tile_pos[8 * j + 2 * c]
+                sp1 = tile_pos[8 * j + 2 * c + 1]
+                s[j, 0] = c0 if _seen(sp0, pos_a, window) else NEG_INF
+                s[j, 1] = c1 if _seen(sp1, pos_a, window) else NEG_INF
+                s[j, 2] = c2 if _seen(sp0, pos_b, window) else NEG_INF
+                s[j, 3] = c3 if _seen(sp1, pos_b, window) else NEG_INF
+                mx_a = max(mx_a, max(s[j, 0], s[j, 1]))
+                mx_b = max(mx_b, max(s[j, 2], s[j, 3]))
+            new_a = max(m_a, _quad_max(mx_a))
+            new_b = max(m_b, _quad_max(mx_b))
+            # a row that has seen nothing yet keeps -inf: its exps are 0, not exp(-inf + inf)
+            ref_a = new_a if new_a != NEG_INF else np.float32(0)
+            ref_b = new_b if new_b != NEG_INF else np.float32(0)
+            corr_a = math.exp(m_a - ref_a)
+            corr_b = math.exp(m_b - ref_b)
+            m_a = new_a
+            m_b = new_b
+            for j in range(s_tiles):
+                s[j, 0] = math.exp(s[j, 0] - ref_a)
+                s[j, 1] = math.exp(s[j, 1] - ref_a)
+                s[j, 2] = math.exp(s[j, 2] - ref_b)
+                s[j, 3] = math.exp(s[j, 3] - ref_b)
+            l_a *= corr_a
+            l_b *= corr_b
+            for j in range(s_tiles):
+                l_a += s[j, 0] + s[j, 1]
+                l_b += s[j, 2] + s[j, 3]
+            for j in range(d_tiles):
+                o[j, 0] *= corr_a
+                o[j, 1] *= corr_a
+                o[j, 2] *= corr_b
+                o[j, 3] *= corr_b
+            for kk in range(TILE // 16):  # P's k16 slice kk: score tiles 2kk and 2kk + 1
+                a0 = pack_half2(s[2 * kk, 0], s[2 * kk, 1])
+                a1 = pack_half2(s[2 * kk, 2], s[2 * kk, 3])
+                a2 = pack_half2(s[2 * kk + 1, 0], s[2 * kk + 1, 1])
+                a3 = pack_half2(s[2 * kk + 1, 2], s[2 * kk + 1, 3])
+                slot = 16 * kk + 2 * c
+                for j in range(d_tiles):
+                    dim = 8 * j + g
+                    o[j, 0], o[j, 1], o[j, 2], o[j, 3] = mma_f16_16816(
+                        a0, a1, a2, a3, v_pair(v_tile, slot, dim), v_pair(v_tile, slot + 8, dim),
+                        o[j, 0], o[j, 1], o[j, 2], o[j, 3])
+            cuda.syncthreads()  # every warp is done with the tile before the next is copied over it
+        store_row(out, o, row_a, n_rows, group, kvh, c, 0, _quad_sum(l_a))
+        store_row(out, o, row_b, n_rows, group, kvh, c, 1, _quad_sum(l_b))
+
+    kernel.__name__ = kernel.__qualname__ = f"_attend_flash_{head_dim}"
+    return cuda.jit(kernel)
