@@ -137,7 +137,7 @@ def _kernel(head_dim: int):
         n_rows = q.shape[0] * group
         lane = cuda.threadIdx.x & (WARP - 1)
         g, c = lane >> 2, lane & 3
-        row_a = cuda.blockIdx.y * ROWS + (cuda.threadIdx.x // WARP) * 16 + g  # and row_b = row_a + 8
+        row_a = cuda.blockIdx.y * ROWS + (cuda.threadIdx.x // WARP) * 16 + g
         row_b = row_a + 8
         pos_a = row_position(positions, row_a, n_rows, group)
         pos_b = row_position(positions, row_b, n_rows, group)
