@@ -54,6 +54,7 @@ from lucekv.kernels.cuda._numba import (
     warp_max,
     warp_sum,
 )
+from lucekv.kernels.cuda.flash import slot_visible
 from lucekv.kernels.cuda.rope import Rotary, rotated
 
 MAX_SPLITS = 128  # chunks per (KV head, query)
@@ -202,10 +203,6 @@ def _split_kernel(dims_per_word: int, row_words: int):
         return slot_pos[s] if s < end else np.int32(-1)
 
     @cuda.jit(device=True, inline=True)
-    def seen(sp, pos, window):
-        return sp >= 0 and sp <= pos and (window <= 0 or sp > pos - window)
-
-    @cuda.jit(device=True, inline=True)
     def dot_quad(tile, at, qs, q_at):
         # the 4 words at tile[at] (2 or 1 values each) against the query's matching values at qs[q_at]
         w0, w1, w2, w3 = load4(tile, at)
@@ -253,7 +250,7 @@ def _split_kernel(dims_per_word: int, row_words: int):
         # visibility: lane i's slot of a tile, the same for every warp of the block (measured on an H200: copying
         # the first tile before its visibility is known was 4% slower)
         sp_next = slot_position(slot_pos, start + TILE + lane, end)
-        visible = seen(slot_position(slot_pos, start + lane, end), pos, window)
+        visible = slot_visible(slot_position(slot_pos, start + lane, end), pos, window)
         for d in range(lane, head_dim, WARP):
             qs[q_at + d] = q[t, h * head_dim + d] * scale
         for j in range(lane_dims):
@@ -267,7 +264,7 @@ def _split_kernel(dims_per_word: int, row_words: int):
         for base in range(start, end, TILE):
             n_in = min(TILE, end - base)
             nxt = base + TILE
-            visible_next = seen(sp_next, pos, window)
+            visible_next = slot_visible(sp_next, pos, window)
             sp_next = slot_position(slot_pos, nxt + TILE + lane, end)  # two tiles ahead
             # every warp is done with the previous tile (its buffer is copied into next); nothing visible in the
             # next tile: it is not copied

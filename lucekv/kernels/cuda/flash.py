@@ -68,7 +68,8 @@ def attend(q, k_pool, v_pool, slot_pos, n_slots, positions, window: int, scale: 
 
 
 @cuda.jit(device=True, inline=True)
-def _seen(sp, pos, window):
+def slot_visible(sp, pos, window):
+    """Whether a slot holding position sp (-1: free) is visible to a query at `pos` (both attention kernels)."""
     return sp >= 0 and sp <= pos and (window <= 0 or sp > pos - window)
 
 
@@ -171,7 +172,8 @@ def _kernel(head_dim: int):
             cuda.syncthreads()
             seen_any = False
             for i in range(TILE):
-                seen_any = seen_any or _seen(tile_pos[i], pos_a, window) or _seen(tile_pos[i], pos_b, window)
+                sp = tile_pos[i]
+                seen_any = seen_any or slot_visible(sp, pos_a, window) or slot_visible(sp, pos_b, window)
             if cuda.syncthreads_or(np.int32(seen_any)) == 0:  # no row of the block sees the tile
                 continue
             for e in range(cuda.threadIdx.x, TILE * quads, threads):
@@ -197,10 +199,10 @@ def _kernel(head_dim: int):
                                                    k_tile[at + 8 * kk], k_tile[at + 8 * kk + 4], c0, c1, c2, c3)
                 sp0 = tile_pos[8 * j + 2 * c]
                 sp1 = tile_pos[8 * j + 2 * c + 1]
-                s[j, 0] = c0 if _seen(sp0, pos_a, window) else NEG_INF
-                s[j, 1] = c1 if _seen(sp1, pos_a, window) else NEG_INF
-                s[j, 2] = c2 if _seen(sp0, pos_b, window) else NEG_INF
-                s[j, 3] = c3 if _seen(sp1, pos_b, window) else NEG_INF
+                s[j, 0] = c0 if slot_visible(sp0, pos_a, window) else NEG_INF
+                s[j, 1] = c1 if slot_visible(sp1, pos_a, window) else NEG_INF
+                s[j, 2] = c2 if slot_visible(sp0, pos_b, window) else NEG_INF
+                s[j, 3] = c3 if slot_visible(sp1, pos_b, window) else NEG_INF
                 mx_a = max(mx_a, max(s[j, 0], s[j, 1]))
                 mx_b = max(mx_b, max(s[j, 2], s[j, 3]))
             new_a = max(m_a, _quad_max(mx_a))
