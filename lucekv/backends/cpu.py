@@ -40,7 +40,7 @@ class CpuOps:
     def __init__(self, spec: ModelSpec, pool: KVPool):
         self.spec = spec
         self.pool = pool
-        self._inv_freq: dict[float, np.ndarray] = {}
+        self._layer_rope = [spec.layer_rope(i) for i in range(spec.n_layer)]
         # post-RoPE query of each layer's latest token (decode step or last prompt token), for relevance scorers
         self.last_q = np.zeros((spec.n_layer, spec.n_head, spec.head_dim), np.float32)
 
@@ -78,13 +78,10 @@ class CpuOps:
         ms = np.mean(xs * xs, axis=-1, keepdims=True, dtype=np.float32)
         return (xs / np.sqrt(ms + np.float32(self.spec.rms_eps)) * w).reshape(x.shape).astype(np.float32, copy=False)
 
-    def _rope(self, x: np.ndarray, n_heads: int, positions: np.ndarray, base: float) -> np.ndarray:
+    def _rope(self, x: np.ndarray, n_heads: int, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
         spec = self.spec
         rd = spec.rope_dim
-        inv = self._inv_freq.get(base)
-        if inv is None:
-            inv = self._inv_freq[base] = 1.0 / base ** (np.arange(0, rd, 2, dtype=np.float64) / rd)
-        ang = (positions.astype(np.float64)[:, None] / spec.rope_scale) * inv[None, :]  # [n, rd/2]
+        ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [n, rd/2]
         cos = np.cos(ang).astype(np.float32)[:, None, :]
         sin = np.sin(ang).astype(np.float32)[:, None, :]
         xh = x.reshape(len(x), n_heads, spec.head_dim).copy()
@@ -99,11 +96,11 @@ class CpuOps:
         return xh.reshape(x.shape)
 
     def attention(self, layer: int, x: np.ndarray, lw: LayerWeights, positions: np.ndarray, slots: np.ndarray,
-                  window: int, rope_base: float) -> np.ndarray:
-        spec, pool = self.spec, self.pool
+                  window: int) -> np.ndarray:
+        spec, pool, rope = self.spec, self.pool, self._layer_rope[layer]
         q, k, v = project_qkv(spec, self, x, lw)
-        q = self._rope(q, spec.n_head, positions, rope_base)
-        k = self._rope(k, spec.n_kv_head, positions, rope_base)
+        q = self._rope(q, spec.n_head, positions, rope.inv_freq)
+        k = self._rope(k, spec.n_kv_head, positions, rope.inv_freq)
         kp, vp = pool.k[layer], pool.v[layer]
         kp[slots] = k.reshape(len(k), spec.n_kv_head, spec.head_dim)
         vp[slots] = v.reshape(len(v), spec.n_kv_head, spec.head_dim)
@@ -111,9 +108,9 @@ class CpuOps:
         self.last_q[layer] = qh[-1]
         if len(q) == 1:
             out = attend_decode(qh[0], kp, vp, pool.slot_pos, pool.high_water, int(positions[0]), window,
-                                spec.attn_scale)[None]
+                                rope.attn_scale)[None]
         else:
-            out = attend_batch(qh, kp, vp, pool.slot_pos, pool.high_water, positions, window, spec.attn_scale)
+            out = attend_batch(qh, kp, vp, pool.slot_pos, pool.high_water, positions, window, rope.attn_scale)
         return out.reshape(len(q), -1)
 
     def gated_linear(self, x: np.ndarray, g: tuple[PackedMatrix, PackedMatrix], norm: np.ndarray) -> np.ndarray:

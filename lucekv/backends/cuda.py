@@ -24,7 +24,7 @@ from lucekv.backends.cpu import KV_DTYPES
 from lucekv.backends.slots import SlotMap
 from lucekv.errors import UnsupportedModelError
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, interleave_rows, pack_tensor, permute_rows, stack_rows
-from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, norm, rope, sample
+from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, norm, sample
 from lucekv.kernels.cuda._numba import device_zeros, ordering_event, overlapped_launches
 from lucekv.kernels.cuda.embed import embed
 from lucekv.kernels.cuda.matmul import matmul
@@ -180,8 +180,9 @@ class CudaOps:
         self.spec = spec
         self.pool = pool
         self.stream = stream
-        bases = {spec.layer_rope_base(i) for i in range(spec.n_layer)}
-        self._inv_freq = {b: cuda.to_device(rope.inv_freq(b, spec.rope_dim), stream=stream) for b in bases}
+        self._layer_rope = [spec.layer_rope(i) for i in range(spec.n_layer)]
+        inv_freqs = {lr.inv_freq.tobytes(): lr.inv_freq for lr in self._layer_rope}  # few distinct: local, global
+        self._inv_freq = {key: cuda.to_device(inv, stream=stream) for key, inv in inv_freqs.items()}
         # Where no per-head norm comes between, a one-token step's q/k/v product rotates q and k and stores k and v
         # itself (AttentionInputs: one launch less per layer); a neox model's q and k weights then hold each rotary
         # pair on adjacent rows (rope.pair_order), and so do its prefill's q and k activations
@@ -364,12 +365,11 @@ class CudaOps:
         norm.rmsnorm(x, w, self.spec.rms_eps, groups, out, stream=self.stream)
         return out
 
-    def attention(self, layer: int, x, lw: LayerWeights, positions: np.ndarray, slots: np.ndarray, window: int,
-                  rope_base: float):
+    def attention(self, layer: int, x, lw: LayerWeights, positions: np.ndarray, slots: np.ndarray, window: int):
         spec, pool, s = self.spec, self.pool, self.stream
         n = x.shape[0]
-        rotary = Rotary(self._inv_freq[rope_base], np.float64(spec.rope_scale), spec.arch.rope_style == "neox",
-                        self._paired)
+        layer_rope = self._layer_rope[layer]
+        rotary = Rotary(self._inv_freq[layer_rope.inv_freq.tobytes()], spec.arch.rope_style == "neox", self._paired)
         # KVFlash scorers read the latest token's rotated query from pool.last_q (a replayed graph writes it too)
         if n == 1 and self._rotates_in_product and all(st.matrix.kind != "f32" for st in lw.qkv):
             x, norm = self._norm_for(x, lw.qkv, lw.attn_norm)
@@ -390,7 +390,7 @@ class CudaOps:
         parts = attention.partials(n, spec.n_head, spec.n_kv_head, spec.head_dim, pool.size, self._alloc)
         out = self._empty(n, spec.n_head * spec.head_dim)
         attention.attend(q, pool.k[layer], pool.v[layer], pool.d_slot_pos, pool.d_high_water, self.positions,
-                         window, spec.attn_scale, parts, out, stream=s)
+                         window, layer_rope.attn_scale, parts, out, stream=s)
         return out
 
     def add(self, x, y):

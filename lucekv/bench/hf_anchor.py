@@ -8,6 +8,9 @@ uses; `config_overrides` puts back the ones that change the math for the familie
   rope.dimension_count instead.
 - gemma3 has no key for the attention scale. llama.cpp uses 1/sqrt(key_length) (except Gemma-3 27B,
   which uses 1/sqrt(n_embd / n_head)); transformers uses query_pre_attn_scalar, default 256.
+- RoPE scaling (`{arch}.rope.scaling.*`, linear and YaRN) is dropped: it goes back as `rope_parameters`
+  (gemma3's to its global layers only). A Llama 3 file's `rope_freqs.weight` cannot be given back (transformers
+  takes llama3 parameters, not factors): the caller passes them, or the load is refused.
 
 torch and transformers are imported here only when called: they are the `ref` extra, not lucekv's needs.
 """
@@ -26,32 +29,56 @@ SPEED_DTYPE = "bfloat16"  # what a transformers user runs a GGUF's dequantized w
 LOGIT_TOKENS = 64
 
 
-def config_overrides(path: Path) -> dict[str, Any]:
+def config_overrides(path: Path, rope_parameters: dict | None = None) -> dict[str, Any]:
+    """Config values transformers' GGUF mapping misses. `rope_parameters` (transformers' form): a Llama 3 file's
+    RoPE, which the file holds only as per-pair factors (`rope_freqs.weight`) that transformers cannot take."""
     from transformers.integrations.gguf import read_gguf_metadata
 
-    metadata, _ = read_gguf_metadata(str(path))  # fast: leaves the token arrays unread
+    metadata, tensors = read_gguf_metadata(str(path))  # fast: leaves the token arrays unread
     arch = metadata["general.architecture"]
+    overrides: dict[str, Any] = {}
+    if rope_parameters is None and "rope_freqs.weight" in tensors:
+        raise ValueError(f"{path.name}: transformers ignores rope_freqs.weight; pass the model's llama3 "
+                         "rope_parameters")
+    rope = rope_parameters or _rope_parameters(metadata, arch)
+    if rope is not None:
+        overrides["rope_parameters"] = rope
     head_dim = metadata.get(f"{arch}.attention.key_length")
     if head_dim is None:
-        return {}
+        return overrides
     if arch == "qwen2":
         n_embd, n_head = metadata["qwen2.embedding_length"], metadata["qwen2.attention.head_count"]
         if head_dim != n_embd // n_head:
             raise ValueError(f"{path.name}: transformers' Qwen2 needs head_dim = n_embd / n_head")
-        return {}
-    overrides: dict[str, Any] = {"head_dim": head_dim}
+        return overrides
+    overrides["head_dim"] = head_dim
     if arch == "gemma3":
         overrides["query_pre_attn_scalar"] = head_dim
     return overrides
 
 
-def load(path: Path, device: str = "cpu", attn: str = "eager"):
+def _rope_parameters(metadata: dict[str, Any], arch: str) -> dict | None:
+    """A linear or YaRN RoPE scaling of the GGUF in transformers' form (its GGUF mapping drops them), or None."""
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    theta = float(metadata.get(f"{arch}.rope.freq_base", 10_000.0))
+    scaled = {"rope_type": kind, "rope_theta": theta, "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
+    if kind == "yarn":
+        scaled["original_max_position_embeddings"] = int(metadata[f"{arch}.rope.scaling.original_context_length"])
+    if arch == "gemma3":  # the scaling is the global layers'; local ones rotate plainly at their own base
+        return {"full_attention": scaled, "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    return scaled
+
+
+def load(path: Path, device: str = "cpu", attn: str = "eager", rope_parameters: dict | None = None):
     """The GGUF at `path` in transformers, float32 weights (dequantized on load) on `device`, in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                 attn_implementation=attn, **config_overrides(path))
+                                                 attn_implementation=attn,
+                                                 **config_overrides(path, rope_parameters))
     return model.to(device).eval()
 
 

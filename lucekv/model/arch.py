@@ -9,8 +9,13 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+from gguf.quants import dequantize
+
 from lucekv.errors import UnsupportedModelError
+from lucekv.model import rope
 from lucekv.model.gguf import GGUFFile
+from lucekv.model.rope import LayerRope, RopeScaling
 
 
 @dataclass(frozen=True)
@@ -56,9 +61,9 @@ class ModelSpec:
     rms_eps: float
     rope_base: float
     rope_dim: int
-    rope_scale: float  # positions are divided by this (linear RoPE scaling); 1 = none
+    rope_scaling: RopeScaling  # of the global layers; local layers of a family with their own base rotate plainly
     sliding_window: int  # 0 = none
-    attn_scale: float
+    attn_scale: float  # 1/sqrt(head_dim); a layer's own (`layer_rope`) may carry RoPE's magnitude too
 
     def is_local(self, layer: int) -> bool:
         every = self.arch.global_every
@@ -67,10 +72,14 @@ class ModelSpec:
     def window(self, layer: int) -> int:
         return self.sliding_window if self.is_local(layer) else 0
 
-    def layer_rope_base(self, layer: int) -> float:
-        if self.is_local(layer) and self.arch.local_rope_base is not None:
-            return self.arch.local_rope_base
-        return self.rope_base
+    def layer_rope(self, layer: int) -> LayerRope:
+        """The layer's rotary speeds and softmax scale. Local layers of a family with a local RoPE base (gemma3)
+        rotate at that base unscaled, as llama.cpp and transformers do: a long-context scaling is the global
+        layers'."""
+        plain = self.is_local(layer) and self.arch.local_rope_base is not None
+        base, scaling = (self.arch.local_rope_base, RopeScaling()) if plain else (self.rope_base, self.rope_scaling)
+        return LayerRope(rope.frequencies(base, self.rope_dim, scaling),
+                         self.attn_scale * rope.magnitude(scaling) ** 2)
 
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> ModelSpec:
@@ -78,40 +87,107 @@ class ModelSpec:
         if arch is None:
             raise UnsupportedModelError(
                 f"{g.path.name}: architecture {g.arch!r} is not supported (supported: {', '.join(ARCHS)})")
-        m = g.metadata
-
-        def key(k: str, default=None):
-            v = m.get(f"{g.arch}.{k}", default)
-            if v is None:
-                raise UnsupportedModelError(f"{g.path.name}: metadata key {g.arch}.{k} is missing")
-            return v
-
-        n_embd = int(key("embedding_length"))
-        n_head = int(key("attention.head_count"))
-        head_dim = int(key("attention.key_length", n_embd // n_head))
-        if int(key("attention.value_length", head_dim)) != head_dim:
+        meta = ArchMetadata(g)
+        n_embd = int(meta.require("embedding_length"))
+        n_head = int(meta.require("attention.head_count"))
+        head_dim = int(meta.get("attention.key_length", n_embd // n_head))
+        if int(meta.get("attention.value_length", head_dim)) != head_dim:
             raise UnsupportedModelError(f"{g.path.name}: key_length != value_length is not supported")
-        scaling = str(m.get(f"{g.arch}.rope.scaling.type", "none"))
-        if scaling not in ("none", "linear"):
-            raise UnsupportedModelError(f"{g.path.name}: RoPE scaling {scaling!r} is not supported")
-        rope_scale = float(m.get(f"{g.arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
-        tokens = m.get("tokenizer.ggml.tokens") or []
-        vocab = int(m.get(f"{g.arch}.vocab_size", len(tokens)) or g.tensor("token_embd.weight").shape[0])
-        return cls(
+        rope_dim = int(meta.get("rope.dimension_count", head_dim))
+        tokens = g.metadata.get("tokenizer.ggml.tokens") or []
+        vocab = int(meta.get("vocab_size", len(tokens)) or g.tensor("token_embd.weight").shape[0])
+        spec = cls(
             arch=arch,
-            name=str(m.get("general.name", g.path.stem)),
+            name=str(g.metadata.get("general.name", g.path.stem)),
             n_embd=n_embd,
-            n_layer=int(key("block_count")),
+            n_layer=int(meta.require("block_count")),
             n_head=n_head,
-            n_kv_head=int(key("attention.head_count_kv", n_head)),
+            n_kv_head=int(meta.get("attention.head_count_kv", n_head)),
             head_dim=head_dim,
-            n_ff=int(key("feed_forward_length")),
-            n_ctx=int(key("context_length")),
+            n_ff=int(meta.require("feed_forward_length")),
+            n_ctx=int(meta.require("context_length")),
             vocab_size=vocab,
-            rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-            rope_base=float(key("rope.freq_base", 10_000.0)),
-            rope_dim=int(key("rope.dimension_count", head_dim)),
-            rope_scale=rope_scale,
-            sliding_window=int(m.get(f"{g.arch}.attention.sliding_window", 0)) if arch.global_every else 0,
+            rms_eps=float(meta.require("attention.layer_norm_rms_epsilon")),
+            rope_base=float(meta.get("rope.freq_base", 10_000.0)),
+            rope_dim=rope_dim,
+            rope_scaling=_rope_scaling(g, meta, rope_dim),
+            sliding_window=int(meta.get("attention.sliding_window", 0)) if arch.global_every else 0,
             attn_scale=1.0 / math.sqrt(head_dim),
         )
+        meta.refuse_unread()
+        return spec
+
+
+# Keys that change nothing lucekv computes: read so that the check of unread keys lets them pass.
+INFORMATIONAL_KEYS = ("rope.scaling.finetuned",)
+
+
+class ArchMetadata:
+    """The `{arch}.*` metadata of a GGUF, read through `get` / `require`; `refuse_unread` then refuses the file if
+    it holds a key nobody read: a setting lucekv does not implement may change the math (a softcap, another
+    attention, a scaling), and computing the model without it would give different numbers silently."""
+
+    def __init__(self, g: GGUFFile):
+        self._g = g
+        self._prefix = f"{g.arch}."
+        self._read: set[str] = set()
+        for key in INFORMATIONAL_KEYS:
+            self.get(key)
+
+    def get(self, key: str, default=None):
+        self._read.add(key)
+        return self._g.metadata.get(self._prefix + key, default)
+
+    def require(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise UnsupportedModelError(f"{self._g.path.name}: metadata key {self._prefix}{key} is missing")
+        return value
+
+    def refuse_unread(self) -> None:
+        unread = sorted(k for k in self._g.metadata if k.startswith(self._prefix) and k[len(self._prefix):]
+                        not in self._read)
+        if unread:
+            raise UnsupportedModelError(
+                f"{self._g.path.name}: metadata {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not "
+                "implemented by lucekv; such a setting may change the model's math, so the file is refused "
+                "rather than run differently")
+
+
+def _rope_scaling(g: GGUFFile, meta: ArchMetadata, rope_dim: int) -> RopeScaling:
+    name = g.path.name
+    kind = str(meta.get("rope.scaling.type", "none"))
+    factor = float(meta.get("rope.scaling.factor", 1.0))
+    legacy_linear = meta.get("rope.scale_linear")  # older files' key for a linear factor
+    if legacy_linear is not None and kind == "none":
+        kind, factor = "linear", float(legacy_linear)
+    if kind not in rope.SCALING_KINDS:
+        raise UnsupportedModelError(f"{name}: RoPE scaling {kind!r} ({g.arch}.rope.scaling.type) is not supported "
+                                    f"(supported: {', '.join(rope.SCALING_KINDS)})")
+    if kind == "none" and factor != 1.0:
+        raise UnsupportedModelError(f"{name}: {g.arch}.rope.scaling.factor is {factor} without a scaling type")
+    if kind != "none" and not factor > 0:
+        raise UnsupportedModelError(f"{name}: {g.arch}.rope.scaling.factor must be positive, not {factor}")
+    original = int(meta.get("rope.scaling.original_context_length", 0))
+    if kind == "yarn" and original <= 0:
+        raise UnsupportedModelError(f"{name}: YaRN needs {g.arch}.rope.scaling.original_context_length")
+    return RopeScaling(
+        kind=kind, factor=factor if kind != "none" else 1.0, original_context=original,
+        beta_fast=float(meta.get("rope.scaling.yarn_beta_fast", 32.0)),
+        beta_slow=float(meta.get("rope.scaling.yarn_beta_slow", 1.0)),
+        attn_factor=float(meta.get("rope.scaling.attn_factor", 1.0)),
+        freq_factors=_freq_factors(g, rope_dim))
+
+
+def _freq_factors(g: GGUFFile, rope_dim: int) -> tuple[float, ...] | None:
+    """Llama 3.x's per-pair divisors of the rotary speeds (`rope_freqs.weight`), or None."""
+    t = g.optional_tensor("rope_freqs.weight")
+    if t is None:
+        return None
+    if t.shape != (rope_dim // 2,):
+        raise UnsupportedModelError(f"{g.path.name}: rope_freqs.weight has shape {t.shape}, expected "
+                                    f"({rope_dim // 2},): one factor per rotary pair")
+    factors = np.asarray(dequantize(t.data, t.qtype), np.float64).reshape(-1)
+    if not np.all(np.isfinite(factors) & (factors > 0)):
+        raise UnsupportedModelError(f"{g.path.name}: rope_freqs.weight holds factors that are not positive numbers")
+    return tuple(float(f) for f in factors)

@@ -39,9 +39,9 @@ class Ops(Protocol):
         """act(norm(x) @ W_gate.T) * (norm(x) @ W_up.T), act the architecture's (SiLU or GELU-tanh)."""
     def rmsnorm(self, x: Act, w: Vector, groups: int = 1) -> Act: ...
     def attention(self, layer: int, x: Act, lw: LayerWeights, positions: np.ndarray, slots: np.ndarray,
-                  window: int, rope_base: float) -> Act:
-        """q, k, v of x (`project_qkv`), RoPE on q and k, k and v written to `slots`, then q attends over
-        the pool."""
+                  window: int) -> Act:
+        """q, k, v of x (`project_qkv`), RoPE on q and k (`ModelSpec.layer_rope`), k and v written to `slots`,
+        then q attends over the pool."""
     def add(self, x: Act, y: Act) -> Act: ...
     def rows(self, x: Act, idx: slice) -> Act: ...
 
@@ -75,7 +75,7 @@ def load_weights(g: GGUFFile, spec: ModelSpec, ops: Ops) -> Weights:
         qkv = [p + f"attn_{x}" for x in "qkv"]
         layers.append(LayerWeights(
             attn_norm=ops.vector(g.tensor(p + "attn_norm.weight")),
-            qkv=ops.projections([g.tensor(n + ".weight") for n in qkv], [g.tensors.get(n + ".bias") for n in qkv]),
+            qkv=ops.projections([g.tensor(n + ".weight") for n in qkv], [g.optional_tensor(n + ".bias") for n in qkv]),
             wo=ops.matrix(g.tensor(p + "attn_output.weight")),
             ffn_norm=ops.vector(g.tensor(p + "ffn_norm.weight")),
             gate_up=ops.gated(g.tensor(p + "ffn_gate.weight"), g.tensor(p + "ffn_up.weight")),
@@ -85,9 +85,14 @@ def load_weights(g: GGUFFile, spec: ModelSpec, ops: Ops) -> Weights:
             post_attn_norm=ops.vector(g.tensor(p + "post_attention_norm.weight")) if spec.arch.post_norms else None,
             post_ffn_norm=ops.vector(g.tensor(p + "post_ffw_norm.weight")) if spec.arch.post_norms else None,
         ))
+    if spec.rope_scaling.freq_factors is not None:
+        g.tensor("rope_freqs.weight")  # taken: the spec holds its values (ModelSpec.layer_rope)
     token_embd = ops.matrix(g.tensor("token_embd.weight"))
-    output = ops.matrix(g.tensors["output.weight"]) if "output.weight" in g.tensors else token_embd
-    return Weights(token_embd, ops.vector(g.tensor("output_norm.weight")), output, layers)
+    output = g.optional_tensor("output.weight")
+    weights = Weights(token_embd, ops.vector(g.tensor("output_norm.weight")),
+                      token_embd if output is None else ops.matrix(output), layers)
+    g.refuse_unused_tensors()
+    return weights
 
 
 def forward(spec: ModelSpec, w: Weights, ops: Ops, tokens: np.ndarray, positions: np.ndarray,
@@ -95,7 +100,7 @@ def forward(spec: ModelSpec, w: Weights, ops: Ops, tokens: np.ndarray, positions
     """Run `tokens` at `positions`, writing their K/V to pool `slots`; logits of the last token (or all)."""
     x = ops.embed(w.token_embd, tokens, float(np.sqrt(spec.n_embd)) if spec.arch.embed_scale else 1.0)
     for i, lw in enumerate(w.layers):
-        attn = ops.attention(i, x, lw, positions, slots, spec.window(i), spec.layer_rope_base(i))
+        attn = ops.attention(i, x, lw, positions, slots, spec.window(i))
         x = _add_branch(ops, x, lw.wo, attn, lw.post_attn_norm)
         x = _add_branch(ops, x, lw.w_down, ops.gated_linear(x, lw.gate_up, norm=lw.ffn_norm), lw.post_ffn_norm)
     if not all_logits:

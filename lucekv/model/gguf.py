@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
-from lucekv.errors import ModelError
+from lucekv.errors import ModelError, UnsupportedModelError
 
 GGUF_MAGIC = b"GGUF"
 
@@ -34,16 +34,34 @@ class GGUFFile:
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
     fingerprint: str  # see `fingerprint`: snapshots and stores use it to never load K/V into another model
+    used: set[str] = field(default_factory=set)  # tensors taken through `tensor` / `optional_tensor`
 
     @property
     def arch(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
 
     def tensor(self, name: str) -> TensorInfo:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise ModelError(f"{self.path.name}: tensor {name!r} is missing") from None
+        t = self.optional_tensor(name)
+        if t is None:
+            raise ModelError(f"{self.path.name}: tensor {name!r} is missing")
+        return t
+
+    def optional_tensor(self, name: str) -> TensorInfo | None:
+        t = self.tensors.get(name)
+        if t is not None:
+            self.used.add(name)
+        return t
+
+    def refuse_unused_tensors(self) -> None:
+        """After a model is loaded: a tensor nobody took is a part of the model lucekv does not implement (a bias,
+        a norm, a scaling); running without it would compute another model, so the file is refused instead."""
+        unused = sorted(set(self.tensors) - self.used)
+        if unused:
+            shown = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
+            raise UnsupportedModelError(
+                f"{self.path.name}: tensor{'s' if len(unused) > 1 else ''} {shown} {'are' if len(unused) > 1 else 'is'}"
+                f" not implemented by lucekv for {self.arch!r} models; the file is refused rather than run without "
+                f"{'them' if len(unused) > 1 else 'it'}")
 
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:

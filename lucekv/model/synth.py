@@ -24,6 +24,7 @@ from gguf import (
     TENSOR_NAMES,
     GGMLQuantizationType,
     GGUFWriter,
+    RopeScalingType,
     TokenType,
 )
 from gguf.quants import dequantize, quantize
@@ -124,6 +125,7 @@ def write_synthetic_gguf(
     tied_output: bool | None = None,
     sliding_window: int = 8,
     qtype_overrides: dict[str, GGMLQuantizationType] | None = None,
+    rope_scaling: dict | None = None,
 ) -> Path:
     """Write a random-weight `arch` model to `path` and return the path.
 
@@ -131,7 +133,9 @@ def write_synthetic_gguf(
     "ffn_down.weight", "token_embd.weight") to another type. `vocab` pads the tokenizer's own vocabulary
     (a few hundred tokens) with unused tokens. `tied_output=None` ties the output projection to the
     embeddings for gemma3 only, as real Gemma files do. `sliding_window` is used by gemma3 alone, whose
-    layers are 5 local : 1 global (pass n_layer >= 6 to get a global layer).
+    layers are 5 local : 1 global (pass n_layer >= 6 to get a global layer). `rope_scaling` is a Hugging Face
+    config's (`{"rope_type": "linear" | "yarn" | "llama3", "factor": ..., ...}`), written as llama.cpp's converter
+    writes it: metadata for linear and YaRN, a `rope_freqs.weight` tensor of per-pair factors for llama3.
 
     Weights are N(0, gain / sqrt(row length)): q, k, output and embeddings at gain 1 so that attention
     scores and logits are O(1) (attention that is not uniform makes position bugs visible), the other
@@ -155,11 +159,14 @@ def write_synthetic_gguf(
     writer = GGUFWriter(path, arch)
     writer.add_name(f"synthetic-{arch}-{qtype.name}")
     _add_hparams(writer, arch, dims)
+    freq_factors = _add_rope_scaling(writer, rope_scaling, _ROPE_BASE[arch], head_dim)
     _add_tokenizer(writer, tokenizer)
     rng = np.random.default_rng(seed)
     for s in specs:
         data, raw_type = _random_tensor(s, types[s.name], rng)
         writer.add_tensor(s.name, data, raw_dtype=raw_type)
+    if freq_factors is not None:
+        writer.add_tensor(_name(MODEL_TENSOR.ROPE_FREQS, ".weight"), freq_factors, raw_dtype=Q.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -362,6 +369,35 @@ def _add_hparams(writer: GGUFWriter, arch: str, d: _Dims) -> None:
     writer.add_layer_norm_rms_eps(_RMS_EPS[arch])
     if arch == "gemma3":
         writer.add_sliding_window(d.sliding_window)
+
+
+def _add_rope_scaling(writer: GGUFWriter, scaling: dict | None, base: float, rope_dim: int) -> np.ndarray | None:
+    """Metadata for a Hugging Face rope_scaling; llama3's per-pair factors are returned, to be written as the
+    `rope_freqs.weight` tensor."""
+    if scaling is None:
+        return None
+    kind = scaling["rope_type"]
+    if kind == "llama3":
+        return _llama3_freq_factors(base, rope_dim, scaling)
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"rope_type {kind!r} is not one synth writes (linear, yarn, llama3)")
+    writer.add_rope_scaling_type(RopeScalingType(kind))
+    writer.add_rope_scaling_factor(float(scaling["factor"]))
+    if kind == "yarn":
+        writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    return None
+
+
+def _llama3_freq_factors(base: float, rope_dim: int, s: dict) -> np.ndarray:
+    """float32 [rope_dim // 2]: what each pair's speed is divided by under Llama 3's rope scaling. Pairs whose
+    wavelength is short against the original context keep their speed, long ones are slowed by `factor`, and
+    those between are blended by where their wavelength falls."""
+    inv = 1.0 / base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    context = s["original_max_position_embeddings"]
+    low, high, factor = s["low_freq_factor"], s["high_freq_factor"], s["factor"]
+    turns_per_context = context * inv / (2 * np.pi)  # = context / wavelength
+    blend = np.clip((turns_per_context - low) / (high - low), 0.0, 1.0)  # 1: keep, 0: slow by factor
+    return (1.0 / ((1.0 - blend) / factor + blend)).astype(np.float32)
 
 
 def _add_tokenizer(writer: GGUFWriter, tok: _SynthTokenizer) -> None:

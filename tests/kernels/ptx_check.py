@@ -40,9 +40,9 @@ FLASH = (F2, U2, U2, I1, I1, I1, I64, F32, F2)
 _m = np.zeros((2, 4), np.float32)
 EP = typeof(epilogue((_m, _m), bias=_m[0]))
 XNORM = typeof((_m, np.float32(0), True))
-ROTARY = typeof(Rotary(np.zeros(4), np.float64(1), True, True))
+ROTARY = typeof(Rotary(np.zeros(4), True, True))
 QKV = typeof(attention_inputs(_m, *(np.zeros((2, 2, 4), np.float16) for _ in range(2)), *(np.zeros(1, np.int32),) * 2,
-                              Rotary(np.zeros(4), np.float64(1), True, True), 4, 2, bias=_m[0]))
+                              Rotary(np.zeros(4), True, True), 4, 2, bias=_m[0]))
 
 
 def _quant(codes, scales, subs) -> types.Type:

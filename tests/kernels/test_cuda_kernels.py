@@ -236,7 +236,8 @@ def rope_reference(x: np.ndarray, n_heads: int, head_dim: int, rope_dim: int, po
 @pytest.mark.parametrize(("neox", "paired"), [(False, False), (True, False), (True, True)])
 def test_rope_and_store(neox, paired):
     from lucekv.kernels.cuda.attention import rope_and_store
-    from lucekv.kernels.cuda.rope import Rotary, inv_freq, pair_order
+    from lucekv.kernels.cuda.rope import Rotary, pair_order
+    from lucekv.model.rope import RopeScaling, frequencies
 
     rng = np.random.default_rng(5)
     n_heads, n_kv, head_dim, rope_dim, base, scale = 3, 1, 16, 12, 1e6, 2.0  # 4 dimensions pass unrotated
@@ -247,7 +248,7 @@ def test_rope_and_store(neox, paired):
     q_out, last_q = cuda.device_array(q.shape, np.float32), cuda.device_array(q.shape[1], np.float32)
     # paired: q and k as a product of paired weights gives them (see rope.pair_order); the outputs stay natural
     q_in, k_in = (x[:, pair_order(h, head_dim, rope_dim)] if paired else x for x, h in ((q, n_heads), (k, n_kv)))
-    rope = Rotary(cuda.to_device(inv_freq(base, rope_dim)), np.float64(scale), neox, paired)
+    rope = Rotary(cuda.to_device(frequencies(base, rope_dim, RopeScaling("linear", scale))), neox, paired)
     rope_and_store(cuda.to_device(q_in), cuda.to_device(k_in), cuda.to_device(v), cuda.to_device(positions),
                    cuda.to_device(slots), rope, k_pool, v_pool, q_out, last_q)
     ref_q = rope_reference(q, n_heads, head_dim, rope_dim, positions, base, scale, neox)
@@ -266,7 +267,8 @@ def check_product_into_attention(qtypes: tuple[Q, Q, Q], neox: bool, kv_dtype=np
     from lucekv.kernels.cpu.quants import permute_rows, stack_rows
     from lucekv.kernels.cuda import matvec
     from lucekv.kernels.cuda.packed import attention_inputs, upload
-    from lucekv.kernels.cuda.rope import Rotary, inv_freq, pair_order
+    from lucekv.kernels.cuda.rope import Rotary, pair_order
+    from lucekv.model.rope import RopeScaling, frequencies
 
     rng = np.random.default_rng(7)
     n_head, n_kv, head_dim, rope_dim, cols, base, scale = 4, 2, 16, 12, 256, 1e4, 2.0  # 4 dimensions unrotated
@@ -287,7 +289,7 @@ def check_product_into_attention(qtypes: tuple[Q, Q, Q], neox: bool, kv_dtype=np
 
     q_out = cuda.device_array((1, n_head * head_dim), np.float32)
     k_pool, v_pool = (cuda.to_device(np.full((4, n_kv, head_dim), np.nan, kv_dtype)) for _ in range(2))
-    rope = Rotary(cuda.to_device(inv_freq(base, rope_dim)), np.float64(scale), neox, neox)
+    rope = Rotary(cuda.to_device(frequencies(base, rope_dim, RopeScaling("linear", scale))), neox, neox)
     stacks = [[0, 1, 2]] if len(set(qtypes)) == 1 else [[0, 1], [2]]  # two: one launch of the pair kernel
     products, row0 = [], 0
     for stack in stacks:
@@ -530,6 +532,17 @@ def test_backend_matches_cpu(tmp_path, arch):
     k_quant_dims = dict(n_embd=256, n_head=4, head_dim=64, n_ff=512) if arch == "qwen3" else {}
     check_backend_matches_cpu(tmp_path, arch, Q.Q4_K if arch == "qwen3" else Q.Q8_0, 8, **k_quant_dims,
                               n_layer=6 if arch == "gemma3" else 2)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize(("arch", "scaling"), [("llama", "LLAMA3"), ("qwen2", "YARN")])
+def test_backend_matches_cpu_with_scaled_rope(tmp_path, arch, scaling):
+    """Llama 3's per-pair factors through the one-token product's epilogue (norm style), YaRN's speeds and
+    softmax scale through the paired neox one."""
+    from tests.model import test_rope
+
+    check_backend_matches_cpu(tmp_path, arch, Q.Q8_0, 8, n_layer=2, rope_scaling=getattr(test_rope, scaling))
 
 
 @gpu

@@ -1,5 +1,7 @@
 """GGUF loading: metadata, fingerprint, and errors that name the problem."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
@@ -72,25 +74,21 @@ def test_unsupported_architecture_is_named(tmp_path):
         ModelSpec.from_gguf(open_gguf(p))
 
 
-def test_unsupported_quant_type_is_named(tmp_path):
-    base = write_synthetic_gguf(tmp_path / "base.gguf", "llama")
+def rewrite(base: Path, out: Path, keys: dict | None = None, tensors: dict | None = None) -> Path:
+    """`base` written again to `out` with metadata `keys` and `tensors` ({name: (data, qtype)}) added or replaced."""
     g = open_gguf(base)
-    w = GGUFWriter(tmp_path / "iq.gguf", "llama")
-    for key, value in g.metadata.items():
+    w = GGUFWriter(out, g.arch)
+    for key, value in {**g.metadata, **(keys or {})}.items():
         if not key.startswith("GGUF.") and key != "general.architecture":
             _add(w, key, value)
-    for name, t in g.tensors.items():
-        if name == "blk.0.ffn_up.weight":  # IQ4_NL: 18-byte blocks of 32
-            raw = np.zeros((t.shape[0], t.shape[1] // 32 * 18), np.uint8)
-            w.add_tensor(name, raw, raw_dtype=GGMLQuantizationType.IQ4_NL)
-        else:
-            w.add_tensor(name, np.array(t.data), raw_dtype=t.qtype)
+    for name, (data, qtype) in {**{n: (np.array(t.data), t.qtype) for n, t in g.tensors.items()},
+                                **(tensors or {})}.items():
+        w.add_tensor(name, data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedModelError, match="IQ4_NL"):
-        lucekv.load(tmp_path / "iq.gguf", backend="cpu")
+    return out
 
 
 def _add(w: GGUFWriter, key, value):
@@ -104,6 +102,50 @@ def _add(w: GGUFWriter, key, value):
         w.add_string(key, value)
     else:
         w.add_array(key, list(value))
+
+
+def test_unsupported_quant_type_is_named(tmp_path):
+    base = write_synthetic_gguf(tmp_path / "base.gguf", "llama")
+    rows, cols = open_gguf(base).tensor("blk.0.ffn_up.weight").shape
+    iq = np.zeros((rows, cols // 32 * 18), np.uint8)  # IQ4_NL: 18-byte blocks of 32
+    path = rewrite(base, tmp_path / "iq.gguf", tensors={"blk.0.ffn_up.weight": (iq, GGMLQuantizationType.IQ4_NL)})
+    with pytest.raises(UnsupportedModelError, match="IQ4_NL"):
+        lucekv.load(path, backend="cpu")
+
+
+F32 = GGMLQuantizationType.F32
+
+
+@pytest.mark.parametrize(("arch", "key", "value"), [
+    ("llama", "llama.attn_logit_softcapping", 50.0),  # Gemma 2 style: would change every attention score
+    ("qwen2", "qwen2.attention.sliding_window", 4096),  # a window lucekv keeps only for gemma3's local layers
+    ("llama", "llama.expert_count", 8),
+])
+def test_a_metadata_key_lucekv_does_not_implement_is_refused_by_name(tmp_path, arch, key, value):
+    path = rewrite(write_synthetic_gguf(tmp_path / "base.gguf", arch), tmp_path / "m.gguf", keys={key: value})
+    with pytest.raises(UnsupportedModelError, match=key.replace(".", r"\.")):
+        lucekv.load(path, backend="cpu")
+
+
+@pytest.mark.parametrize(("name", "shape"), [("blk.0.ffn_down.bias", (64,)), ("blk.1.attn_q_norm.weight", (16,))])
+def test_a_tensor_lucekv_does_not_implement_is_refused_by_name(tmp_path, name, shape):
+    base = write_synthetic_gguf(tmp_path / "base.gguf", "llama")
+    path = rewrite(base, tmp_path / "m.gguf", tensors={name: (np.ones(shape, np.float32), F32)})
+    with pytest.raises(UnsupportedModelError, match=name.replace(".", r"\.")):
+        lucekv.load(path, backend="cpu")
+
+
+@pytest.mark.parametrize(("keys", "tensors", "message"), [
+    ({"llama.rope.scaling.type": "longrope"}, {}, "longrope"),
+    ({"llama.rope.scaling.factor": 4.0}, {}, "without a scaling type"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, {}, "original_context_length"),
+    ({}, {"rope_freqs.weight": (np.ones(3, np.float32), F32)}, r"rope_freqs\.weight has shape"),
+    ({}, {"rope_freqs.weight": (np.zeros(8, np.float32), F32)}, "not positive"),
+])
+def test_rope_settings_lucekv_cannot_follow_are_refused(tmp_path, keys, tensors, message):
+    path = rewrite(write_synthetic_gguf(tmp_path / "base.gguf", "llama"), tmp_path / "m.gguf", keys, tensors)
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelSpec.from_gguf(open_gguf(path))
 
 
 def test_unknown_model_name_lists_the_known_ones():

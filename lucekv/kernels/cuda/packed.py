@@ -315,7 +315,7 @@ def pair_cos_sin(ep, t, r):
     part, col = _column(ep, r + ep.row0)
     p = col % ep.k_pool.shape[2]
     if part < 2 and p < 2 * ep.rope.inv.shape[0]:
-        return cos_sin(ep.positions[t], ep.rope.inv, p // 2, ep.rope.pos_scale)
+        return cos_sin(ep.positions[t], ep.rope.inv, p // 2)
     return np.float32(1), np.float32(0)
 
 

@@ -3,7 +3,8 @@ kernels that rotate a step's q and k (kernels.cuda.attention.rope_and_store, and
 epilogue, kernels.cuda.packed.AttentionInputs).
 
 Angles are position * inv_freq in float64, as on the CPU: in float32 a position near 10^5 would lose
-about 0.01 rad. The per-base inverse frequencies come from the caller (one small device array per base).
+about 0.01 rad. The inverse frequencies, any RoPE scaling folded in, come from the caller
+(`ModelSpec.layer_rope`: one small device array per distinct set).
 Weights may hold a neox model's q and k rows in "paired" order (`pair_order`): each rotary pair on adjacent
 rows, as the norm style has them, so that one thread of a product's epilogue holds both values of a pair.
 """
@@ -21,15 +22,9 @@ from lucekv.kernels.cuda._numba import cuda
 class Rotary(NamedTuple):
     """How a layer rotates q and k, passed to kernels as one tuple argument."""
 
-    inv: object  # float64 device array [rope_dim // 2]: `inv_freq` of the layer's base
-    pos_scale: np.float64  # positions are divided by it (linear RoPE scaling)
+    inv: object  # float64 device array [rope_dim // 2]: the layer's radians per position of each pair
     neox: bool
     paired: bool  # q and k hold a neox model's pairs on adjacent columns (see `pair_order`)
-
-
-def inv_freq(base: float, rope_dim: int) -> np.ndarray:
-    """float64 [rope_dim // 2]: the rotation speed of each pair."""
-    return 1.0 / base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
 
 
 def pair_order(n_heads: int, head_dim: int, rope_dim: int) -> np.ndarray:
@@ -42,9 +37,9 @@ def pair_order(n_heads: int, head_dim: int, rope_dim: int) -> np.ndarray:
 
 
 @cuda.jit(device=True, inline=True)
-def cos_sin(position, inv, i, pos_scale):
+def cos_sin(position, inv, i):
     """float32 cos and sin of pair i's angle at `position`."""
-    ang = np.float64(position) / pos_scale * inv[i]
+    ang = np.float64(position) * inv[i]
     return np.float32(math.cos(ang)), np.float32(math.sin(ang))
 
 
@@ -65,7 +60,7 @@ def rotated(x, t, head_at, d, position, rope):
     i = d % half if neox else d // 2
     first = d == pair_dims(i, half, neox)[0]
     lo, hi = pair_dims(i, half, neox and not rope.paired)  # where x holds the pair
-    c, s = cos_sin(position, rope.inv, i, rope.pos_scale)
+    c, s = cos_sin(position, rope.inv, i)
     a = x[t, head_at + lo]
     b = x[t, head_at + hi]
     return a * c - b * s if first else a * s + b * c
