@@ -178,10 +178,9 @@ def test_attention_captures_the_latest_query_on_the_device(tmp_path, monkeypatch
     pos = slots + 700
     backend.pool.assign(slots, pos)
     backend.ops.begin_step(pos, pos, slots)
-    base = spec.layer_rope_base(1)
-    backend.ops.attention(1, cuda.to_device(x), backend.weights.layers[1], pos, slots, 0, base)
+    backend.ops.attention(1, cuda.to_device(x), backend.weights.layers[1], pos, slots, 0)
     cpu.pool.assign(slots, pos)
-    cpu.ops.attention(1, x, cpu.weights.layers[1], pos, slots, 0, base)
+    cpu.ops.attention(1, x, cpu.weights.layers[1], pos, slots, 0)
     got = backend.last_queries()
     assert got.shape == (spec.n_layer, spec.n_head, spec.head_dim)
     ref = cpu.ops.last_q[1]  # the latest query, rotated
