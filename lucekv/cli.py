@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     from lucekv.cli_models import add_models_commands
     from lucekv.cli_server import add_engine_flags, add_sampling_flags, add_server_commands
     from lucekv.model.registry import DEFAULT_MODEL
+    from lucekv.spark.cli import add_spark_commands
 
     parser = argparse.ArgumentParser(prog="lucekv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_depth_commands(bench_sub, DEFAULT_MODEL)
     add_models_commands(sub)
     add_server_commands(sub)
+    add_spark_commands(sub)
     return parser
 
 

@@ -1,0 +1,81 @@
+"""The GPU's expert slots: the placement's experts pinned, a few spare slots per layer caching cold ones (LRU).
+
+Pure bookkeeping, like the KVFlash pager: it decides which expert goes to which slot; the backend copies the
+bytes (asynchronously, on a stream of its own) and keeps a device mirror of `remap`, which the decode step's
+MoE product reads, so that the step stays one captured graph whatever is resident.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from lucekv.spark.placement import Placement
+
+COLD = -1  # remap entry of an expert no slot holds
+
+
+@dataclass(frozen=True)
+class Fill:
+    """Copy `expert`'s weights of `layer` into `slot`; `evicted` is the expert that held it (COLD if none)."""
+
+    layer: int
+    expert: int
+    slot: int
+    evicted: int
+
+
+class ExpertSlots:
+    """Per layer, slots 0 .. len(hot) - 1 hold the placement's experts for good and `spare` slots after them hold
+    cold experts on demand. `remap[layer, expert]` is the expert's slot or COLD; `epoch` counts its changes."""
+
+    def __init__(self, placement: Placement, spare: int):
+        if spare < 0:
+            raise ValueError(f"spare slots must be >= 0, not {spare}")
+        self.placement = placement
+        self.spare = spare
+        self.remap = np.full((placement.n_layer, placement.n_expert), COLD, np.int32)
+        for layer, ids in enumerate(placement.hot):
+            self.remap[layer, list(ids)] = np.arange(len(ids), dtype=np.int32)
+        self._cached = [OrderedDict[int, int]() for _ in placement.hot]  # expert -> spare slot, least recent first
+        self._free = [list(range(len(ids), len(ids) + spare)) for ids in placement.hot]
+        self.epoch = 0
+
+    def slots(self, layer: int) -> int:
+        """Slots the layer's table has on the GPU."""
+        return len(self.placement.hot[layer]) + self.spare
+
+    def admit(self, layer: int, experts: Iterable[int]) -> list[Fill]:
+        """Make a step's selected experts of `layer` resident where a spare slot allows: each cold one takes a free
+        spare or the least recently used spare of an expert not selected now. The others stay cold (served by
+        the cold path). Cached experts selected now become the most recent. Returns the copies to make."""
+        cached, free = self._cached[layer], self._free[layer]
+        selected = list(dict.fromkeys(int(e) for e in experts))
+        for e in selected:
+            if e in cached:
+                cached.move_to_end(e)
+        fills = []
+        for e in selected:
+            if self.remap[layer, e] != COLD:
+                continue
+            if free:
+                slot, evicted = free.pop(0), COLD
+            else:
+                evicted = next((old for old in cached if old not in selected), COLD)
+                if evicted == COLD:
+                    break  # every spare holds an expert this step needs
+                slot = cached.pop(evicted)
+                self.remap[layer, evicted] = COLD
+            cached[e] = slot
+            self.remap[layer, e] = slot
+            fills.append(Fill(layer, e, slot, evicted))
+        if fills:
+            self.epoch += 1
+        return fills
+
+    def cold(self, layer: int, experts: Iterable[int]) -> list[int]:
+        """The experts among `experts` no slot holds."""
+        return [int(e) for e in experts if self.remap[layer, int(e)] == COLD]

@@ -1,0 +1,63 @@
+import numpy as np
+
+from lucekv.spark.cache import COLD, ExpertSlots, Fill
+from lucekv.spark.placement import Placement
+
+
+def test_the_placement_is_pinned_and_cold_experts_fill_spare_slots_least_recent_out_first():
+    slots = ExpertSlots(Placement("fp", 8, ((5, 2),)), spare=2)
+    assert slots.remap[0].tolist() == [COLD, COLD, 1, COLD, COLD, 0, COLD, COLD] and slots.slots(0) == 4
+    assert slots.admit(0, [5, 3]) == [Fill(0, 3, 2, COLD)]
+    assert slots.admit(0, [0]) == [Fill(0, 0, 3, COLD)]
+    assert slots.admit(0, [3]) == []  # cached: now the most recent
+    assert slots.admit(0, [7, 2]) == [Fill(0, 7, 3, 0)]  # expert 0 was the least recent spare
+    assert slots.remap[0, 0] == COLD and slots.remap[0, 7] == 3 and slots.remap[0, 3] == 2
+    assert slots.cold(0, [0, 3, 5, 6]) == [0, 6]
+
+
+def test_experts_selected_together_never_evict_each_other():
+    slots = ExpertSlots(Placement("fp", 8, ((0,),)), spare=2)
+    fills = slots.admit(0, [1, 2, 3, 4])
+    assert [f.expert for f in fills] == [1, 2]  # two spares: 3 and 4 stay cold this step
+    assert slots.cold(0, [1, 2, 3, 4]) == [3, 4]
+    assert slots.admit(0, [1, 2, 3]) == []  # 1 and 2 are needed now: nothing to evict
+
+
+def test_epoch_changes_exactly_when_the_remap_does():
+    slots = ExpertSlots(Placement("fp", 4, ((0,), (1,))), spare=1)
+    assert slots.epoch == 0
+    slots.admit(0, [0])
+    assert slots.epoch == 0
+    slots.admit(1, [2])
+    assert slots.epoch == 1
+    slots.admit(1, [2])
+    assert slots.epoch == 1
+
+
+def test_random_traffic_keeps_the_slots_consistent_and_matches_a_plain_lru():
+    rng = np.random.default_rng(3)
+    n_expert, spare = 16, 3
+    hot = (0, 1, 2, 3)
+    slots = ExpertSlots(Placement("fp", n_expert, (hot,)), spare=spare)
+    lru: list[int] = []  # reference: cached experts, least recent first
+    for _ in range(500):
+        chosen = list(rng.choice(n_expert, 4, replace=False, p=np.linspace(2, 1, n_expert) / 24))
+        slots.admit(0, chosen)
+        for e in chosen:  # the same rule, written plainly
+            if e in lru:
+                lru.remove(e)
+                lru.append(e)
+        for e in chosen:
+            if e in hot or e in lru:
+                continue
+            if len(lru) == spare:
+                victims = [old for old in lru if old not in chosen]
+                if not victims:
+                    break
+                lru.remove(victims[0])
+            lru.append(e)
+        remap = slots.remap[0]
+        resident = np.flatnonzero(remap != COLD)
+        assert sorted(resident.tolist()) == sorted([*hot, *lru])
+        assert len(set(remap[resident].tolist())) == len(resident) < slots.slots(0) + 1  # one expert per slot
+        assert all(remap[e] == i for i, e in enumerate(hot))  # the placement never moves
