@@ -82,7 +82,7 @@ class MemorySnapshotStore:
         with self._lock:
             blob = self._blobs[key]
             self._blobs.move_to_end(key)
-        return _slices(blob)
+        return slices(blob)
 
     def delete(self, key: str) -> bool:
         with self._lock:
@@ -191,7 +191,7 @@ def _is_session_id(name: str) -> bool:
     return True
 
 
-def _slices(blob: bytes) -> Iterator[bytes]:
+def slices(blob: bytes) -> Iterator[bytes]:
     for start in range(0, len(blob), READ_PIECE_BYTES):
         yield blob[start : start + READ_PIECE_BYTES]
 
@@ -200,3 +200,13 @@ def _read_pieces(f: BinaryIO) -> Iterator[bytes]:
     with f:
         while piece := f.read(READ_PIECE_BYTES):
             yield piece
+
+
+def open_snapshot_store(where: str, fingerprint: str, ttl_seconds: int = 0, lease_seconds: float = 15.0,
+                        ) -> SnapshotStore:
+    """`redis://HOST:PORT/DB`: a RedisSnapshotStore shared by replicas; anything else: a directory."""
+    if where.startswith(("redis://", "rediss://")):
+        from lucekv.snapshot.redis_store import RedisSnapshotStore
+
+        return RedisSnapshotStore(where, fingerprint, ttl_seconds, lease_seconds)
+    return DirectorySnapshotStore(Path(where), fingerprint)
