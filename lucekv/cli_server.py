@@ -17,11 +17,12 @@ from pathlib import Path
 import grpc
 
 import lucekv
-from lucekv.client import DEFAULT_ADDRESS, FINISH_REASON_NAMES, Client, SamplingOptions
+from lucekv.client import DEFAULT_ADDRESS, FINISH_REASON_NAMES, Client, SamplingOptions, TlsOptions
 from lucekv.errors import LucekvError
-from lucekv.model.registry import DEFAULT_MODEL, MODELS, TextProgress, is_pulled, pull, resolve_model
-from lucekv.server.app import DEFAULT_HOST, DEFAULT_PORT, LucekvServer, ServerOptions, serve
-from lucekv.snapshot.store import DirectorySnapshotStore
+from lucekv.model.registry import MODELS, TextProgress, is_pulled, pull, resolve_model
+from lucekv.server.app import LucekvServer, serve
+from lucekv.server.config import ServeConfig, add_config_flags, config_from_args, format_config
+from lucekv.snapshot.store import open_snapshot_store
 
 PIECE_BYTES = 1 << 20  # restore uploads the file in pieces of this size
 
@@ -42,36 +43,18 @@ _SAMPLING_FLAGS: tuple[tuple[str, type, str], ...] = (
 
 
 def add_server_commands(subparsers: argparse._SubParsersAction) -> None:
-    server = subparsers.add_parser("serve", help="start the gRPC server")
-    server.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"registry name (downloaded if missing) or .gguf path (default {DEFAULT_MODEL})",
-    )
-    server.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
-    server.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help=f"0 picks a free port (default {DEFAULT_PORT})"
-    )
-    add_engine_flags(server)
-    server.add_argument(
-        "--max-queue",
-        type=int,
-        default=64,
-        help="Generate calls that may wait for the engine; more get RESOURCE_EXHAUSTED (default 64)",
-    )
-    server.add_argument("--snapshot-dir", type=Path,
-                        help="keep sessions here: idle ones spill to it past the limits, all are saved at shutdown "
-                             "and found again after a restart")
-    server.add_argument("--max-sessions", type=int, default=64, help="sessions held in memory (default 64)")
-    server.add_argument("--session-memory-gib", type=float, default=16.0,
-                        help="host RAM for the K/V of sessions held in memory (default 16)")
+    server = subparsers.add_parser(
+        "serve", help="start the gRPC server",
+        description="Every flag has a LUCEKV_* environment variable (--kv-pool: LUCEKV_KV_POOL); a flag beats its "
+                    "variable.")
+    add_config_flags(server)
+    server.add_argument("--print-config", action="store_true",
+                        help="print the settings (from flags, variables and defaults) and exit")
     server.set_defaults(func=run_serve)
 
     generate = subparsers.add_parser("generate", help="stream a completion from a running server to stdout")
     generate.add_argument("prompt", metavar="PROMPT")
-    generate.add_argument(
-        "--server", default=DEFAULT_ADDRESS, help=f"server address (default {DEFAULT_ADDRESS})"
-    )
+    _add_server_flag(generate)
     generate.add_argument("--session", default="", metavar="ID",
                           help="continue (or start) this session: send the whole conversation as PROMPT")
     add_sampling_flags(generate)
@@ -104,34 +87,29 @@ def add_server_commands(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_server_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default=DEFAULT_ADDRESS, help=f"server address (default {DEFAULT_ADDRESS})")
+    parser.add_argument("--token-file", type=Path, metavar="FILE", help="send the bearer token in FILE")
+    parser.add_argument("--tls-ca", type=Path, metavar="FILE", help="connect with TLS; FILE: the PEM CA that signed "
+                        "the server's certificate")
+    parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="mTLS: this client's PEM certificate chain")
+    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="mTLS: this client's PEM private key")
+
+
+def _connect(args: argparse.Namespace) -> Client:
+    """A client for the --server, --token-file and --tls-* flags."""
+    token = args.token_file.read_text().strip() if args.token_file else None
+    tls = None
+    if args.tls_ca or args.tls_cert:
+        tls = TlsOptions(*(path.read_bytes() if path else None for path in (args.tls_ca, args.tls_cert, args.tls_key)))
+    return Client(args.server, token=token, tls=tls)
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--kv-dtype", default="f16", choices=("f16", "f32"), help="KV cache storage (default f16)")
-    parser.add_argument("--kv-pool", default="auto", type=_kv_pool,
-                        help="KV slots kept on the device, in tokens (a multiple of 64); colder chunks page to host "
-                             "RAM. 'off' holds the whole context; 'auto' (default): on CUDA the whole context if it "
-                             "fits in 90%% of the GPU memory free after the weights, else the largest pool that "
-                             "does; on the CPU backend 'off'")
-    parser.add_argument("--kv-policy", default="quest", choices=("lru", "quest", "meankey"),
-                        help="which paged-out chunks come back (default quest)")
-    parser.add_argument("--kv-tau", type=int, default=64, help="decoded tokens between reselects (default 64)")
+    add_config_flags(parser, "engine")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """lucekv.load keyword arguments from the engine flags."""
-    return {"backend": args.backend, "kv_dtype": args.kv_dtype, "kv_pool": args.kv_pool,
-            "kv_policy": args.kv_policy, "kv_tau": args.kv_tau}
-
-
-def _kv_pool(value: str) -> int | str | None:
-    if value in ("auto", "off"):
-        return None if value == "off" else value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens, 'auto' or 'off', not {value!r}") from None
+    return {name: getattr(args, name) for name in ServeConfig().engine_options()}
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -158,31 +136,41 @@ def chat_or_text(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    try:
+        config, sources = config_from_args(args)
+    except LucekvError as e:
+        print(f"lucekv: error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(format_config(config, sources))
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        path = _model_file(args.model)
+        path = _model_file(config.model)
         store = None
-        if args.snapshot_dir:
+        if config.snapshot_store:
             from lucekv.model.gguf import open_gguf
 
-            store = DirectorySnapshotStore(args.snapshot_dir, open_gguf(path).fingerprint)
-        engine = lucekv.load(path, **engine_options(args), max_sessions=args.max_sessions,
-                             session_host_bytes=int(args.session_memory_gib * 2**30), snapshot_store=store)
+            store = open_snapshot_store(config.snapshot_store, open_gguf(path).fingerprint,
+                                        config.snapshot_ttl_seconds, config.lease_seconds)
+        engine = lucekv.load(path, **config.engine_options(), max_sessions=config.max_sessions,
+                             session_host_bytes=int(config.session_memory_gib * 2**30), snapshot_store=store)
     except LucekvError as e:
         print(f"lucekv: error: {e}", file=sys.stderr)
         return 1
 
     def announce(server: LucekvServer) -> None:
         info = engine.info
+        metrics = f", metrics on port {server.metrics_port}" if server.metrics_port is not None else ""
         print(
             f"lucekv: serving {info.model_name} ({info.arch}, {info.backend} backend) on "
-            f"{args.host}:{server.port}",
+            f"{config.host}:{server.port}{metrics}",
             file=sys.stderr,
             flush=True,
         )
 
     try:
-        serve(engine, ServerOptions(args.host, args.port, args.max_queue), announce)
+        serve(engine, config, announce)
     except LucekvError as e:
         print(f"lucekv: error: {e}", file=sys.stderr)
         return 1
@@ -200,7 +188,7 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt = chat_or_text(args)
     wrote = False
     try:
-        with Client(args.server) as client:
+        with _connect(args) as client:
             for chunk in client.generate(prompt, sampling, session_id=args.session):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
@@ -245,12 +233,12 @@ def _reports_rpc_errors(command: Callable[[argparse.Namespace], int]) -> Callabl
 @_reports_rpc_errors
 def run_sessions(args: argparse.Namespace) -> int:
     if args.delete:
-        with Client(args.server) as client:
+        with _connect(args) as client:
             client.delete_session(args.delete, timeout=60)
         print(f"deleted session {args.delete}", file=sys.stderr)
         return 0
     print(f"{'session':<24}{'state':<8}{'tokens':>8}{'host MiB':>10}{'stored MiB':>12}  generating")
-    with Client(args.server) as client:
+    with _connect(args) as client:
         sessions = client.list_sessions(timeout=10)
     for s in sessions:
         print(f"{s.session_id:<24}{s.state:<8}{s.n_tokens:>8}{s.host_bytes / 2**20:>10.1f}"
@@ -263,7 +251,7 @@ def run_snapshot(args: argparse.Namespace) -> int:
     """Written to a temp file beside FILE and renamed when complete: a failure leaves FILE as it was."""
     tmp = args.output.with_name(f".{args.output.name}.{os.getpid()}.tmp")
     try:
-        with Client(args.server) as client, open(tmp, "wb") as f:
+        with _connect(args) as client, open(tmp, "wb") as f:
             for piece in client.snapshot(args.session, args.upto):
                 f.write(piece)
             size = f.tell()
@@ -285,7 +273,7 @@ def run_restore(args: argparse.Namespace) -> int:
             while piece := f.read(PIECE_BYTES):
                 yield piece
 
-    with Client(args.server) as client:
+    with _connect(args) as client:
         r = client.restore(pieces(), args.session)
     print(f"restored session {r.session.session_id}: {r.session.n_tokens} tokens from {r.bytes} bytes",
           file=sys.stderr)
@@ -294,7 +282,7 @@ def run_restore(args: argparse.Namespace) -> int:
 
 @_reports_rpc_errors
 def run_info(args: argparse.Namespace) -> int:
-    with Client(args.server) as client:
+    with _connect(args) as client:
         info = client.server_info(timeout=10)
     rows = [
         ("server", args.server),

@@ -12,6 +12,10 @@ Sessions keep a conversation's K/V on the server between turns; snapshots move t
 
 Failed calls raise grpc.RpcError; `.code()` and `.details()` say what went wrong (the details name the bad
 field for INVALID_ARGUMENT).
+
+A server with `--auth-tokens` wants `token=`; one with TLS wants `tls=TlsOptions(ca=PEM)` (and for mTLS the
+client's certificate and key). Calls on a session carry metadata `lucekv-session-id`, which a proxy in front of
+several replicas hashes to send a conversation's turns to one replica (deploy/).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from lucekv.server.gen import lucekv_pb2 as pb
 from lucekv.server.gen import lucekv_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+SESSION_METADATA = "lucekv-session-id"
 FINISH_REASON_NAMES = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
@@ -84,10 +89,28 @@ class GenerateStream:
         self._call.cancel()
 
 
+@dataclass(frozen=True)
+class TlsOptions:
+    """PEM bytes: the CA that signed the server's certificate (None: the system's roots), and for mTLS the
+    client's certificate chain and key."""
+
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+
+
 class Client:
-    def __init__(self, address: str = DEFAULT_ADDRESS):
-        self._channel = grpc.insecure_channel(address)
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, token: str | None = None, tls: TlsOptions | None = None):
+        if tls is None:
+            self._channel = grpc.insecure_channel(address)
+        else:
+            credentials = grpc.ssl_channel_credentials(tls.ca, tls.key, tls.cert)
+            self._channel = grpc.secure_channel(address, credentials)
         self._stub = lucekv_pb2_grpc.LuceKVStub(self._channel)
+        self._auth = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def _metadata(self, session_id: str = "") -> tuple[tuple[str, str], ...]:
+        return self._auth + (((SESSION_METADATA, session_id),) if session_id else ())
 
     def __enter__(self) -> Client:
         return self
@@ -111,7 +134,7 @@ class Client:
         request = generate_request(prompt, sampling or SamplingOptions(), request_id, session_id)
         if pin_prefix_tokens is not None:
             request.pin_prefix_tokens = pin_prefix_tokens
-        return GenerateStream(self._stub.Generate(request, timeout=timeout))
+        return GenerateStream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata(session_id)))
 
     def complete(
         self,
@@ -139,33 +162,37 @@ class Client:
 
     def tokenize(self, text: str, add_special_tokens: bool = True, timeout: float | None = None) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list(self._stub.Tokenize(request, timeout=timeout).token_ids)
+        return list(self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata()).token_ids)
 
     def detokenize(
         self, token_ids: Sequence[int], skip_special_tokens: bool = False, timeout: float | None = None
     ) -> str:
         request = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
-        return self._stub.Detokenize(request, timeout=timeout).text
+        return self._stub.Detokenize(request, timeout=timeout, metadata=self._metadata()).text
 
     def server_info(self, timeout: float | None = None) -> pb.ServerInfo:
-        return self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
+        return self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout, metadata=self._metadata())
 
     # ---- sessions -------------------------------------------------------------------------------
 
     def get_session(self, session_id: str, timeout: float | None = None) -> pb.SessionInfo:
-        return self._stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=timeout)
+        return self._stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=timeout,
+                                     metadata=self._metadata(session_id))
 
     def list_sessions(self, timeout: float | None = None) -> list[pb.SessionInfo]:
-        return list(self._stub.ListSessions(pb.ListSessionsRequest(), timeout=timeout).sessions)
+        return list(self._stub.ListSessions(pb.ListSessionsRequest(), timeout=timeout,
+                                            metadata=self._metadata()).sessions)
 
     def delete_session(self, session_id: str, timeout: float | None = None) -> None:
-        self._stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id), timeout=timeout)
+        self._stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id), timeout=timeout,
+                                 metadata=self._metadata(session_id))
 
     def snapshot(self, session_id: str, upto_tokens: int | None = None,
                  timeout: float | None = None) -> Iterator[bytes]:
         """The session's blob, piece by piece (about 1 MiB each); concatenated they are the blob."""
         request = pb.SnapshotRequest(session_id=session_id, upto_tokens=upto_tokens)
-        return (chunk.data for chunk in self._stub.Snapshot(request, timeout=timeout))
+        return (chunk.data for chunk in self._stub.Snapshot(request, timeout=timeout,
+                                                            metadata=self._metadata(session_id)))
 
     def restore(self, pieces: Iterable[bytes], session_id: str = "",
                 timeout: float | None = None) -> pb.RestoreResponse:
@@ -177,7 +204,7 @@ class Client:
                 yield pb.RestoreChunk(session_id=session_id if first else "", data=piece)
                 first = False
 
-        return self._stub.Restore(chunks(), timeout=timeout)
+        return self._stub.Restore(chunks(), timeout=timeout, metadata=self._metadata(session_id))
 
 
 def generate_request(prompt: Prompt, sampling: SamplingOptions, request_id: str = "",

@@ -207,6 +207,7 @@ class Engine:
             session.paged.pin_prefix(pin_prefix)
         session.last_used_unix = time.time()
         session.sampler = asdict(params)
+        session.in_store = False
         try:
             yield from self._generate(ids, params, t0)
         finally:
@@ -356,6 +357,24 @@ class Engine:
             self._spill(s)
         return len(saved)
 
+    def save_session(self, session_id: str) -> None:
+        """Write the session to the snapshot store and keep it in memory (replicas: after every turn)."""
+        s = self.sessions.require(session_id)
+        if not s.in_store and not s.stored_bytes:
+            header, chunks = self.snapshot(session_id)
+            self.store.put(session_id, write_snapshot(header, chunks.__getitem__))
+            s.in_store = True
+
+    def reload_from_store(self, session_id: str) -> None:
+        """Another process changed the session in the shared store: drop what this one holds of it, so that its
+        next use loads the store's blob (or starts afresh if the store has none). On the engine thread, by the
+        holder of the session's lease."""
+        s = self.sessions.get(session_id)
+        if s is not None:
+            self._drop_local(s)
+        if session_id in self.store:
+            self.sessions.put(Session(session_id, stored_bytes=self.store.size(session_id)))
+
     def _new_session(self, session_id: str) -> Session:
         paged = None if self._kv_pool is None else PagedSequence(
             self.backend, self.backend.pool.slot_pos, n_layer=self.spec.n_layer, n_kv_head=self.spec.n_kv_head,
@@ -438,14 +457,17 @@ class Engine:
                              vocab_size=self.spec.vocab_size)
         self._make_room()
         loaded = self._session_from(s.id, snap.header, snap.chunks)
-        loaded.created_unix = s.created_unix
+        loaded.created_unix, loaded.in_store = s.created_unix, True
         self.sessions.put(loaded)
         return loaded
 
     def _spill(self, s: Session) -> None:
         """Write the session to the snapshot store and free its memory."""
-        header, chunks = self.snapshot(s.id)
-        nbytes = self.store.put(s.id, write_snapshot(header, chunks.__getitem__))
+        if s.in_store:
+            nbytes = self.store.size(s.id)
+        else:
+            header, chunks = self.snapshot(s.id)
+            nbytes = self.store.put(s.id, write_snapshot(header, chunks.__getitem__))
         if s is self._live:
             self._park_live()
         if s.paged is not None:
@@ -454,14 +476,18 @@ class Engine:
 
     def _forget(self, s: Session) -> None:
         """Drop a session: its K/V in the pool, on the host and in the store."""
+        self._drop_local(s)
+        if self.store is not None and s.id in self.store:
+            self.store.delete(s.id)
+
+    def _drop_local(self, s: Session) -> None:
+        """Free the session's K/V in the pool and on the host, and its table entry."""
         if s is self._live:
             self._truncate(0)
             self._set_live(self._anonymous)
         elif s.paged is not None:
             s.paged.truncate(0)
         self.sessions.remove(s.id)
-        if self.store is not None and s.id in self.store:
-            self.store.delete(s.id)
 
     def _make_room(self) -> None:
         """Before a session enters memory: spill the least recently used idle one if the count is at its limit."""

@@ -30,6 +30,7 @@ class Session:
     created_unix: float = field(default_factory=time.time)
     last_used_unix: float = field(default_factory=time.time)
     stored_bytes: int = 0  # > 0: the session is only in the snapshot store, as a blob of this size
+    in_store: bool = False  # the snapshot store holds it as it is here (spilling it writes nothing)
 
     @property
     def host_bytes(self) -> int:

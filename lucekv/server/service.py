@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import queue
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -17,8 +20,12 @@ from lucekv.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from lucekv.engine.sessions import SessionInfo
 from lucekv.engine.types import GenerationDelta
 from lucekv.errors import InvalidRequestError, NotFoundError, PreconditionError, ResourceLimitError
+from lucekv.server.auth import Authenticator, StreamLimit, scoped, unscoped
+from lucekv.server.config import ServeConfig
 from lucekv.server.gen import lucekv_pb2 as pb
 from lucekv.server.gen import lucekv_pb2_grpc
+from lucekv.server.leases import is_shared, take_lease
+from lucekv.server.metrics import Metrics
 from lucekv.server.worker import EngineWorker, GenerationJob, ServerStoppingError
 from lucekv.snapshot.blob import (
     Snapshot,
@@ -28,6 +35,7 @@ from lucekv.snapshot.blob import (
     read_snapshot,
     write_snapshot,
 )
+from lucekv.snapshot.redis_store import StoreError
 from lucekv.snapshot.store import check_session_id
 
 logger = logging.getLogger(__name__)
@@ -42,35 +50,49 @@ FINISH_REASONS: Mapping[str, pb.FinishReason] = {
 
 
 class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
-    def __init__(self, worker: EngineWorker):
+    """Every call runs in `_rpc`: its principal (auth.py), its status code from lucekv's errors, its metrics and
+    its log line. Session ids from the client are the principal's (`scoped`); the engine sees its own ids."""
+
+    def __init__(self, worker: EngineWorker, config: ServeConfig, auth: Authenticator, metrics: Metrics):
         self._worker = worker
         self._engine: Engine = worker.engine
+        self._config = config
+        self._auth = auth
+        self._metrics = metrics
+        self._streams = StreamLimit(config.max_streams)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
-        async with _status_on_error(context, f"Generate {request_id}"):
-            session_id = check_session_id(request.session_id) if request.session_id else ""
-            params = sampling_params_from_proto(request.sampling)
-            # Validation and tokenization happen here, before the queue: a bad request fails at once and costs
-            # the engine thread nothing.
-            pin = request.pin_prefix_tokens if request.HasField("pin_prefix_tokens") else None
-            prompt_ids = await asyncio.to_thread(self._engine.prepare, prompt_from_request(request), params, pin)
-            job = GenerationJob(prompt_ids, params, request_id, session_id, pin)
-            self._worker.submit(job)
-            try:
-                async for delta in job.deltas():
-                    yield response_from_delta(delta, request_id, job.queue_time_s)
-                    if delta.usage:
-                        _log_finished(request_id, delta, job.queue_time_s)
-            finally:
-                self._worker.cancel(job)  # a no-op once the job is done; else frees its place or stops it
+        async with self._rpc(context, "Generate", request_id) as principal:
+            with self._streams.hold(principal):
+                session_id = scoped(principal, request.session_id) if request.session_id else ""
+                params = sampling_params_from_proto(request.sampling)
+                # Validation and tokenization happen here, before the queue: a bad request fails at once and costs
+                # the engine thread nothing.
+                pin = request.pin_prefix_tokens if request.HasField("pin_prefix_tokens") else None
+                prompt_ids = await asyncio.to_thread(self._engine.prepare, prompt_from_request(request), params, pin)
+                limit = self._config.max_prompt_tokens
+                if limit and len(prompt_ids) > limit:
+                    raise InvalidRequestError("prompt", f"{len(prompt_ids)} tokens, more than the server's limit of "
+                                                        f"{limit} (--max-prompt-tokens)")
+                lease = await take_lease(self._engine.store, session_id) if session_id else None
+                job = GenerationJob(prompt_ids, params, request_id, session_id, pin, lease)
+                self._worker.submit_or_release(job)
+                try:
+                    async for delta in job.deltas():
+                        if delta.usage:
+                            self._metrics.observe_generation(delta.usage, job.queue_time_s)
+                            _log_finished(request_id, delta, job.queue_time_s)
+                        yield response_from_delta(delta, request_id, job.queue_time_s)
+                finally:
+                    self._worker.cancel(job)  # a no-op once the job is done; else frees its place or stops it
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        async with _status_on_error(context, "Tokenize"):
+        async with self._rpc(context, "Tokenize"):
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             ids = await asyncio.to_thread(self._engine.tokenizer.encode, request.text, add_special)
             return pb.TokenizeResponse(token_ids=ids)
@@ -78,7 +100,7 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
     async def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
-        async with _status_on_error(context, "Detokenize"):
+        async with self._rpc(context, "Detokenize"):
             vocab_size = self._engine.info.vocab_size
             bad = [t for t in request.token_ids if not 0 <= t < vocab_size]
             if bad:
@@ -91,7 +113,7 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerInfo:
-        async with _status_on_error(context, "GetServerInfo"):
+        async with self._rpc(context, "GetServerInfo"):
             info = self._engine.info
             features = ["logprobs"] + (["chat_template"] if self._engine.tokenizer.chat_template else [])
             return pb.ServerInfo(
@@ -115,73 +137,153 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
     # ---- sessions ---------------------------------------------------------------------------------
 
     async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
-        async with _status_on_error(context, "GetSession"):
-            return session_to_proto(self._engine.session_info(check_session_id(request.session_id)))
+        async with self._rpc(context, "GetSession") as principal:
+            session_id = scoped(principal, request.session_id)
+            info = next((i for i in self._session_infos() if i.session_id == session_id), None)
+            if info is None:
+                raise NotFoundError(f"session {request.session_id!r} does not exist")
+            return session_to_proto(info, request.session_id)
 
     async def ListSessions(
         self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListSessionsResponse:
-        async with _status_on_error(context, "ListSessions"):
-            return pb.ListSessionsResponse(sessions=[session_to_proto(i) for i in self._engine.sessions.infos()])
+        async with self._rpc(context, "ListSessions") as principal:
+            mine = ((i, unscoped(principal, i.session_id)) for i in self._session_infos())
+            return pb.ListSessionsResponse(sessions=[session_to_proto(i, name) for i, name in mine if name])
 
     async def DeleteSession(
         self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteSessionResponse:
-        async with _status_on_error(context, "DeleteSession"):
-            session_id = check_session_id(request.session_id)
+        async with self._rpc(context, "DeleteSession") as principal:
+            session_id = scoped(principal, request.session_id)
             self._engine.sessions.check_idle(session_id, "delete")
-            await self._worker.call(lambda e: e.delete_session(session_id), f"DeleteSession {session_id}")
+            lease = await take_lease(self._engine.store, session_id)
+            await self._worker.call(lambda e: e.delete_session(session_id), f"DeleteSession {session_id}", lease)
             return pb.DeleteSessionResponse()
 
     async def Snapshot(
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.SnapshotChunk]:
-        async with _status_on_error(context, "Snapshot"):
-            session_id = check_session_id(request.session_id)
-            upto = request.upto_tokens if request.HasField("upto_tokens") else None
-            header, chunks = await self._worker.call(lambda e: e.snapshot(session_id, upto),
-                                                     f"Snapshot {session_id}")
-            pieces = write_snapshot(header, chunks.__getitem__, PIECE_BYTES)
-            # hashing and copying a piece takes a few ms: off the event loop
-            piece = await asyncio.to_thread(next, pieces, None)
-            yield pb.SnapshotChunk(data=piece, total_bytes=blob_size(header), n_tokens=header.n_tokens)
-            while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
-                yield pb.SnapshotChunk(data=piece)
+        async with self._rpc(context, "Snapshot") as principal:
+            with self._streams.hold(principal):
+                session_id = scoped(principal, request.session_id)
+                upto = request.upto_tokens if request.HasField("upto_tokens") else None
+                lease = await take_lease(self._engine.store, session_id)
+                header, chunks = await self._worker.call(lambda e: e.snapshot(session_id, upto),
+                                                         f"Snapshot {session_id}", lease)
+                # the blob names the session as its owner knows it
+                header = dataclasses.replace(header, session_id=request.session_id)
+                pieces = write_snapshot(header, chunks.__getitem__, PIECE_BYTES)
+                # hashing and copying a piece takes a few ms: off the event loop
+                piece = await asyncio.to_thread(next, pieces, None)
+                yield pb.SnapshotChunk(data=piece, total_bytes=blob_size(header), n_tokens=header.n_tokens)
+                self._metrics.snapshot_bytes.labels("out").inc(len(piece))
+                while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
+                    yield pb.SnapshotChunk(data=piece)
+                    self._metrics.snapshot_bytes.labels("out").inc(len(piece))
 
     async def Restore(
         self, requests: AsyncIterator[pb.RestoreChunk], context: grpc.aio.ServicerContext
     ) -> pb.RestoreResponse:
-        async with _status_on_error(context, "Restore"):
-            session_id, snap = await _receive_snapshot(requests, self._engine)
-            session_id = check_session_id(session_id or snap.header.session_id)
-            self._engine.sessions.check_idle(session_id, "restore over")
-            info = await self._worker.call(lambda e: e.restore(snap, session_id), f"Restore {session_id}")
-            return pb.RestoreResponse(session=session_to_proto(info), bytes=snap.nbytes)
+        async with self._rpc(context, "Restore") as principal:
+            with self._streams.hold(principal):
+                name, snap = await _receive_snapshot(requests, self._engine, self._config.max_blob_bytes)
+                self._metrics.snapshot_bytes.labels("in").inc(snap.nbytes)
+                name = check_session_id(name or snap.header.session_id)
+                session_id = scoped(principal, name)
+                self._engine.sessions.check_idle(session_id, "restore over")
+                lease = await take_lease(self._engine.store, session_id)
+                info = await self._worker.call(lambda e: e.restore(snap, session_id), f"Restore {session_id}",
+                                               lease)
+                return pb.RestoreResponse(session=session_to_proto(info, name), bytes=snap.nbytes)
+
+    def _session_infos(self) -> list[SessionInfo]:
+        """This server's sessions, and with a store that replicas share the ones only the store holds."""
+        infos = {i.session_id: i for i in self._engine.sessions.infos()}
+        store = self._engine.store
+        if is_shared(store):
+            for key in store.keys():
+                if key not in infos:
+                    with contextlib.suppress(KeyError):  # expired or deleted since it was listed
+                        infos[key] = SessionInfo(key, "stored", -1, 0, store.size(key), 0.0, 0.0, False)
+        return sorted(infos.values(), key=lambda i: i.session_id)
+
+    @asynccontextmanager
+    async def _rpc(self, context: grpc.aio.ServicerContext, rpc: str, request_id: str = "") -> AsyncIterator[str]:
+        """Yields the caller's principal. Turns lucekv's errors into status codes (anything unexpected is logged
+        and answered INTERNAL), counts the call by status and logs it with its request id."""
+        principal = self._auth.principal(context.invocation_metadata()) or ""
+        request_id = request_id or uuid.uuid4().hex
+        code = grpc.StatusCode.OK
+        started = time.perf_counter()
+        try:
+            yield principal
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            code, message = _status_of(e)
+            if code == grpc.StatusCode.INTERNAL:
+                logger.exception("%s %s failed", rpc, request_id)
+            await context.abort(code, message)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self._metrics.requests.labels(rpc, code.name).inc()
+            logger.info("%s request_id=%s principal=%s %s %.3f s", rpc, request_id, principal or "-", code.name,
+                        time.perf_counter() - started)
 
 
-async def _receive_snapshot(requests: AsyncIterator[pb.RestoreChunk], engine: Engine) -> tuple[str, Snapshot]:
+def _status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
+    match e:
+        case PreconditionError() | SnapshotMismatchError():
+            return grpc.StatusCode.FAILED_PRECONDITION, str(e)
+        case InvalidRequestError() | SnapshotError():  # includes ContextOverflowError, malformed blobs
+            return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        case NotFoundError():
+            return grpc.StatusCode.NOT_FOUND, str(e)
+        case ResourceLimitError():  # includes QueueFullError
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+        case ServerStoppingError() | StoreError():
+            return grpc.StatusCode.UNAVAILABLE, str(e)
+        case _:
+            return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+
+
+async def _receive_snapshot(requests: AsyncIterator[pb.RestoreChunk], engine: Engine,
+                            max_bytes: int = 0) -> tuple[str, Snapshot]:
     """The session id of the first chunk and the parsed blob. Parsing runs on a thread beside the stream, so a
-    blob for another model is refused after its header, not after all of it."""
+    blob for another model is refused after its header, not after all of it. More than `max_bytes` (0: no limit)
+    is refused with ResourceLimitError as soon as it arrives."""
     pieces: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
     parsing = asyncio.ensure_future(asyncio.to_thread(
         read_snapshot, iter(pieces.get, None), engine.layout, max_tokens=engine.n_ctx,
         vocab_size=engine.spec.vocab_size))
     session_id = None
+    received = 0
     try:
         async for chunk in requests:
             if session_id is None:
                 session_id = chunk.session_id
+            received += len(chunk.data)
+            if max_bytes and received > max_bytes:
+                raise ResourceLimitError(f"the blob is larger than the server's limit of {max_bytes} bytes "
+                                         "(--max-blob-bytes)")
             pieces.put(chunk.data)
             if parsing.done():  # refused already: stop reading
                 break
+    except BaseException:
+        parsing.add_done_callback(lambda f: f.cancelled() or f.exception())  # its error is not the one to report
+        raise
     finally:
         pieces.put(None)  # the end of the stream, also when the client went away mid-way
     return session_id or "", await parsing
 
 
-def session_to_proto(info: SessionInfo) -> pb.SessionInfo:
+def session_to_proto(info: SessionInfo, session_id: str) -> pb.SessionInfo:
+    """`session_id`: the session's name as the caller knows it."""
     return pb.SessionInfo(
-        session_id=info.session_id,
+        session_id=session_id,
         state=info.state,
         n_tokens=info.n_tokens,
         host_bytes=info.host_bytes,
@@ -252,28 +354,6 @@ def _log_finished(request_id: str, last: GenerationDelta, queue_time_s: float) -
         u.time_to_first_token_s * 1e3,
         u.decode_tokens_per_s,
     )
-
-
-@asynccontextmanager
-async def _status_on_error(context: grpc.aio.ServicerContext, call: str) -> AsyncIterator[None]:
-    """Turn lucekv's errors into status codes; anything unexpected is logged and answered INTERNAL."""
-    try:
-        yield
-    except (PreconditionError, SnapshotMismatchError) as e:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-    except (InvalidRequestError, SnapshotError) as e:  # includes ContextOverflowError, malformed blobs
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    except NotFoundError as e:
-        await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-    except ResourceLimitError as e:  # includes QueueFullError
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-    except ServerStoppingError as e:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-    except grpc.aio.AbortError:
-        raise
-    except Exception as e:
-        logger.exception("%s failed", call)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
 
 def _version() -> str:

@@ -22,6 +22,7 @@ from lucekv.engine.engine import Engine
 from lucekv.engine.sampling import SamplingParams
 from lucekv.engine.types import GenerationDelta
 from lucekv.errors import ConfigError, LucekvError, ResourceLimitError
+from lucekv.server.leases import Lease
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ class Job:
 
     session_id = ""  # the session the job keeps busy while queued or running
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, lease: Lease | None = None):
         self.request_id = request_id
+        self.lease = lease  # held for the job (replicas sharing a store); released when it leaves the queue
         self.cancelled = threading.Event()
         self.submitted_at = time.perf_counter()
         self.started_at: float | None = None
@@ -69,8 +71,8 @@ class GenerationJob(Job):
     """One Generate call."""
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, session_id: str = "",
-                 pin_prefix: int | None = None):
-        super().__init__(request_id)
+                 pin_prefix: int | None = None, lease: Lease | None = None):
+        super().__init__(request_id, lease)
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.session_id = session_id
@@ -84,26 +86,45 @@ class GenerationJob(Job):
             yield item
 
     def run(self, engine: Engine) -> None:
+        """With a lease, the last delta waits until the session is in the store: a turn the client saw end
+        survives this replica."""
+        if self.lease:
+            self.lease.sync(engine)
         steps = engine.generate(self.prompt_ids, self.params, self.session_id, self.pin_prefix)
+        last = None
         try:
             for delta in steps:
-                if self.cancelled.is_set() or not self.deliver(delta):
+                if self.cancelled.is_set():
                     logger.info("request %s stopped: its call ended", self.request_id)
-                    return
+                    break
+                if delta.finish_reason and self.lease:
+                    last = delta
+                elif not self.deliver(delta):
+                    logger.info("request %s stopped: its call ended", self.request_id)
+                    break
         finally:
             steps.close()  # frees what the generation held, also when it was cut short
+        if self.lease:
+            self.lease.commit(engine)
+        if last is not None:
+            self.deliver(last)
         self.deliver(_END)
 
 
 class EngineCall(Job):
     """A short engine operation, `fn(engine)`, run in queue order; its result comes back as one item."""
 
-    def __init__(self, fn: Callable[[Engine], Any], name: str):
-        super().__init__(name)
+    def __init__(self, fn: Callable[[Engine], Any], name: str, lease: Lease | None = None):
+        super().__init__(name, lease)
         self.fn = fn
 
     def run(self, engine: Engine) -> None:
-        self.deliver(self.fn(engine))
+        if self.lease:
+            self.lease.sync(engine)
+        result = self.fn(engine)
+        if self.lease:
+            self.lease.commit(engine)
+        self.deliver(result)
 
     async def result(self) -> Any:
         item = await self._items.get()
@@ -141,6 +162,20 @@ class EngineWorker:
                 self.engine.sessions.begin_request(job.session_id)
             self._wakeup.notify()
 
+    def submit_or_release(self, job: Job) -> None:
+        """submit; a job the queue refuses gives its lease back."""
+        try:
+            self.submit(job)
+        except BaseException:
+            if job.lease:
+                job.lease.release()
+            raise
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting for the engine (not counting the running one)."""
+        return len(self._waiting)
+
     def cancel(self, job: Job) -> None:
         """Frees the job's place at once if it is waiting; a running job stops after its current step."""
         job.cancelled.set()
@@ -153,9 +188,12 @@ class EngineWorker:
         """Ends the waiting and running jobs with ServerStoppingError and lets the thread finish."""
         with self._wakeup:
             self._stopping = True
-            ended = [*self._waiting, *([self._running] if self._running else [])]
+            waiting = list(self._waiting)
+            ended = [*waiting, *([self._running] if self._running else [])]
             self._waiting.clear()
             self._wakeup.notify()
+        for job in waiting:
+            self._release(job)
         for job in ended:
             job.cancelled.set()
             job.deliver(ServerStoppingError("the server is shutting down"))
@@ -185,10 +223,11 @@ class EngineWorker:
             self._running = self._waiting.popleft()
             return self._running
 
-    async def call(self, fn: Callable[[Engine], Any], name: str) -> Any:
-        """Run `fn(engine)` on the engine thread after the jobs queued before it; its result or its exception."""
-        job = EngineCall(fn, name)
-        self.submit(job)
+    async def call(self, fn: Callable[[Engine], Any], name: str, lease: Lease | None = None) -> Any:
+        """Run `fn(engine)` on the engine thread after the jobs queued before it; its result or its exception.
+        The lease, if any, is the job's from here on (released when it leaves the queue)."""
+        job = EngineCall(fn, name, lease)
+        self.submit_or_release(job)
         try:
             return await job.result()
         finally:
@@ -207,6 +246,12 @@ class EngineWorker:
             self._release(job)
 
     def _release(self, job: Job) -> None:
-        """The job left the queue for good: its session may be restored over or deleted again."""
+        """The job left the queue for good: its session may be restored over or deleted again, its lease goes."""
         if job.session_id:
             self.engine.sessions.end_request(job.session_id)
+        if job.lease:
+            try:
+                job.lease.release()
+            except LucekvError as e:  # the lease then lapses by itself
+                logger.warning("request %s: releasing the lease of session %s: %s", job.request_id,
+                               job.lease.session_id, e)

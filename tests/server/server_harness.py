@@ -9,7 +9,8 @@ from pathlib import Path
 
 import lucekv
 from lucekv.engine.engine import Engine
-from lucekv.server.app import ServerOptions, start_server
+from lucekv.server.app import start_server
+from lucekv.server.config import ServeConfig
 
 
 def load_engine(path: Path) -> Engine:
@@ -26,6 +27,7 @@ class ProbeEngine:
         self.fail_after_steps: int | None = None
         self.calls = 0
         self.steps = 0  # of the latest generation
+        self.steps_at_close = 0  # of the latest generation that ended (the next one resets `steps`)
         self.closed = threading.Event()  # the latest generation's generator was closed or ran out
 
     def __getattr__(self, name: str):
@@ -48,18 +50,19 @@ class ProbeEngine:
                 yield delta
         finally:
             inner.close()
+            self.steps_at_close = self.steps
             self.closed.set()
 
 
 class ServerThread:
     """A started server running on its own event loop thread, as `lucekv serve` runs it."""
 
-    def __init__(self, engine: ProbeEngine, max_queued: int = 64):
+    def __init__(self, engine: ProbeEngine, max_queued: int = 64, **settings):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
         self._thread.start()
-        options = ServerOptions(host="127.0.0.1", port=0, max_queued=max_queued)
-        self.server = self._call(start_server(engine, options))
+        config = ServeConfig(host="127.0.0.1", port=0, max_queue=max_queued, **settings)
+        self.server = self._call(start_server(engine, config))
         self.address = f"127.0.0.1:{self.server.port}"
 
     def _call(self, coroutine):

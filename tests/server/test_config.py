@@ -1,0 +1,65 @@
+"""ServeConfig from flags and LUCEKV_* variables, and `lucekv serve --print-config`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from lucekv.cli import main
+from lucekv.errors import ConfigError
+from lucekv.server.config import ServeConfig, add_config_flags, config_from_args, env_name
+
+
+def parse(argv: list[str], environ: dict[str, str]) -> tuple[ServeConfig, dict[str, str]]:
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    return config_from_args(parser.parse_args(argv), environ)
+
+
+def test_a_flag_beats_its_variable_which_beats_the_default():
+    config, sources = parse(["--port", "7001", "--kv-pool", "off"],
+                            {"LUCEKV_PORT": "7000", "LUCEKV_MAX_STREAMS": "4", "LUCEKV_AUTH_TOKENS": "/t",
+                             "LUCEKV_KV_POOL": "256", "LUCEKV_METRICS_PORT": "9100"})
+    assert (config.port, config.kv_pool, config.max_streams, config.auth_tokens, config.metrics_port) == \
+        (7001, None, 4, Path("/t"), 9100)
+    assert (sources["port"], sources["max_streams"], sources["host"]) == ("--port", "LUCEKV_MAX_STREAMS", "default")
+    assert config.engine_options() == {"backend": "auto", "kv_dtype": "f16", "kv_pool": None, "kv_policy": "quest",
+                                       "kv_tau": 64}
+
+
+def test_every_field_has_a_flag_and_a_variable():
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    flags = {a.dest: a.option_strings for a in parser._actions}
+    for name in ServeConfig.__dataclass_fields__:
+        assert flags[name] == ["--" + name.replace("_", "-")]
+    given = {"host": "0.0.0.0", "kv_policy": "lru", "max_queue": "3", "lease_seconds": "2.5", "tls_cert": ""}
+    config, sources = parse([], {env_name(name): value for name, value in given.items()})
+    assert (config.host, config.kv_policy, config.max_queue, config.lease_seconds, config.tls_cert) == \
+        ("0.0.0.0", "lru", 3, 2.5, None)
+    assert all(sources[name] == "LUCEKV_" + name.upper() for name in given)
+
+
+@pytest.mark.parametrize(("environ", "message"), [
+    ({"LUCEKV_PORT": "http"}, "LUCEKV_PORT='http': expected an integer"),
+    ({"LUCEKV_BACKEND": "tpu"}, "choose one of auto, cpu, cuda"),
+    ({"LUCEKV_TLS_KEY": "k.pem"}, "--tls-cert and --tls-key go together"),
+    ({"LUCEKV_MAX_STREAMS": "-1"}, "--max-streams must be >= 0"),
+])
+def test_bad_values_are_refused_naming_them(environ, message):
+    with pytest.raises(ConfigError, match=message):
+        parse([], environ)
+
+
+def test_print_config_shows_values_and_where_they_came_from(monkeypatch, capsys):
+    monkeypatch.setenv("LUCEKV_DRAIN_SECONDS", "12.5")
+    assert main(["serve", "--print-config", "--snapshot-store", "redis://127.0.0.1:6379/0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("drain_seconds = 12.5 ") and line.endswith("# LUCEKV_DRAIN_SECONDS") for line in lines)
+    assert any("redis://127.0.0.1:6379/0" in line and line.endswith("# --snapshot-store") for line in lines)
+    assert len(lines) == len(ServeConfig.__dataclass_fields__)
+    monkeypatch.setenv("LUCEKV_KV_TAU", "often")
+    assert main(["serve", "--print-config"]) == 2
+    assert "LUCEKV_KV_TAU='often': expected an integer" in capsys.readouterr().err
