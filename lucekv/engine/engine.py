@@ -14,7 +14,7 @@ from lucekv.engine.sampling import Sampler, SamplingParams, log_softmax
 from lucekv.engine.sessions import Session, SessionInfo, SessionTable
 from lucekv.engine.stops import StopMatcher
 from lucekv.engine.types import ChatMessage, GenerationDelta, TokenLogprob, Usage
-from lucekv.errors import ConfigError, ContextOverflowError, InvalidRequestError, ResourceLimitError
+from lucekv.errors import ConfigError, ContextOverflowError, InvalidRequestError, LucekvError, ResourceLimitError
 from lucekv.kvflash.host_store import MemoryHostStore
 from lucekv.kvflash.pager import CHUNK_TOKENS, PageIn, PageOut, min_pool_tokens
 from lucekv.kvflash.sequence import PagedSequence
@@ -349,13 +349,20 @@ class Engine:
         self._forget(self.sessions.require(session_id))
 
     def save_sessions(self) -> int:
-        """Write every session held in memory to the snapshot store (at shutdown); how many were written."""
+        """Write every session held in memory to the snapshot store (at shutdown); how many were written. One that
+        cannot be written does not keep the others from it: the first such error is raised after them."""
         if self.store is None:
             return 0
-        saved = self.sessions.in_memory()
-        for s in saved:
-            self._spill(s)
-        return len(saved)
+        saved, failure = 0, None
+        for s in self.sessions.in_memory():
+            try:
+                self._spill(s)
+                saved += 1
+            except LucekvError as e:
+                failure = failure or e
+        if failure:
+            raise failure
+        return saved
 
     def save_session(self, session_id: str) -> None:
         """Write the session to the snapshot store and keep it in memory (replicas: after every turn)."""

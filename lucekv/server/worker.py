@@ -204,7 +204,11 @@ class EngineWorker:
         if self._thread.is_alive():
             logger.error("the engine thread did not stop: sessions are not saved")
             return
-        saved = self.engine.save_sessions()
+        try:
+            saved = self.engine.save_sessions()
+        except LucekvError as e:
+            logger.error("saving the sessions: %s", e)
+            return
         if saved:
             logger.info("saved %d sessions to the snapshot store", saved)
 
