@@ -12,8 +12,11 @@ import threading
 
 import grpc
 import pytest
+import yaml
 from conftest import DEPLOY
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from lucekv.server.config import ServeConfig
 
 CONFIG = DEPLOY / "haproxy" / "haproxy.cfg"
 
@@ -102,13 +105,51 @@ def test_the_check_passes_on_serving_and_fails_on_not_serving(health_server):
     assert expected not in answer and re.search(rb"grpc-status", answer)
 
 
-def test_haproxy_accepts_the_config_with_a_replicas_file(tmp_path):
+@pytest.mark.parametrize("replicas", ["local", "compose/replicas.cfg", "k8s/replicas.cfg"])
+def test_haproxy_accepts_the_config_with_each_deployments_replicas(tmp_path, replicas):
     haproxy = shutil.which("haproxy")
     if haproxy is None:
         pytest.skip("haproxy is not installed")
-    replicas = tmp_path / "replicas.cfg"
-    replicas.write_text("backend replicas from lucekv-replicas\n    server replica-1 127.0.0.1:50051\n")
-    checked = subprocess.run([haproxy, "-c", "-f", str(CONFIG), "-f", str(replicas)], capture_output=True, text=True,
+    if replicas == "local":  # as deploy/local/cluster.py writes it
+        path = tmp_path / "replicas.cfg"
+        path.write_text("backend replicas from lucekv-replicas\n    server replica-1 127.0.0.1:50051\n")
+    else:
+        path = DEPLOY / replicas
+    checked = subprocess.run([haproxy, "-c", "-f", str(CONFIG), "-f", str(path)], capture_output=True, text=True,
                              env={"LUCEKV_PROXY_BIND": "127.0.0.1:50051"})  # checked, not bound
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "Warning" not in checked.stdout + checked.stderr
+    # only DNS names that resolve inside Docker or Kubernetes, not here, may be warned about
+    warnings = [line for line in (checked.stdout + checked.stderr).splitlines() if "WARNING" in line]
+    assert all("could not resolve address" in line for line in warnings), warnings
+
+
+def test_the_kubernetes_manifests_hold_what_a_replicated_deployment_needs():
+    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    docs = [d for f in kustomization["resources"] for d in yaml.safe_load_all((DEPLOY / f).read_text())]
+    for generated in kustomization["configMapGenerator"]:
+        assert all((DEPLOY / f).is_file() for f in generated["files"])
+    by_kind = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    replicas = by_kind[("Deployment", "lucekv")]["spec"]["template"]["spec"]
+    container = replicas["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["readinessProbe"]["grpc"]["service"] == "lucekv.v1.LuceKV"
+    assert container["livenessProbe"]["grpc"]["service"] == ""
+    drain = float(by_kind[("ConfigMap", "lucekv-settings")]["data"]["LUCEKV_DRAIN_SECONDS"])
+    assert replicas["terminationGracePeriodSeconds"] > drain
+    assert by_kind[("Service", "lucekv-replicas")]["spec"]["clusterIP"] == "None"
+    assert ("PodDisruptionBudget", "lucekv") in by_kind
+    settings = by_kind[("ConfigMap", "lucekv-settings")]["data"]
+    names = {"LUCEKV_" + name.upper() for name in ServeConfig.__dataclass_fields__}
+    assert set(settings) <= names  # every variable is one lucekv reads
+
+
+def test_the_compose_file_runs_three_gpu_replicas_on_one_redis_behind_the_proxy():
+    compose = yaml.safe_load((DEPLOY / "compose" / "compose.yaml").read_text())["services"]
+    replicas = [s for name, s in compose.items() if name.startswith("replica-")]
+    assert len(replicas) == 3
+    for replica in replicas:
+        assert replica["environment"]["LUCEKV_SNAPSHOT_STORE"] == "redis://redis:6379/0"
+        assert replica["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert {f"{name} " for name in compose if name.startswith("replica-")} == {
+        line.split()[1] + " " for line in (DEPLOY / "compose" / "replicas.cfg").read_text().splitlines()
+        if line.strip().startswith("server ")}
