@@ -55,6 +55,8 @@ class LucekvServer:
         await asyncio.to_thread(self._worker.stop)
         await asyncio.to_thread(self._worker.save_sessions)
         self.metrics.close()
+        if close_store := getattr(self._worker.engine.store, "close", None):
+            await asyncio.to_thread(close_store)  # releases the leases it still holds
 
 
 async def start_server(engine: Engine, config: ServeConfig) -> LucekvServer:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import queue
@@ -139,7 +138,8 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
     async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         async with self._rpc(context, "GetSession") as principal:
             session_id = scoped(principal, request.session_id)
-            info = next((i for i in self._session_infos() if i.session_id == session_id), None)
+            s = self._engine.sessions.get(session_id)
+            info = self._engine.sessions.info(s) if s is not None else self._stored_elsewhere(session_id)
             if info is None:
                 raise NotFoundError(f"session {request.session_id!r} does not exist")
             return session_to_proto(info, request.session_id)
@@ -148,7 +148,12 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
         self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListSessionsResponse:
         async with self._rpc(context, "ListSessions") as principal:
-            mine = ((i, unscoped(principal, i.session_id)) for i in self._session_infos())
+            infos = {i.session_id: i for i in self._engine.sessions.infos()}
+            if is_shared(self._engine.store):  # and the sessions other replicas wrote
+                for key in set(self._engine.store.keys()) - set(infos):
+                    if (info := self._stored_elsewhere(key)) is not None:
+                        infos[key] = info
+            mine = ((infos[key], unscoped(principal, key)) for key in sorted(infos))
             return pb.ListSessionsResponse(sessions=[session_to_proto(i, name) for i, name in mine if name])
 
     async def DeleteSession(
@@ -197,16 +202,15 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
                                                lease)
                 return pb.RestoreResponse(session=session_to_proto(info, name), bytes=snap.nbytes)
 
-    def _session_infos(self) -> list[SessionInfo]:
-        """This server's sessions, and with a store that replicas share the ones only the store holds."""
-        infos = {i.session_id: i for i in self._engine.sessions.infos()}
+    def _stored_elsewhere(self, session_id: str) -> SessionInfo | None:
+        """A session this server does not hold that the store replicas share has (None if it has not)."""
         store = self._engine.store
-        if is_shared(store):
-            for key in store.keys():
-                if key not in infos:
-                    with contextlib.suppress(KeyError):  # expired or deleted since it was listed
-                        infos[key] = SessionInfo(key, "stored", -1, 0, store.size(key), 0.0, 0.0, False)
-        return sorted(infos.values(), key=lambda i: i.session_id)
+        if not is_shared(store):
+            return None
+        try:
+            return SessionInfo(session_id, "stored", -1, 0, store.size(session_id), 0.0, 0.0, False)
+        except KeyError:  # absent, or expired or deleted since it was listed
+            return None
 
     @asynccontextmanager
     async def _rpc(self, context: grpc.aio.ServicerContext, rpc: str, request_id: str = "") -> AsyncIterator[str]:

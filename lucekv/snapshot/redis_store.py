@@ -15,6 +15,7 @@ never overwrite the newer blob. Readers see the old blob or the new one, whole.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -22,6 +23,8 @@ import threading
 import uuid
 from collections.abc import Iterable, Iterator
 from urllib.parse import urlparse
+
+import redis
 
 from lucekv.errors import ConfigError, LucekvError, PreconditionError
 from lucekv.snapshot.store import FINGERPRINT_DIR_CHARS, check_session_id, slices
@@ -69,6 +72,19 @@ return redis.call('DEL', KEYS[2])
 """
 
 
+def _store_errors(method):
+    """Redis' errors (connection lost, timeouts) as StoreError: the server answers UNAVAILABLE."""
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except redis.RedisError as e:
+            raise StoreError(f"Redis: {e}") from e
+
+    return call
+
+
 class LeaseError(PreconditionError):
     """Another replica holds the session, or this one's hold on it lapsed."""
 
@@ -86,8 +102,6 @@ class RedisSnapshotStore:
 
     def __init__(self, url: str, fingerprint: str, ttl_seconds: int = 0, lease_seconds: float = 15.0,
                  owner: str | None = None):
-        import redis
-
         parsed = urlparse(url)
         if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
             raise ConfigError(f"snapshot store {url!r}: expected redis://HOST:PORT/DB")
@@ -111,6 +125,7 @@ class RedisSnapshotStore:
 
     # ---- leases -----------------------------------------------------------------------------------
 
+    @_store_errors
     def acquire(self, key: str) -> None:
         """Hold the session's lease (again, if this process holds it already); LeaseError if another does."""
         check_session_id(key)
@@ -125,6 +140,7 @@ class RedisSnapshotStore:
                 raise LeaseError(f"session {key!r} is being served by another replica; retry later")
             self._held[key] = (f"{self.owner} {token}", 1)
 
+    @_store_errors
     def release(self, key: str) -> None:
         with self._lock:
             value, count = self._held.pop(key, (None, 0))
@@ -137,6 +153,7 @@ class RedisSnapshotStore:
         with self._lock:
             return key in self._held
 
+    @_store_errors
     def changed_elsewhere(self, key: str) -> bool:
         """Whether the store's blob (or its absence) is not the one this process last wrote or read."""
         version = self._redis.hget(self._key("blob", key), "version")
@@ -151,6 +168,7 @@ class RedisSnapshotStore:
 
     # ---- SnapshotStore ------------------------------------------------------------------------------
 
+    @_store_errors
     def put(self, key: str, pieces: Iterable[bytes]) -> int:
         value = self._lease_value(key)
         upload = self._key("upload", f"{key}:{uuid.uuid4().hex}")
@@ -174,6 +192,7 @@ class RedisSnapshotStore:
             self._seen[key] = token
         return nbytes
 
+    @_store_errors
     def open(self, key: str) -> Iterator[bytes]:
         blob = self._key("blob", key)
         n, version = self._redis.hmget(blob, ["pieces", "version"])
@@ -187,11 +206,15 @@ class RedisSnapshotStore:
 
     def _pieces(self, blob: str, n: int, version: bytes) -> Iterator[bytes]:
         for i in range(n):
-            piece, now = self._redis.hmget(blob, [str(i), "version"])
+            try:
+                piece, now = self._redis.hmget(blob, [str(i), "version"])
+            except redis.RedisError as e:
+                raise StoreError(f"Redis: {e}") from e
             if now != version or piece is None:
                 raise StoreError(f"{blob} was replaced or expired while it was read")
             yield piece
 
+    @_store_errors
     def delete(self, key: str) -> bool:
         deleted = self._call(self._delete, [self._key("lease", key), self._key("blob", key)], [self._lease_value(key)])
         if deleted < 0:
@@ -199,16 +222,19 @@ class RedisSnapshotStore:
         self.forget(key)
         return bool(deleted)
 
+    @_store_errors
     def keys(self) -> list[str]:
         start = len(self._key("blob", ""))
         return sorted(k.decode()[start:] for k in self._redis.scan_iter(match=self._key("blob", "*"), count=1000))
 
+    @_store_errors
     def size(self, key: str) -> int:
         size = self._redis.hget(self._key("blob", key), "size")
         if size is None:
             raise KeyError(key)
         return int(size)
 
+    @_store_errors
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and bool(self._redis.exists(self._key("blob", key)))
 
@@ -240,8 +266,6 @@ class RedisSnapshotStore:
                          "the change was not saved")
 
     def _call(self, script, keys: list[str], args: list) -> int:
-        import redis
-
         try:
             return int(script(keys=keys, args=args))
         except redis.RedisError as e:
