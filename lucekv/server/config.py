@@ -131,8 +131,16 @@ def add_config_flags(parser: argparse.ArgumentParser, group: str | None = None) 
         shown = f" (default {_shown(f.default)}; env {env_name(f.name)})" if group is None else \
             f" (default {_shown(f.default)})"
         parser.add_argument("--" + _flag(f.name), dest=f.name, type=_argparse_type(m["parse"]),
-                            choices=m["choices"] or None, default=default, metavar=m["metavar"],
+                            choices=m["choices"] or None, default=default, metavar=m["metavar"] or _metavar(f),
                             help=m["help"] + shown)
+
+
+def _metavar(f: Any) -> str | None:
+    """The unit a field's name ends with (SECONDS, TOKENS, ...), else N for a count; None: argparse's own."""
+    unit = f.name.rsplit("_", 1)[-1]
+    if unit in ("seconds", "tokens", "bytes", "gib", "port"):
+        return unit.upper()
+    return "N" if f.metadata["parse"] is int else None
 
 
 _EXPECTED = {int: "an integer", float: "a number", optional_int: "an integer"}

@@ -244,7 +244,10 @@ class RedisSnapshotStore:
         with self._lock:
             held, self._held = self._held, {}
         for key, (value, _) in held.items():
-            self._call(self._release, [self._key("lease", key)], [value])
+            try:
+                self._call(self._release, [self._key("lease", key)], [value])
+            except StoreError as e:  # the lease then lapses by itself
+                logger.warning("releasing session %s's lease: %s", key, e)
         self._redis.close()
 
     # ---- internals ----------------------------------------------------------------------------------

@@ -3,6 +3,11 @@ token as if it had stayed on one; a session is served by one replica at a time."
 
 from __future__ import annotations
 
+import shutil
+import socket
+import subprocess
+import time
+
 import grpc
 import pytest
 from server_harness import ProbeEngine, ServerThread
@@ -10,6 +15,7 @@ from server_harness import ProbeEngine, ServerThread
 import lucekv
 from lucekv.client import Client, SamplingOptions
 from lucekv.engine.sampling import SamplingParams
+from lucekv.errors import ConfigError
 from lucekv.model.gguf import open_gguf
 from lucekv.snapshot.redis_store import RedisSnapshotStore
 
@@ -78,3 +84,42 @@ def test_two_replicas_never_serve_one_session_at_once(replicas):
         assert 1 + sum(len(c.token_ids) for c in chunks) == 60
         probes[0].step_delay = 0.0
         assert cb.complete("Hello", GREEDY, session_id="race").usage.cached_tokens > 0  # now b's turn, from the blob
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_without_redis_session_calls_are_unavailable_and_the_rest_goes_on(tiny_model, tmp_path):
+    port = _free_port()
+    redis_process = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                      "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    try:
+        store = _connect_when_up(f"redis://127.0.0.1:{port}/0", open_gguf(tiny_model).fingerprint)
+        server = ServerThread(ProbeEngine(lucekv.load(tiny_model, backend="cpu", snapshot_store=store)))
+        with Client(server.address) as c:
+            c.complete("Hello", GREEDY, session_id="s")
+            redis_process.kill()
+            redis_process.wait()
+            for call in (lambda: c.complete("Hello", GREEDY, session_id="s"), lambda: c.list_sessions()):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call()
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "Redis" in refused.value.details()
+            assert c.complete("Hello", GREEDY).usage.completion_tokens == GREEDY.max_tokens
+        server.stop()  # saving and releasing fail, logged: the stop itself does not
+    finally:
+        redis_process.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _connect_when_up(url: str, fingerprint: str) -> RedisSnapshotStore:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return RedisSnapshotStore(url, fingerprint)
+        except ConfigError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
