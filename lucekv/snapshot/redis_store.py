@@ -68,6 +68,7 @@ return 1
 """
 _DELETE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+redis.call('DEL', KEYS[3])
 return redis.call('DEL', KEYS[2])
 """
 
@@ -155,11 +156,11 @@ class RedisSnapshotStore:
 
     @_store_errors
     def changed_elsewhere(self, key: str) -> bool:
-        """Whether the store's blob (or its absence) is not the one this process last wrote or read."""
+        """Whether the store's blob (or its absence) may not be the one this process last wrote or read: also
+        true of a session this process never wrote or read (a copy it listed may have expired since)."""
         version = self._redis.hget(self._key("blob", key), "version")
         with self._lock:
-            seen = self._seen.get(key)
-        return (int(version) if version is not None else None) != seen
+            return key not in self._seen or version is None or int(version) != self._seen[key]
 
     def forget(self, key: str) -> None:
         """This process no longer holds a copy of the session."""
@@ -216,7 +217,8 @@ class RedisSnapshotStore:
 
     @_store_errors
     def delete(self, key: str) -> bool:
-        deleted = self._call(self._delete, [self._key("lease", key), self._key("blob", key)], [self._lease_value(key)])
+        deleted = self._call(self._delete, [self._key("lease", key), self._key("blob", key), self._key("fence", key)],
+                             [self._lease_value(key)])
         if deleted < 0:
             self._lost(key)
         self.forget(key)

@@ -47,6 +47,8 @@ def test_a_blob_larger_than_a_piece_round_trips_in_pieces_under_the_models_key(s
     other_model = stores("c", OTHER_MODEL)
     assert other_model.keys() == [] and "chat-1" not in other_model
     assert a.delete("chat-1") and a.keys() == [] and not a.delete("chat-1")
+    a.release("chat-1")
+    assert raw.keys() == []  # no blob, lease, fence or upload left behind
     with pytest.raises(KeyError):
         a.open("chat-1")
 
@@ -104,7 +106,7 @@ def test_a_crashed_replicas_lease_expires_and_is_renewed_while_held(stores):
 
 def test_ttl_and_version_tracking(stores, redis_url):
     a, b = stores("a", ttl_seconds=100), stores("b", ttl_seconds=100)
-    assert not a.changed_elsewhere("s")  # absent, and never seen here
+    assert a.changed_elsewhere("s")  # never seen here: whatever this process may hold of it is suspect
     a.acquire("s")
     a.put("s", [b"one"])
     assert 0 < redis.Redis.from_url(redis_url).pttl(f"lucekv:{FINGERPRINT[:16]}:blob:s") <= 100_000
