@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import redis
-from conftest import RETRIED, retrying
+from cluster_harness import RETRIED, retrying
 from prometheus_client.parser import text_string_to_metric_families
 
 from lucekv.client import Client, SamplingOptions

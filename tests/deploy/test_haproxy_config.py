@@ -13,7 +13,7 @@ import threading
 import grpc
 import pytest
 import yaml
-from conftest import DEPLOY
+from cluster_harness import DEPLOY
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from lucekv.server.config import ServeConfig
