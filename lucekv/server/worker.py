@@ -44,7 +44,7 @@ class Job:
 
     def __init__(self, request_id: str, lease: Lease | None = None):
         self.request_id = request_id
-        self.lease = lease  # held for the job (replicas sharing a store); released when it leaves the queue
+        self.lease = lease  # held for the job (replicas sharing a store) until `release_lease`
         self.cancelled = threading.Event()
         self.submitted_at = time.perf_counter()
         self.started_at: float | None = None
@@ -65,6 +65,17 @@ class Job:
 
     def run(self, engine: Engine) -> None:
         raise NotImplementedError
+
+    def release_lease(self) -> None:
+        """Give the session's lease back (once): before the caller hears the work is done, so that its next call
+        may go to another replica at once; else when the job leaves the queue."""
+        lease, self.lease = self.lease, None
+        if lease is None:
+            return
+        try:
+            lease.release()
+        except LucekvError as e:  # the lease then lapses by itself
+            logger.warning("request %s: releasing the lease of session %s: %s", self.request_id, lease.session_id, e)
 
 
 class GenerationJob(Job):
@@ -106,6 +117,7 @@ class GenerationJob(Job):
             steps.close()  # frees what the generation held, also when it was cut short
         if self.lease:
             self.lease.commit(engine)
+            self.release_lease()
         if last is not None:
             self.deliver(last)
         self.deliver(_END)
@@ -124,6 +136,7 @@ class EngineCall(Job):
         result = self.fn(engine)
         if self.lease:
             self.lease.commit(engine)
+            self.release_lease()
         self.deliver(result)
 
     async def result(self) -> Any:
@@ -167,8 +180,7 @@ class EngineWorker:
         try:
             self.submit(job)
         except BaseException:
-            if job.lease:
-                job.lease.release()
+            job.release_lease()
             raise
 
     @property
@@ -253,9 +265,4 @@ class EngineWorker:
         """The job left the queue for good: its session may be restored over or deleted again, its lease goes."""
         if job.session_id:
             self.engine.sessions.end_request(job.session_id)
-        if job.lease:
-            try:
-                job.lease.release()
-            except LucekvError as e:  # the lease then lapses by itself
-                logger.warning("request %s: releasing the lease of session %s: %s", job.request_id,
-                               job.lease.session_id, e)
+        job.release_lease()
