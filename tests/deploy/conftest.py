@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import pytest
 from cluster_harness import SERVE_ARGS, launcher
 
-import lucekv
+from lucekv.model.gguf import open_gguf
+from lucekv.model.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,5 @@ def cluster(model_path, tmp_path_factory) -> Iterator:
 
 
 @pytest.fixture(scope="module")
-def reference(model_path) -> lucekv.Engine:
-    """The same model in this process: what an uninterrupted conversation on one server gives."""
-    return lucekv.load(model_path("smollm2-135m"), backend="cpu")
+def tokenizer(model_path) -> Tokenizer:
+    return Tokenizer.from_metadata(open_gguf(model_path("smollm2-135m")).metadata)

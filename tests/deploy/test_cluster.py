@@ -17,7 +17,6 @@ from cluster_harness import RETRIED, retrying
 from prometheus_client.parser import text_string_to_metric_families
 
 from lucekv.client import Client, SamplingOptions
-from lucekv.engine.sampling import SamplingParams
 
 MAX_TOKENS = 8
 GREEDY = SamplingOptions(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -26,17 +25,15 @@ TURNS = ["<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant
          "<|im_end|>\n<|im_start|>user\nWhich is your favourite?<|im_end|>\n<|im_start|>assistant\n"]
 
 
-def uninterrupted(engine, turns: list[str]) -> tuple[list[list[int]], list[list[int]]]:
-    """Each turn's prompt ids and generated ids when one engine holds the conversation in one session."""
+def uninterrupted(client: Client, tokenizer, turns: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+    """Each turn's prompt ids and generated ids when one server holds the conversation in one session throughout."""
     prompts, outputs, history = [], [], []
     for text in turns:
-        history = history + engine.tokenizer.encode(text, add_special=False)
+        history = history + tokenizer.encode(text, add_special=False)
         prompts.append(history)
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        out = [t for d in engine.generate(history, params, "uninterrupted") for t in d.token_ids]
-        outputs.append(out)
-        history = history + out
-    engine.delete_session("uninterrupted")
+        outputs.append(client.complete(history, GREEDY, session_id="uninterrupted").token_ids)
+        history = history + outputs[-1]
+    client.delete_session("uninterrupted")
     return prompts, outputs
 
 
@@ -58,8 +55,9 @@ GENERATE_OK = ("lucekv_requests_total", (("code", "OK"), ("rpc", "Generate")))
 TOKENS = ("lucekv_generation_tokens_total", ())
 
 
-def test_failover_after_sigkill_continues_from_the_blob_token_identical(cluster, reference):
-    prompts, expected = uninterrupted(reference, TURNS)
+def test_failover_after_sigkill_continues_from_the_blob_token_identical(cluster, tokenizer):
+    with Client(cluster.replica_address(0)) as one_server:
+        prompts, expected = uninterrupted(one_server, tokenizer, TURNS)
     before = [scrape(cluster, i) for i in range(3)]
     with Client(cluster.address) as client:
         got = [client.complete(prompts[t], GREEDY, session_id="failover", request_id=f"failover-{t}")
@@ -120,7 +118,7 @@ def test_sigterm_drains_a_running_stream_and_the_session_survives_the_restart(cl
 
 @pytest.mark.parametrize(("streams", "seconds"), [(24, 30), pytest.param(64, 180, marks=pytest.mark.slow)],
                          ids=["short", "3-minutes"])
-def test_soak_concurrent_streams_with_cancellations_and_a_replica_restart(cluster, reference, streams, seconds):
+def test_soak_concurrent_streams_with_cancellations_and_a_replica_restart(cluster, tokenizer, streams, seconds):
     """`streams` conversations at once through the proxy for `seconds`, a fifth of the turns cancelled after their
     first token, one replica restarted (SIGTERM, drain, start) a third of the way in. No call may fail with a code
     other than the ones a client of replicas retries on, no session may lose its history, and the store's keys
@@ -129,7 +127,6 @@ def test_soak_concurrent_streams_with_cancellations_and_a_replica_restart(cluste
     unexpected: list[tuple[str, str, str]] = []
     lost: list[tuple[str, int]] = []
     completed: dict[str, int] = {}
-    tokenizer = reference.tokenizer
 
     def conversation(k: int, client: Client) -> None:
         rng = random.Random(k)
