@@ -24,8 +24,6 @@ class LeasingStore(SnapshotStore, Protocol):
 
     def changed_elsewhere(self, key: str) -> bool: ...
 
-    def forget(self, key: str) -> None: ...
-
 
 @dataclass
 class Lease:

@@ -150,10 +150,6 @@ class RedisSnapshotStore:
             elif value is not None:
                 self._call(self._release, [self._key("lease", key)], [value])
 
-    def holds(self, key: str) -> bool:
-        with self._lock:
-            return key in self._held
-
     @_store_errors
     def changed_elsewhere(self, key: str) -> bool:
         """Whether the store's blob (or its absence) may not be the one this process last wrote or read: also
@@ -161,11 +157,6 @@ class RedisSnapshotStore:
         version = self._redis.hget(self._key("blob", key), "version")
         with self._lock:
             return key not in self._seen or version is None or int(version) != self._seen[key]
-
-    def forget(self, key: str) -> None:
-        """This process no longer holds a copy of the session."""
-        with self._lock:
-            self._seen.pop(key, None)
 
     # ---- SnapshotStore ------------------------------------------------------------------------------
 
@@ -221,7 +212,8 @@ class RedisSnapshotStore:
                              [self._lease_value(key)])
         if deleted < 0:
             self._lost(key)
-        self.forget(key)
+        with self._lock:
+            self._seen.pop(key, None)
         return bool(deleted)
 
     @_store_errors
