@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -11,11 +12,12 @@ from lucekv.backends.ahead import RunAhead
 from lucekv.backends.slots import SlotMap
 from lucekv.kernels.cpu.attention import attend_batch, attend_decode
 from lucekv.kernels.cpu.matvec import matmul, matvec
-from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, dequantize_rows, pack_tensor
+from lucekv.kernels.cpu.moe import group_by_expert, route
+from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, dequantize_rows, pack_stacked, pack_tensor, split_rows
 from lucekv.kvflash.host_store import HostStore
 from lucekv.kvflash.pager import CHUNK_TOKENS, Move, PageIn, PageOut
 from lucekv.model.arch import ModelSpec
-from lucekv.model.decoder import LayerWeights, Weights, forward, load_weights, project_qkv
+from lucekv.model.decoder import LayerWeights, MoeWeights, Weights, forward, load_weights, project_qkv
 from lucekv.model.gguf import GGUFFile, TensorInfo
 
 KV_DTYPES = {"f16": np.float16, "f32": np.float32}
@@ -32,6 +34,16 @@ class KVPool(SlotMap):
         # np.zeros maps untouched pages lazily, so a pool sized to the whole context costs what is used.
         self.k = [np.zeros(shape, self.dtype) for _ in range(spec.n_layer)]
         self.v = [np.zeros(shape, self.dtype) for _ in range(spec.n_layer)]
+
+
+@dataclass
+class CpuExperts:
+    """One layer's router and experts, each expert's matrices views of the stacked tensors' packed rows."""
+
+    router: PackedMatrix
+    gate: list[PackedMatrix]
+    up: list[PackedMatrix]
+    down: list[PackedMatrix]
 
 
 class CpuOps:
@@ -53,6 +65,10 @@ class CpuOps:
 
     def gated(self, gate: TensorInfo, up: TensorInfo) -> tuple[PackedMatrix, PackedMatrix]:
         return self.matrix(gate), self.matrix(up)
+
+    def experts(self, router: TensorInfo, gate: TensorInfo, up: TensorInfo, down: TensorInfo) -> CpuExperts:
+        n = router.shape[0]
+        return CpuExperts(self.matrix(router), *(split_rows(pack_stacked(t), n) for t in (gate, up, down)))
 
     def vector(self, t: TensorInfo) -> np.ndarray:
         return dequantize(t.data, t.qtype, t.shape).reshape(-1)
@@ -114,8 +130,29 @@ class CpuOps:
         return out.reshape(len(q), -1)
 
     def gated_linear(self, x: np.ndarray, g: tuple[PackedMatrix, PackedMatrix], norm: np.ndarray) -> np.ndarray:
+        return self._gated(self.rmsnorm(x, norm), *g)
+
+    def _gated(self, h: np.ndarray, gate: PackedMatrix, up: PackedMatrix) -> np.ndarray:
+        return self._gated_act(self.linear(gate, h), self.linear(up, h))
+
+    def moe_ffn(self, x: np.ndarray, m: MoeWeights, norm: np.ndarray) -> np.ndarray:
+        """Tokens grouped by expert: each chosen expert's products run once, over all the tokens routed to it. Every
+        token's k expert outputs are kept and summed in rank order, as a one-token step sums them."""
+        spec, e = self.spec, m.experts
         h = self.rmsnorm(x, norm)
-        return self._gated_act(self.linear(g[0], h), self.linear(g[1], h))
+        k = spec.n_expert_used
+        ids, weights = route(self.linear(e.router, h), k, spec.arch.norm_topk)
+        order, starts = group_by_expert(ids, spec.n_expert)
+        outs = np.empty((len(h) * k, spec.n_embd), np.float32)  # row token * k + rank
+        for expert in np.flatnonzero(np.diff(starts)):
+            rows = order[starts[expert]:starts[expert + 1]]
+            outs[rows] = self.linear(e.down[expert], self._gated(h[rows // k], e.gate[expert], e.up[expert]))
+        y = (outs.reshape(len(h), k, -1) * weights[:, :, None]).sum(axis=1)
+        if m.shared is not None:
+            s = m.shared
+            shared = self.linear(s.down, self._gated(h, *s.gate_up))
+            y += shared * (np.float32(1) / (np.float32(1) + np.exp(-self.linear(s.gate, h))))
+        return x + y
 
     def _gated_act(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         if self.spec.arch.activation == "silu":

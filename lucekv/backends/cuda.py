@@ -429,6 +429,9 @@ class CudaBackend(RunAhead):
         has none)."""
         if why := attention.unsupported(spec.n_head, spec.n_kv_head, spec.head_dim):
             raise UnsupportedModelError(f"the CUDA backend cannot run {spec.name}: {why}")
+        if spec.n_expert:
+            raise UnsupportedModelError(f"the CUDA backend cannot run {spec.name}: its mixture-of-experts layers run "
+                                        f"on the CPU backend only (so far)")
         super().__init__()
         self.spec = spec
         self.stream = cuda.stream()

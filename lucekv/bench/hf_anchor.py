@@ -4,13 +4,17 @@ on the same device, logits to compare with) and the model loader of the CPU orac
 transformers rebuilds the model config from GGUF metadata, but its mapping drops some keys llama.cpp
 uses; `config_overrides` puts back the ones that change the math for the families lucekv supports:
 - `{arch}.attention.key_length` (head_dim) is ignored for qwen3 (the config default 128 is kept) and
-  qwen2 (n_embd / n_head is assumed, and its config has no head_dim to set); llama takes head_dim from
-  rope.dimension_count instead.
+  qwen2 and qwen2moe (n_embd / n_head is assumed, and their configs have no head_dim to set); llama takes
+  head_dim from rope.dimension_count instead.
 - gemma3 has no key for the attention scale. llama.cpp uses 1/sqrt(key_length) (except Gemma-3 27B,
   which uses 1/sqrt(n_embd / n_head)); transformers uses query_pre_attn_scalar, default 256.
 - RoPE scaling (`{arch}.rope.scaling.*`, linear and YaRN) is dropped: it goes back as `rope_parameters`
   (gemma3's to its global layers only). A Llama 3 file's `rope_freqs.weight` cannot be given back (transformers
   takes llama3 parameters, not factors): the caller passes them, or the load is refused.
+- qwen2moe and qwen3moe: the experts' width `expert_feed_forward_length` (and qwen2moe's shared expert's,
+  `expert_shared_feed_forward_length`) are not mapped (the config defaults, 768 to 5632, are kept).
+A Mixtral-style GGUF (llama with experts) transformers' loader reads as a dense LlamaForCausalLM; `load` builds a
+MixtralForCausalLM from the file's dequantized tensors instead (`_llama_moe`).
 
 torch and transformers are imported here only when called: they are the `ref` extra, not lucekv's needs.
 """
@@ -43,11 +47,15 @@ def config_overrides(path: Path, rope_parameters: dict | None = None) -> dict[st
     rope = rope_parameters or _rope_parameters(metadata, arch)
     if rope is not None:
         overrides["rope_parameters"] = rope
+    for key, name in (("expert_feed_forward_length", "moe_intermediate_size"),
+                      ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+        if arch in ("qwen2moe", "qwen3moe") and f"{arch}.{key}" in metadata:
+            overrides[name] = metadata[f"{arch}.{key}"]
     head_dim = metadata.get(f"{arch}.attention.key_length")
     if head_dim is None:
         return overrides
-    if arch == "qwen2":
-        n_embd, n_head = metadata["qwen2.embedding_length"], metadata["qwen2.attention.head_count"]
+    if arch in ("qwen2", "qwen2moe"):
+        n_embd, n_head = metadata[f"{arch}.embedding_length"], metadata[f"{arch}.attention.head_count"]
         if head_dim != n_embd // n_head:
             raise ValueError(f"{path.name}: transformers' Qwen2 needs head_dim = n_embd / n_head")
         return overrides
@@ -76,10 +84,77 @@ def load(path: Path, device: str = "cpu", attn: str = "eager", rope_parameters: 
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                 attn_implementation=attn,
-                                                 **config_overrides(path, rope_parameters))
+    if _is_llama_moe(path):
+        model = _llama_moe(path, attn)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                     attn_implementation=attn,
+                                                     **config_overrides(path, rope_parameters))
     return model.to(device).eval()
+
+
+def _is_llama_moe(path: Path) -> bool:
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(str(path))
+    return metadata["general.architecture"] == "llama" and metadata.get("llama.expert_count", 0) > 0
+
+
+def _llama_moe(path: Path, attn: str):
+    """transformers' MixtralForCausalLM holding a Mixtral-style GGUF's weights, dequantized to float32 by gguf:
+    llama.cpp names mapped to transformers', q and k rows put back in Hugging Face's order (llama.cpp's converter
+    interleaves each head's two rotary halves), gate and up experts concatenated as Mixtral keeps them."""
+    import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers.initialization import no_init_weights
+
+    reader = GGUFReader(path)
+    meta = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("tokenizer.")}
+    if meta.get("llama.rope.scaling.type", "none") != "none" or "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        raise ValueError(f"{path.name}: the Mixtral reference rotates plainly; this file scales its RoPE")
+    weights = {t.name: dequantize(t.data, t.tensor_type).astype(np.float32) for t in reader.tensors}
+
+    def key(k: str, default: Any = None) -> Any:
+        return meta.get(f"llama.{k}", default)
+
+    n_head, n_embd = key("attention.head_count"), key("embedding_length")
+    n_kv_head = key("attention.head_count_kv", n_head)
+    config = MixtralConfig(
+        vocab_size=weights["token_embd.weight"].shape[0], hidden_size=n_embd,
+        intermediate_size=key("feed_forward_length"), num_hidden_layers=key("block_count"),
+        num_attention_heads=n_head, num_key_value_heads=n_kv_head,
+        head_dim=key("attention.key_length", n_embd // n_head), max_position_embeddings=key("context_length"),
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
+        rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base", 10_000.0)},
+        num_local_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+        tie_word_embeddings="output.weight" not in weights)
+
+    def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+        return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+    state = {"model.embed_tokens.weight": weights["token_embd.weight"],
+             "model.norm.weight": weights["output_norm.weight"],
+             "lm_head.weight": weights.get("output.weight", weights["token_embd.weight"])}
+    for i in range(config.num_hidden_layers):
+        b, h = f"blk.{i}.", f"model.layers.{i}."
+        state |= {
+            h + "input_layernorm.weight": weights[b + "attn_norm.weight"],
+            h + "self_attn.q_proj.weight": unpermute(weights[b + "attn_q.weight"], n_head),
+            h + "self_attn.k_proj.weight": unpermute(weights[b + "attn_k.weight"], n_kv_head),
+            h + "self_attn.v_proj.weight": weights[b + "attn_v.weight"],
+            h + "self_attn.o_proj.weight": weights[b + "attn_output.weight"],
+            h + "post_attention_layernorm.weight": weights[b + "ffn_norm.weight"],
+            h + "mlp.gate.weight": weights[b + "ffn_gate_inp.weight"],
+            h + "mlp.experts.gate_up_proj": np.concatenate([weights[b + "ffn_gate_exps.weight"],
+                                                            weights[b + "ffn_up_exps.weight"]], axis=1),
+            h + "mlp.experts.down_proj": weights[b + "ffn_down_exps.weight"],
+        }
+    with no_init_weights():  # every weight is loaded next: random initialization would take most of the time
+        model = MixtralForCausalLM._from_config(config, attn_implementation=attn, dtype=torch.float32)
+    model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}, assign=True)
+    return model
 
 
 def logits(model, token_ids: list[int]) -> np.ndarray:

@@ -30,12 +30,21 @@ class ArchSpec:
     # Sliding-window layers: every `global_every`-th layer (1-based) is global, the rest local. 0 = all global.
     global_every: int = 0
     local_rope_base: float | None = None  # RoPE base of local layers when it differs from the global one
+    # Mixture of experts, in every layer of a model whose GGUF has `expert_count` > 0 (`moe_only`: the family has
+    # no dense form): a softmax router picks each token's top-k experts, weighted by their probabilities, those
+    # renormalised to sum to 1 where `norm_topk`; a `shared_expert` runs beside them for every token, its output
+    # scaled by the sigmoid of a gate of its own. llama.cpp fixes these per family, not from metadata.
+    moe_only: bool = False
+    norm_topk: bool = True
+    shared_expert: bool = False
 
 
 ARCHS: dict[str, ArchSpec] = {
-    "llama": ArchSpec("llama", rope_style="norm"),
+    "llama": ArchSpec("llama", rope_style="norm"),  # with experts: Mixtral (top-2, renormalised)
     "qwen2": ArchSpec("qwen2", rope_style="neox"),  # q/k/v biases are read whenever the GGUF has them
     "qwen3": ArchSpec("qwen3", rope_style="neox", qk_norm=True),
+    "qwen2moe": ArchSpec("qwen2moe", rope_style="neox", moe_only=True, norm_topk=False, shared_expert=True),
+    "qwen3moe": ArchSpec("qwen3moe", rope_style="neox", qk_norm=True, moe_only=True),
     # Gemma 3 facts the GGUF does not carry (llama.cpp hard-codes them too): 5 local layers then 1 global,
     # local RoPE base 10 000, embeddings scaled by sqrt(n_embd), GELU-tanh gate. Norm weights arrive with
     # Gemma's "+1" already folded in by the converter.
@@ -64,6 +73,10 @@ class ModelSpec:
     rope_scaling: RopeScaling  # of the global layers; local layers of a family with their own base rotate plainly
     sliding_window: int  # 0 = none
     attn_scale: float  # 1/sqrt(head_dim); a layer's own (`layer_rope`) may carry RoPE's magnitude too
+    n_expert: int = 0  # experts per layer; 0 = a dense FFN
+    n_expert_used: int = 0  # experts each token is routed to (top-k)
+    n_ff_expert: int = 0  # FFN width of one expert
+    n_ff_shared: int = 0  # FFN width of the shared expert (arch.shared_expert)
 
     def is_local(self, layer: int) -> bool:
         every = self.arch.global_every
@@ -113,6 +126,7 @@ class ModelSpec:
             rope_scaling=_rope_scaling(g, meta, rope_dim),
             sliding_window=int(meta.get("attention.sliding_window", 0)) if arch.global_every else 0,
             attn_scale=1.0 / math.sqrt(head_dim),
+            **_experts(g, meta, arch),
         )
         meta.refuse_unread()
         return spec
@@ -191,3 +205,49 @@ def _freq_factors(g: GGUFFile, rope_dim: int) -> tuple[float, ...] | None:
     if not np.all(np.isfinite(factors) & (factors > 0)):
         raise UnsupportedModelError(f"{g.path.name}: rope_freqs.weight holds factors that are not positive numbers")
     return tuple(float(f) for f in factors)
+
+
+# llama.cpp's expert_gating_func values (LLAMA_EXPERT_GATING_FUNC_TYPE_*): the router's probabilities
+GATING_SOFTMAX = 1
+
+
+def _experts(g: GGUFFile, meta: ArchMetadata, arch: ArchSpec) -> dict[str, int]:
+    """ModelSpec's MoE fields from the `{arch}.expert_*` keys. The MoE variants lucekv does not implement (other
+    gating functions, scaled or differently normalised weights, groups of experts, leading dense layers) are refused
+    naming the key and its value; the same keys holding what lucekv implements pass."""
+    name, key = g.path.name, meta.get
+    n_expert = int(key("expert_count", 0))
+    if n_expert == 0:
+        if arch.moe_only:
+            raise UnsupportedModelError(f"{name}: {g.arch} needs {g.arch}.expert_count > 0")
+        return {}
+    n_used = int(key("expert_used_count", 0))
+    if not 0 < n_used <= n_expert:
+        raise UnsupportedModelError(f"{name}: {g.arch}.expert_count = {n_expert} needs {g.arch}.expert_used_count "
+                                    f"in 1..{n_expert}, not {n_used}")
+    implemented = {  # key: (its value, or the value llama.cpp assumes without it; the one lucekv implements)
+        "expert_gating_func": (key("expert_gating_func", GATING_SOFTMAX), GATING_SOFTMAX),
+        "expert_weights_scale": (float(key("expert_weights_scale", 1.0)) or 1.0, 1.0),  # llama.cpp: 0 means 1
+        "expert_weights_norm": (bool(key("expert_weights_norm", arch.norm_topk)), arch.norm_topk),
+        "expert_shared_count": (int(key("expert_shared_count", int(arch.shared_expert))), int(arch.shared_expert)),
+        "expert_group_count": (int(key("expert_group_count", 0)), 0),
+        "leading_dense_block_count": (int(key("leading_dense_block_count", 0)), 0),
+    }
+    if not arch.shared_expert:  # a llama MoE's shared experts (Granite) have no gate: not qwen2moe's, refused
+        implemented["expert_shared_feed_forward_length"] = (int(key("expert_shared_feed_forward_length", 0)), 0)
+    for k, (value, supported) in implemented.items():
+        if value != supported:
+            raise UnsupportedModelError(f"{name}: {g.arch}.{k} = {value} is not supported for {g.arch} "
+                                        f"(lucekv implements {supported})")
+    # llama.cpp's widths: a llama MoE's experts are feed_forward_length wide, a Qwen MoE's expert_feed_forward_length
+    # (default feed_forward_length / top-k); the loader checks the expert tensors' shapes against them
+    n_ff = int(meta.require("feed_forward_length"))
+    n_ff_expert = int(key("expert_feed_forward_length", 0))
+    if g.arch == "llama":
+        if n_ff_expert not in (0, n_ff):
+            raise UnsupportedModelError(f"{name}: llama.expert_feed_forward_length = {n_ff_expert} differs from "
+                                        f"feed_forward_length {n_ff}, the width llama.cpp gives a llama MoE's experts")
+        n_ff_expert = n_ff
+    n_ff_expert = n_ff_expert or n_ff // n_used
+    n_ff_shared = (int(key("expert_shared_feed_forward_length", 0)) or n_ff) if arch.shared_expert else 0
+    return {"n_expert": n_expert, "n_expert_used": n_used, "n_ff_expert": n_ff_expert, "n_ff_shared": n_ff_shared}

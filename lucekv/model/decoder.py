@@ -7,17 +7,19 @@ pool and the kernels. This mirrors ggml's backend boundary.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
 
+from lucekv.errors import ModelError
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import GGUFFile, TensorInfo
 
 Matrix = Any  # a backend's packed weight handle
 Projections = Any  # a backend's handle of several matrices (and biases) applied to one input
 Gated = Any  # a backend's handle of a gated FFN's gate and up matrices
+Experts = Any  # a backend's handle of one layer's router and stacked expert matrices
 Vector = Any  # a backend's float32 vector
 Act = Any  # a backend's activation array, [n_tokens, width]
 
@@ -29,6 +31,8 @@ class Ops(Protocol):
     def matrix(self, t: TensorInfo) -> Matrix: ...
     def projections(self, ws: Sequence[TensorInfo], biases: Sequence[TensorInfo | None]) -> Projections: ...
     def gated(self, gate: TensorInfo, up: TensorInfo) -> Gated: ...
+    def experts(self, router: TensorInfo, gate: TensorInfo, up: TensorInfo, down: TensorInfo) -> Experts:
+        """router [n_expert, n_embd]; gate, up [n_expert, n_ff_expert, n_embd]; down [n_expert, n_embd, n_ff_expert]."""
     def vector(self, t: TensorInfo) -> Vector: ...
     def embed(self, table: Matrix, tokens: np.ndarray, scale: float) -> Act: ...
     def project(self, x: Act, p: Projections, norm: Vector) -> list[Act]:
@@ -37,6 +41,11 @@ class Ops(Protocol):
         """[residual +] (norm(x) or x) @ W.T"""
     def gated_linear(self, x: Act, g: Gated, norm: Vector) -> Act:
         """act(norm(x) @ W_gate.T) * (norm(x) @ W_up.T), act the architecture's (SiLU or GELU-tanh)."""
+    def moe_ffn(self, x: Act, m: MoeWeights, norm: Vector) -> Act:
+        """x + the mixture of experts of h = norm(x): each token's top-k experts (ModelSpec.n_expert_used) of the
+        router's softmax, each a SiLU-gated FFN of h, summed weighted by their probabilities (renormalised to sum to
+        1 where the architecture's norm_topk says so), plus the shared expert of h scaled by sigmoid(h . gate) where
+        m has one."""
     def rmsnorm(self, x: Act, w: Vector, groups: int = 1) -> Act: ...
     def attention(self, layer: int, x: Act, lw: LayerWeights, positions: np.ndarray, slots: np.ndarray,
                   window: int) -> Act:
@@ -47,13 +56,27 @@ class Ops(Protocol):
 
 
 @dataclass
+class SharedExpert:
+    gate_up: Gated
+    down: Matrix
+    gate: Matrix  # [1, n_embd]: sigmoid(norm(x) . gate) scales the shared expert's output
+
+
+@dataclass
+class MoeWeights:
+    experts: Experts
+    shared: SharedExpert | None = None
+
+
+@dataclass
 class LayerWeights:
     attn_norm: Vector
     qkv: Projections  # q, k, v (with their biases, where the model has them)
     wo: Matrix
     ffn_norm: Vector
-    gate_up: Gated
-    w_down: Matrix
+    gate_up: Gated | None  # a dense FFN's; None where the layer has experts (moe)
+    w_down: Matrix | None
+    moe: MoeWeights | None = None
     q_norm: Vector | None = None
     k_norm: Vector | None = None
     post_attn_norm: Vector | None = None
@@ -73,13 +96,15 @@ def load_weights(g: GGUFFile, spec: ModelSpec, ops: Ops) -> Weights:
     for i in range(spec.n_layer):
         p = f"blk.{i}."
         qkv = [p + f"attn_{x}" for x in "qkv"]
+        dense = spec.n_expert == 0
         layers.append(LayerWeights(
             attn_norm=ops.vector(g.tensor(p + "attn_norm.weight")),
             qkv=ops.projections([g.tensor(n + ".weight") for n in qkv], [g.optional_tensor(n + ".bias") for n in qkv]),
             wo=ops.matrix(g.tensor(p + "attn_output.weight")),
             ffn_norm=ops.vector(g.tensor(p + "ffn_norm.weight")),
-            gate_up=ops.gated(g.tensor(p + "ffn_gate.weight"), g.tensor(p + "ffn_up.weight")),
-            w_down=ops.matrix(g.tensor(p + "ffn_down.weight")),
+            gate_up=ops.gated(g.tensor(p + "ffn_gate.weight"), g.tensor(p + "ffn_up.weight")) if dense else None,
+            w_down=ops.matrix(g.tensor(p + "ffn_down.weight")) if dense else None,
+            moe=None if dense else _moe_weights(g, spec, ops, p),
             q_norm=ops.vector(g.tensor(p + "attn_q_norm.weight")) if spec.arch.qk_norm else None,
             k_norm=ops.vector(g.tensor(p + "attn_k_norm.weight")) if spec.arch.qk_norm else None,
             post_attn_norm=ops.vector(g.tensor(p + "post_attention_norm.weight")) if spec.arch.post_norms else None,
@@ -95,6 +120,29 @@ def load_weights(g: GGUFFile, spec: ModelSpec, ops: Ops) -> Weights:
     return weights
 
 
+def _moe_weights(g: GGUFFile, spec: ModelSpec, ops: Ops, p: str) -> MoeWeights:
+    """A layer's router and stacked experts (llama.cpp's layout: ffn_{gate,up,down}_exps, one 3-D tensor each) and
+    its shared expert where the architecture has one, their shapes checked against the metadata's widths."""
+    e, d, ff, sh = spec.n_expert, spec.n_embd, spec.n_ff_expert, spec.n_ff_shared
+
+    def t(name: str, *shape: int) -> TensorInfo:
+        info = g.tensor(p + name + ".weight")
+        if info.shape != shape:
+            raise ModelError(f"{g.path.name}: tensor {info.name!r} has shape {info.shape}, expected {shape} from the "
+                             f"metadata (numpy order)")
+        return info
+
+    experts = ops.experts(t("ffn_gate_inp", e, d), t("ffn_gate_exps", e, ff, d), t("ffn_up_exps", e, ff, d),
+                          t("ffn_down_exps", e, d, ff))
+    if not spec.arch.shared_expert:
+        return MoeWeights(experts)
+    gate = g.tensor(p + "ffn_gate_inp_shexp.weight")  # llama.cpp reads [n_embd] and [1, n_embd] alike
+    gate = t("ffn_gate_inp_shexp", *((1, d) if len(gate.shape) == 2 else (d,)))
+    return MoeWeights(experts, SharedExpert(ops.gated(t("ffn_gate_shexp", sh, d), t("ffn_up_shexp", sh, d)),
+                                            ops.matrix(t("ffn_down_shexp", d, sh)),
+                                            ops.matrix(replace(gate, shape=(1, d)))))
+
+
 def forward(spec: ModelSpec, w: Weights, ops: Ops, tokens: np.ndarray, positions: np.ndarray,
             slots: np.ndarray, all_logits: bool = False) -> Act:
     """Run `tokens` at `positions`, writing their K/V to pool `slots`; logits of the last token (or all)."""
@@ -102,7 +150,10 @@ def forward(spec: ModelSpec, w: Weights, ops: Ops, tokens: np.ndarray, positions
     for i, lw in enumerate(w.layers):
         attn = ops.attention(i, x, lw, positions, slots, spec.window(i))
         x = _add_branch(ops, x, lw.wo, attn, lw.post_attn_norm)
-        x = _add_branch(ops, x, lw.w_down, ops.gated_linear(x, lw.gate_up, norm=lw.ffn_norm), lw.post_ffn_norm)
+        if lw.moe is None:
+            x = _add_branch(ops, x, lw.w_down, ops.gated_linear(x, lw.gate_up, norm=lw.ffn_norm), lw.post_ffn_norm)
+        else:
+            x = ops.moe_ffn(x, lw.moe, norm=lw.ffn_norm)
     if not all_logits:
         x = ops.rows(x, slice(-1, None))
     return ops.linear(w.output, x, norm=w.output_norm)

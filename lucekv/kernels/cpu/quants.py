@@ -121,6 +121,24 @@ def pack_tensor(t: TensorInfo) -> PackedMatrix:
     return pack(t.data, t.qtype, t.shape)
 
 
+def pack_stacked(t: TensorInfo) -> PackedMatrix:
+    """A stacked 3-D tensor [n, rows, cols] (an MoE layer's experts) as one matrix of n * rows rows: matrix i is rows
+    i * rows .. (i + 1) * rows (`split_rows`)."""
+    if len(t.shape) != 3:
+        raise ValueError(f"tensor {t.name!r} of shape {t.shape} is not a stack of matrices")
+    n, rows, cols = t.shape
+    return pack(t.data, t.qtype, (n * rows, cols))
+
+
+def split_rows(m: PackedMatrix, n: int) -> list[PackedMatrix]:
+    """m's rows as n matrices of m.rows // n rows each, views of m's arrays."""
+    if m.rows % n:
+        raise ValueError(f"split_rows: {m.rows} rows do not split into {n} matrices")
+    rows = m.rows // n
+    return [PackedMatrix(m.kind, rows, m.cols, m.block, *(getattr(m, f)[i * rows:(i + 1) * rows] for f in FACTORED))
+            for i in range(n)]
+
+
 def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
     """float32 array of numpy `shape`, bit-for-bit equal to `gguf.quants.dequantize`."""
     cols = shape[-1]
