@@ -5,6 +5,9 @@
 #   bash bench/gpu_session.sh bench    decode/prefill speed, lucekv, llama-bench and (real models) transformers in
 #                                      the same run
 #   bash bench/gpu_session.sh profile  matvec and attention speed at 8B shapes, per-kernel time of the 8B decode step
+#   bash bench/gpu_session.sh moe      MoE: kernel tests at the Qwen3-30B-A3B shapes, CUDA==CPU on the upcycled
+#                                      smollm2 (needs its pieces), then `moe bench`: the 30B-A3B-shaped Q4_K_M file
+#                                      (~17 GB, written in /tmp) against llama-bench, memory, the decode step's profile
 #   bash bench/gpu_session.sh depth    decode tok/s at 4K..128K context, 8B shape, pool 4096 vs full cache vs
 #                                      llama-bench (~5 min); `depth build` first builds llama-bench (~4 min, a call
 #                                      of its own: /tmp survives while the machine stays warm)
@@ -29,6 +32,28 @@ for m in $MODELS; do  # whole files from the pieces that arrived, checked agains
   [ -f "$f" ] && sha256sum "$f" | tee -a "$OUT/model_sha.txt"
 done
 
+peak_mib() {  # FILE CMD...: run CMD, sampling the GPU's memory in use; the peak above the idle level to FILE
+  local idle f sampler
+  idle=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1); f=$(mktemp)
+  ( while :; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1 >> "$f"; sleep 0.1; done ) &
+  sampler=$!
+  "${@:2}"; local rc=$?
+  kill $sampler; wait $sampler 2>/dev/null
+  echo $(( $(sort -n "$f" | tail -1) - idle )) > "$1"; echo "peak GPU memory above idle: $(cat "$1") MiB"
+  return $rc
+}
+run_pair() {  # NAME GGUF [--transformers]: lucekv (and transformers) then llama.cpp on the same file; then lucekv
+  # and llama.cpp at the same 640-token context for memory
+  python3 -m lucekv.cli bench decode --model "$2" --backend cuda --prompt-tokens 512 --gen-tokens 128 ${3:-} \
+    --json "$OUT/cuda-decode-$1.json" 2>&1 | grep -E "^run|^transformers run|median|rror"
+  [ -x $LB ] && $LB -m "$2" -p 512 -n 128 -fa 1 -ngl 99 -o json > "$OUT/llama-bench-$1.json" 2>/dev/null \
+    && python3 -c "import json,sys; [print(r['n_prompt'], r['n_gen'], round(r['avg_ts'], 1)) for r in json.load(open(sys.argv[1]))]" "$OUT/llama-bench-$1.json"
+  peak_mib "$OUT/mem-lucekv-$1.txt" python3 -m lucekv.cli bench decode --model "$2" --backend cuda --kv-pool 640 \
+    --prompt-tokens 512 --gen-tokens 128 --repeats 1 2>&1 | grep -E "^peak|rror"
+  [ -x $LB ] && peak_mib "$OUT/mem-llama-$1.txt" $LB -m "$2" -p 512 -n 128 -fa 1 -ngl 99 -r 1 -o json >/dev/null 2>&1
+  [ -x $LB ] && cat "$OUT/mem-llama-$1.txt"
+}
+
 case "${1:-tests}" in
 tests)
   # every gpu test (kernels, backend vs CPU, CUDA paging and sessions), then the kernel files' tiny-shape tests
@@ -47,27 +72,6 @@ bench)
     timeout 420 bash .anchors/build_llama_bench.sh || tail -20 /tmp/llama_cmake.log /tmp/llama_build.log
   fi
 
-  peak_mib() {  # FILE CMD...: run CMD, sampling the GPU's memory in use; the peak above the idle level to FILE
-    local idle f sampler
-    idle=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1); f=$(mktemp)
-    ( while :; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1 >> "$f"; sleep 0.1; done ) &
-    sampler=$!
-    "${@:2}"; local rc=$?
-    kill $sampler; wait $sampler 2>/dev/null
-    echo $(( $(sort -n "$f" | tail -1) - idle )) > "$1"; echo "peak GPU memory above idle: $(cat "$1") MiB"
-    return $rc
-  }
-  run_pair() {  # NAME GGUF [--transformers]: lucekv (and transformers) then llama.cpp on the same file; then lucekv
-    # and llama.cpp at the same 640-token context for memory
-    python3 -m lucekv.cli bench decode --model "$2" --backend cuda --prompt-tokens 512 --gen-tokens 128 ${3:-} \
-      --json "$OUT/cuda-decode-$1.json" 2>&1 | grep -E "^run|^transformers run|median|rror"
-    [ -x $LB ] && $LB -m "$2" -p 512 -n 128 -fa 1 -ngl 99 -o json > "$OUT/llama-bench-$1.json" 2>/dev/null \
-      && python3 -c "import json,sys; [print(r['n_prompt'], r['n_gen'], round(r['avg_ts'], 1)) for r in json.load(open(sys.argv[1]))]" "$OUT/llama-bench-$1.json"
-    peak_mib "$OUT/mem-lucekv-$1.txt" python3 -m lucekv.cli bench decode --model "$2" --backend cuda --kv-pool 640 \
-      --prompt-tokens 512 --gen-tokens 128 --repeats 1 2>&1 | grep -E "^peak|rror"
-    [ -x $LB ] && peak_mib "$OUT/mem-llama-$1.txt" $LB -m "$2" -p 512 -n 128 -fa 1 -ngl 99 -r 1 -o json >/dev/null 2>&1
-    [ -x $LB ] && cat "$OUT/mem-llama-$1.txt"
-  }
   Q05=/tmp/qwen2.5-coder-0.5b.gguf  # the real model of the issue's figures (the others get `models` parity)
   [ -f $Q05 ] && run_pair qwen2.5-coder-0.5b $Q05 --transformers
   # the 8B-shaped anchor file of shared/tools (carried in .anchors/): raw random Q4_K/Q6_K blocks, seconds to write
@@ -80,6 +84,26 @@ profile)
   [ -f /tmp/qwen3-8b-shape.gguf ] || timeout 120 python3 .anchors/synth_gguf.py /tmp/qwen3-8b-shape.gguf qwen3-8b-shape
   python3 -m lucekv.bench.kernel_profile /tmp/qwen3-8b-shape.gguf --pool 131072 --json "$OUT/kernel-profile.json" \
     2>&1 | grep -v -i warning
+  ;;
+moe)
+  A3B=/tmp/qwen3-30b-a3b-shape.gguf
+  if [ "${2:-}" = bench ]; then
+    [ -x "$LB" ] || { [ -d .anchors ] && timeout 420 bash .anchors/build_llama_bench.sh >/dev/null; }
+    [ -f $A3B ] || { echo "writing $A3B" >&2; timeout 400 python3 -m lucekv.model.synth qwen3-30b-a3b $A3B >&2; }
+    run_pair qwen3-30b-a3b-shape $A3B
+    python3 -m lucekv.bench.kernel_profile $A3B --json "$OUT/kernel-profile-qwen3-30b-a3b-shape.json" 2>&1 \
+      | grep -v -i warning | tail -30
+    exit 0
+  fi
+  LUCEKV_TEST_MODELS_DIR=/tmp python3 -m pytest -q -s -m gpu tests/kernels/test_cuda_moe.py 2>&1 \
+    | tee "$OUT/moe-gpu-tests.log" | grep -E "error|passed|failed|FAIL|tokens:" | tail -30
+  S=/tmp/smollm2-135m.gguf
+  for v in same distinct; do
+    [ -f $S ] || break
+    python3 -m lucekv.model.synth upcycle $S /tmp/smollm2-moe-$v.gguf $([ $v = distinct ] && echo --distinct)
+    python3 -m lucekv.bench.parity /tmp/smollm2-moe-$v.gguf --json "$OUT/parity-smollm2-moe-$v.json" 2>&1 \
+      | grep -v -i warn | tail -22
+  done
   ;;
 depth)
   M8=/tmp/qwen3-8b-shape.gguf

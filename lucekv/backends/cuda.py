@@ -23,8 +23,16 @@ from lucekv.backends.ahead import RunAhead
 from lucekv.backends.cpu import KV_DTYPES
 from lucekv.backends.slots import SlotMap
 from lucekv.errors import UnsupportedModelError
-from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, interleave_rows, pack_tensor, permute_rows, stack_rows
-from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, norm, sample
+from lucekv.kernels.cpu.quants import (
+    PackedMatrix,
+    dequantize,
+    interleave_rows,
+    pack_stacked,
+    pack_tensor,
+    permute_rows,
+    stack_rows,
+)
+from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, moe, norm, sample
 from lucekv.kernels.cuda._numba import device_zeros, ordering_event, overlapped_launches
 from lucekv.kernels.cuda.embed import embed
 from lucekv.kernels.cuda.matmul import matmul
@@ -45,7 +53,7 @@ from lucekv.kernels.cuda.rope import Rotary, pair_order
 from lucekv.kvflash.host_store import HostStore
 from lucekv.kvflash.pager import CHUNK_TOKENS, Move, PageOut
 from lucekv.model.arch import ModelSpec
-from lucekv.model.decoder import LayerWeights, Weights, forward, load_weights, project_qkv
+from lucekv.model.decoder import LayerWeights, MoeWeights, Weights, forward, load_weights, project_qkv
 from lucekv.model.gguf import GGUFFile, TensorInfo
 
 
@@ -147,6 +155,7 @@ class CudaKVPool(SlotMap):
 
 
 MAX_STACK = 3  # matrices one product fills (an Epilogue's outputs)
+ROUTE_COUNTERS = 512  # tokens the MoE router's counters cover at first (a prefill chunk's)
 # a grid with this many warps per SM or more fills the GPU (an 8B model's products and attention hold 9.7 to 15.5,
 # the 0.5B's 1.7 to 8.5): see overlap_kernel_launches
 BUSY_WARPS_PER_SM = 9
@@ -162,6 +171,19 @@ class Stacked:
     widths: list[int]
     bias: object | None
     gated: bool = False
+
+
+@dataclass
+class CudaExperts:
+    """One layer's router and experts, stacked (expert e's rows e * rows ..): gate and up interleaved into one matrix
+    whose products apply the activation (`gate_up`), or, for float experts, apart."""
+
+    router: DeviceMatrix
+    gate_up: DeviceMatrix | None
+    gate: DeviceMatrix | None
+    up: DeviceMatrix | None
+    down: DeviceMatrix
+    n_ff: int
 
 
 class CudaOps:
@@ -203,6 +225,8 @@ class CudaOps:
         self._pool: dict[tuple, list] = {}  # the current segment's
         self._taken: dict[tuple, int] = {}  # arrays of each (shape, dtype) the current segment has taken
         self._pooled_tokens = 0  # the token count the pools' arrays are shaped for
+        self._counter = None  # the MoE router's (see _route_counter)
+        self._slot_row_maps: dict[tuple[int, int], object] = {}
 
     def begin_step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, mark: bool = True) -> None:
         """Upload the step's inputs (those of a one-token step or of a kept token count into fixed buffers) and, with
@@ -306,6 +330,76 @@ class CudaOps:
         if _interleavable(g, u):
             return [Stacked(upload(interleave_rows(g, u, GATE_ROWS), stream=self.stream), [g.rows], None, True)]
         return [self._stack(group) for group in _groups([(g, None), (u, None)])]
+
+    def experts(self, router: TensorInfo, gate: TensorInfo, up: TensorInfo, down: TensorInfo) -> CudaExperts:
+        g, u = pack_stacked(gate), pack_stacked(up)
+        n_ff = gate.shape[1]
+        put = functools.partial(upload, stream=self.stream)
+        # interleaving the whole stacks interleaves each expert's rows: its gate/up groups never cross an expert
+        paired = _interleavable(g, u) and n_ff % GATE_ROWS == 0
+        return CudaExperts(put(pack_tensor(router)), put(interleave_rows(g, u, GATE_ROWS)) if paired else None,
+                           None if paired else put(g), None if paired else put(u), put(pack_stacked(down)), n_ff)
+
+    def moe_ffn(self, x, m: MoeWeights, norm):
+        """One token (or float experts): the chosen experts' products as matvecs, experts picked on the device.
+        More: tokens grouped by expert on the device, each expert's run through the tensor-core tile."""
+        spec, e, s = self.spec, m.experts, self.stream
+        n, k, n_embd = x.shape[0], spec.n_expert_used, spec.n_embd
+        ids, weights = self._alloc((n, k), np.int32), self._empty(n, k)
+        logits = self._empty(n, spec.n_expert)
+        gate = GELU if spec.arch.activation == "gelu_tanh" else SILU
+        h = None  # norm(x), where a kernel does not normalize x itself
+        if n == 1 and e.gate_up is not None and fuses_norm(e.gate_up):
+            moe.route(e.router, x, (norm, spec.rms_eps), logits, self._route_counter(n), ids, weights,
+                      spec.arch.norm_topk, stream=s)
+        else:
+            h = self.rmsnorm(x, norm)
+            moe.route(e.router, h, None, logits, self._route_counter(n), ids, weights, spec.arch.norm_topk, stream=s)
+        act_out = self._empty(n * k, e.n_ff)
+        outs = self._empty(n * k, n_embd)
+        if e.gate_up is None:  # float experts
+            parts = [self._empty(n * k, e.n_ff) for _ in range(2)]
+            for w, part in zip((e.gate, e.up), parts, strict=True):
+                moe.routed_matvecs(w, e.n_ff, h, ids, part, x_per_slot=False, stream=s)
+            act.gated_act(*parts, gate == GELU, act_out, stream=s)
+            moe.routed_matvecs(e.down, n_embd, act_out, ids, outs, x_per_slot=True, stream=s)
+            pos = self._slot_rows(n, k)
+        elif n == 1:
+            source, fused = (x, (norm, spec.rms_eps)) if h is None else (h, None)
+            moe.routed_matvecs(e.gate_up, 2 * e.n_ff, source, ids, epilogue((act_out,), gate=gate), x_per_slot=False,
+                               stream=s, norm=fused)
+            moe.routed_matvecs(e.down, n_embd, act_out, ids, outs, x_per_slot=True, stream=s)
+            pos = self._slot_rows(n, k)
+        else:
+            starts, pos = self._alloc((spec.n_expert + 1,), np.int32), self._alloc((n, k), np.int32)
+            src = self._alloc((n * k,), np.int32)
+            tiles = self._alloc((moe.max_tiles(n * k, spec.n_expert), 2), np.int32)
+            moe.group(ids, spec.n_expert, starts, pos, src, tiles, stream=s)
+            gathered = self._empty(n * k, n_embd)
+            moe.gather(h, src, gathered, stream=s)
+            moe.grouped_matmul(e.gate_up, 2 * e.n_ff, gathered, starts, tiles, epilogue((act_out,), gate=gate),
+                               stream=s)
+            moe.grouped_matmul(e.down, n_embd, act_out, starts, tiles, outs, stream=s)
+        shared = None
+        if m.shared is not None:
+            sh = m.shared
+            shared = (self.linear(sh.gate, x, norm=norm), self.linear(sh.down, self.gated_linear(x, sh.gate_up, norm)))
+        out = self._empty(n, n_embd)
+        moe.combine(outs, pos, weights, x, out, shared, stream=s)
+        return out
+
+    def _route_counter(self, n: int):
+        """The router's per-token arrival counters: zeros, which every route launch leaves zero."""
+        if self._counter is None or self._counter.shape[0] < n:
+            self._counter = device_zeros((max(n, ROUTE_COUNTERS),), np.int32, self.stream)
+        return self._counter
+
+    def _slot_rows(self, n: int, k: int):
+        """[n, k] int32: token t's slot s at row t * k + s (the routed products' order), made once per shape."""
+        if (n, k) not in self._slot_row_maps:
+            rows = np.arange(n * k, dtype=np.int32).reshape(n, k)
+            self._slot_row_maps[n, k] = cuda.to_device(rows, stream=self.stream)
+        return self._slot_row_maps[n, k]
 
     def vector(self, t: TensorInfo):
         return cuda.to_device(self._host_vector(t), stream=self.stream)
@@ -429,9 +523,8 @@ class CudaBackend(RunAhead):
         has none)."""
         if why := attention.unsupported(spec.n_head, spec.n_kv_head, spec.head_dim):
             raise UnsupportedModelError(f"the CUDA backend cannot run {spec.name}: {why}")
-        if spec.n_expert:
-            raise UnsupportedModelError(f"the CUDA backend cannot run {spec.name}: its mixture-of-experts layers run "
-                                        f"on the CPU backend only (so far)")
+        if spec.n_expert and (why := moe.unsupported(spec.n_expert, spec.n_expert_used)):
+            raise UnsupportedModelError(f"the CUDA backend cannot run {spec.name}: {why}")
         super().__init__()
         self.spec = spec
         self.stream = cuda.stream()

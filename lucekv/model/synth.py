@@ -317,6 +317,29 @@ def scale_blocks(data: np.ndarray, qtype: GGMLQuantizationType, factor: float) -
     return blocks.reshape(data.shape)
 
 
+# Qwen3-30B-A3B's shape: 48 layers, 128 experts of 768, top-8, n_embd 2048, 32 / 4 heads of 128, Qwen's vocabulary.
+QWEN3_30B_A3B = {"n_embd": 2048, "n_layer": 48, "n_head": 32, "n_kv_head": 4, "head_dim": 128, "n_ff": 6144,
+                 "n_ff_expert": 768, "n_expert": 128, "n_expert_used": 8, "vocab": 151936, "n_ctx": 40960}
+
+
+def q4_k_m_types(n_layer: int, experts: bool = True) -> dict[str, GGMLQuantizationType]:
+    """Overrides of Q4_K that make llama.cpp's Q4_K_M mix: Q6_K for the output and, in the layers its
+    `use_more_bits` picks (the first and last eighth, every third between), for attn_v and the FFN's down
+    projection (ffn_down_exps where the layers have experts)."""
+    eighth = n_layer // 8
+    more = [i for i in range(n_layer) if i < eighth or i >= 7 * n_layer // 8 or (i - eighth) % 3 == 2]
+    down = "ffn_down_exps" if experts else "ffn_down"
+    return {"output.weight": Q.Q6_K, **{f"blk.{i}.{name}.weight": Q.Q6_K for i in more for name in ("attn_v", down)}}
+
+
+def write_qwen3_30b_a3b_shape(path: str | Path, n_layer: int = QWEN3_30B_A3B["n_layer"], seed: int = 0) -> Path:
+    """Random weights in Qwen3-30B-A3B's shape and a Q4_K_M mix (`q4_k_m_types`): the MoE speed model (about 17 GB;
+    fewer layers for a quick look)."""
+    shape = dict(QWEN3_30B_A3B, n_layer=n_layer)
+    return write_synthetic_gguf(path, "qwen3moe", qtype=Q.Q4_K, seed=seed, tied_output=False,
+                                qtype_overrides=q4_k_m_types(n_layer), **shape)
+
+
 # --- tensors -------------------------------------------------------------------------------------------
 
 
@@ -668,3 +691,29 @@ def _pad_vocab(tok: _SynthTokenizer, vocab: int | None) -> _SynthTokenizer:
     return replace(
         tok, tokens=tok.tokens + pad, token_types=tok.token_types + [int(TokenType.UNUSED)] * extra,
         scores=None if tok.scores is None else tok.scores + [0.0] * extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m lucekv.model.synth qwen3-30b-a3b OUT [--layers N] | upcycle DENSE OUT [--distinct]"""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m lucekv.model.synth", description="write the MoE GGUFs of the "
+                                 "benchmarks and GPU checks")
+    sub = ap.add_subparsers(dest="what", required=True)
+    a3b = sub.add_parser("qwen3-30b-a3b", help="random weights, Qwen3-30B-A3B's shape, Q4_K_M mix")
+    a3b.add_argument("out")
+    a3b.add_argument("--layers", type=int, default=QWEN3_30B_A3B["n_layer"])
+    up = sub.add_parser("upcycle", help="a real dense llama GGUF as a Mixtral-style MoE (4 experts, top-2)")
+    up.add_argument("dense")
+    up.add_argument("out")
+    up.add_argument("--distinct", action="store_true", help="distinct experts (see write_upcycled_gguf)")
+    args = ap.parse_args(argv)
+    if args.what == "qwen3-30b-a3b":
+        print(write_qwen3_30b_a3b_shape(args.out, args.layers))
+    else:
+        print(write_upcycled_gguf(args.out, args.dense, distinct=args.distinct))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,9 +1,9 @@
 """The mixture-of-experts FFN in numpy float64, from a layer's GGUF tensors dequantized by gguf: the reference of the
-CPU and CUDA MoE kernels."""
+CPU and CUDA MoE kernels. Experts are dequantized when a token first uses them (an A3B layer holds 600M weights)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 
 import numpy as np
 from gguf.quants import dequantize
@@ -11,24 +11,35 @@ from gguf.quants import dequantize
 from lucekv.model.gguf import GGUFFile
 
 
-@dataclass
+def dequantized(g: GGUFFile, name: str, index: int | None = None) -> np.ndarray:
+    """Tensor `name` (its matrix `index` where it is a stack) in float64."""
+    t = g.tensor(name)
+    data, shape = np.asarray(t.data), t.shape
+    if index is not None:
+        data, shape = data[index], shape[1:]
+    return dequantize(data, t.qtype).reshape(shape).astype(np.float64)
+
+
 class MoeLayer:
-    router: np.ndarray  # [n_expert, n_embd]
-    gate: np.ndarray  # [n_expert, n_ff, n_embd]
-    up: np.ndarray
-    down: np.ndarray  # [n_expert, n_embd, n_ff]
-    shared: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None  # gate, up, down, gate_inp [n_embd]
+    def __init__(self, g: GGUFFile, layer: int):
+        self._g, self._prefix = g, f"blk.{layer}."
+        self.router = self._values("ffn_gate_inp")
+        self.shared = None
+        if self._prefix + "ffn_gate_inp_shexp.weight" in g.tensors:
+            self.shared = tuple(self._values(n) for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp",
+                                                          "ffn_gate_inp_shexp"))
+
+    def _values(self, name: str, index: int | None = None) -> np.ndarray:
+        return dequantized(self._g, f"{self._prefix}{name}.weight", index)
+
+    @functools.cache  # noqa: B019  (one layer per test: the cache lives as long as it)
+    def expert(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Expert e's gate [n_ff, n_embd], up and down [n_embd, n_ff]."""
+        return tuple(self._values(n, e) for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
 
 
 def moe_layer(g: GGUFFile, layer: int) -> MoeLayer:
-    def values(name: str) -> np.ndarray:
-        t = g.tensor(f"blk.{layer}.{name}.weight")
-        return dequantize(np.asarray(t.data), t.qtype).reshape(t.shape).astype(np.float64)
-
-    shared = None
-    if f"blk.{layer}.ffn_gate_inp_shexp.weight" in g.tensors:
-        shared = tuple(values(n) for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"))
-    return MoeLayer(*(values(n) for n in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")), shared)
+    return MoeLayer(g, layer)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -52,8 +63,8 @@ def moe_ffn(h: np.ndarray, m: MoeLayer, k: int, renormalise: bool) -> np.ndarray
     out = np.zeros_like(h)
     for t in range(len(h)):
         for r in range(k):
-            e = ids[t, r]
-            out[t] += w[t, r] * (m.down[e] @ (silu(m.gate[e] @ h[t]) * (m.up[e] @ h[t])))
+            gate, up, down = m.expert(int(ids[t, r]))
+            out[t] += w[t, r] * (down @ (silu(gate @ h[t]) * (up @ h[t])))
     if m.shared is not None:
         gate, up, down, gate_inp = m.shared
         sig = 1 / (1 + np.exp(-(h @ gate_inp.reshape(-1))))

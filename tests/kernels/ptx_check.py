@@ -19,7 +19,7 @@ import numba.cuda.dispatcher as dispatcher
 import numpy as np
 from numba import typeof, types
 
-from lucekv.kernels.cuda import act, attention, cuda, embed, flash, matmul, matvec, norm, sample
+from lucekv.kernels.cuda import act, attention, cuda, embed, flash, matmul, matvec, moe, norm, sample
 from lucekv.kernels.cuda.packed import Quant, attention_inputs, epilogue
 from lucekv.kernels.cuda.rope import Rotary
 
@@ -31,6 +31,7 @@ class _Hopper:  # device functions ask the current device for its compute capabi
 dispatcher.get_current_device = _Hopper
 
 F2, U2, F1, I1 = types.float32[:, ::1], types.uint32[:, ::1], types.float32[::1], types.int32[::1]
+I2 = types.int32[:, ::1]
 H3 = types.float16[:, :, ::1]
 I64, F32, B = types.int64, types.float32, types.boolean
 PART = (types.float32[:, :, ::1], types.float32[:, :, ::1], types.float32[:, :, :, ::1])
@@ -85,6 +86,16 @@ for (kind, block), kernel in matmul._KERNELS.items():
 CHECKS["matmul_f32"] = (matmul._matmul_f32, (F2, F2, EP))
 for kind, quant in (*QUANTS.items(), ("f32", _quant(np.float32, np.uint8, np.uint8))):
     CHECKS[f"embed_{kind}"] = (embed._KERNELS[kind], (quant, I1, F32, F2))
+for kind, quant in (("q4", Q4_K), ("f32", _quant(np.float32, np.uint8, np.uint8))):
+    CHECKS[f"moe_route_{kind}"] = (moe._ROUTERS[kind], (quant, F2, XNORM, F2, I1, I2, F2, B))
+for kind, quant in QUANTS.items():
+    CHECKS[f"moe_routed_{kind}"] = (moe._ROUTED[kind], (quant, I64, F2, XNORM, EP, I64, I64, I64, I2, B))
+for (kind, block), kernel in moe._GROUPED.items():
+    CHECKS[f"moe_grouped_{kind}_{block}"] = (kernel, (QUANTS[kind], I64, F32, F2, I1, I2, EP))
+CHECKS["moe_routed_f32"] = (moe._routed_f32, (F2, I64, F2, I2, B, EP))
+CHECKS["moe_group"] = (moe._group, (I2, I64, I1, I2, I1, I2))
+CHECKS["moe_gather"] = (moe._gather, (F2, I1, F2))
+CHECKS["moe_combine"] = (moe._combine, (F2, I2, F2, F2, F2, F2, B, F2))
 
 
 def find_ptxas() -> str | None:

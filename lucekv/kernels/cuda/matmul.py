@@ -74,20 +74,19 @@ BYTE_PAIRS = np.uint32(0x00FF00FF)
 ZERO = np.uint32(0)
 
 
-def _make_tensor_matmul(kind: str, block: int):
-    """The kernel for `kind` codes with (scale, bias) per `block` columns."""
+def _make_tile(kind: str, block: int):
+    """A block's tile for `kind` codes with (scale, bias) per `block` columns: rows r0.. of w (`rows` in all) times
+    tokens t0.. of x, those below t_end."""
     load_codes, stage_codes = {"q4": (_load_q4, _stage_q4), "q6": (_load_q6, _stage_q6),
                                "q8": (_load_q8, _stage_q8)}[kind]
     x_span, x_gap = (4, 16) if kind == "q4" else (8, 4)  # columns of x part p: span p .., span p + gap ..
     per_step = K_STEP // block  # (scale, bias) blocks per step
     block_log2 = block.bit_length() - 1
 
-    def kernel(w, rows, half_scale, x, ep):
-        await_grid()
+    @cuda.jit(device=True, inline=True)
+    def tile(w, rows, half_scale, x, t_end, ep, r0, t0):
         tid = cuda.threadIdx.x
-        r0 = cuda.blockIdx.x * ROWS
-        t0 = cuda.blockIdx.y * TOKENS
-        n, cols = x.shape
+        n, cols = t_end, x.shape[1]
         a_tile = cuda.shared.array((2, ROWS, STRIDE), np.uint32)  # [step parity, row, pair]
         x_tile = cuda.shared.array((2, TOKENS, STRIDE), np.uint32)
         acc = cuda.local.array((M_TILES, N_TILES, 4), np.float32)
@@ -137,6 +136,14 @@ def _make_tensor_matmul(kind: str, block: int):
                 x_first1, x_second1 = _load_x(x, n, t, k_next + x_col, x_gap)
                 _mma_step(a_tile, x_tile, 1, acc, wr, wt, lane >> 2, lane & 3)
         _store(acc, np.float32(1) / half_scale, ep, rows, n, r0 + wr, t0 + wt, lane >> 2, lane & 3)
+
+    return tile
+
+
+def _make_tensor_matmul(tile, kind: str, block: int):
+    def kernel(w, rows, half_scale, x, ep):
+        await_grid()
+        tile(w, rows, half_scale, x, x.shape[0], ep, cuda.blockIdx.x * ROWS, cuda.blockIdx.y * TOKENS)
 
     kernel.__name__ = kernel.__qualname__ = f"_matmul_{kind}_{block}"
     return jit_bounded(kernel, THREADS, BLOCKS_PER_SM)
@@ -271,8 +278,9 @@ def _store(acc, unscale, ep, rows, n, r0, t0, g, tig):
                         put_gated(ep, t, r, acc[i, j, c] * unscale, acc[i, j, c + 2] * unscale)
 
 
-_KERNELS = {(kind, block): _make_tensor_matmul(kind, block)
-            for kind, block in (("q4", 32), ("q6", 32), ("q6", 16), ("q8", 32), ("q8", 16))}
+TILES = {(kind, block): _make_tile(kind, block) for kind, block in (("q4", 32), ("q6", 32), ("q6", 16), ("q8", 32),
+                                                                   ("q8", 16))}
+_KERNELS = {key: _make_tensor_matmul(tile, *key) for key, tile in TILES.items()}
 
 F32_TILE = 64  # tokens and rows per block tile of the float32 kernel
 F32_THREADS = 256  # 16 x 16 threads, 4 x 4 outputs each

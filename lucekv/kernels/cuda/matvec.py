@@ -259,9 +259,9 @@ def _clear_partials(part):
 
 @cuda.jit(device=True, inline=True)
 def _begin(block, rows_per_block, part):
-    """(token, first row, warps) of a product's block `block`, its partial sums cleared."""
+    """(first row, warps) of a product's block `block`, its partial sums cleared."""
     _clear_partials(part)
-    return cuda.blockIdx.y, block * rows_per_block, cuda.blockDim.x // WARP
+    return block * rows_per_block, cuda.blockDim.x // WARP
 
 
 @cuda.jit(device=True, inline=True)
@@ -415,20 +415,21 @@ def _make_run_body(kind: str, load, row, words: int, dest: str):
             _add_row(part, i0 + i, row(w, buf, i, xq, xs))
 
     @cuda.jit(device=True, inline=True)
-    def body(w, x, xnorm, ep, n_pass, rows_per_block, block, part, sums):
+    def body(w, x, tx, xnorm, ep, t, n_pass, rows_per_block, block, part, sums):
+        """Block `block` of the product of x's row tx, to token t's rows of ep."""
         xv = cuda.local.array(32, np.float32)
         xq = cuda.local.array(16, np.uint32)
         buf_a = cuda.local.array((group, words), np.uint32)  # two register buffers of `group` rows
         buf_b = cuda.local.array((group, words), np.uint32)
-        t, first_row, n_warps = _begin(block, rows_per_block, part)
+        first_row, n_warps = _begin(block, rows_per_block, part)
         rotation = (np.float32(1), np.float32(0))
         for p in range(n_pass):
             run = (p * n_warps + cuda.threadIdx.x // WARP) * WARP + cuda.threadIdx.x % WARP  # this lane's run
             load_group(w, first_row, run, buf_a)  # in flight while x is read
             if p == 0:
                 await_grid()
-            _load_x16(x, t, 32 * run, xv, 0)
-            _load_x16(x, t, 32 * run + 16, xv, 16)
+            _load_x16(x, tx, 32 * run, xv, 0)
+            _load_x16(x, tx, 32 * run + 16, xv, 16)
             if p == 0:  # while the loads are in flight
                 rotation = rotation_of(ep, t, first_row, rows_per_block)
             _normalize(xv, 32 * run, 32 * run + 16, xnorm, sums)
@@ -494,14 +495,14 @@ def _make_q8_body(dest: str):
     rotation_of, store_rows = DESTS[dest]
 
     @cuda.jit(device=True, inline=True)
-    def body(w, x, xnorm, ep, n_pass, rows_per_block, block, part, sums):
+    def body(w, x, tx, xnorm, ep, t, n_pass, rows_per_block, block, part, sums):
         xv = cuda.local.array(32, np.float32)
         xq = cuda.local.array(16, np.uint32)
         code_a = cuda.local.array((2, 8), np.uint32)  # two buffers of GROUP["q8"] rows, two 16-byte chunks each
         sw_a = cuda.local.array((2, 4), np.uint32)  # scale and sub words of chunk 0, then of chunk 1
         code_b = cuda.local.array((2, 8), np.uint32)
         sw_b = cuda.local.array((2, 4), np.uint32)
-        t, first_row, n_warps = _begin(block, rows_per_block, part)
+        first_row, n_warps = _begin(block, rows_per_block, part)
         rotation = (np.float32(1), np.float32(0))
         for p in range(n_pass):
             # lane l owns the 16-column chunks l and l + 32 of its warp's segment
@@ -509,8 +510,8 @@ def _make_q8_body(dest: str):
             _q8_load(w, first_row, c0, code_a, sw_a)  # in flight while x is read
             if p == 0:
                 await_grid()
-            _load_x16(x, t, 16 * c0, xv, 0)
-            _load_x16(x, t, 16 * (c0 + WARP), xv, 16)
+            _load_x16(x, tx, 16 * c0, xv, 0)
+            _load_x16(x, tx, 16 * (c0 + WARP), xv, 16)
             if p == 0:  # while the loads are in flight
                 rotation = rotation_of(ep, t, first_row, rows_per_block)
             _normalize(xv, 16 * c0, 16 * (c0 + WARP), xnorm, sums)
@@ -562,7 +563,7 @@ def _make_kernel(kind: str, dest: str):
     def kernel(w, x, xnorm, ep, n_pass, rows_per_block):
         part = cuda.shared.array(PARTIALS, np.float32)
         sums = cuda.shared.array(MAX_WARPS, np.float32)
-        body(w, x, xnorm, ep, n_pass, rows_per_block, cuda.blockIdx.x, part, sums)
+        body(w, x, cuda.blockIdx.y, xnorm, ep, cuda.blockIdx.y, n_pass, rows_per_block, cuda.blockIdx.x, part, sums)
 
     kernel.__name__ = kernel.__qualname__ = _kernel_name([kind], dest)
     return _bounded(kernel)
@@ -577,10 +578,11 @@ def _pair_kernel(kind_a: str, kind_b: str, dest: str):
     def kernel(wa, wb, x, xnorm, ep_a, ep_b, n_pass, rows_a, rows_b, blocks_a):
         part = cuda.shared.array(PARTIALS, np.float32)
         sums = cuda.shared.array(MAX_WARPS, np.float32)
+        t = cuda.blockIdx.y
         if cuda.blockIdx.x < blocks_a:
-            body_a(wa, x, xnorm, ep_a, n_pass, rows_a, cuda.blockIdx.x, part, sums)
+            body_a(wa, x, t, xnorm, ep_a, t, n_pass, rows_a, cuda.blockIdx.x, part, sums)
         else:
-            body_b(wb, x, xnorm, ep_b, n_pass, rows_b, cuda.blockIdx.x - blocks_a, part, sums)
+            body_b(wb, x, t, xnorm, ep_b, t, n_pass, rows_b, cuda.blockIdx.x - blocks_a, part, sums)
 
     kernel.__name__ = kernel.__qualname__ = _kernel_name([kind_a, kind_b], dest)
     return _bounded(kernel)

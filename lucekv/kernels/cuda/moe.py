@@ -1,0 +1,354 @@
+"""Mixture-of-experts kernels: the router, the decode products of the chosen experts, and the prefill grouped by
+expert.
+
+A layer's experts are stacked matrices (DeviceMatrix of n_expert * rows rows, expert e's rows e * rows ..): a kernel
+takes expert e as a view of those rows (`expert_rows`), so the dense products' bodies and tiles run on it unchanged.
+- `route`: one kernel for the router's logits (one warp per expert row, the token's RMSNorm taken by every block),
+  then the softmax and the top-k by the token's last block to finish (an arrival counter, reset by that block, so
+  that a replayed graph finds it at zero): expert ids and their weights stay on the device.
+- Decode (`routed_matvecs`): the dense matvec bodies over the chosen experts, the expert ids read on the device, so
+  a decode step stays one captured graph; one grid row per token, blocks by (slot, row block of the expert).
+- Prefill (`group`, `gather`, `grouped_matmul`): the token-slots sorted by expert on the device (a histogram, a
+  scan and a stable placement, in one block), the normalized inputs gathered in that order, and the tensor-core
+  matmul tile over each expert's run of rows (a tile map of (expert, first row) per grid row; grid rows past the
+  last tile return at once: the grid is sized for the worst case, so a prefill graph replays whatever the routing).
+- `combine`: each token's expert outputs weighted and summed in rank order, plus the residual and, where the model
+  has one, the shared expert scaled by the sigmoid of its gate: the weighted scatter back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from lucekv.kernels.cuda import matmul as mm
+from lucekv.kernels.cuda import matvec as mv
+from lucekv.kernels.cuda._numba import WARP, await_grid, blocks, cuda, jit_bounded, warp_max, warp_sum
+from lucekv.kernels.cuda.packed import DeviceMatrix, Quant, as_epilogue, element_decoder, put
+
+MAX_EXPERTS = 256  # the router's top-k holds a token's logits in registers: 8 per lane
+PER_LANE = MAX_EXPERTS // WARP
+PARTIALS, PRODUCT_WARPS = mv.PARTIALS, mv.MAX_WARPS  # the matvec bodies' shared arrays
+ROUTER_WARPS = 4  # expert rows per router block, one per warp
+GROUP_THREADS = 256
+EXPERT_SLOTS = MAX_EXPERTS + 1  # per-expert shared arrays of the grouping, with the end
+THREADS = 256
+TAKEN = np.float32(-1)  # a probability already picked (probabilities are >= 0)
+
+
+def unsupported(n_expert: int, n_used: int) -> str | None:
+    if n_expert > MAX_EXPERTS:
+        return f"{n_expert} experts (the CUDA router takes up to {MAX_EXPERTS})"
+    return None
+
+
+@cuda.jit(device=True, inline=True)
+def expert_rows(w, e, rows):
+    """Expert e of a stacked matrix of experts of `rows` rows each, as a matrix of its own (views of the arrays;
+    stand-in arrays stay stand-ins: they are never read)."""
+    r0 = e * rows
+    return Quant(w.codes[r0:r0 + rows], w.high[r0:r0 + rows], w.scales[r0:r0 + rows], w.subs[r0:r0 + rows],
+                 w.block_log2, w.group_log2, w.sub_scaled, w.has_bias)
+
+
+# ---- the router -------------------------------------------------------------------------------------------
+
+
+def route(router: DeviceMatrix, x, norm: tuple | None, logits, counter, ids, weights, renormalise: bool,
+          stream=0) -> None:
+    """ids [n, k] (int32) and weights [n, k] (float32) of each row of x [n, n_embd]: the k most probable experts of
+    the softmax of router @ h, most probable first (the lower id among equals), weighted by their probabilities
+    (divided by their sum where `renormalise`); h = RMSNorm(x) * norm[0] with norm = (weight, eps), or x.
+    logits: float32 scratch [>= n, n_expert]; counter: int32 [>= n], zeros (the kernel leaves them zero)."""
+    n_expert = router.rows
+    if unsupported(n_expert, ids.shape[1]):
+        raise ValueError(unsupported(n_expert, ids.shape[1]))
+    xnorm = (x, np.float32(0), False) if norm is None else (norm[0].reshape(1, -1), np.float32(norm[1]), True)
+    n = x.shape[0]
+    _ROUTERS[router.kind][(blocks(n_expert, ROUTER_WARPS), n), ROUTER_WARPS * WARP, stream](
+        router.quant, x, xnorm, logits, counter, ids, weights, renormalise)
+
+
+def _make_router(kind: str):
+    at = element_decoder(kind)
+
+    def kernel(w, x, xnorm, logits, counter, ids, weights, renormalise):
+        await_grid()
+        sums = cuda.shared.array(ROUTER_WARPS, np.float32)
+        last = cuda.shared.array(1, np.int32)
+        t = cuda.blockIdx.y
+        lane, warp = cuda.threadIdx.x % WARP, cuda.threadIdx.x // WARP
+        n_expert, cols = w.codes.shape[0], x.shape[1]
+        scale_w, eps, on = xnorm
+        inv = _inv_rms(x, t, eps, sums) if on else np.float32(1)
+        e = cuda.blockIdx.x * ROUTER_WARPS + warp
+        acc = np.float32(0)
+        for c in range(lane, cols if e < n_expert else 0, WARP):
+            h = x[t, c] * inv * scale_w[0, c] if on else x[t, c]
+            acc += h * at(w, e, c)
+        acc = warp_sum(acc)
+        if lane == 0 and e < n_expert:
+            logits[t, e] = acc
+        cuda.threadfence()  # the logits are visible to the token's last block before it counts this one
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            last[0] = cuda.atomic.add(counter, t, 1) == cuda.gridDim.x - 1
+        cuda.syncthreads()
+        if last[0]:
+            cuda.threadfence()
+            _top_k(logits, t, n_expert, ids, weights, renormalise)
+            if cuda.threadIdx.x == 0:
+                counter[t] = 0
+
+    kernel.__name__ = kernel.__qualname__ = f"_route_{kind}"
+    return cuda.jit(kernel)
+
+
+@cuda.jit(device=True, inline=True)
+def _inv_rms(x, t, eps, sums):
+    """1 / rms(x[t]) + eps, summed by the whole block."""
+    ss = np.float32(0)
+    for c in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+        ss += x[t, c] * x[t, c]
+    ss = warp_sum(ss)
+    if cuda.threadIdx.x % WARP == 0:
+        sums[cuda.threadIdx.x // WARP] = ss
+    cuda.syncthreads()
+    total = np.float32(0)
+    for k in range(cuda.blockDim.x // WARP):
+        total += sums[k]
+    return np.float32(1) / math.sqrt(total / np.float32(x.shape[1]) + eps)
+
+
+@cuda.jit(device=True, inline=True)
+def _top_k(logits, t, n_expert, ids, weights, renormalise):
+    """The top-k of token t's softmax, as `route` says. Every warp of the block computes it (the simulator's warp
+    reductions are block-wide barriers); thread 0 writes it. Lane l holds experts l, l + 32, ..."""
+    p = cuda.local.array(PER_LANE, np.float32)
+    lane = cuda.threadIdx.x % WARP
+    top = -np.float32(np.inf)
+    for j in range(PER_LANE):
+        e = lane + WARP * j
+        if e < n_expert:
+            top = max(top, logits[t, e])
+    top = warp_max(top)
+    total = np.float32(0)
+    for j in range(PER_LANE):
+        e = lane + WARP * j
+        p[j] = math.exp(logits[t, e] - top) if e < n_expert else TAKEN
+        total += max(p[j], np.float32(0))
+    total = warp_sum(total)
+    picked = np.float32(0)
+    k = ids.shape[1]
+    for r in range(k):
+        best, best_j = TAKEN, 0
+        for j in range(PER_LANE):
+            if p[j] > best:  # the first (lowest expert) of equals
+                best, best_j = p[j], j
+        value = warp_max(best)
+        mine = lane + WARP * best_j if best == value else MAX_EXPERTS
+        e = -warp_max(-mine)  # the lowest expert holding the largest probability
+        if lane + WARP * best_j == e:
+            p[best_j] = TAKEN
+        weight = value / total
+        picked += weight
+        if cuda.threadIdx.x == 0:
+            ids[t, r] = e
+            weights[t, r] = weight
+    if renormalise and cuda.threadIdx.x == 0:
+        for r in range(k):
+            weights[t, r] /= picked
+
+
+_ROUTERS = {kind: _make_router(kind) for kind in ("q4", "q6", "q8", "f32")}
+
+
+# ---- decode: the chosen experts' products ---------------------------------------------------------------------
+
+
+def routed_matvecs(w: DeviceMatrix, rows_per_expert: int, x, ids, out, x_per_slot: bool, stream=0,
+                   norm: tuple | None = None) -> None:
+    """out[t * k + s] = expert ids[t, s] of w (rows rows_per_expert) times x[t] (x[t * k + s] where `x_per_slot`),
+    for each token t of ids [n, k]; out: a device array or an Epilogue (a gated one for interleaved gate/up
+    experts). norm: (weight, eps) to normalize x first (`matvec.fuses_norm`)."""
+    n, k = ids.shape
+    ep = as_epilogue(out)
+    if w.kind == "f32":
+        if ep.gate or norm is not None:
+            raise ValueError("float experts take plain products of normalized inputs")
+        grid = (k * blocks(rows_per_expert, mv.F32_ROWS_PER_BLOCK), n)
+        _routed_f32[grid, mv.F32_ROWS_PER_BLOCK * WARP, stream](w.codes, rows_per_expert, x, ids, x_per_slot, ep)
+        return
+    if norm is not None and not mv.fuses_norm(w):
+        raise ValueError(f"no fused RMSNorm for a {w.kind} matrix of {w.cols} columns")
+    xnorm = (x, np.float32(0), False) if norm is None else (norm[0].reshape(1, -1), np.float32(norm[1]), True)
+    segments = blocks(w.cols, mv.SEGMENT)
+    n_pass = blocks(segments, mv.MAX_WARPS)
+    n_warps = blocks(segments, n_pass)
+    rows = mv._rows_per_block([(k * rows_per_expert, w.kind, bool(ep.gate))], n_warps)[0]
+    per_expert = blocks(rows_per_expert, rows)
+    _ROUTED[w.kind][(k * per_expert, n), n_warps * WARP, stream](w.quant, rows_per_expert, x, xnorm, ep, n_pass, rows,
+                                                              per_expert, ids, x_per_slot)
+
+
+def _make_routed(kind: str):
+    body = mv._BODIES[kind, "rows"]
+
+    def kernel(w, rows_per_expert, x, xnorm, ep, n_pass, rows_per_block, per_expert, ids, x_per_slot):
+        await_grid()  # the expert ids are the router's output: no weight can be loaded before
+        part = cuda.shared.array(PARTIALS, np.float32)
+        sums = cuda.shared.array(PRODUCT_WARPS, np.float32)
+        t = cuda.blockIdx.y
+        slot = cuda.blockIdx.x // per_expert
+        row = t * ids.shape[1] + slot
+        body(expert_rows(w, ids[t, slot], rows_per_expert), x, row if x_per_slot else t, xnorm, ep, row, n_pass,
+             rows_per_block, cuda.blockIdx.x % per_expert, part, sums)
+
+    kernel.__name__ = kernel.__qualname__ = f"_routed_{kind}"
+    return mv._bounded(kernel)
+
+
+_ROUTED = {kind: _make_routed(kind) for kind in ("q4", "q6", "q8")}
+
+
+@cuda.jit
+def _routed_f32(w, rows_per_expert, x, ids, x_per_slot, ep):
+    # one warp per row, as matvec's f32 kernel: float experts are for tests and tiny models
+    await_grid()
+    t = cuda.blockIdx.y
+    per_expert = (rows_per_expert + mv.F32_ROWS_PER_BLOCK - 1) // mv.F32_ROWS_PER_BLOCK
+    slot = cuda.blockIdx.x // per_expert
+    r = (cuda.blockIdx.x % per_expert) * mv.F32_ROWS_PER_BLOCK + cuda.threadIdx.x // WARP
+    lane = cuda.threadIdx.x % WARP
+    row = t * ids.shape[1] + slot
+    tx = row if x_per_slot else t
+    base = ids[t, slot] * rows_per_expert
+    acc = np.float32(0)
+    for c in range(lane, x.shape[1] if r < rows_per_expert else 0, WARP):
+        acc += w[base + r, c] * x[tx, c]
+    acc = warp_sum(acc)
+    if lane == 0 and r < rows_per_expert:
+        put(ep, row, r, acc)
+
+
+# ---- prefill: grouped by expert -------------------------------------------------------------------------------
+
+
+def max_tiles(n_rows: int, n_expert: int) -> int:
+    """Tiles of mm.TOKENS rows that n_rows token-slots, grouped by expert, can need at most."""
+    return blocks(n_rows, mm.TOKENS) + min(n_expert, n_rows)
+
+
+def group(ids, n_expert: int, starts, pos, src, tiles, stream=0) -> None:
+    """The n * k token-slots of ids [n, k] sorted by expert, stably (by token, then rank): expert e's run is rows
+    starts[e] .. starts[e + 1] (starts: int32 [n_expert + 1]), slot (t, s) goes to row pos[t, s] ([n, k]), row p
+    holds token src[p] ([n * k]); tiles [max_tiles, 2]: per tile of mm.TOKENS rows its expert and first row, expert
+    -1 past the last."""
+    _group[1, GROUP_THREADS, stream](ids, n_expert, starts, pos, src, tiles)
+
+
+@cuda.jit
+def _group(ids, n_expert, starts, pos, src, tiles):
+    await_grid()
+    counts = cuda.shared.array(EXPERT_SLOTS, np.int32)
+    first_tile = cuda.shared.array(EXPERT_SLOTS, np.int32)
+    first_row = cuda.shared.array(EXPERT_SLOTS, np.int32)
+    tid, step = cuda.threadIdx.x, cuda.blockDim.x
+    n, k = ids.shape
+    for e in range(tid, n_expert + 1, step):
+        counts[e] = 0
+    cuda.syncthreads()
+    for i in range(tid, n * k, step):  # the histogram
+        cuda.atomic.add(counts, ids[i // k, i % k], 1)
+    cuda.syncthreads()
+    if tid == 0:  # the scan: n_expert steps
+        row, tile = 0, 0
+        for e in range(n_expert):
+            first_row[e], first_tile[e] = row, tile
+            row += counts[e]
+            tile += (counts[e] + mm.TOKENS - 1) // mm.TOKENS
+        first_row[n_expert], first_tile[n_expert] = row, tile
+    cuda.syncthreads()
+    for e in range(tid, n_expert + 1, step):
+        starts[e] = first_row[e]
+    for e in range(tid, n_expert, step):  # the placement: each thread walks every slot for its experts, in order
+        p = first_row[e]
+        for i in range(n * k):
+            if ids[i // k, i % k] == e:
+                pos[i // k, i % k] = p
+                src[p] = i // k
+                p += 1
+        for j in range(first_tile[e + 1] - first_tile[e]):
+            tiles[first_tile[e] + j, 0] = e
+            tiles[first_tile[e] + j, 1] = first_row[e] + j * mm.TOKENS
+    for i in range(first_tile[n_expert] + tid, tiles.shape[0], step):
+        tiles[i, 0] = -1
+        tiles[i, 1] = 0
+
+
+def gather(x, src, out, stream=0) -> None:
+    """out[p] = x[src[p]]: the normalized inputs in expert order."""
+    _gather[(blocks(x.shape[1], THREADS), out.shape[0]), THREADS, stream](x, src, out)
+
+
+@cuda.jit
+def _gather(x, src, out):
+    await_grid()
+    j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    p = cuda.blockIdx.y
+    if j < x.shape[1]:
+        out[p, j] = x[src[p], j]
+
+
+def grouped_matmul(w: DeviceMatrix, rows_per_expert: int, x, starts, tiles, out, stream=0) -> None:
+    """out[p] = expert e of w times x[p] for each row p of expert e's run (see `group`), on tensor cores; out: a
+    device array or an Epilogue (a gated one for interleaved gate/up experts)."""
+    if w.kind == "f32" or w.cols % mm.K_STEP:
+        raise ValueError(f"grouped matmul: {w.kind} experts of {w.cols} columns (quantized, a multiple of "
+                         f"{mm.K_STEP})")
+    kernel = _GROUPED[w.kind, 1 << w.block_log2]
+    kernel[(blocks(rows_per_expert, mm.ROWS), tiles.shape[0]), mm.THREADS, stream](
+        w.quant, rows_per_expert, np.float32(w.half_scale), x, starts, tiles, as_epilogue(out))
+
+
+def _make_grouped(kind: str, block: int):
+    tile = mm.TILES[kind, block]
+
+    def kernel(w, rows_per_expert, half_scale, x, starts, tiles, ep):
+        await_grid()
+        e = tiles[cuda.blockIdx.y, 0]
+        if e >= 0:  # the same for the whole block
+            tile(expert_rows(w, e, rows_per_expert), rows_per_expert, half_scale, x, starts[e + 1], ep,
+                 cuda.blockIdx.x * mm.ROWS, tiles[cuda.blockIdx.y, 1])
+
+    kernel.__name__ = kernel.__qualname__ = f"_grouped_{kind}_{block}"
+    return jit_bounded(kernel, mm.THREADS, mm.BLOCKS_PER_SM)
+
+
+_GROUPED = {key: _make_grouped(*key) for key in mm.TILES}
+
+
+# ---- the weighted sum back ------------------------------------------------------------------------------------
+
+
+def combine(outs, pos, weights, residual, out, shared=None, stream=0) -> None:
+    """out[t] = residual[t] + sum over s of weights[t, s] * outs[pos[t, s]], in rank order, plus shared[1][t] *
+    sigmoid(shared[0][t, 0]) where `shared` = (gate logits [n, 1], shared expert output [n, n_embd])."""
+    gate, values = (weights, residual) if shared is None else shared
+    _combine[(blocks(out.shape[1], THREADS), out.shape[0]), THREADS, stream](outs, pos, weights, residual, gate,
+                                                                             values, shared is not None, out)
+
+
+@cuda.jit
+def _combine(outs, pos, weights, residual, gate, shared, has_shared, out):
+    await_grid()
+    j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    t = cuda.blockIdx.y
+    if j < out.shape[1]:
+        acc = np.float32(0)
+        for s in range(pos.shape[1]):
+            acc += outs[pos[t, s], j] * weights[t, s]
+        if has_shared:
+            acc += shared[t, j] * (np.float32(1) / (np.float32(1) + math.exp(-gate[t, 0])))
+        out[t, j] = residual[t, j] + acc

@@ -1,0 +1,173 @@
+"""The CUDA mixture of experts against float64 numpy: the router's top-k, the decode products of the chosen experts
+(expert ids read on the device), the prefill grouped by expert (placement, tiles, tensor-core tiles) and the
+weighted sum back, through CudaOps.moe_ffn on tiny models in the simulator and at the Qwen3-30B-A3B shapes on a GPU
+(see test_cuda_kernels.py for how the simulator runs these without a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from lucekv.kernels.cuda import available, cuda
+from lucekv.model.arch import ModelSpec
+from lucekv.model.gguf import open_gguf
+from lucekv.model.synth import write_synthetic_gguf
+from tests.kernels import moe_reference
+from tests.kernels.cuda_sim import needs_gpu, needs_kernels, run_in_simulator
+from tests.kernels.test_cuda_kernels import rel_err
+
+
+@pytest.mark.skipif(available(), reason="kernels run directly in this process")
+def test_moe_in_simulator():
+    run_in_simulator(__file__)
+
+
+def moe_layer(path, n_tokens: int, seed: int = 1):
+    """(ours [n, n_embd], float64 reference [n, n_embd], ids) of the CUDA moe_ffn of layer 0 on random inputs."""
+    from lucekv.backends.cuda import CudaKVPool, CudaOps
+    from lucekv.model.decoder import load_weights
+
+    g = open_gguf(path)
+    spec = ModelSpec.from_gguf(g)
+    stream = cuda.stream()
+    ops = CudaOps(spec, CudaKVPool(spec, 64, "f32", stream), stream)
+    layer = load_weights(g, spec, ops).layers[0]
+    x = np.random.default_rng(seed).standard_normal((n_tokens, spec.n_embd)).astype(np.float32)
+    out = ops.moe_ffn(cuda.to_device(x, stream=stream), layer.moe, layer.ffn_norm).copy_to_host(stream=stream)
+    stream.synchronize()
+    x64 = x.astype(np.float64)
+    norm = moe_reference.dequantized(g, "blk.0.ffn_norm.weight")
+    h = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + spec.rms_eps) * norm
+    ref = x64 + moe_reference.moe_ffn(h, moe_reference.moe_layer(g, 0), spec.n_expert_used, spec.arch.norm_topk)
+    return out, ref
+
+
+TINY = {"n_embd": 64, "n_head": 4, "n_kv_head": 2, "head_dim": 16, "n_ff": 64, "n_layer": 1, "n_expert": 8,
+        "n_expert_used": 3, "seed": 4}
+
+
+@needs_kernels
+@pytest.mark.parametrize(("arch", "qtype", "n_tokens"), [
+    ("qwen3moe", Q.Q8_0, 1), ("qwen3moe", Q.Q8_0, 5), ("qwen2moe", Q.Q4_0, 1), ("qwen2moe", Q.Q5_1, 5),
+    ("llama", Q.F32, 5),
+], ids=lambda v: getattr(v, "name", str(v)))
+def test_moe_ffn_matches_float64(tmp_path, arch, qtype, n_tokens):
+    """q8, q4 with a bias, q6 (Q5_1's codes) and float experts; qwen2moe's shared expert; Mixtral's renormalised
+    top-k. One token takes the routed matvecs, five the grouped tensor-core path (float experts: matvecs)."""
+    dims = dict(TINY, n_ff_expert=32) if arch != "llama" else TINY
+    path = write_synthetic_gguf(tmp_path / "m.gguf", arch, qtype=qtype, **dims)
+    out, ref = moe_layer(path, n_tokens)
+    assert rel_err(out, ref) <= 2e-3
+
+
+@needs_kernels
+def test_router_top_k_and_grouping_are_exact():
+    """route: ids and weights of a softmax top-k, ties to the lower id, weights renormalised; group: a stable
+    placement by expert, the tile map of each expert's rows, tiles past the last marked -1."""
+    from lucekv.kernels.cpu.quants import pack
+    from lucekv.kernels.cuda import moe
+    from lucekv.kernels.cuda.packed import upload
+
+    n_expert, n_embd, k = 40, 32, 4
+    rng = np.random.default_rng(2)
+    router = rng.standard_normal((n_expert, n_embd)).astype(np.float32)
+    router[7] = router[3]  # a tie: expert 3 must come first
+    x = rng.standard_normal((6, n_embd)).astype(np.float32)
+    x[0] = router[3] * 3  # token 0 picks 3 and 7, equal
+    ids = cuda.device_array((6, k), np.int32)
+    weights = cuda.device_array((6, k), np.float32)
+    counter = cuda.to_device(np.zeros(6, np.int32))
+    logits = cuda.device_array((6, n_expert), np.float32)
+    for renormalise in (False, True):
+        moe.route(upload(pack(router, Q.F32, router.shape)), cuda.to_device(x), None, logits, counter, ids, weights,
+                  renormalise)
+        ref_ids, ref_w = moe_reference.route(x.astype(np.float64), router.astype(np.float64), k, renormalise)
+        np.testing.assert_array_equal(ids.copy_to_host(), ref_ids)
+        np.testing.assert_allclose(weights.copy_to_host(), ref_w, rtol=1e-5)
+        assert ids.copy_to_host()[0, :2].tolist() == [3, 7]
+        assert (counter.copy_to_host() == 0).all()  # left zero for the next launch
+
+    slots = np.array([[2, 0], [2, 1], [0, 2], [2, 0]], np.int32)
+    starts = cuda.device_array(5, np.int32)
+    pos, src = cuda.device_array((4, 2), np.int32), cuda.device_array(8, np.int32)
+    tiles = cuda.device_array((moe.max_tiles(8, 4), 2), np.int32)
+    moe.group(cuda.to_device(slots), 4, starts, pos, src, tiles)
+    assert starts.copy_to_host().tolist() == [0, 3, 4, 8, 8]
+    assert src.copy_to_host().tolist() == [0, 2, 3, 1, 0, 1, 2, 3]  # expert 0: tokens 0, 2, 3; 1: 1; 2: 0, 1, 2, 3
+    assert pos.copy_to_host().tolist() == [[4, 0], [5, 3], [1, 6], [7, 2]]
+    assert tiles.copy_to_host().tolist() == [[0, 0], [1, 3], [2, 4]] + [[-1, 0]] * (len(tiles) - 3)
+
+
+# ---- the GPU, at the Qwen3-30B-A3B shapes: 128 experts, top-8, n_embd 2048, experts 768 wide ------------------
+
+A3B = {"n_embd": 2048, "n_head": 32, "n_kv_head": 4, "head_dim": 128, "n_ff": 6144, "n_ff_expert": 768,
+       "n_layer": 1, "n_expert": 128, "n_expert_used": 8}
+
+
+@pytest.fixture(scope="module")
+def a3b_layer(tmp_path_factory):
+    """`a3b_layer(qtype)`: a one-layer qwen3moe file of those shapes, every matrix in qtype, written once."""
+    written = {}
+
+    def path(qtype):
+        if qtype not in written:
+            written[qtype] = write_synthetic_gguf(tmp_path_factory.mktemp("a3b") / f"{qtype.name}.gguf", "qwen3moe",
+                                                  qtype=qtype, vocab=512, **A3B)
+        return written[qtype]
+
+    return path
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n_tokens", [1, 3, 512], ids=["decode", "short", "prefill"])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0], ids=lambda q: q.name)
+def test_moe_ffn_at_qwen3_30b_a3b_shapes_gpu(a3b_layer, qtype, n_tokens):
+    out, ref = moe_layer(a3b_layer(qtype), n_tokens)
+    err = rel_err(out, ref)
+    print(f"{qtype.name}, {n_tokens} tokens: max relative error {err:.2e}")
+    assert err <= 2e-3
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("distinct", [False, True], ids=["same-experts", "distinct-experts"])
+def test_upcycled_smollm2_on_cuda_equals_the_cpu_backend_gpu(tmp_path, model_path, distinct):
+    """CUDA against CPU on the upcycled smollm2 (4 experts, top-2): logits within the parity bench's bound, 64
+    greedy tokens identical (decode steps replayed from the captured graph, expert ids read on the device)."""
+    from lucekv.bench.parity import compare
+    from lucekv.model.synth import write_upcycled_gguf
+
+    path = write_upcycled_gguf(tmp_path / "moe.gguf", model_path("smollm2-135m"), distinct=distinct)
+    for kv_dtype in ("f32", "f16"):
+        result = compare(str(path), 64, kv_dtype)
+        print(result)
+        assert result["max_rel_logit_err"] <= 1e-2 and result["differing_positions"] == 0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_moe_graphs_replay_the_eager_forwards_gpu(tmp_path, monkeypatch):
+    """qwen2moe (a shared expert beside 8 routed ones, top-3): full prefill chunks and decode steps replayed from
+    captured graphs give the eager backend's logits exactly, whatever the routing of each replay."""
+    from lucekv.backends.cuda import CudaBackend
+
+    monkeypatch.setattr(CudaBackend, "prefill_chunk", 16)
+    g = open_gguf(write_synthetic_gguf(tmp_path / "m.gguf", "qwen2moe", qtype=Q.Q4_K, n_embd=256, n_head=4,
+                                       n_kv_head=2, head_dim=64, n_ff=512, n_ff_expert=256, n_layer=3, n_expert=8,
+                                       n_expert_used=3))
+    spec = ModelSpec.from_gguf(g)
+    eager = CudaBackend(g, spec, "f16", 256, use_graph=False)
+    graphed = CudaBackend(g, spec, "f16", 256, use_graph=True)
+    tokens = np.arange(3, 3 + 3 * 16 + 5, dtype=np.int32)
+    for start in range(0, len(tokens), 16):
+        pos = np.arange(start, min(start + 16, len(tokens)), dtype=np.int32)
+        a, b = eager.forward(tokens[pos], pos, pos), graphed.forward(tokens[pos], pos, pos)
+        assert np.array_equal(a, b), f"chunk at {start}"
+    for step in range(40):
+        tok = np.array([np.argmax(a[-1])], np.int32)
+        p = np.array([len(tokens) + step], np.int32)
+        a, b = eager.forward(tok, p, p), graphed.forward(tok, p, p)
+        assert np.array_equal(a, b), f"step {step}"
+    assert graphed.graph.ready and graphed.prefill_graph.ready
