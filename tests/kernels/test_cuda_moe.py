@@ -15,7 +15,7 @@ from lucekv.model.gguf import open_gguf
 from lucekv.model.synth import write_synthetic_gguf
 from tests.kernels import moe_reference
 from tests.kernels.cuda_sim import needs_gpu, needs_kernels, run_in_simulator
-from tests.kernels.test_cuda_kernels import rel_err
+from tests.kernels.test_cuda_kernels import check_backend_matches_cpu, rel_err
 
 
 @pytest.mark.skipif(available(), reason="kernels run directly in this process")
@@ -59,6 +59,14 @@ def test_moe_ffn_matches_float64(tmp_path, arch, qtype, n_tokens):
     path = write_synthetic_gguf(tmp_path / "m.gguf", arch, qtype=qtype, **dims)
     out, ref = moe_layer(path, n_tokens)
     assert rel_err(out, ref) <= 2e-3
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_cuda_backend_runs_an_moe_model_like_the_cpu_backend(tmp_path):
+    """The decoder through CudaOps.moe_ffn: a 4-token prefill (grouped path) and 2 decode steps (routed path) of a
+    tiny qwen2moe against the CPU backend (slow: 75 s of CPU in the simulator; on a GPU it is quick)."""
+    check_backend_matches_cpu(tmp_path, "qwen2moe", Q.Q8_0, decode_steps=2, **TINY, n_ff_expert=32)
 
 
 @needs_kernels

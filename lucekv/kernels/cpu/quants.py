@@ -182,7 +182,8 @@ def _decode(raw: np.ndarray, qtype: GGMLQuantizationType, rows: int, cols: int) 
     blocks = _read_only(data.reshape(-1, GGML_QUANT_SIZES[qtype][1]))
     kind, block, codes, *factors = _BLOCK_DECODERS[qtype](blocks)
     code_cols = cols // 2 if kind == "q4" else cols
-    return PackedMatrix(kind, rows, cols, block, codes.reshape(rows, code_cols),
+    # contiguous even where a row is one block (the reshape then keeps the strided view of the blocks)
+    return PackedMatrix(kind, rows, cols, block, np.ascontiguousarray(codes.reshape(rows, code_cols)),
                         *(f.reshape(rows, -1) for f in factors))
 
 
