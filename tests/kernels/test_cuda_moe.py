@@ -49,8 +49,11 @@ TINY = {"n_embd": 64, "n_head": 4, "n_kv_head": 2, "head_dim": 16, "n_ff": 64, "
 
 @needs_kernels
 @pytest.mark.parametrize(("arch", "qtype", "n_tokens"), [
-    ("qwen3moe", Q.Q8_0, 1), ("qwen3moe", Q.Q8_0, 5), ("qwen2moe", Q.Q4_0, 1), ("qwen2moe", Q.Q5_1, 5),
-    ("llama", Q.F32, 5),
+    ("qwen3moe", Q.Q8_0, 1), ("qwen3moe", Q.Q8_0, 5),
+    # slow in the simulator (20 to 40 s of CPU each), quick on a GPU
+    pytest.param("qwen2moe", Q.Q4_0, 1, marks=pytest.mark.slow),
+    pytest.param("qwen2moe", Q.Q5_1, 5, marks=pytest.mark.slow),
+    pytest.param("llama", Q.F32, 5, marks=pytest.mark.slow),
 ], ids=lambda v: getattr(v, "name", str(v)))
 def test_moe_ffn_matches_float64(tmp_path, arch, qtype, n_tokens):
     """q8, q4 with a bias, q6 (Q5_1's codes) and float experts; qwen2moe's shared expert; Mixtral's renormalised
