@@ -6,8 +6,9 @@
 #                                      the same run
 #   bash bench/gpu_session.sh profile  matvec and attention speed at 8B shapes, per-kernel time of the 8B decode step
 #   bash bench/gpu_session.sh moe      MoE: kernel tests at the Qwen3-30B-A3B shapes, CUDA==CPU on the upcycled
-#                                      smollm2 (needs its pieces), then `moe bench`: the 30B-A3B-shaped Q4_K_M file
-#                                      (~17 GB, written in /tmp) against llama-bench, memory, the decode step's profile
+#                                      smollm2 (needs its pieces); `moe write` writes the 30B-A3B-shaped Q4_K_M file
+#                                      (~17 GB in /tmp, a call of its own), then `moe bench` (lucekv decode/prefill
+#                                      beside llama-bench, GPU memory) and `moe profile` (the decode step's kernels)
 #   bash bench/gpu_session.sh depth    decode tok/s at 4K..128K context, 8B shape, pool 4096 vs full cache vs
 #                                      llama-bench (~5 min); `depth build` first builds llama-bench (~4 min, a call
 #                                      of its own: /tmp survives while the machine stays warm)
@@ -87,14 +88,16 @@ profile)
   ;;
 moe)
   A3B=/tmp/qwen3-30b-a3b-shape.gguf
-  if [ "${2:-}" = bench ]; then
-    [ -x "$LB" ] || { [ -d .anchors ] && timeout 420 bash .anchors/build_llama_bench.sh >/dev/null; }
-    [ -f $A3B ] || { echo "writing $A3B" >&2; timeout 400 python3 -m lucekv.model.synth qwen3-30b-a3b $A3B >&2; }
-    run_pair qwen3-30b-a3b-shape $A3B
+  case "${2:-}" in
+  write) timeout 560 python3 -m lucekv.model.synth qwen3-30b-a3b $A3B; ls -la $A3B; exit 0 ;;
+  bench)
+    [ -x "$LB" ] || echo "no llama-bench at $LB (build it first: bench/gpu_session.sh depth build)" >&2
+    run_pair qwen3-30b-a3b-shape $A3B; exit 0 ;;
+  profile)
     python3 -m lucekv.bench.kernel_profile $A3B --json "$OUT/kernel-profile-qwen3-30b-a3b-shape.json" 2>&1 \
       | grep -v -i warning | tail -30
-    exit 0
-  fi
+    exit 0 ;;
+  esac
   LUCEKV_TEST_MODELS_DIR=/tmp python3 -m pytest -q -s -m gpu tests/kernels/test_cuda_moe.py 2>&1 \
     | tee "$OUT/moe-gpu-tests.log" | grep -E "error|passed|failed|FAIL|tokens:" | tail -30
   S=/tmp/smollm2-135m.gguf

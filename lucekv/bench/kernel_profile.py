@@ -33,7 +33,8 @@ from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
 
 # CudaOps methods whose launches are labelled, and their labels (_products: the products of linear / project)
-OPS = {"embed": "embed", "_products": "linear", "rmsnorm": "rmsnorm", "attention": "attention", "add": "add"}
+OPS = {"embed": "embed", "_products": "linear", "rmsnorm": "rmsnorm", "attention": "attention", "add": "add",
+       "moe_ffn": "moe"}  # moe: the router, the chosen experts' products and the weighted sum (kernels tell them apart)
 
 
 class LaunchRecorder:

@@ -130,13 +130,13 @@ def _top_k(logits, t, n_expert, ids, weights, renormalise):
     top = -np.float32(np.inf)
     for j in range(PER_LANE):
         e = lane + WARP * j
-        if e < n_expert:
-            top = max(top, logits[t, e])
+        if e < n_expert:  # other blocks wrote the logits: read at L2 (an atomic), never a stale L1 line
+            p[j] = cuda.atomic.add(logits, (t, e), np.float32(0))
+            top = max(top, p[j])
     top = warp_max(top)
     total = np.float32(0)
     for j in range(PER_LANE):
-        e = lane + WARP * j
-        p[j] = math.exp(logits[t, e] - top) if e < n_expert else TAKEN
+        p[j] = math.exp(p[j] - top) if lane + WARP * j < n_expert else TAKEN
         total += max(p[j], np.float32(0))
     total = warp_sum(total)
     picked = np.float32(0)
