@@ -95,10 +95,14 @@ def stack_rows(ms: Sequence[PackedMatrix]) -> PackedMatrix:
 def interleave_rows(a: PackedMatrix, b: PackedMatrix, group: int) -> PackedMatrix:
     """Rows of a and b (same shape and kind) in alternating groups: a's first `group`, b's first `group`, a's
     next... A product then computes a row of a and the same row of b side by side (gated FFNs)."""
-    if a.rows != b.rows or a.rows % group:
-        raise ValueError(f"interleave_rows needs two matrices of the same rows, a multiple of {group}")
-    m = stack_rows([a, b])
-    return permute_rows(m, np.arange(m.rows).reshape(2, -1, group).transpose(1, 0, 2).reshape(-1))
+    if a.rows != b.rows or a.rows % group or a.layout != b.layout:
+        raise ValueError(f"interleave_rows needs two matrices of one layout and the same rows, a multiple of {group}")
+
+    def pairs(fa: np.ndarray, fb: np.ndarray) -> np.ndarray:  # one copy (an MoE layer's experts are ~1 GB)
+        tail = fa.shape[1:]
+        return np.stack([fa.reshape(-1, group, *tail), fb.reshape(-1, group, *tail)], axis=1).reshape(-1, *tail)
+
+    return PackedMatrix(a.kind, 2 * a.rows, a.cols, a.block, *(pairs(getattr(a, f), getattr(b, f)) for f in FACTORED))
 
 
 def permute_rows(m: PackedMatrix, order: np.ndarray) -> PackedMatrix:
