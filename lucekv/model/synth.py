@@ -4,7 +4,9 @@
 and Mixtral-style llama (llama with experts), with every weight matrix in one quant type (or per-tensor overrides),
 norms, biases and routers in F32, llama.cpp's tensor names and metadata keys, and a small real tokenizer (byte-level
 BPE; SentencePiece-style for gemma3, as real Gemma files have) so that both lucekv and Hugging Face transformers can
-load the file. `write_upcycled_gguf` turns a real dense llama file into a Mixtral-style MoE.
+load the file. `write_upcycled_gguf` turns a real dense llama file into a Mixtral-style MoE, and
+`write_qwen3_30b_a3b_shape` writes the MoE speed model; both from the command line too:
+`python -m lucekv.model.synth {upcycle DENSE OUT [--distinct] | qwen3-30b-a3b OUT [--layers N]}`.
 
 Block sizes: every matrix row (its input width) must be a multiple of the quant type's block, i.e. 32
 for Q4_0..Q8_0 and 256 for the K-quants. The defaults (n_embd=64, head_dim=16, n_ff=128) suit the
