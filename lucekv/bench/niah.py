@@ -1,7 +1,13 @@
-"""`lucekv bench niah`: needle-in-a-haystack recall, full cache against KVFlash pools per policy.
+"""`lucekv bench niah`: long-context recall, the full cache against KVFlash pools per policy and residency.
 
-The haystack is RULER-style repeated noise; the needle is a passphrase placed at a depth; the model
-completes "The secret passphrase is '" greedily. Recall = share of (depth) cases answered exactly.
+Tasks: "passkey", the sanity case (one passphrase in repeated filler sentences, which any key-statistics scorer
+spots), and the RULER-style tasks of `lucekv.bench.ruler` over real haystacks (multikey, multivalue, vartrack),
+generated from a corpus file (`lucekv bench niah-corpus`). Greedy completions, exact scoring: a case scores the
+share of its expected strings in the completion; a configuration's recall is the mean over its cases.
+
+Per case the JSON also says, for a pooled run, where the chunks holding the needles the answer needs stand after
+the prompt: resident or not, and their rank among the evictable chunks in the policy's last scores (0 = best):
+a miss with the needle resident is the model's, a miss with it paged out is the selection's.
 """
 
 from __future__ import annotations
@@ -9,9 +15,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
+import numpy as np
+
 import lucekv
+from lucekv.bench import ruler
 from lucekv.bench.decode import file_sha256, git_commit, machine, report
 from lucekv.engine.sampling import SamplingParams
 from lucekv.errors import ConfigError
@@ -22,6 +33,7 @@ NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. The
 NEEDLE = "The secret passphrase is 'blue-harbor-4721'. Remember it. "
 ANSWER = "blue-harbor-4721"
 QUESTION = "\nWhat is the secret passphrase mentioned in the text above? The secret passphrase is '"
+TASKS = ("passkey", *ruler.TASKS)
 
 
 def haystack_prompt(tokenize, context: int, depth: float) -> list[int]:
@@ -33,50 +45,164 @@ def haystack_prompt(tokenize, context: int, depth: float) -> list[int]:
     return hay[:at] + needle + hay[at:] + question
 
 
-def answer(engine: lucekv.Engine, ids: list[int]) -> str:
-    params = SamplingParams(temperature=0.0, max_tokens=12)
-    return "".join(d.text for d in engine.generate(ids, params))
+def passkey_case(index: int, context: int, tokenize, depths: list[float]) -> ruler.Case:
+    depth = depths[index % len(depths)]
+    ids = haystack_prompt(tokenize, context, depth)
+    needle_at = int((context - len(tokenize(NEEDLE)) - len(tokenize(QUESTION))) * depth)
+    return ruler.Case("passkey", index, "filler", depth, ids, [ANSWER], [needle_at], 12)
 
 
-def run(model: str, backend: str, context: int, depths: list[float], residencies: list[float],
-        policies: list[str], json_path: str | None = None) -> dict:
+@dataclass(frozen=True)
+class Config:
+    policy: str  # "full": no pool
+    residency: float | None
+    pool_tokens: int | None
+
+
+def configs(context: int, policies: list[str], residencies: list[float]) -> list[Config]:
+    return [Config("full", None, None)] + [Config(p, r, int(context * r) // CHUNK_TOKENS * CHUNK_TOKENS)
+                                           for p in policies for r in residencies]
+
+
+def cases_for(task: str, context: int, n_cases: int, corpus: dict | None, tokenize, depths: list[float]
+              ) -> list[ruler.Case]:
+    if task == "passkey":
+        return [passkey_case(i, context, tokenize, depths) for i in range(n_cases)]
+    if corpus is None:
+        raise ConfigError(f"task {task} needs a corpus: --corpus FILE (write one with `lucekv bench niah-corpus`)")
+    return [ruler.make_case(task, i, context, corpus, tokenize, depths) for i in range(n_cases)]
+
+
+def run_case(engine: lucekv.Engine, case: ruler.Case) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=case.max_tokens)
+    text = "".join(d.text for d in engine.generate(case.ids, params))
+    row = {"index": case.index, "kind": case.kind, "depth": case.depth, "score": case.score(text), "output": text}
+    if engine.paged is not None:
+        row.update(needle_placement(engine, case))
+    return row
+
+
+def needle_placement(engine: lucekv.Engine, case: ruler.Case) -> dict:
+    """Per needle the answer needs: its first chunk, whether it is resident now, and its rank among the evictable
+    chunks by the pager's scores (what the last reselect decided; ties broken as `reselect` does)."""
+    pager = engine.paged.pager
+    n = pager.n_chunks
+    cand = np.flatnonzero(~pager.protected_mask())
+    scores = pager.scores[:n]
+    order = cand[np.lexsort((pager.last_use[cand], pager.block_of[cand] >= 0, scores[cand]))[::-1]]
+    rank = {int(c): r for r, c in enumerate(order)}
+    chunks = [p // CHUNK_TOKENS for p in case.needle_tokens]
+    return {"needle_chunks": chunks, "needle_resident": [bool(pager.block_of[c] >= 0) for c in chunks],
+            "needle_rank": [rank.get(c, -1) for c in chunks], "evictable_chunks": len(cand),
+            "recallable_blocks": pager.n_blocks - int(pager.protected_mask().sum())}
+
+
+def run(model: str, backend: str, contexts: list[int], tasks: list[str], n_cases: int, depths: list[float],
+        residencies: list[float], policies: list[str], corpus_path: str | None, json_path: str | None = None,
+        plot_path: str | None = None) -> dict:
     """The recall table; with `json_path`, rewritten there after every configuration (a long run that is
     stopped keeps what it measured)."""
     path = resolve_model(model)
-    sha256 = file_sha256(path)
-    configs = [("full", None, None)] + [(p, r, int(context * r) // CHUNK_TOKENS * CHUNK_TOKENS)
-                                        for p in policies for r in residencies]
-    rows = []
-    for policy, residency, pool in configs:
-        try:
-            engine = lucekv.load(path, backend=backend, kv_pool=pool, kv_policy=policy if pool else "quest")
-        except ConfigError as e:
-            rows.append({"policy": policy, "residency": residency, "pool_tokens": pool, "error": str(e)})
-            print(f"{policy} {residency}: {e}", file=sys.stderr)
+    corpus = ruler.load_corpus(corpus_path) if corpus_path else None
+    head = {"bench": "niah", "commit": git_commit(), "machine": machine(), "backend": backend,
+            "model": {"file": path.name, "sha256": file_sha256(path)}, "command": "lucekv " + " ".join(sys.argv[1:]),
+            "corpus": {"file": Path(corpus_path).name, "sha256": ruler.corpus_sha256(corpus_path)} if corpus_path
+            else None, "contexts": contexts, "tasks": tasks, "cases": n_cases, "depths": depths, "results": []}
+    rows = head["results"]
+    for context in contexts:
+        cases = None
+        for cfg in configs(context, policies, residencies):
+            try:
+                engine = lucekv.load(path, backend=backend, kv_pool=cfg.pool_tokens,
+                                     kv_policy=cfg.policy if cfg.pool_tokens else "quest")
+            except ConfigError as e:
+                rows.append({"context": context, **vars(cfg), "error": str(e)})
+                _progress(f"{context} {cfg.policy} {cfg.residency}: {e}")
+                continue
+            head["backend"], head["model"]["name"] = engine.info.backend, engine.info.model_name
+            if cases is None:
+                tokenize = partial(engine.tokenizer.encode, add_special=False)
+                cases = {t: cases_for(t, context, n_cases, corpus, tokenize, depths) for t in tasks}
+            for task in tasks:
+                t0 = time.perf_counter()
+                done = [run_case(engine, c) for c in cases[task]]
+                recall = sum(c["score"] for c in done) / len(done)
+                rows.append({"context": context, **vars(cfg), "task": task, "recall": recall, "cases": done,
+                             "seconds": round(time.perf_counter() - t0, 1)})
+                _progress(f"{context} {task} {cfg.policy} {cfg.residency}: recall {recall:.2f} over {len(done)}")
+            if json_path:
+                Path(json_path).write_text(json.dumps(head, indent=1) + "\n")
+    head["summary"] = summary(rows)
+    if plot_path:
+        plot(head, plot_path)
+    return head
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per context, task and pooled configuration: recall and its share of the full cache's."""
+    full = {(r["context"], r["task"]): r["recall"] for r in rows if r["policy"] == "full" and "recall" in r}
+    out = []
+    for r in rows:
+        if "recall" not in r:
             continue
-        hits, outputs, t0 = 0, [], time.perf_counter()
-        for depth in depths:
-            text = answer(engine, haystack_prompt(engine.tokenizer.encode, context, depth))
-            hits += ANSWER in text
-            outputs.append(text)
-        rows.append({"policy": policy, "residency": residency, "pool_tokens": pool, "recall": hits / len(depths),
-                     "outputs": outputs, "seconds": round(time.perf_counter() - t0, 1)})
-        print(f"{policy} residency {residency}: recall {hits}/{len(depths)}", file=sys.stderr)
-        if json_path:
-            Path(json_path).write_text(json.dumps(result(engine, path, sha256, context, depths, rows), indent=2) + "\n")
-    return result(engine, path, sha256, context, depths, rows)
+        base = full.get((r["context"], r["task"]))
+        out.append({"context": r["context"], "task": r["task"], "policy": r["policy"], "residency": r["residency"],
+                    "recall": round(r["recall"], 3),
+                    "of_full": round(r["recall"] / base, 3) if base else None})
+    return out
 
 
-def result(engine: lucekv.Engine, path: Path, sha256: str, context: int, depths: list[float],
-           rows: list[dict]) -> dict:
-    info = engine.info
-    return {"bench": "niah", "commit": git_commit(), "machine": machine(), "backend": info.backend,
-            "model": {"name": info.model_name, "file": path.name, "sha256": sha256},
-            "command": "lucekv " + " ".join(sys.argv[1:]), "context": context, "depths": depths, "results": rows}
+def plot(result: dict, png: str | Path) -> None:
+    """Recall against residency, one panel per (context, task): a line per policy, the full cache dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["results"] if "recall" in r]
+    contexts, tasks = result["contexts"], result["tasks"]
+    fig, axes = plt.subplots(len(contexts), len(tasks), figsize=(3.2 * len(tasks), 2.8 * len(contexts)),
+                             squeeze=False, sharey=True)
+    for i, context in enumerate(contexts):
+        for j, task in enumerate(tasks):
+            ax = axes[i][j]
+            mine = [r for r in rows if r["context"] == context and r["task"] == task]
+            for r in mine:
+                if r["policy"] == "full":
+                    ax.axhline(r["recall"], color="k", ls="--", lw=1, label="full cache")
+            for policy in dict.fromkeys(r["policy"] for r in mine if r["policy"] != "full"):
+                pts = sorted((r["residency"], r["recall"]) for r in mine if r["policy"] == policy)
+                ax.plot(*zip(*pts, strict=True), "o-", label=policy)
+            ax.set_title(f"{task}, {context // 1024}K", fontsize=9)
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(-0.05, 1.05)
+            if i == len(contexts) - 1:
+                ax.set_xlabel("residency (pool / context)")
+            if j == 0:
+                ax.set_ylabel("recall")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{result['model'].get('name', result['model']['file'])}, {result['backend']}, "
+                 f"{result['cases']} cases per task", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def _progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def main(args) -> int:
     floats = lambda text: [float(v) for v in text.split(",")]  # noqa: E731
-    report(run(args.model, args.backend, args.context, floats(args.depths), floats(args.residencies),
-               args.policies.split(","), args.json), args.json)
+    tasks = args.tasks.split(",")
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ConfigError(f"unknown niah task(s) {', '.join(unknown)} (choose {', '.join(TASKS)})")
+    report(run(args.model, args.backend, [int(c) for c in args.contexts.split(",")], tasks, args.cases,
+               floats(args.depths), floats(args.residencies), args.policies.split(","), args.corpus, args.json,
+               args.plot), args.json)
+    return 0
+
+
+def main_corpus(args) -> int:
+    print(json.dumps(ruler.build_corpus(args.output), indent=1))
     return 0
