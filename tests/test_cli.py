@@ -68,5 +68,5 @@ def test_bench_niah_runs_full_and_pooled(tmp_path):
     assert "pool" in rows[1]["error"]  # 192 tokens cannot hold the protected chunks: refused, and said so
     assert rows[2]["pool_tokens"] == 448 and rows[2]["recall"] in (0.0, 1.0)
     placed = rows[2]["cases"][0]  # where the needle's chunk stands after the prompt
-    assert len(placed["needle_chunks"]) == 1 and 0 < placed["needle_chunks"][0] < 600 // 64
-    assert len(placed["needle_resident"]) == len(placed["needle_rank"]) == 1
+    assert 1 <= len(placed["needle_chunks"]) <= 2 and 0 < placed["needle_chunks"][0] < 600 // 64
+    assert len(placed["needle_resident"]) == len(placed["needle_rank"]) == len(placed["needle_chunks"])

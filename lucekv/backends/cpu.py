@@ -15,7 +15,7 @@ from lucekv.kernels.cpu.matvec import matmul, matvec
 from lucekv.kernels.cpu.moe import group_by_expert, route
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, dequantize_rows, pack_stacked, pack_tensor, split_rows
 from lucekv.kvflash.host_store import HostStore
-from lucekv.kvflash.pager import CHUNK_TOKENS, Move, PageIn, PageOut
+from lucekv.kvflash.pager import CHUNK_TOKENS, RECENT_QUERIES, Move, PageIn, PageOut
 from lucekv.model.arch import ModelSpec
 from lucekv.model.decoder import LayerWeights, MoeWeights, Weights, forward, load_weights, project_qkv
 from lucekv.model.gguf import GGUFFile, TensorInfo
@@ -53,8 +53,10 @@ class CpuOps:
         self.spec = spec
         self.pool = pool
         self._layer_rope = [spec.layer_rope(i) for i in range(spec.n_layer)]
-        # post-RoPE query of each layer's latest token (decode step or last prompt token), for relevance scorers
+        # post-RoPE query of each layer's latest token (decode step or last prompt token), for relevance scorers,
+        # and of the latest forward's last RECENT_QUERIES tokens (views of arrays each forward makes anew)
         self.last_q = np.zeros((spec.n_layer, spec.n_head, spec.head_dim), np.float32)
+        self.recent_q: list[np.ndarray] = [self.last_q[i][None] for i in range(spec.n_layer)]
 
     def matrix(self, t: TensorInfo) -> PackedMatrix:
         return pack_tensor(t)
@@ -122,6 +124,7 @@ class CpuOps:
         vp[slots] = v.reshape(len(v), spec.n_kv_head, spec.head_dim)
         qh = q.reshape(len(q), spec.n_head, spec.head_dim)
         self.last_q[layer] = qh[-1]
+        self.recent_q[layer] = qh[-RECENT_QUERIES:]
         if len(q) == 1:
             out = attend_decode(qh[0], kp, vp, pool.slot_pos, pool.high_water, int(positions[0]), window,
                                 rope.attn_scale)[None]
@@ -207,3 +210,6 @@ class CpuBackend(RunAhead):
 
     def last_queries(self) -> np.ndarray:
         return self.ops.last_q
+
+    def recent_queries(self) -> np.ndarray:
+        return np.stack(self.ops.recent_q, axis=1)

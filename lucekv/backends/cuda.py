@@ -51,7 +51,7 @@ from lucekv.kernels.cuda.packed import (
 )
 from lucekv.kernels.cuda.rope import Rotary, pair_order
 from lucekv.kvflash.host_store import HostStore
-from lucekv.kvflash.pager import CHUNK_TOKENS, Move, PageOut
+from lucekv.kvflash.pager import CHUNK_TOKENS, RECENT_QUERIES, Move, PageOut
 from lucekv.model.arch import ModelSpec
 from lucekv.model.decoder import LayerWeights, MoeWeights, Weights, forward, load_weights, project_qkv
 from lucekv.model.gguf import GGUFFile, TensorInfo
@@ -76,6 +76,9 @@ class CudaKVPool(SlotMap):
         # post-RoPE query of each layer's latest token, written by CudaOps.attention (KVFlash scorers read it)
         self.last_q = cuda.to_device(np.zeros((spec.n_layer, spec.n_head * spec.head_dim), np.float32),
                                      stream=stream)
+        # and of the last RECENT_QUERIES tokens of the latest forward of several tokens (a prompt's tail)
+        self.recent_q = device_zeros((spec.n_layer, RECENT_QUERIES, spec.n_head * spec.head_dim), np.float32, stream)
+        self.recent_rows = 0
 
     def truncate(self, n: int) -> None:
         super().truncate(n)
@@ -481,6 +484,8 @@ class CudaOps:
             attention.rope_and_store(q, k, v, self.positions, self.slots, rotary, pool.k[layer], pool.v[layer],
                                      q_rot, pool.last_q[layer], stream=s)
             q = q_rot
+            pool.recent_rows = min(n, RECENT_QUERIES)
+            pool.recent_q[layer, : pool.recent_rows].copy_to_device(q[n - pool.recent_rows :], stream=s)
         parts = attention.partials(n, spec.n_head, spec.n_kv_head, spec.head_dim, pool.size, self._alloc)
         out = self._empty(n, spec.n_head * spec.head_dim)
         attention.attend(q, pool.k[layer], pool.v[layer], pool.d_slot_pos, pool.d_high_water, self.positions,
@@ -609,6 +614,13 @@ class CudaBackend(RunAhead):
         q = self.pool.last_q.copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return q.reshape(self.spec.n_layer, self.spec.n_head, self.spec.head_dim)
+
+    def recent_queries(self) -> np.ndarray:
+        """[rows, n_layer, n_head, head_dim]: the last tokens of the latest forward of several tokens (a decode step's
+        one query is `last_queries`)."""
+        q = self.pool.recent_q.copy_to_host(stream=self.stream)[:, : self.pool.recent_rows]
+        self.stream.synchronize()
+        return q.reshape(self.spec.n_layer, -1, self.spec.n_head, self.spec.head_dim).transpose(1, 0, 2, 3)
 
 
 class TokenReadback(NamedTuple):

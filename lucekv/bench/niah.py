@@ -48,8 +48,9 @@ def haystack_prompt(tokenize, context: int, depth: float) -> list[int]:
 def passkey_case(index: int, context: int, tokenize, depths: list[float]) -> ruler.Case:
     depth = depths[index % len(depths)]
     ids = haystack_prompt(tokenize, context, depth)
-    needle_at = int((context - len(tokenize(NEEDLE)) - len(tokenize(QUESTION))) * depth)
-    return ruler.Case("passkey", index, "filler", depth, ids, [ANSWER], [needle_at], 12)
+    needle = len(tokenize(NEEDLE))
+    at = int((context - needle - len(tokenize(QUESTION))) * depth)
+    return ruler.Case("passkey", index, "filler", depth, ids, [ANSWER], [(at, at + needle)], 12)
 
 
 @dataclass(frozen=True)
@@ -83,15 +84,16 @@ def run_case(engine: lucekv.Engine, case: ruler.Case) -> dict:
 
 
 def needle_placement(engine: lucekv.Engine, case: ruler.Case) -> dict:
-    """Per needle the answer needs: its first chunk, whether it is resident now, and its rank among the evictable
-    chunks by the pager's scores (what the last reselect decided; ties broken as `reselect` does)."""
+    """Per chunk holding a needle the answer needs (a needle may straddle two): whether it is resident now, and its
+    rank among the evictable chunks by the pager's scores (what the last reselect decided; ties broken as
+    `reselect` does; -1: protected)."""
     pager = engine.paged.pager
     n = pager.n_chunks
     cand = np.flatnonzero(~pager.protected_mask())
     scores = pager.scores[:n]
     order = cand[np.lexsort((pager.last_use[cand], pager.block_of[cand] >= 0, scores[cand]))[::-1]]
     rank = {int(c): r for r, c in enumerate(order)}
-    chunks = [p // CHUNK_TOKENS for p in case.needle_tokens]
+    chunks = sorted({c for a, b in case.needles for c in range(a // CHUNK_TOKENS, (b - 1) // CHUNK_TOKENS + 1)})
     return {"needle_chunks": chunks, "needle_resident": [bool(pager.block_of[c] >= 0) for c in chunks],
             "needle_rank": [rank.get(c, -1) for c in chunks], "evictable_chunks": len(cand),
             "recallable_blocks": pager.n_blocks - int(pager.protected_mask().sum())}
@@ -99,7 +101,7 @@ def needle_placement(engine: lucekv.Engine, case: ruler.Case) -> dict:
 
 def run(model: str, backend: str, contexts: list[int], tasks: list[str], n_cases: int, depths: list[float],
         residencies: list[float], policies: list[str], corpus_path: str | None, json_path: str | None = None,
-        plot_path: str | None = None) -> dict:
+        plot_path: str | None = None, drafter: str | None = None) -> dict:
     """The recall table; with `json_path`, rewritten there after every configuration (a long run that is
     stopped keeps what it measured)."""
     path = resolve_model(model)
@@ -107,14 +109,16 @@ def run(model: str, backend: str, contexts: list[int], tasks: list[str], n_cases
     head = {"bench": "niah", "commit": git_commit(), "machine": machine(), "backend": backend,
             "model": {"file": path.name, "sha256": file_sha256(path)}, "command": "lucekv " + " ".join(sys.argv[1:]),
             "corpus": {"file": Path(corpus_path).name, "sha256": ruler.corpus_sha256(corpus_path)} if corpus_path
-            else None, "contexts": contexts, "tasks": tasks, "cases": n_cases, "depths": depths, "results": []}
+            else None, "drafter": drafter, "contexts": contexts, "tasks": tasks, "cases": n_cases, "depths": depths,
+            "results": []}
     rows = head["results"]
     for context in contexts:
         cases = None
         for cfg in configs(context, policies, residencies):
             try:
                 engine = lucekv.load(path, backend=backend, kv_pool=cfg.pool_tokens,
-                                     kv_policy=cfg.policy if cfg.pool_tokens else "quest")
+                                     kv_policy=cfg.policy if cfg.pool_tokens else "quest",
+                                     kv_drafter=drafter if cfg.policy == "draft" else None)
             except ConfigError as e:
                 rows.append({"context": context, **vars(cfg), "error": str(e)})
                 _progress(f"{context} {cfg.policy} {cfg.residency}: {e}")
@@ -199,7 +203,7 @@ def main(args) -> int:
         raise ConfigError(f"unknown niah task(s) {', '.join(unknown)} (choose {', '.join(TASKS)})")
     report(run(args.model, args.backend, [int(c) for c in args.contexts.split(",")], tasks, args.cases,
                floats(args.depths), floats(args.residencies), args.policies.split(","), args.corpus, args.json,
-               args.plot), args.json)
+               args.plot, args.kv_drafter), args.json)
     return 0
 
 

@@ -87,7 +87,7 @@ def restored(policy: str, context: int, rng: np.random.Generator) -> PagedSequen
     for c in range(context // CHUNK_TOKENS):
         seq.policy.scorer.seal(seq.pager, c, backend.chunk_keys(0))
     seq.resume()
-    seq.recall_for_last_query()
+    seq.recall_for_prompt(1)
     return seq
 
 

@@ -56,7 +56,7 @@ class Case:
     depth: float  # where the asked needle (the first of several) sits, as a share of the haystack
     ids: list[int]  # the whole prompt
     expected: list[str]  # strings the completion must hold
-    needle_tokens: list[int]  # prompt positions where the needles the answer needs start
+    needles: list[tuple[int, int]]  # prompt positions [start, end) of the needles the answer needs
     max_tokens: int
 
     def score(self, text: str) -> float:
@@ -106,8 +106,8 @@ def make_case(task: str, index: int, context: int, corpus: dict[str, list[str]],
     intro, needles, question, expected, depths_of, relevant = build(rng, depth)
     fixed = len(tokenize(intro)) + sum(len(tokenize(_line(n))) for n in needles) + len(tokenize(question))
     hay = _haystack(rng, corpus[kind], tokenize, context - fixed)
-    ids, starts = _assemble(tokenize, intro, hay, needles, depths_of, question)
-    return Case(task, index, kind, depth, ids, expected, starts[:relevant], MAX_TOKENS[task])
+    ids, spans = _assemble(tokenize, intro, hay, needles, depths_of, question)
+    return Case(task, index, kind, depth, ids, expected, spans[:relevant], MAX_TOKENS[task])
 
 
 # ---- tasks: (intro, needle texts, question, expected strings, depth of each needle, how many of the first needles
@@ -200,23 +200,24 @@ def _haystack(rng: random.Random, docs: list[str], tokenize: Callable, n_tokens:
 
 
 def _assemble(tokenize: Callable, intro: str, hay: list[list[int]], needles: list[str], depths: list[float],
-              question: str) -> tuple[list[int], list[int]]:
+              question: str) -> tuple[list[int], list[tuple[int, int]]]:
     """intro + haystack lines with each needle (on a line of its own) before the line at its depth + question: the
-    prompt, and where each needle starts in it."""
+    prompt, and each needle's span [start, end) in it."""
     n = len(hay)
     ends = list(itertools.accumulate(map(len, hay)))  # token offset after each line
     at: dict[int, list[int]] = {}
     for j, d in enumerate(depths):  # before the first line that ends past the depth's share of the haystack
         at.setdefault(bisect.bisect_right(ends, d * ends[-1]), []).append(j)
     ids = tokenize(intro)
-    starts = [0] * len(needles)
+    spans = [(0, 0)] * len(needles)
     for line in range(n + 1):
         for j in at.get(line, []):
-            starts[j] = len(ids)
-            ids += tokenize(_line(needles[j]))
+            needle = tokenize(_line(needles[j]))
+            spans[j] = (len(ids), len(ids) + len(needle))
+            ids += needle
         if line < n:
             ids += hay[line]
-    return ids + tokenize(question), starts
+    return ids + tokenize(question), spans
 
 
 def _json_array_items(text: str):

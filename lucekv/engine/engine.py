@@ -15,8 +15,9 @@ from lucekv.engine.sessions import Session, SessionInfo, SessionTable
 from lucekv.engine.stops import StopMatcher
 from lucekv.engine.types import ChatMessage, GenerationDelta, TokenLogprob, Usage
 from lucekv.errors import ConfigError, ContextOverflowError, InvalidRequestError, LucekvError, ResourceLimitError
+from lucekv.kvflash.draft import DraftReader
 from lucekv.kvflash.host_store import MemoryHostStore
-from lucekv.kvflash.pager import CHUNK_TOKENS, PageIn, PageOut, min_pool_tokens
+from lucekv.kvflash.pager import CHUNK_TOKENS, RECENT_QUERIES, PageIn, PageOut, min_pool_tokens
 from lucekv.kvflash.sequence import PagedSequence
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
@@ -35,6 +36,8 @@ from lucekv.snapshot.store import SnapshotStore, check_session_id
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 AUTO_POOL_SHARE = 0.9  # of the GPU memory free after the weights, for --kv-pool auto's pool
+PROMPT_TAIL = RECENT_QUERIES  # a pooled prompt's last tokens, recomputed after the chunks they rank are recalled
+RECALL_ROUNDS = 2  # rank, recall and recompute the tail at most this often per prompt
 
 
 @dataclass(frozen=True)
@@ -56,14 +59,16 @@ class Engine:
 
     def __init__(self, path: Path, backend: str = "auto", kv_dtype: str = "f16", n_ctx: int | None = None,
                  kv_pool: int | str | None = None, kv_policy: str = "quest", kv_tau: int = 64,
-                 max_sessions: int = 64, session_host_bytes: int = 16 << 30,
+                 kv_drafter: str | Path | None = None, max_sessions: int = 64, session_host_bytes: int = 16 << 30,
                  snapshot_store: SnapshotStore | None = None):
         """kv_pool: KV slots on the device in tokens (a multiple of 64); None holds the whole context; "auto" sizes
         it from free GPU memory on the CUDA backend (`auto_pool_tokens`) and is None on the CPU backend, whose
         device memory is host RAM.
         max_sessions / session_host_bytes: limits on sessions held in memory and on the host RAM their K/V
         takes; past them idle sessions spill to `snapshot_store` (least recently used first), or, without a
-        store, new sessions are refused."""
+        store, new sessions are refused.
+        kv_drafter: a small model with the same tokenizer (registry name or GGUF path) that reads the context for
+        kv_policy "draft"."""
         self.path = Path(path)
         g = open_gguf(path)
         self.spec = ModelSpec.from_gguf(g)
@@ -71,6 +76,7 @@ class Engine:
         self.n_ctx = min(n_ctx or self.spec.n_ctx, self.spec.n_ctx)
         self.backend, kv_pool = _make_backend(backend, g, self.spec, kv_dtype, self.n_ctx, kv_pool)
         self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, kv_tau
+        self._drafter = self._load_drafter(kv_drafter, kv_dtype) if kv_pool and kv_policy == "draft" else None
         self.layout = KVLayout(g.fingerprint, self.spec.arch.name, self.spec.n_layer, self.spec.n_kv_head,
                                self.spec.head_dim, kv_dtype, CHUNK_TOKENS)
         if max_sessions < 1 or session_host_bytes < 0:
@@ -192,10 +198,20 @@ class Engine:
         while reused < limit and held[reused] == ids[reused]:
             reused += 1
         self._truncate(reused)
-        logits = self._forward(ids[reused:], reused)[-1][-1]
-        if self.paged is not None and self.paged.recall_for_last_query():
-            # chunks relevant to the prompt's end came back: recompute its last token so the first sample sees them
-            logits = self._forward(ids[-1:], len(ids) - 1)[-1][-1]
+        if self.paged is None:
+            return self._forward(ids[reused:], reused)[-1][-1], reused
+        # A prompt longer than the pool was computed beside the chunks resident as it went (the most recent): its
+        # tail, the question, never saw what it asks about. Its own queries rank the chunks, the best come back, and
+        # the tail is computed again, so that its K/V and the first sample see them (twice: the second ranking
+        # reads the queries of a tail that has seen the first recall).
+        start = len(ids) - min(len(ids) - reused, PROMPT_TAIL)
+        if start > reused:
+            self._forward(ids[reused:start], reused)
+        logits = self._forward(ids[start:], start)[-1][-1]
+        for _ in range(RECALL_ROUNDS):
+            if not self.paged.recall_for_prompt(len(ids) - start):
+                break
+            logits = self._forward(ids[start:], start)[-1][-1]
             del self._live.tokens[len(ids):]
         return logits, reused
 
@@ -383,11 +399,26 @@ class Engine:
             self.sessions.put(Session(session_id, stored_bytes=self.store.size(session_id)))
 
     def _new_session(self, session_id: str) -> Session:
-        paged = None if self._kv_pool is None else PagedSequence(
-            self.backend, self.backend.pool.slot_pos, n_layer=self.spec.n_layer, n_kv_head=self.spec.n_kv_head,
-            head_dim=self.spec.head_dim, dtype=self.backend.pool.dtype, policy=self._kv_policy, tau=self._kv_tau,
-            window=self.spec.sliding_window)
-        return Session(session_id, paged=paged)
+        s = Session(session_id)
+        if self._kv_pool is not None:
+            s.paged = PagedSequence(
+                self.backend, self.backend.pool.slot_pos, n_layer=self.spec.n_layer, n_kv_head=self.spec.n_kv_head,
+                head_dim=self.spec.head_dim, dtype=self.backend.pool.dtype, policy=self._kv_policy,
+                tau=self._kv_tau, window=self.spec.sliding_window, drafter=self._drafter, history=lambda: s.tokens)
+        return s
+
+    def _load_drafter(self, model: str | Path | None, kv_dtype: str) -> DraftReader:
+        """The draft policy's reader: the drafter on this engine's backend, holding the whole context."""
+        from lucekv.model.registry import resolve_model
+
+        if not model:
+            raise ConfigError("kv policy draft needs a drafter model (--kv-drafter)")
+        drafter = Engine(resolve_model(str(model)), backend=self.backend.name, kv_dtype=kv_dtype, n_ctx=self.n_ctx)
+        if drafter.tokenizer.pieces != self.tokenizer.pieces:
+            raise ConfigError(f"the drafter {drafter.spec.name!r} does not share {self.spec.name!r}'s tokenizer")
+        if drafter.n_ctx < self.n_ctx:
+            raise ConfigError(f"the drafter's context ({drafter.n_ctx}) is shorter than the model's ({self.n_ctx})")
+        return DraftReader(drafter)
 
     def _new_host_store(self) -> MemoryHostStore:
         return MemoryHostStore(self.spec.n_layer, CHUNK_TOKENS, self.spec.n_kv_head, self.spec.head_dim,

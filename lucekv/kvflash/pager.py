@@ -26,6 +26,7 @@ from lucekv.errors import ConfigError, InvalidRequestError
 
 STATE_VERSION = 1
 CHUNK_TOKENS = 64  # logical positions per chunk, and slots per pool block
+RECENT_QUERIES = 64  # rows of a forward's last queries a backend keeps for scorers (a prompt's tail)
 NOT_RESIDENT = -1
 UNSCORED = np.inf  # chunks the policy has not scored yet (newer than its last reselect) are evicted last
 

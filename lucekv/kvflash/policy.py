@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import os
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -27,9 +28,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from lucekv.errors import ConfigError
+from lucekv.kvflash.draft import DraftReader, DraftScorer
 from lucekv.kvflash.pager import UNSCORED, Move, Pager, scores_from_text, scores_text
 
-POLICIES = ("lru", "quest", "meankey")
+POLICIES = ("lru", "quest", "meankey", "draft")
 MISSING = -np.inf  # a sealed chunk without a summary ranks last
 SCORE_THREADS = min(8, os.cpu_count() or 1)  # threads scoring a reselect's chunks
 SCORE_BLOCK = 32  # chunks per scoring matmul: small temporaries (4.5 MiB for quest at 8B's shape), reused
@@ -46,9 +48,17 @@ class Scorer(Protocol):
 
     def observe(self, query: np.ndarray) -> None: ...
 
-    def score_inputs(self, pager: Pager) -> Any | None:
-        """What `score` reads, taken now, or None when there is nothing to score against yet. The pager goes on
-        changing while a background reselect is scored: summary rows of chunks sealed by then are written once."""
+    def score_inputs(self, pager: Pager, queries: np.ndarray | None = None) -> Any | None:
+        """What `score` reads, taken now, or None when there is nothing to score against yet; `queries` [rows,
+        n_layers, n_head, head_dim] (a prompt's) instead of the window. The pager goes on changing while a
+        background reselect is scored: summary rows of chunks sealed by then are written once."""
+
+    def restart(self, queries: np.ndarray) -> None:
+        """A new prompt: its last queries [rows, n_layers, n_head, head_dim] replace the window (a previous turn's
+        decode queries would rank chunks for what was asked then)."""
+
+    def truncate(self, n_tokens: int) -> None:
+        """The sequence was cut to n_tokens (a session rewound)."""
 
     def score(self, inputs: Any) -> np.ndarray:
         """float64 [the pager's n_chunks at `score_inputs`]; thread-safe (reads only `inputs`)."""
@@ -67,6 +77,9 @@ class _ScoresNow:
         inputs = self.score_inputs(pager)
         return None if inputs is None else self.score(inputs)
 
+    def truncate(self, n_tokens: int) -> None:
+        pass
+
 
 class LruScorer(_ScoresNow):
     """Least recently written or recalled goes first."""
@@ -80,7 +93,10 @@ class LruScorer(_ScoresNow):
     def observe(self, query: np.ndarray) -> None:
         pass
 
-    def score_inputs(self, pager: Pager) -> np.ndarray:
+    def restart(self, queries: np.ndarray) -> None:
+        pass
+
+    def score_inputs(self, pager: Pager, queries: np.ndarray | None = None) -> np.ndarray:
         return pager.last_use[: pager.n_chunks].astype(np.float64)
 
     def score(self, inputs: np.ndarray) -> np.ndarray:
@@ -99,6 +115,17 @@ class _QueryWindow:
     def __init__(self, n_kv_head: int, size: int):
         self.n_kv_head = n_kv_head
         self._ring: deque[np.ndarray] = deque(maxlen=size)
+
+    def restart(self, queries: np.ndarray) -> None:
+        """The window becomes the last of `queries` [rows, n_layers, n_head, head_dim] that fit."""
+        self._ring.clear()
+        for q in queries[-self._ring.maxlen :]:
+            self.push(q)
+
+    def grouped(self, queries: np.ndarray) -> np.ndarray:
+        """[rows, n_layers, n_head, head_dim] as `stacked` gives the window: [rows, n_layers, n_kv_head, group, d]."""
+        r, n_layers, n_head, d = queries.shape
+        return np.asarray(queries, np.float32).reshape(r, n_layers, self.n_kv_head, -1, d)
 
     def push(self, query: np.ndarray) -> None:
         n_layers, n_head, head_dim = query.shape
@@ -132,15 +159,19 @@ class _QueryScorer(_ScoresNow):
     def observe(self, query: np.ndarray) -> None:
         self._queries.push(query)
 
+    def restart(self, queries: np.ndarray) -> None:
+        self._queries.restart(queries)
+
     def state(self) -> dict:
         return {"window": self._queries.state()}
 
     def load_state(self, state: dict) -> None:
         self._queries.load_state(state["window"])
 
-    def _inputs(self, pager: Pager, *summaries: str) -> tuple | None:
-        """(recent queries, sealed chunk ids, scores preset to MISSING, the summary tables); None without queries."""
-        q = self._queries.stacked()
+    def _inputs(self, pager: Pager, queries: np.ndarray | None, *summaries: str) -> tuple | None:
+        """(recent queries or `queries`, sealed chunk ids, scores preset to MISSING, the summary tables); None
+        without queries."""
+        q = self._queries.stacked() if queries is None else self._queries.grouped(queries)
         if q is None:
             return None
         n = pager.n_chunks
@@ -172,8 +203,8 @@ class BoundScorer(_QueryScorer):
         pager.summaries.put("quest.kmin", chunk, sub.min(axis=2).transpose(0, 2, 1, 3).astype(np.float32))
         pager.summaries.put("quest.kmax", chunk, sub.max(axis=2).transpose(0, 2, 1, 3).astype(np.float32))
 
-    def score_inputs(self, pager: Pager) -> tuple | None:
-        return self._inputs(pager, "quest.kmin", "quest.kmax")
+    def score_inputs(self, pager: Pager, queries: np.ndarray | None = None) -> tuple | None:
+        return self._inputs(pager, queries, "quest.kmin", "quest.kmax")
 
     def score(self, inputs: tuple) -> np.ndarray:
         q, sealed, out, kmin, kmax = inputs
@@ -204,8 +235,8 @@ class MeanKeyScorer(_QueryScorer):
         keys = np.asarray(keys, np.float32)  # no copy of keys that are float32 already
         pager.summaries.put("meankey.kmean", chunk, _unit(keys.mean(axis=1)))  # float32, as quest
 
-    def score_inputs(self, pager: Pager) -> tuple | None:
-        return self._inputs(pager, "meankey.kmean")
+    def score_inputs(self, pager: Pager, queries: np.ndarray | None = None) -> tuple | None:
+        return self._inputs(pager, queries, "meankey.kmean")
 
     def score(self, inputs: tuple) -> np.ndarray:
         q, sealed, out, kmean = inputs
@@ -309,15 +340,16 @@ class Policy:
                                                                                                    self.tau))
         return []
 
-    def reselect_now(self, pager: Pager) -> list[Move]:
-        """Reselect at once, regardless of the schedule (e.g. once a new user turn is prefilled); a reselect under
-        way is dropped."""
+    def reselect_for_prompt(self, pager: Pager, queries: np.ndarray) -> list[Move]:
+        """Reselect at once against a new prompt's last queries [rows, n_layers, n_head, head_dim], which also
+        restart the scorer's window; a reselect under way is dropped."""
         self.drop_pending()
-        scores = self.scorer.scores(pager)
-        if scores is None:
+        self.scorer.restart(queries)
+        inputs = self.scorer.score_inputs(pager, queries)
+        if inputs is None:
             return []
         self._decoded_since = 0
-        return reselect(pager, scores)
+        return reselect(pager, self.scorer.score(inputs))
 
     def drop_pending(self) -> None:
         """Forget a reselect under way (its chunks changed: the sequence was cut)."""
@@ -335,7 +367,13 @@ def tau_eff(history: int, tau: int) -> int:
     return max(tau, history // HISTORY_PER_TAU)
 
 
-def make_policy(name: str, n_kv_head: int, tau: int = 64) -> Policy:
+def make_policy(name: str, n_kv_head: int, tau: int = 64, drafter: DraftReader | None = None,
+                history: Callable[[], Sequence[int]] | None = None) -> Policy:
+    """`drafter` and `history` (the sequence's tokens so far) serve the draft policy."""
+    if name == "draft":
+        if drafter is None or history is None:
+            raise ConfigError("kv policy draft needs a drafter model (--kv-drafter)")
+        return Policy(DraftScorer(drafter, history), tau)
     scorers = {"lru": LruScorer, "quest": lambda: BoundScorer(n_kv_head),
                "meankey": lambda: MeanKeyScorer(n_kv_head)}
     if name not in scorers:

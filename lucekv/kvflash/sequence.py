@@ -6,15 +6,18 @@ Still bookkeeping (no numba, no GPU): the backend behind `PoolBackend` moves the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
 
+from lucekv.kvflash.draft import DraftReader
 from lucekv.kvflash.host_store import HostStore, MemoryHostStore
 from lucekv.kvflash.pager import CHUNK_TOKENS, Move, PageIn, Pager, PagerUsage
 from lucekv.kvflash.policy import make_policy
 
 MIN_TAIL_CHUNKS = 4
+PROMPT_QUERIES = 16  # a prompt's last tokens whose queries rank the chunks after it
 
 
 class PoolBackend(Protocol):
@@ -23,20 +26,23 @@ class PoolBackend(Protocol):
     def execute(self, moves: list[Move], host: HostStore) -> None: ...
     def chunk_keys(self, block: int) -> np.ndarray: ...  # [layers, chunk, n_kv_head, head_dim]
     def last_queries(self) -> np.ndarray: ...  # [layers, n_head, head_dim] of the latest token
+    def recent_queries(self) -> np.ndarray: ...  # [rows, layers, n_head, head_dim]: the latest forward's last rows
 
 
 class PagedSequence:
     """Slots for a sequence whose K/V may exceed the pool: cold chunks live in a host store."""
 
     def __init__(self, backend: PoolBackend, slot_pos: np.ndarray, *, n_layer: int, n_kv_head: int,
-                 head_dim: int, dtype: np.dtype, policy: str, tau: int, window: int):
+                 head_dim: int, dtype: np.dtype, policy: str, tau: int, window: int, drafter: DraftReader | None = None,
+                 history: Callable[[], Sequence[int]] | None = None):
+        """drafter, history: the draft policy's reader and the sequence's tokens so far (see make_policy)."""
         chunk = CHUNK_TOKENS
         # Sliding-window layers share the slot space, so the protected tail must cover the window.
         tail = max(MIN_TAIL_CHUNKS, math.ceil(window / chunk) + 1)
         self.host = MemoryHostStore(n_layer, chunk, n_kv_head, head_dim, dtype)
         self.pager = Pager(len(slot_pos), chunk, tail_chunks=tail, chunk_bytes=self.host.chunk_bytes)
         self.pager.slot_pos = slot_pos  # the backend's own array: attention reads exactly what the pager says
-        self.policy = make_policy(policy, n_kv_head, tau)
+        self.policy = make_policy(policy, n_kv_head, tau, drafter, history)
         self.backend = backend
         self._parked: dict | None = None  # the residency to return to, while parked
 
@@ -60,16 +66,18 @@ class PagedSequence:
         run before that `after_forward` with the same result (the engine's run-ahead decode)."""
         return position % self.pager.chunk < self.pager.chunk - 2 and self.policy.quiet(self.pager.n_tokens)
 
-    def recall_for_last_query(self) -> bool:
-        """After a prompt: rank chunks against its last token's query and recall the best. True if anything moved
-        (the caller then recomputes that token so its logits see the recalled chunks)."""
-        self.policy.scorer.observe(self.backend.last_queries())
-        moves = self.policy.reselect_now(self.pager)
+    def recall_for_prompt(self, tail: int) -> bool:
+        """After a prompt whose latest forward computed its last `tail` tokens: rank chunks against the queries of
+        the last PROMPT_QUERIES of them and recall the best. True if anything came back (the caller then computes
+        the tail again, so that it sees the recalled chunks)."""
+        queries = self.backend.recent_queries() if tail > 1 else self.backend.last_queries()[None]
+        moves = self.policy.reselect_for_prompt(self.pager, queries[-PROMPT_QUERIES:])
         self._run(moves)
         return any(isinstance(m, PageIn) for m in moves)
 
     def truncate(self, n_tokens: int) -> None:
         self.policy.drop_pending()  # scored against chunks that are cut now
+        self.policy.scorer.truncate(n_tokens)
         cut = self.pager.truncate(n_tokens)
         for c in cut.dropped:
             self.host.discard(c)

@@ -59,9 +59,11 @@ class ServeConfig:
         "holds the whole context; 'auto': on CUDA the whole context if it fits in 90%% of the GPU memory free "
         "after the weights, else the largest pool that does; on the CPU backend 'off'", kv_pool_value,
         group="engine", metavar="TOKENS|auto|off")
-    kv_policy: str = setting("quest", "which paged-out chunks come back", choices=("lru", "quest", "meankey"),
-                             group="engine")
+    kv_policy: str = setting("quest", "which paged-out chunks come back (draft: a small model's attention, with "
+                             "--kv-drafter)", choices=("lru", "quest", "meankey", "draft"), group="engine")
     kv_tau: int = setting(64, "decoded tokens between reselects", int, group="engine")
+    kv_drafter: str = setting("", "the draft policy's model: same tokenizer, e.g. qwen2.5-coder-0.5b for the 1.5b",
+                              group="engine", metavar="MODEL")
 
     max_queue: int = setting(64, "Generate calls that may wait for the engine; more get RESOURCE_EXHAUSTED", int)
     snapshot_store: str = setting(

@@ -33,10 +33,10 @@ def test_cases_have_the_exact_length_and_hold_their_answers_where_they_say(task,
         assert len(case.ids) == 3000
         text = detokenize(case.ids)
         assert all(e in text for e in case.expected)
-        assert len(case.needle_tokens) == (1 if task == "multikey" else len(case.expected))
-        for start, expected in zip(case.needle_tokens, case.expected, strict=False):
-            needle = detokenize(case.ids[start : start + 80])
-            assert needle.startswith("\n") and expected in needle
+        assert len(case.needles) == (1 if task == "multikey" else len(case.expected))
+        for (start, end), expected in zip(case.needles, case.expected, strict=False):
+            needle = detokenize(case.ids[start:end])
+            assert needle.startswith("\n") and needle.endswith(".\n") and expected in needle
         assert case.score(" ".join(case.expected)) == 1.0 and case.score("") == 0.0
 
 
@@ -52,7 +52,7 @@ def test_cases_are_deterministic_and_vary_with_the_index(corpus):
 def test_the_asked_needle_sits_at_its_depth_and_the_distractors_have_similar_keys(corpus):
     case = ruler.make_case("multikey", 6, 4000, corpus, tokenize, DEPTHS)
     intro, question = len(ruler.INTRO), len(case.ids) - detokenize(case.ids).rindex("\n\nWhat")
-    share = (case.needle_tokens[0] - intro) / (4000 - intro - question)
+    share = (case.needles[0][0] - intro) / (4000 - intro - question)
     assert case.depth == 0.9 and abs(share - 0.9) < 0.06  # the other needles shift it a little
     text = detokenize(case.ids)
     keys = [line.split(" for ")[1].split(" is:")[0] for line in text.splitlines() if line.startswith("One of")]

@@ -120,8 +120,8 @@ def test_reselect_recalls_a_paged_out_needle(name):
     policy = make_policy(name, KV_HEADS)
     pager, backend = paged_prefill(policy, keys, pool_tokens=8 * 64)  # 12.5% residency
     assert pager.block_of[20] < 0
-    policy.scorer.observe(query)
-    moves = policy.reselect_now(pager)
+    policy.scorer.observe(np.zeros_like(query))  # a previous turn's query: the prompt's replace it
+    moves = policy.reselect_for_prompt(pager, query[None])
     backend.run(moves)
     check_invariants(pager, backend)
     if name == "lru":  # recency cannot know: the needle stays on the host
