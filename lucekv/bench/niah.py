@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -24,10 +23,12 @@ import numpy as np
 import lucekv
 from lucekv.bench import ruler
 from lucekv.bench.decode import file_sha256, git_commit, machine, report
+from lucekv.engine.engine import PROMPT_TAIL
 from lucekv.engine.sampling import SamplingParams
 from lucekv.errors import ConfigError
 from lucekv.kvflash.pager import CHUNK_TOKENS
 from lucekv.model.registry import resolve_model
+from lucekv.snapshot.blob import Snapshot
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 NEEDLE = "The secret passphrase is 'blue-harbor-4721'. Remember it. "
@@ -53,18 +54,6 @@ def passkey_case(index: int, context: int, tokenize, depths: list[float]) -> rul
     return ruler.Case("passkey", index, "filler", depth, ids, [ANSWER], [(at, at + needle)], 12)
 
 
-@dataclass(frozen=True)
-class Config:
-    policy: str  # "full": no pool
-    residency: float | None
-    pool_tokens: int | None
-
-
-def configs(context: int, policies: list[str], residencies: list[float]) -> list[Config]:
-    return [Config("full", None, None)] + [Config(p, r, int(context * r) // CHUNK_TOKENS * CHUNK_TOKENS)
-                                           for p in policies for r in residencies]
-
-
 def cases_for(task: str, context: int, n_cases: int, corpus: dict | None, tokenize, depths: list[float]
               ) -> list[ruler.Case]:
     if task == "passkey":
@@ -74,9 +63,9 @@ def cases_for(task: str, context: int, n_cases: int, corpus: dict | None, tokeni
     return [ruler.make_case(task, i, context, corpus, tokenize, depths) for i in range(n_cases)]
 
 
-def run_case(engine: lucekv.Engine, case: ruler.Case) -> dict:
+def run_case(engine: lucekv.Engine, case: ruler.Case, session_id: str = "") -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=case.max_tokens)
-    text = "".join(d.text for d in engine.generate(case.ids, params))
+    text = "".join(d.text for d in engine.generate(case.ids, params, session_id))
     row = {"index": case.index, "kind": case.kind, "depth": case.depth, "score": case.score(text), "output": text}
     if engine.paged is not None:
         row.update(needle_placement(engine, case))
@@ -103,7 +92,12 @@ def run(model: str, backend: str, contexts: list[int], tasks: list[str], n_cases
         residencies: list[float], policies: list[str], corpus_path: str | None, json_path: str | None = None,
         plot_path: str | None = None, drafter: str | None = None) -> dict:
     """The recall table; with `json_path`, rewritten there after every configuration (a long run that is
-    stopped keeps what it measured)."""
+    stopped keeps what it measured).
+
+    A pooled prompt is computed alike under every policy up to its tail (victims by recency: nothing is scored
+    before the tail ranks the chunks), so per case and pool that part is computed once, by the first policy's
+    engine, and the others take it over as a snapshot: each policy then ranks, recalls, recomputes the tail and
+    answers."""
     path = resolve_model(model)
     corpus = ruler.load_corpus(corpus_path) if corpus_path else None
     head = {"bench": "niah", "commit": git_commit(), "machine": machine(), "backend": backend,
@@ -114,32 +108,60 @@ def run(model: str, backend: str, contexts: list[int], tasks: list[str], n_cases
     rows = head["results"]
     for context in contexts:
         cases = None
-        for cfg in configs(context, policies, residencies):
-            try:
-                engine = lucekv.load(path, backend=backend, kv_pool=cfg.pool_tokens,
-                                     kv_policy=cfg.policy if cfg.pool_tokens else "quest",
-                                     kv_drafter=drafter if cfg.policy == "draft" else None)
-            except ConfigError as e:
-                rows.append({"context": context, **vars(cfg), "error": str(e)})
-                _progress(f"{context} {cfg.policy} {cfg.residency}: {e}")
+        for residency in [None, *residencies]:
+            pool = None if residency is None else int(context * residency) // CHUNK_TOKENS * CHUNK_TOKENS
+            engines, errors = {}, {}
+            for policy in ["full"] if pool is None else policies:
+                try:
+                    engines[policy] = lucekv.load(path, backend=backend, kv_pool=pool,
+                                                  kv_policy=policy if pool else "quest",
+                                                  kv_drafter=drafter if policy == "draft" else None)
+                except ConfigError as e:
+                    errors[policy] = str(e)
+                    rows.append({"context": context, "policy": policy, "residency": residency, "pool_tokens": pool,
+                                 "error": str(e)})
+                    _progress(f"{context} {policy} {residency}: {e}")
+            if not engines:
                 continue
-            head["backend"], head["model"]["name"] = engine.info.backend, engine.info.model_name
+            first = next(iter(engines.values()))
+            head["backend"], head["model"]["name"] = first.info.backend, first.info.model_name
             if cases is None:
-                tokenize = partial(engine.tokenizer.encode, add_special=False)
+                tokenize = partial(first.tokenizer.encode, add_special=False)
                 cases = {t: cases_for(t, context, n_cases, corpus, tokenize, depths) for t in tasks}
             for task in tasks:
+                done: dict[str, list[dict]] = {p: [] for p in engines}
                 t0 = time.perf_counter()
-                done = [run_case(engine, c) for c in cases[task]]
-                recall = sum(c["score"] for c in done) / len(done)
-                rows.append({"context": context, **vars(cfg), "task": task, "recall": recall, "cases": done,
-                             "seconds": round(time.perf_counter() - t0, 1)})
-                _progress(f"{context} {task} {cfg.policy} {cfg.residency}: recall {recall:.2f} over {len(done)}")
-            if json_path:
-                Path(json_path).write_text(json.dumps(head, indent=1) + "\n")
+                for case in cases[task]:
+                    for policy, row in run_policies(engines, case).items():
+                        done[policy].append(row)
+                for policy, cases_done in done.items():
+                    recall = sum(c["score"] for c in cases_done) / len(cases_done)
+                    rows.append({"context": context, "policy": policy, "residency": residency, "pool_tokens": pool,
+                                 "task": task, "recall": recall, "cases": cases_done,
+                                 "seconds_all_policies": round(time.perf_counter() - t0, 1)})
+                    _progress(f"{context} {task} {policy} {residency}: recall {recall:.2f} over {len(cases_done)}")
+                if json_path:
+                    Path(json_path).write_text(json.dumps(head, indent=1) + "\n")
     head["summary"] = summary(rows)
     if plot_path:
-        plot(head, plot_path)
+        try_plot(head, plot_path)
     return head
+
+
+def run_policies(engines: dict[str, lucekv.Engine], case: ruler.Case) -> dict[str, dict]:
+    """The case through each engine (one per policy, one pool); the prompt but its tail computed once."""
+    session = "niah"
+    first = next(iter(engines.values()))
+    out = {}
+    if first.paged is not None:
+        first.prefill(case.ids[:-PROMPT_TAIL], session)
+        header, chunks = first.snapshot(session)
+        for engine in list(engines.values())[1:]:
+            engine.restore(Snapshot(header, chunks, 0), session)
+    for policy, engine in engines.items():
+        out[policy] = run_case(engine, case, session)
+        engine.delete_session(session)
+    return out
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -191,6 +213,14 @@ def plot(result: dict, png: str | Path) -> None:
     fig.savefig(png, dpi=110)
 
 
+def try_plot(result: dict, png: str | Path) -> None:
+    """After the JSON is written: a missing matplotlib must not lose a GPU run (`lucekv bench niah-plot` redraws)."""
+    try:
+        plot(result, png)
+    except ImportError as e:
+        _progress(f"no plot ({e}): install matplotlib and run `lucekv bench niah-plot RESULT.json -o {png}`")
+
+
 def _progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -204,6 +234,11 @@ def main(args) -> int:
     report(run(args.model, args.backend, [int(c) for c in args.contexts.split(",")], tasks, args.cases,
                floats(args.depths), floats(args.residencies), args.policies.split(","), args.corpus, args.json,
                args.plot, args.kv_drafter), args.json)
+    return 0
+
+
+def main_plot(args) -> int:
+    plot(json.loads(Path(args.result).read_text()), args.output)
     return 0
 
 

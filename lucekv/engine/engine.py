@@ -136,6 +136,24 @@ class Engine:
             check_session_id(session_id)
         return self._run(ids, params, session_id, pin_prefix)
 
+    def prefill(self, prompt: Prompt, session_id: str = "") -> int:
+        """Compute the K/V of `prompt` into the session (created if new), reusing the prefix it holds, without
+        generating: a later generate whose prompt extends it computes only the rest (and, with a bounded pool, is
+        the one that ranks and recalls chunks). Returns the tokens computed."""
+        ids = self._tokenize_prompt(prompt)
+        if len(ids) > self.n_ctx:
+            raise ContextOverflowError("prompt", f"{len(ids)} tokens exceed the context of {self.n_ctx}")
+        if session_id:
+            check_session_id(session_id)
+        self._activate(session_id)
+        try:
+            reused = self._reuse(ids, len(ids))
+            if reused < len(ids):
+                self._forward(ids[reused:], reused)
+        finally:
+            self._enforce_host_limit()
+        return len(ids) - reused
+
     def score(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] for every position of a fresh sequence (used by oracle checks)."""
         self._activate("")
@@ -188,16 +206,21 @@ class Engine:
             self.paged.truncate(n)
         del self._live.tokens[n:]
 
+    def _reuse(self, ids: list[int], limit: int) -> int:
+        """Cut the live sequence to its longest common prefix with `ids` (at most `limit` tokens); its length."""
+        reused = 0
+        held = self._live.tokens
+        limit = min(limit, len(held))
+        while reused < limit and held[reused] == ids[reused]:
+            reused += 1
+        self._truncate(reused)
+        return reused
+
     def _prefill(self, ids: list[int]) -> tuple[np.ndarray, int]:
         """Last-position logits of `ids`, reusing the K/V of the longest prefix the pool already holds.
 
         At least the last token is recomputed: its logits are what the first sample needs."""
-        reused = 0
-        held = self._live.tokens
-        limit = min(len(ids) - 1, len(held))
-        while reused < limit and held[reused] == ids[reused]:
-            reused += 1
-        self._truncate(reused)
+        reused = self._reuse(ids, len(ids) - 1)
         if self.paged is None:
             return self._forward(ids[reused:], reused)[-1][-1], reused
         # A prompt longer than the pool was computed beside the chunks resident as it went (the most recent): its

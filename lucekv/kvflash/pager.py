@@ -261,6 +261,19 @@ class Pager:
             self._place(int(c), moves)
         return moves
 
+    def recall_recent(self) -> list[Move]:
+        """The protected chunks and the most recent others that fit the free blocks (a sequence back in the pool with
+        no residency to return to), placed in order: recency then ranks them as their writes did."""
+        n = self.n_chunks
+        want = self.protected_mask() & (self.block_of[:n] < 0)
+        room = len(self._free) - int(want.sum())
+        others = np.flatnonzero(~want & (self.block_of[:n] < 0) & (self.filled[:n] > 0))
+        want[others[len(others) - max(room, 0) :] if room > 0 else []] = True
+        moves: list[Move] = []
+        for c in np.flatnonzero(want):
+            self._place(int(c), moves)
+        return moves
+
     # ---- sessions: a pager whose sequence leaves the pool and comes back ------------------------
 
     def write_back(self) -> list[PageOut]:

@@ -13,11 +13,19 @@ import numpy as np
 
 from lucekv.kvflash.draft import DraftReader
 from lucekv.kvflash.host_store import HostStore, MemoryHostStore
-from lucekv.kvflash.pager import CHUNK_TOKENS, Move, PageIn, Pager, PagerUsage
+from lucekv.kvflash.pager import CHUNK_TOKENS, UNSCORED, Move, PageIn, Pager, PagerUsage, scores_text
 from lucekv.kvflash.policy import make_policy
 
-MIN_TAIL_CHUNKS = 4
+TAIL_CHUNKS = 4  # the recent chunks before the head that are never evicted...
+BLOCKS_PER_TAIL_CHUNK = 8  # ...but one per 8 pool blocks at most (at least 1): a small pool keeps blocks to recall
 PROMPT_QUERIES = 16  # a prompt's last tokens whose queries rank the chunks after it
+
+
+def tail_chunks(n_blocks: int) -> int:
+    """Protected recent chunks of a pool of n_blocks (without a sliding window). At 12.5% of a 4K context (8 blocks)
+    four of them and the sink and head chunks left 2 blocks for the scorer to fill, fewer than the chunks a
+    multi-needle question needs (issue 29); with one, 5."""
+    return min(TAIL_CHUNKS, max(1, n_blocks // BLOCKS_PER_TAIL_CHUNK))
 
 
 class PoolBackend(Protocol):
@@ -38,7 +46,7 @@ class PagedSequence:
         """drafter, history: the draft policy's reader and the sequence's tokens so far (see make_policy)."""
         chunk = CHUNK_TOKENS
         # Sliding-window layers share the slot space, so the protected tail must cover the window.
-        tail = max(MIN_TAIL_CHUNKS, math.ceil(window / chunk) + 1)
+        tail = max(tail_chunks(len(slot_pos) // chunk), math.ceil(window / chunk) + 1)
         self.host = MemoryHostStore(n_layer, chunk, n_kv_head, head_dim, dtype)
         self.pager = Pager(len(slot_pos), chunk, tail_chunks=tail, chunk_bytes=self.host.chunk_bytes)
         self.pager.slot_pos = slot_pos  # the backend's own array: attention reads exactly what the pager says
@@ -102,9 +110,10 @@ class PagedSequence:
 
     def resume(self) -> None:
         """Back in the pool: each chunk that was resident returns to its block, so the sequence continues exactly
-        as if it had never left; without a residency to return to (another pool), just the protected chunks."""
+        as if it had never left; without a residency to return to (another pool, a partial snapshot), the
+        protected chunks and the most recent others that fit."""
         parked, self._parked = self._parked, None
-        self._run(self.pager.restore_residency(parked) if parked else self.pager.recall_protected())
+        self._run(self.pager.restore_residency(parked) if parked else self.pager.recall_recent())
 
     def state(self) -> dict:
         """JSON-safe residency and policy state, for snapshots (see `restore`)."""
@@ -112,8 +121,9 @@ class PagedSequence:
 
     def restore(self, n_tokens: int, chunks: list[np.ndarray], state: dict | None) -> None:
         """Take over a restored sequence, parked: chunk c's K/V [n_layer, 2, rows, n_kv_head, head_dim] into the
-        host store, key summaries of its full chunks for the scorer, and `state` when it is of this pool and
-        policy (else the policy starts afresh). Raises ValueError when `state` is malformed."""
+        host store, key summaries of its full chunks for the scorer, and `state` when it is of this pool: its
+        residency, and its policy's state when the policy is this one (else the policy starts afresh, its scores
+        unknown). Raises ValueError when `state` is malformed."""
         p = self.pager
         self.policy.drop_pending()
         self.pager = Pager.parked(p.pool_tokens, n_tokens, p.chunk, p.sink_chunks, p.tail_chunks, p.chunk_bytes)
@@ -122,10 +132,13 @@ class PagedSequence:
             self.host.put_chunk(c, kv)
             if kv.shape[2] == p.chunk:
                 self.policy.scorer.seal(self.pager, c, kv[:, 0].astype(np.float32))
-        if state and state["residency"]["pool_tokens"] == p.pool_tokens and state["policy"] == self.policy.scorer.name:
+        if state and state["residency"]["pool_tokens"] == p.pool_tokens:
             self.pager.check_residency(state["residency"])
-            self.policy.load_state(state)
             self._parked = state["residency"]
+            if state["policy"] == self.policy.scorer.name:
+                self.policy.load_state(state)
+            else:  # another policy's scores rank nothing here
+                self._parked = {**self._parked, "scores": scores_text(np.full(self.pager.n_chunks, UNSCORED))}
 
     def _run(self, moves: list[Move]) -> None:
         if moves:

@@ -23,6 +23,23 @@ def test_pool_too_small_is_refused_with_the_minimum():
     Pager(448)  # the minimum works
 
 
+def test_a_pager_back_without_a_residency_recalls_the_protected_and_the_most_recent_chunks_in_order():
+    pager = Pager.parked(8 * 64, 20 * 64 + 10, tail_chunks=1)
+    moves = pager.recall_recent()
+    # sink 0, head 20 and its tail chunk 19, then the most recent others while blocks last
+    assert pager.resident_chunks().tolist() == [0, 14, 15, 16, 17, 18, 19, 20]
+    assert [m.chunk for m in moves] == [0, 14, 15, 16, 17, 18, 19, 20] and all(isinstance(m, PageIn) for m in moves)
+    assert np.all(np.diff(pager.last_use[[0, 14, 15, 16, 17, 18, 19, 20]]) > 0)  # recency as the writes left it
+    short = Pager.parked(8 * 64, 3 * 64)
+    assert [m.chunk for m in short.recall_recent()] == [0, 1, 2]
+
+
+def test_small_pools_protect_fewer_tail_chunks():
+    from lucekv.kvflash.sequence import tail_chunks
+
+    assert [tail_chunks(n) for n in (4, 8, 15, 16, 24, 32, 64, 2048)] == [1, 1, 1, 2, 3, 4, 4, 4]
+
+
 def test_pager_that_never_fills_keeps_the_identity_layout():
     pager = Pager(1024)
     backend = FakeBackend(pager)
