@@ -134,14 +134,16 @@ class DraftScorer:
         rows, n_layer, n_head, d = queries.shape
         n = sealed.shape[1] + rest.shape[1]
         n_kv = sealed.shape[2]
-        causal = np.arange(n)[None, None, :] <= (n - rows + np.arange(rows))[None, :, None]  # [1, rows, n]
         mass = np.zeros((rows, n), np.float32)  # per query and position: the probability summed over heads
         for layer in range(n_layer):
-            k = np.concatenate([sealed[layer], rest[layer]]).astype(np.float32)  # [n, n_kv, d]
-            q = queries[:, layer].reshape(rows, n_kv, n_head // n_kv, d)
-            logits = np.einsum("rhgd,nhd->hgrn", q, k).reshape(n_head, rows, n) / np.float32(np.sqrt(d))
-            logits = np.where(causal, logits, -np.inf)
-            p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+            k = np.concatenate([sealed[layer], rest[layer]]).astype(np.float32).transpose(1, 2, 0)  # [n_kv, d, n]
+            q = queries[:, layer].reshape(rows, n_kv, n_head // n_kv, d).transpose(1, 2, 0, 3)  # [n_kv, g, rows, d]
+            p = (q.reshape(n_kv, -1, d) @ k).reshape(n_head, rows, n)  # logits, BLAS; softmax in place
+            for r in range(rows - 1):  # query r sits at position n - rows + r: what follows is not visible
+                p[:, r, n - rows + r + 1 :] = -np.inf
+            p -= p.max(axis=-1, keepdims=True)
+            p *= np.float32(1 / np.sqrt(d))
+            np.exp(p, out=p)
             p /= p.sum(axis=-1, keepdims=True)
             mass += p.sum(axis=0)
         token = np.convolve(mass.mean(axis=0, dtype=np.float64), np.ones(SMOOTH) / SMOOTH, mode="same")
