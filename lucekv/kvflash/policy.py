@@ -185,7 +185,12 @@ class BoundScorer(_QueryScorer):
     Per (layer, head) the bound becomes a log attention share over chunks; a chunk scores the log of its
     shares summed over heads and layers: the attention mass it could draw in all. (Its best single share
     ranked early chunks first: a few position-bound heads give them a large share whatever the query. NIAH
-    on smollm2 at 4K, 12.5% residency, 11 depths: 9/11 with the best share, 11/11 with the mass.)"""
+    on smollm2 at 4K, 12.5% residency, 11 depths: 9/11 with the best share, 11/11 with the mass.)
+
+    The first third of the layers is not scored (as Quest leaves its first layers dense): their attention is
+    positional and local, and summed in it pushed retrieved chunks down. Issue 29's diagnosis, qwen2.5-coder-0.5b
+    at 4K, the prompt's last 16 queries: a multivalue case's four needle chunks ranked 9, 24, 2, 14 among 59 with
+    every layer, 4, 11, 1, 8 without the first 8 of 24; a multikey case's two 14, 7 and 7, 5."""
 
     name = "quest"
 
@@ -195,6 +200,7 @@ class BoundScorer(_QueryScorer):
         self.block = block  # chunks scored per matmul
 
     def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None:
+        keys = keys[_first_scored(len(keys)) :]
         n_layers, t, n_kv, d = keys.shape
         # reduce over the tokens of a sub-page in the keys' own layout (rows of n_kv*d contiguous values) and
         # dtype (min and max are exact), then reorder the small results to [layers, kv heads, sub-pages, d]
@@ -210,6 +216,7 @@ class BoundScorer(_QueryScorer):
         q, sealed, out, kmin, kmax = inputs
         if len(sealed) == 0:
             return out
+        q = q[:, _first_scored(q.shape[1]) :]
         r, n_layers, n_kv, g, d = q.shape
         # [layers, kv heads, 1, d, R*group], against each (layer, head, sub-page)'s [chunks, d] rows of the tables
         # as they are stored: one matmul each, on strided views (no gather, transpose or conversion of the tables;
@@ -379,6 +386,11 @@ def make_policy(name: str, n_kv_head: int, tau: int = 64, drafter: DraftReader |
     if name not in scorers:
         raise ConfigError(f"unknown kv policy {name!r} (choose {', '.join(POLICIES)})")
     return Policy(scorers[name](), tau)
+
+
+def _first_scored(n_layers: int) -> int:
+    """The first layer quest scores: the first third is left out."""
+    return n_layers // 3
 
 
 def _in_threads(fill, n: int, block: int) -> None:

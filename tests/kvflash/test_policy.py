@@ -31,9 +31,10 @@ def synthetic(n_chunks: int, seed: int, layers: int = LAYERS):
 
 
 def plant_token(keys, query, pos, margin):
-    """One key at `pos` whose logit beats the noise (sigma = |q|) by `margin` sigmas, in one head."""
-    q = query[1, 1 * GROUP + 1]  # layer 1, kv head 1, second q-head of its group
-    keys[pos, 1, 1] = margin * q / np.linalg.norm(q)
+    """One key at `pos` whose logit beats the noise (sigma = |q|) by `margin` sigmas, in one head of the last layer
+    (quest does not score the first third)."""
+    q = query[-1, 1 * GROUP + 1]  # last layer, kv head 1, second q-head of its group
+    keys[pos, -1, 1] = margin * q / np.linalg.norm(q)
 
 
 def seal_all(scorer, pager, keys):
