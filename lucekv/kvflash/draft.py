@@ -106,6 +106,7 @@ class DraftScorer:
         self.reader = reader
         self.history = history  # the sequence's tokens so far
         self.steps: list[int] = []
+        self._last: tuple[int, np.ndarray] | None = None  # (steps taken, their scores): a prompt's second round
 
     def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None:
         pass
@@ -119,6 +120,7 @@ class DraftScorer:
     def truncate(self, n_tokens: int) -> None:
         """The sequence was cut to n_tokens: steps past it read tokens that are gone."""
         self.steps = [n for n in self.steps if n <= n_tokens]
+        self._last = None
 
     def score_inputs(self, pager: Pager, queries: np.ndarray | None = None) -> tuple | None:
         n = pager.n_tokens
@@ -126,11 +128,15 @@ class DraftScorer:
             return None
         if not self.steps or self.steps[-1] != n:
             self.steps.append(n)
+        if self._last is not None and self._last[0] == len(self.steps):
+            return self._last  # nothing read since: the same scores
         self.reader.read(self, self.history(), self.steps)
-        return self.reader.inputs()
+        return (len(self.steps), *self.reader.inputs())
 
     def score(self, inputs: tuple) -> np.ndarray:
-        queries, sealed, rest = inputs
+        if len(inputs) == 2:
+            return inputs[1]
+        steps, queries, sealed, rest = inputs
         rows, n_layer, n_head, d = queries.shape
         n = sealed.shape[1] + rest.shape[1]
         n_kv = sealed.shape[2]
@@ -147,7 +153,9 @@ class DraftScorer:
             p /= p.sum(axis=-1, keepdims=True)
             mass += p.sum(axis=0)
         token = np.convolve(mass.mean(axis=0, dtype=np.float64), np.ones(SMOOTH) / SMOOTH, mode="same")
-        return np.add.reduceat(token, np.arange(0, n, CHUNK_TOKENS))
+        scores = np.add.reduceat(token, np.arange(0, n, CHUNK_TOKENS))
+        self._last = (steps, scores)
+        return scores
 
     def scores(self, pager: Pager) -> np.ndarray | None:
         inputs = self.score_inputs(pager)
@@ -161,4 +169,4 @@ class DraftScorer:
         steps = [int(n) for n in state["steps"]]
         if any(n <= 0 for n in steps) or any(a >= b for a, b in zip(steps, steps[1:], strict=False)):
             raise ValueError(f"draft scorer steps {steps[:8]} are not increasing positive lengths")
-        self.steps = steps
+        self.steps, self._last = steps, None

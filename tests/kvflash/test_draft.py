@@ -66,7 +66,7 @@ def test_draft_scores_rank_first_the_chunk_one_head_looks_at():
     q = queries[:, 2, 1].mean(axis=0)  # layer 2, q-head 1 (KV head 0): every query leans its way
     keys[2, 3 * 64 + 10, 0] = 12 * q / np.linalg.norm(q)
     scorer = DraftScorer(reader=None, history=list)
-    scores = scorer.score((queries, keys[:, :640], keys[:, 640:]))
+    scores = scorer.score((1, queries, keys[:, :640], keys[:, 640:]))
     assert scores.shape == (11,) and int(np.argmax(scores)) == 3
 
 
