@@ -63,6 +63,19 @@ def test_a_pooled_prefill_forwards_the_largest_batches_that_fit_beside_the_prote
     assert engine.paged.usage().resident_chunks == 8
 
 
+def test_a_pooled_prompt_tail_is_computed_again_after_its_queries_recall_chunks(model):
+    engine = lucekv.load(model, backend="cpu", kv_pool=512, kv_policy="quest")
+    calls = []  # (first position, tokens, page-ins so far) of each forward
+    forward = engine.backend.forward
+    engine.backend.forward = lambda tokens, pos, *a, **kw: calls.append(
+        (int(pos[0]), len(tokens), engine.paged.usage().page_ins)) or forward(tokens, pos, *a, **kw)
+    greedy(engine, prompt(2048, seed=3), n=1)
+    tail = [c for c in calls if c[0] == 2048 - 64]
+    assert tail[0][1] == 64 and 2 <= len(tail) <= 3  # the tail alone, then again after each recall (2 rounds)
+    assert all(later[2] > earlier[2] for earlier, later in zip(tail, tail[1:], strict=False))  # chunks came back
+    assert calls[-1][0] == 2048 - 64  # nothing else before the first sample
+
+
 def test_decode_never_reads_a_free_or_paged_out_slot(model):
     ids = prompt(1500, seed=1)
     engine = lucekv.load(model, backend="cpu", kv_dtype="f32", kv_pool=512, kv_policy="lru")
