@@ -9,10 +9,11 @@
 #                                      smollm2 (needs its pieces); `moe write` writes the 30B-A3B-shaped Q4_K_M file
 #                                      (~17 GB in /tmp, a call of its own), then `moe bench` (lucekv decode/prefill
 #                                      beside llama-bench, GPU memory) and `moe profile` (the decode step's kernels)
-#   bash bench/gpu_session.sh niah CTX [MODEL]  recall of the RULER-style tasks at CTX tokens (10 cases per task),
-#                                      full cache vs pools of 6.25% and 12.5% under quest, lru and draft (drafter
-#                                      qwen2.5-coder-0.5b); MODEL qwen05 (default) or qwen15; needs .data/niah-corpus.json
-#                                      (lucekv bench niah-corpus -o .data/niah-corpus.json; git-ignored, ~8 MB)
+#   bash bench/gpu_session.sh niah CTX [MODEL] [RES]  recall of the RULER-style tasks at CTX tokens (10 cases per
+#                                      task), full cache vs pools of RES (default 0.0625,0.125) under quest, lru and
+#                                      draft (drafter qwen2.5-coder-0.5b); MODEL qwen05 (default) or qwen15; needs
+#                                      .data/niah-corpus.json (lucekv bench niah-corpus -o .data/niah-corpus.json;
+#                                      git-ignored, ~8 MB) carried
 #   bash bench/gpu_session.sh depth    decode tok/s at 4K..128K context, 8B shape, pool 4096 vs full cache vs
 #                                      llama-bench (~5 min); `depth build` first builds llama-bench (~4 min, a call
 #                                      of its own: /tmp survives while the machine stays warm)
@@ -116,9 +117,9 @@ niah)
   CTX=${2:?context in tokens}; M=/tmp/$([ "${3:-qwen05}" = qwen15 ] && echo qwen2.5-coder-1.5b || echo qwen2.5-coder-0.5b).gguf
   [ -f "$M" ] && [ -f .data/niah-corpus.json ] || { echo "needs $M and .data/niah-corpus.json" >&2; exit 1; }
   python3 -m lucekv.cli bench niah --model "$M" --backend cuda --contexts "$CTX" \
-    --tasks multikey,multivalue,vartrack --cases 10 --residencies 0.0625,0.125 --policies quest,lru,draft \
+    --tasks multikey,multivalue,vartrack --cases 10 --residencies "${4:-0.0625,0.125}" --policies quest,lru,draft \
     --kv-drafter /tmp/qwen2.5-coder-0.5b.gguf --corpus .data/niah-corpus.json \
-    --json "$OUT/niah-$(basename "$M" .gguf)-$CTX.json" 2>&1 >/dev/null | grep --line-buffered -v -i warning
+    --json "$OUT/niah-$(basename "$M" .gguf)-$CTX-${4:-all}.json" 2>&1 >/dev/null | grep --line-buffered -v -i warning
   ;;
 depth)
   M8=/tmp/qwen3-8b-shape.gguf
