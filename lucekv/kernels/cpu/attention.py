@@ -77,6 +77,7 @@ def attend_batch(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, slot_pos
     scores = (qg @ k).reshape(n_kv, n, g, n_slots) * np.float32(scale)
     mask = visible(slot_pos[:n_slots], positions, window)
     scores = np.where(mask[None, :, None, :], scores, np.float32(-np.inf))
+    v[:, ~mask.any(axis=0)] = 0  # a slot no query sees gets weight 0, and 0 * its bytes must not be NaN
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
