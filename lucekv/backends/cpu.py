@@ -190,6 +190,11 @@ class CpuBackend(RunAhead):
         self.pool.assign(slots, positions)
         return forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, all_logits)
 
+    def forward_argmax(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """The greedy token after each of `tokens` (int32 [n]): a speculative round's verify forward."""
+        logits = self.forward(tokens, positions, slots, all_logits=True)
+        return np.argmax(logits[:, : self.spec.vocab_size], axis=1).astype(np.int32)
+
     # ---- KVFlash: the pager decides, the backend moves bytes (lucekv.kvflash.sequence.PoolBackend) ----
 
     def execute(self, moves: list[Move], host: HostStore) -> None:

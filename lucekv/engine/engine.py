@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from lucekv.engine.output import OutputStream
 from lucekv.engine.sampling import Sampler, SamplingParams, log_softmax
 from lucekv.engine.sessions import Session, SessionInfo, SessionTable
-from lucekv.engine.stops import StopMatcher
 from lucekv.engine.types import ChatMessage, GenerationDelta, TokenLogprob, Usage
 from lucekv.errors import ConfigError, ContextOverflowError, InvalidRequestError, LucekvError, ResourceLimitError
 from lucekv.kvflash.draft import DraftReader
@@ -33,6 +33,11 @@ from lucekv.snapshot.blob import (
     write_snapshot,
 )
 from lucekv.snapshot.store import SnapshotStore, check_session_id
+from lucekv.spec.config import SpecConfig
+from lucekv.spec.drafter import Drafter
+from lucekv.spec.gate import Gate, StepClock
+from lucekv.spec.speculator import Block, Speculator
+from lucekv.spec.suffix import RecentOutputs, SuffixDrafter
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 AUTO_POOL_SHARE = 0.9  # of the GPU memory free after the weights, for --kv-pool auto's pool
@@ -52,6 +57,8 @@ class EngineInfo:
     n_embd: int
     kv_pool_tokens: int  # 0 = the whole context
     kv_policy: str  # "" without paging
+    spec_modes: tuple[str, ...]  # speculation modes a request may ask for
+    spec_default: str  # the mode of requests that do not choose
 
 
 class Engine:
@@ -60,7 +67,7 @@ class Engine:
     def __init__(self, path: Path, backend: str = "auto", kv_dtype: str = "f16", n_ctx: int | None = None,
                  kv_pool: int | str | None = None, kv_policy: str = "quest", kv_tau: int = 64,
                  kv_drafter: str | Path | None = None, max_sessions: int = 64, session_host_bytes: int = 16 << 30,
-                 snapshot_store: SnapshotStore | None = None):
+                 snapshot_store: SnapshotStore | None = None, speculation: SpecConfig | None = None):
         """kv_pool: KV slots on the device in tokens (a multiple of 64); None holds the whole context; "auto" sizes
         it from free GPU memory on the CUDA backend (`auto_pool_tokens`) and is None on the CPU backend, whose
         device memory is host RAM.
@@ -68,7 +75,9 @@ class Engine:
         takes; past them idle sessions spill to `snapshot_store` (least recently used first), or, without a
         store, new sessions are refused.
         kv_drafter: a small model with the same tokenizer (registry name or GGUF path) that reads the context for
-        kv_policy "draft"."""
+        kv_policy "draft".
+        speculation: the default speculation mode and the drafters (default: off)."""
+        self.spec_config = (speculation or SpecConfig()).check()
         self.path = Path(path)
         g = open_gguf(path)
         self.spec = ModelSpec.from_gguf(g)
@@ -87,17 +96,25 @@ class Engine:
         self._anonymous = self._live = self._new_session("")
         self._in_flight: deque[int | None] = deque()  # input tokens of enqueued greedy steps (None: chained)
         self._last_greedy = 0  # the token of the latest settled greedy step
+        self._step_clock = StepClock()  # the gate's measured step times, for the engine's life
+        # by speculation mode; "auto" gates the suffix drafter
+        self.drafters: dict[str, Drafter] = {
+            "suffix": SuffixDrafter(RecentOutputs() if self.spec_config.shared_outputs else None)}
+        self._sequence = _Sequence(self)  # the live sequence as a speculative round's target
         for key in snapshot_store.keys() if snapshot_store is not None else ():
             self.sessions.put(Session(key, stored_bytes=snapshot_store.size(key)))
         self.info = EngineInfo(self.spec.name, self.spec.arch.name, g.fingerprint, self.n_ctx,
                                self.spec.vocab_size, self.backend.name, self.spec.n_layer, self.spec.n_embd,
-                               kv_pool or 0, kv_policy if kv_pool else "")
+                               kv_pool or 0, kv_policy if kv_pool else "", self.spec_config.available(),
+                               self.spec_config.mode)
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def prepare(self, prompt: Prompt, params: SamplingParams, pin_prefix: int | None = None) -> list[int]:
+    def prepare(self, prompt: Prompt, params: SamplingParams, pin_prefix: int | None = None,
+                speculation: str | None = None) -> list[int]:
         """Validate and tokenize; raises InvalidRequestError before any compute."""
         params.validate(self.spec.vocab_size)
+        self.spec_config.resolve(speculation)
         ids = self._tokenize_prompt(prompt)
         if pin_prefix is not None and not 0 <= pin_prefix <= len(ids):
             raise InvalidRequestError("pin_prefix_tokens", f"must be in [0, {len(ids)}], the prompt's tokens "
@@ -127,14 +144,16 @@ class Engine:
         return [int(t) for t in items]
 
     def generate(self, prompt: Prompt, params: SamplingParams, session_id: str = "",
-                 pin_prefix: int | None = None) -> Iterator[GenerationDelta]:
+                 pin_prefix: int | None = None, speculation: str | None = None) -> Iterator[GenerationDelta]:
         """Stream the completion of `prompt`. With a session id, the session (created if new) keeps the K/V for
         the next turn: a prompt that starts with its history only computes what is new. `pin_prefix`: with a
-        bounded pool, the prompt's first tokens that are never paged out (None keeps the session's pins)."""
-        ids = self.prepare(prompt, params, pin_prefix)
+        bounded pool, the prompt's first tokens that are never paged out (None keeps the session's pins).
+        `speculation`: a mode of `SpecConfig` (None: the engine's default); the output is the same either way
+        (greedy: token for token; sampling: in distribution)."""
+        ids = self.prepare(prompt, params, pin_prefix, speculation)
         if session_id:
             check_session_id(session_id)
-        return self._run(ids, params, session_id, pin_prefix)
+        return self._run(ids, params, session_id, pin_prefix, self.spec_config.resolve(speculation))
 
     def prefill(self, prompt: Prompt, session_id: str = "") -> int:
         """Compute the K/V of `prompt` into the session (created if new), reusing the prefix it holds, without
@@ -163,16 +182,21 @@ class Engine:
     # ---- the loop -------------------------------------------------------------------------------
 
     def _forward(self, ids: list[int], start: int, all_logits: bool = False, decoding: bool = False,
-                 ) -> list[np.ndarray]:
+                 greedy: bool = False) -> list[np.ndarray]:
+        """Logits of `ids` at positions from `start` (each piece's last, or all), or with `greedy` the argmax after
+        each token, taken by the backend. `decoding`: output tokens (a plain step or a verify block)."""
         out = []
         done = 0
         while done < len(ids):
-            n = self._batch(start + done, len(ids) - done)
+            n = self._batch(start + done, len(ids) - done, decoding)
             chunk = np.asarray(ids[done : done + n], np.int32)
             pos = np.arange(start + done, start + done + n, dtype=np.int32)
             done += n
             slots = self._slots(int(pos[0]), len(chunk))
-            out.append(self.backend.forward(chunk, pos, slots, all_logits))
+            if greedy:
+                out.append(self.backend.forward_argmax(chunk, pos, slots))
+            else:
+                out.append(self.backend.forward(chunk, pos, slots, all_logits))
             self._live.tokens.extend(int(t) for t in chunk)
             if self.paged is not None:
                 self.paged.after_forward(decoded=len(chunk) if decoding else 0)
@@ -185,12 +209,16 @@ class Engine:
             return np.arange(start, start + n, dtype=np.int32)
         return self.paged.alloc(start, n)
 
-    def _batch(self, start: int, n: int) -> int:
+    def _batch(self, start: int, n: int, decoding: bool = False) -> int:
         """Tokens of the next forward from position `start`, at most n: the backend's batch, and with a bounded pool
-        no more than fit it beside the protected chunks (whole chunks, so the pool evicts as the prompt goes)."""
+        no more than fit it beside the protected chunks (whole chunks, so the pool evicts as the prompt goes).
+        A verify block (`decoding`) with a bounded pool stops at a chunk boundary: the next chunk takes a block (and
+        a chunk is evicted) only when a query has reached it, as in plain decoding."""
         n = min(n, self.backend.prefill_chunk)
+        if self.paged is not None and decoding:
+            return min(n, CHUNK_TOKENS - start % CHUNK_TOKENS)
         if self.paged is None or start % CHUNK_TOKENS + n <= CHUNK_TOKENS:
-            return n  # within one chunk (every decode step): the allocation checks the fit itself
+            return n  # within one chunk: the allocation checks the fit itself
         pager = self.paged.pager
         end = start + n
         while not pager.span_fits(start, end):
@@ -238,8 +266,8 @@ class Engine:
             del self._live.tokens[len(ids):]
         return logits, reused
 
-    def _run(self, ids: list[int], params: SamplingParams, session_id: str,
-             pin_prefix: int | None) -> Iterator[GenerationDelta]:
+    def _run(self, ids: list[int], params: SamplingParams, session_id: str, pin_prefix: int | None,
+             speculation: str) -> Iterator[GenerationDelta]:
         t0 = time.perf_counter()
         session = self._activate(session_id)
         if pin_prefix is not None and session.paged is not None:
@@ -248,57 +276,84 @@ class Engine:
         session.sampler = asdict(params)
         session.in_store = False
         try:
-            yield from self._generate(ids, params, t0)
+            yield from self._generate(ids, params, t0, speculation)
         finally:
             self._drain()  # a cancelled stream may leave a step in flight
+            self._forget_drafts()
             session.last_used_unix = time.time()
             self._enforce_host_limit()
 
-    def _generate(self, ids: list[int], params: SamplingParams, t0: float) -> Iterator[GenerationDelta]:
+    def _generate(self, ids: list[int], params: SamplingParams, t0: float, speculation: str
+                  ) -> Iterator[GenerationDelta]:
         logits, cached = self._prefill(ids)
         sampler = Sampler(params, ids, self.spec.vocab_size)
-        detok = self.tokenizer.stream(after=ids[-1])
-        stops = StopMatcher(params.stop)
-        end_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eog_ids))
-        t_first = 0.0
-        n_out = 0
+        out = OutputStream(self.tokenizer, params, ids[-1], self.tokenizer.eog_ids)
+
+        def sample(row: np.ndarray, i: int) -> int:  # the i-th token of the next block, on the host
+            tok = sampler.sample(row, out.banned(i))
+            sampler.observe(tok)  # (device-greedy tokens are not observed: plain greedy reads no penalties)
+            return tok
+
+        block = Block([sample(logits, 0)], logits[None])
+        spec = self._speculator(speculation, ids, block.tokens[0])
         device_greedy = sampler.plain_greedy and not params.logprobs  # the sample is the argmax: the device's
-        next_tok = None
         while True:
-            banned = sorted(end_ids) if n_out < params.min_tokens else None
-            tok = sampler.sample(logits, banned) if next_tok is None else next_tok
-            sampler.observe(tok)
-            n_out += 1
-            if n_out == 1:
-                t_first = time.perf_counter()
-            logprobs = [self._logprob(logits, tok, params.top_logprobs)] if params.logprobs else None
-            finish = None
-            if tok in end_ids:
-                finish = "stop" if tok in params.stop_token_ids else "eos"
-                text = stops.flush() + detok.flush()
-            else:
-                text, stopped = stops.feed(detok.add(tok))
-                if stopped:
-                    finish = "stop"
-                elif n_out >= params.max_tokens:
-                    finish = "length"
-                    text += stops.feed(detok.flush())[0] + stops.flush()
-            if finish:
+            logprobs = None
+            if params.logprobs:
+                logprobs = [self._logprob(row, t, params.top_logprobs)
+                            for row, t in zip(block.logits, block.tokens, strict=True)]
+            delta = out.emit(block.tokens, logprobs)
+            if out.finish:
                 self._drain()  # before the last delta: a caller may never resume this generator
-                elapsed = time.perf_counter() - t_first
-                usage = Usage(len(ids), cached, n_out, t_first - t0, (n_out - 1) / elapsed if elapsed > 0 else 0.0)
-                if self.paged is not None:
-                    kv = self.paged.usage()
-                    usage.kv_resident_chunks, usage.kv_paged_chunks = kv.resident_chunks, kv.paged_chunks
-                    usage.kv_bytes_moved = kv.bytes_moved
-                yield GenerationDelta([tok], text, logprobs, finish, usage)
+                self._truncate(min(len(self._live.tokens), len(ids) + out.n))  # drafts past the finish
+                delta.usage = self._usage(ids, cached, out, t0, spec)
+                yield delta
                 return
-            yield GenerationDelta([tok], text, logprobs)
-            pos = len(ids) + n_out - 1
-            if device_greedy and n_out >= params.min_tokens:
-                next_tok = self._decode_greedy(tok, pos, more=n_out + 1 < params.max_tokens)
+            yield delta
+            tok, pos = block.tokens[-1], len(ids) + out.n - 1
+            greedy_now = device_greedy and out.n >= params.min_tokens
+            if spec is not None and spec.speculating and not self._in_flight:
+                block = spec.round(self._sequence, tok, pos, params.max_tokens - out.n, out.n,
+                                   None if greedy_now else sample)
+                continue
+            if greedy_now:
+                more = out.n + 1 < params.max_tokens and (spec is None or not spec.speculating)
+                block = Block([self._decode_greedy(tok, pos, more)])
             else:
                 logits = self._forward([tok], pos, decoding=True)[0][-1]
+                block = Block([sample(logits, 0)], logits[None])
+            if spec is not None:
+                spec.plain(block.tokens[0], pos + 1, out.n)
+
+    def _speculator(self, mode: str, ids: list[int], first: int) -> Speculator | None:
+        """The turn's speculation (None: off), its drafter started on the prompt and the first token."""
+        if mode == "off":
+            return None
+        gate = Gate.start(self._step_clock, len(ids)) if mode == "auto" else None
+        drafter = self.drafters["suffix" if mode == "auto" else mode]
+        spec = Speculator(mode, drafter, gate, self.spec_config.max_draft)
+        spec.begin(ids, first)
+        return spec
+
+    def _usage(self, ids: list[int], cached: int, out: OutputStream, t0: float, spec: Speculator | None) -> Usage:
+        elapsed = time.perf_counter() - out.t_first
+        usage = Usage(len(ids), cached, out.n, out.t_first - t0, (out.n - 1) / elapsed if elapsed > 0 else 0.0)
+        if self.paged is not None:
+            kv = self.paged.usage()
+            usage.kv_resident_chunks, usage.kv_paged_chunks = kv.resident_chunks, kv.paged_chunks
+            usage.kv_bytes_moved = kv.bytes_moved
+        if spec is not None:
+            usage.speculation = spec.end()
+        return usage
+
+    def _forget_drafts(self) -> None:
+        """Free the slots of rejected drafts past the sequence's end (they are out of view already): a pager's
+        head and a snapshot's residency then match the sequence again."""
+        n = len(self._live.tokens)
+        if self.paged is not None and self.paged.pager.n_tokens > n:
+            self.paged.truncate(n)
+        elif self.paged is None and self.backend.pool.slot_pos.max(initial=-1) >= n:
+            self.backend.pool.truncate(n)
 
     def _decode_greedy(self, tok: int, pos: int, more: bool) -> int:
         """The greedy token after `tok` at `pos`, argmax taken by the backend. Run-ahead: with `more` (a token after
@@ -569,6 +624,22 @@ class Engine:
                 return
             if s is not self._live:
                 self._spill(s)
+
+
+class _Sequence:
+    """The live sequence as a speculative round's target (lucekv.spec.speculator.Target)."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+
+    def verify_greedy(self, tokens: list[int], start: int) -> np.ndarray:
+        return np.concatenate(self._engine._forward(tokens, start, decoding=True, greedy=True))
+
+    def verify_logits(self, tokens: list[int], start: int) -> np.ndarray:
+        return np.concatenate(self._engine._forward(tokens, start, all_logits=True, decoding=True))
+
+    def keep(self, n_tokens: int) -> None:
+        del self._engine._live.tokens[n_tokens:]
 
 
 def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_pool: int | str | None):

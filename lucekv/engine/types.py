@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, TypedDict
 
+from lucekv.spec.speculator import SpecUsage
+
 FinishReason = Literal["stop", "length", "eos"]
 
 
@@ -30,6 +32,7 @@ class Usage:
     kv_resident_chunks: int = 0  # KVFlash residency at the end; zeros when the pool holds the whole context
     kv_paged_chunks: int = 0
     kv_bytes_moved: int = 0
+    speculation: SpecUsage | None = None  # rounds, drafted and accepted tokens, the gate's decisions; None: off
 
 
 @dataclass

@@ -1,0 +1,49 @@
+"""Speculative decoding settings: the server's default mode and the drafters it offers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from lucekv.errors import ConfigError, InvalidRequestError
+
+# off: plain decoding; auto: the gate decides, round by round, whether the suffix drafter pays; suffix / draft /
+# dflash: always that drafter
+MODES = ("off", "auto", "suffix", "draft", "dflash")
+MAX_DRAFT = 16  # draft tokens a round verifies at most
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    mode: str = "off"  # for requests that do not choose (the CLI and server default to auto)
+    max_draft: int = MAX_DRAFT
+    shared_outputs: bool = True  # the suffix drafter also matches the recent outputs of every session
+    draft_model: Path | None = None  # a GGUF with the target's tokenizer, for mode "draft"
+
+    def available(self) -> tuple[str, ...]:
+        """The modes a request may ask for."""
+        return tuple(m for m in MODES if m not in ("draft", "dflash") or (m == "draft" and self.draft_model))
+
+    def check(self) -> SpecConfig:
+        if self.mode not in MODES:
+            raise ConfigError(f"speculation mode {self.mode!r} is unknown (choose {', '.join(MODES)})")
+        if self.mode not in self.available():
+            raise ConfigError(f"speculation mode {self.mode!r} needs {_needs(self.mode)}")
+        if not 1 <= self.max_draft <= 64:
+            raise ConfigError(f"max draft length must be in [1, 64] (got {self.max_draft})")
+        return self
+
+    def resolve(self, mode: str | None) -> str:
+        """A request's mode (None or "": the default), refused with InvalidRequestError when unavailable."""
+        mode = mode or self.mode
+        if mode not in MODES:
+            raise InvalidRequestError("speculation", f"unknown mode {mode!r} (choose {', '.join(MODES)})")
+        if mode not in self.available():
+            raise InvalidRequestError("speculation", f"mode {mode!r} is not available on this server: it needs "
+                                      f"{_needs(mode)}")
+        return mode
+
+
+def _needs(mode: str) -> str:
+    return {"draft": "a draft model (--draft-model)",
+            "dflash": "a DFlash drafter, which lucekv does not implement yet"}[mode]

@@ -1,0 +1,129 @@
+"""One turn's speculation: the round (propose → verify → accept → keep), the drafter fed with every token that
+joins the sequence, the gate timed, the counts for Usage.
+
+The target is the engine's sequence (`Target`): a verify forward writes the K/V of the last token and the drafts
+to pool slots like any tokens (DESIGN §4); `keep` then cuts the sequence after the accepted ones, and the
+rejected drafts' slots fall out of view by position until rewritten. The round never sees the pool.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from lucekv.spec.drafter import Drafter
+from lucekv.spec.gate import Gate
+from lucekv.spec.verify import accept_greedy, accept_sampled
+
+Sample = Callable[[np.ndarray, int], int]  # (logits of a position, its index in the block) -> token, observed
+
+
+class Target(Protocol):
+    def verify_greedy(self, tokens: list[int], start: int) -> np.ndarray:
+        """The greedy token after each of `tokens` (written at positions start, start + 1, ...), int32 [n]."""
+
+    def verify_logits(self, tokens: list[int], start: int) -> np.ndarray:
+        """The logits after each of `tokens`, float32 [n, vocab]."""
+
+    def keep(self, n_tokens: int) -> None:
+        """The sequence is its first n_tokens again (later positions are out of view)."""
+
+
+@dataclass
+class Block:
+    """The tokens of one round (accepted drafts, then the target's own), and for host verification the logits
+    each was sampled from (row i for token i)."""
+
+    tokens: list[int]
+    logits: np.ndarray | None = None
+
+
+@dataclass
+class SpecUsage:
+    mode: str  # the request's mode: "suffix", "auto", ...
+    drafter: str
+    rounds: int = 0
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of them, accepted (each round also emits one token of the target's own)
+    plain_steps: int = 0  # steps decoded without a round
+    gate_decisions: list[tuple[int, bool]] = field(default_factory=list)  # (output tokens so far, speculating)
+
+
+class Speculator:
+    """`gate` None: speculate every step (a forced mode). `max_draft`: the longest draft a round verifies."""
+
+    def __init__(self, mode: str, drafter: Drafter, gate: Gate | None, max_draft: int):
+        self.drafter = drafter
+        self.gate = gate
+        self.max_draft = max_draft
+        self.usage = SpecUsage(mode, drafter.name)
+        self._mark = time.perf_counter()
+        self._shadow: tuple[list[int], int] | None = None  # a plain-decoding stretch scored as a round: (draft, hits)
+
+    @property
+    def speculating(self) -> bool:
+        return self.gate is None or self.gate.speculating
+
+    def begin(self, prompt: list[int], first: int) -> None:
+        """The turn's prompt and its first token (sampled from the prefill's logits)."""
+        self.drafter.begin(prompt)
+        self.drafter.accept([first])
+        self._mark = time.perf_counter()
+
+    def round(self, target: Target, last: int, position: int, budget: int, at: int,
+              sample: Sample | None = None) -> Block:
+        """Propose after `last` (at `position`, not yet forwarded), verify in one target forward, keep the accepted.
+        At most `budget` tokens come out; `at`: output tokens so far. Greedy on the device when `sample` is None,
+        else each position sampled on the host (`accept_sampled`)."""
+        draft = self.drafter.propose(min(self.max_draft, budget - 1))
+        inputs = [last, *draft.tokens]
+        logits = None
+        if sample is None:
+            tokens = accept_greedy(draft, target.verify_greedy(inputs, position))
+        else:
+            logits = target.verify_logits(inputs, position)
+            tokens = accept_sampled(draft, logits, sample)
+            logits = logits[: len(tokens)]
+        target.keep(position + len(tokens))  # `last` and the accepted drafts
+        self.drafter.accept(tokens)
+        u = self.usage
+        u.rounds += 1
+        u.drafted += len(draft)
+        u.accepted += len(tokens) - 1
+        seconds = self._lap()
+        if self.gate is not None:
+            self.gate.real_round(seconds, len(inputs), len(tokens), position, at)
+        return Block(tokens, logits)
+
+    def plain(self, token: int, position: int, at: int) -> None:
+        """A plain decode step's token joined the sequence at `position`: time the step, score the shadow round."""
+        self.drafter.accept([token])
+        self.usage.plain_steps += 1
+        seconds = self._lap()
+        if self.gate is None:
+            return
+        self.gate.plain_step(seconds, position)
+        if not self.drafter.cheap:
+            return
+        if self._shadow is not None:
+            draft, hits = self._shadow
+            if hits < len(draft) and draft[hits] == token:
+                self._shadow = (draft, hits + 1)
+                return
+            self.gate.shadow_round(len(draft) + 1, hits + 1, position, at)
+        self._shadow = (self.drafter.propose(self.max_draft).tokens, 0) if not self.gate.speculating else None
+
+    def end(self) -> SpecUsage:
+        self.drafter.end()
+        if self.gate is not None:
+            self.usage.gate_decisions = list(self.gate.decisions)
+        return self.usage
+
+    def _lap(self) -> float:
+        now = time.perf_counter()
+        seconds, self._mark = now - self._mark, now
+        return seconds
