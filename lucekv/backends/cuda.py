@@ -159,6 +159,7 @@ class CudaKVPool(SlotMap):
 
 MAX_STACK = 3  # matrices one product fills (an Epilogue's outputs)
 ROUTE_COUNTERS = 512  # tokens the MoE router's counters cover at first (a prefill chunk's)
+MAX_VERIFY = 65  # widths of verify forwards that replay a captured graph (speculative rounds' drafts + 1)
 # a grid with this many warps per SM or more fills the GPU (an 8B model's products and attention hold 9.7 to 15.5,
 # the 0.5B's 1.7 to 8.5): see overlap_kernel_launches
 BUSY_WARPS_PER_SM = 9
@@ -544,6 +545,9 @@ class CudaBackend(RunAhead):
         # full prefill chunks (a long prompt's all but last) replay a graph too: as ~200 launches, numba's host time
         # per launch made a small model's prefill host-bound (0.5B shape, H200: ~180 us per launch, 36 of 42 ms)
         self.prefill_graph = ForwardGraph(self, self.prefill_chunk) if graphs else None
+        # speculative verify forwards of each width up to MAX_VERIFY tokens, captured on first use
+        self.verify_graphs: dict[int, VerifyGraph] | None = {} if graphs else None
+        self._argmax_scratch: dict[int, tuple] = {}  # eager verify forwards' argmax buffers, by width
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                 all_logits: bool = False) -> np.ndarray:
@@ -568,8 +572,45 @@ class CudaBackend(RunAhead):
         """The graph that runs an n-token forward, if any (one token's logits are all its logits)."""
         if n == 1:
             return self.graph
+        if all_logits:
+            return self._verify_graph(n)
         graph = self.prefill_graph
-        return graph if graph is not None and n == graph.n_tokens and not all_logits else None
+        return graph if graph is not None and n == graph.n_tokens else None
+
+    def _verify_graph(self, n: int) -> VerifyGraph | None:
+        if self.verify_graphs is None or not 1 < n <= MAX_VERIFY:
+            return None
+        if n not in self.verify_graphs:
+            self.verify_graphs[n] = VerifyGraph(self, n)
+        return self.verify_graphs[n]
+
+    def forward_argmax(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """The greedy token after each of `tokens` (int32 [n]), each row's argmax taken on the device: a speculative
+        round's verify forward, of which only n token ids come back. Widths up to MAX_VERIFY replay a graph (after
+        one eager run that captures it); one token is a plain decode step."""
+        n = len(tokens)
+        if n == 1:
+            self.decode_ahead(int(positions[0]), int(slots[0]), int(tokens[0]))
+            return np.array([self.next_token()], np.int32)
+        self._chained = False
+        self.pool.assign(slots, positions)
+        graph = self._verify_graph(n)
+        replay = graph is not None and graph.ready
+        self.ops.begin_step(tokens, positions, slots, mark=not replay)
+        if replay:
+            return graph.replay_argmax()
+        if n not in self._argmax_scratch:
+            self._argmax_scratch[n] = (cuda.device_array(n, np.int32, stream=self.stream),
+                                       sample.argmax_scratch(n, stream=self.stream))
+        out, scratch = self._argmax_scratch[n]
+        with cuda.defer_cleanup():
+            logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits=True)
+            sample.argmax(logits, self.spec.vocab_size, out, scratch, stream=self.stream)
+        if graph is not None:
+            graph.capture(tokens, positions, slots)
+        tokens_out = out.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return tokens_out
 
     def decode_ahead(self, position: int, slot: int, token: int | None = None) -> None:
         """RunAhead's step as a graph replay left running: inputs copied in, the replay and the copy out of its
@@ -630,16 +671,18 @@ class TokenReadback(NamedTuple):
 
 
 class ForwardGraph:
-    """An n-token forward (last-token logits) captured once as a CUDA graph on the backend's stream, and replayed:
-    numba pays 24-53 us of host time per kernel launch (more with many arguments), a replayed graph about 0.5 us.
+    """An n-token forward (last-token logits, or all) captured once as a CUDA graph on the backend's stream, and
+    replayed: numba pays 24-53 us of host time per kernel launch (more with many arguments), a replayed graph
+    about 0.5 us.
 
     Capture records the launches of the forward just run eagerly (its kernels compiled and loaded), on the same
     activation arrays: CudaOps keeps the pools of n-token forwards for the graph's lifetime, and their inputs in
     fixed buffers. Relaxed capture mode: no allocation should happen while recording, but one would be allowed."""
 
-    def __init__(self, backend: CudaBackend, n_tokens: int):
+    def __init__(self, backend: CudaBackend, n_tokens: int, all_logits: bool = False):
         self.backend = backend
         self.n_tokens = n_tokens
+        self.all_logits = all_logits
         self.logits = None
         self._host_logits: np.ndarray | None = None
         self._exec = None
@@ -656,7 +699,7 @@ class ForwardGraph:
         def record() -> None:
             b.ops.rewind()
             b.ops.mark_slots()
-            self.logits = forward(b.spec, b.weights, b.ops, tokens, positions, slots)
+            self.logits = forward(b.spec, b.weights, b.ops, tokens, positions, slots, self.all_logits)
             self._record_after()
 
         self._exec, self.overlapped_edges = capture_graph(b.stream, record)
@@ -717,6 +760,35 @@ class DecodeGraph(ForwardGraph):
     def token(self, r: TokenReadback) -> int:
         self._token_ready[r.turn].synchronize()
         return int(self._tokens_host[r.turn])
+
+
+class VerifyGraph(ForwardGraph):
+    """An n-token forward with every position's logits, ending with each row's argmax: a speculative round's verify.
+    `replay` brings all the logits to the host (sampled verification), `replay_argmax` only the n token ids."""
+
+    def __init__(self, backend: CudaBackend, n_tokens: int):
+        super().__init__(backend, n_tokens, all_logits=True)
+        s = backend.stream
+        self.tokens = cuda.device_array(n_tokens, np.int32, stream=s)
+        self._tokens_host = cuda.pinned_array(n_tokens, np.int32)
+        self._scratch = sample.argmax_scratch(n_tokens, stream=s)
+        # compiled now: a capture only records launches (an eager all-logits forward may not have run it)
+        sample.argmax(cuda.device_array((1, 4), np.float32), 4, cuda.device_array(1, np.int32),
+                      sample.argmax_scratch(1, stream=s), stream=s)
+
+    def _record_after(self) -> None:
+        b = self.backend
+        sample.argmax(self.logits, b.spec.vocab_size, self.tokens, self._scratch, stream=b.stream)
+
+    def replay_argmax(self) -> np.ndarray:
+        from cuda.bindings import driver
+
+        self.launch()
+        handle = driver.CUstream(int(self.backend.stream.handle))
+        _check(driver.cuMemcpyDtoHAsync(self._tokens_host.ctypes.data, _device_pointer(self.tokens),
+                                        self._tokens_host.nbytes, handle))
+        _check(driver.cuStreamSynchronize(handle))
+        return self._tokens_host.copy()
 
 
 def capture_graph(stream, record: Callable[[], None]) -> tuple[object, int]:

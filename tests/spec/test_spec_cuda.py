@@ -1,0 +1,95 @@
+"""Speculative verify on the CUDA backend: each row's argmax taken on the device, verify widths replayed from
+captured graphs, and the engine's rounds on the GPU equal to its plain greedy decoding.
+
+Without a GPU, `test_in_simulator` runs this file again under numba's CUDA simulator, where only the backend-level
+test runs (a forward takes minutes there, so it stands in for the model's); the rest are `gpu` tests:
+    pytest -q -m gpu tests/spec/test_spec_cuda.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import lucekv
+from lucekv.engine.sampling import SamplingParams
+from lucekv.kernels.cuda import available, cuda
+from lucekv.model.arch import ModelSpec
+from lucekv.model.gguf import open_gguf
+from lucekv.model.synth import write_synthetic_gguf
+from tests.kernels.cuda_sim import needs_gpu, needs_kernels, run_in_simulator
+from tests.spec.test_spec_engine import OracleDrafter
+
+gpu = pytest.mark.gpu
+VOCAB = 512
+
+
+@pytest.mark.skipif(available(), reason="runs directly in this process")
+def test_in_simulator():
+    run_in_simulator(__file__)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_synthetic_gguf(tmp_path_factory.mktemp("spec_cuda") / "tiny.gguf", "llama", n_ctx=4096,
+                                vocab=VOCAB)
+
+
+def cuda_backend(model, **kw):
+    from lucekv.backends.cuda import CudaBackend
+
+    g = open_gguf(model)
+    return CudaBackend(g, ModelSpec.from_gguf(g), "f32", 512, **kw)
+
+
+@needs_kernels
+def test_forward_argmax_takes_each_rows_argmax_on_the_device(model, monkeypatch):
+    import lucekv.backends.cuda as cuda_module
+
+    backend = cuda_backend(model, use_graph=False)
+    logits = np.random.default_rng(1).standard_normal((5, VOCAB)).astype(np.float32)
+    logits[3, 17] = logits[3, 400] = 50.0  # a tie: the first index, as numpy's argmax
+    monkeypatch.setattr(cuda_module, "forward", lambda *args, **kw: cuda.to_device(logits))
+    slots = np.array([3, 4, 5, 6, 7], np.int32)
+    pos = slots + 100
+    got = backend.forward_argmax(np.array([1, 2, 3, 4, 5], np.int32), pos, slots)
+    assert got.tolist() == np.argmax(logits, axis=1).tolist()
+    assert backend.pool.slot_pos[slots].tolist() == pos.tolist()
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("n", [2, 5, 17])
+def test_a_verify_width_replayed_from_its_graph_equals_its_eager_run(model, n):
+    backend = cuda_backend(model)
+    rng = np.random.default_rng(n)
+    prefix = rng.integers(10, 500, 40).astype(np.int32)
+    pos = np.arange(40, dtype=np.int32)
+    backend.forward(prefix, pos, pos)
+    tokens = rng.integers(10, 500, n).astype(np.int32)
+    p = np.arange(40, 40 + n, dtype=np.int32)
+    eager = backend.forward_argmax(tokens, p, p)
+    assert backend.verify_graphs[n].ready
+    replayed = backend.forward_argmax(tokens, p, p)
+    logits = backend.forward(tokens, p, p, all_logits=True)  # the same graph, its logits to the host
+    assert eager.tolist() == replayed.tolist() == np.argmax(logits[:, :VOCAB], axis=1).tolist()
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("pool", [None, 512], ids=["whole", "paged"])
+def test_greedy_rounds_on_the_gpu_equal_its_plain_greedy(model, pool):
+    ids = np.random.default_rng(7).integers(10, 500, 700).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+
+    def run(speculation, reference=None):
+        engine = lucekv.load(model, backend="cuda", kv_dtype="f32", kv_pool=pool, kv_policy="lru")
+        if reference is not None:
+            engine.drafters["suffix"] = OracleDrafter(reference)
+        out = list(engine.generate(ids, params, speculation=speculation))
+        return [t for d in out for t in d.token_ids], out[-1].usage
+
+    plain, _ = run("off")
+    spec, usage = run("suffix", ids + plain)
+    assert spec == plain
+    assert 0 < usage.speculation.accepted < usage.speculation.drafted
