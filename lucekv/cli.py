@@ -18,6 +18,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.write(delta.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if args.verbose:
+        u = delta.usage
+        print(f"[{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens, "
+              f"{u.decode_tokens_per_s:.1f} tok/s; speculation: {u.speculation}]", file=sys.stderr)
     return 0
 
 
@@ -35,7 +39,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from lucekv.cli_models import add_models_commands
-    from lucekv.cli_server import add_engine_flags, add_sampling_flags, add_server_commands
+    from lucekv.cli_server import add_engine_flags, add_sampling_flags, add_server_commands, add_spec_flags
     from lucekv.model.registry import DEFAULT_MODEL
     from lucekv.spark.cli import add_spark_commands
 
@@ -47,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("prompt")
     add_sampling_flags(run)
     add_engine_flags(run)
+    add_spec_flags(run)
+    run.add_argument("-v", "--verbose", action="store_true", help="print token counts, speed and speculation "
+                     "figures to stderr")
     run.set_defaults(func=cmd_run)
 
     bench = sub.add_parser("bench", help="benchmarks (write JSON)")

@@ -23,6 +23,7 @@ from lucekv.model.registry import MODELS, TextProgress, is_pulled, pull, resolve
 from lucekv.server.app import LucekvServer, serve
 from lucekv.server.config import ServeConfig, add_config_flags, config_from_args, format_config
 from lucekv.snapshot.store import open_snapshot_store
+from lucekv.spec.config import MODES, SpecConfig
 
 PIECE_BYTES = 1 << 20  # restore uploads the file in pieces of this size
 
@@ -57,6 +58,7 @@ def add_server_commands(subparsers: argparse._SubParsersAction) -> None:
     _add_server_flag(generate)
     generate.add_argument("--session", default="", metavar="ID",
                           help="continue (or start) this session: send the whole conversation as PROMPT")
+    generate.add_argument("--spec", choices=MODES, help="speculative decoding mode (default: the server's)")
     add_sampling_flags(generate)
     generate.set_defaults(func=run_generate)
 
@@ -107,9 +109,20 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_config_flags(parser, "engine")
 
 
+def add_spec_flags(parser: argparse.ArgumentParser) -> None:
+    add_config_flags(parser, "spec")
+
+
 def engine_options(args: argparse.Namespace) -> dict:
-    """lucekv.load keyword arguments from the engine flags."""
-    return {name: getattr(args, name) for name in ServeConfig().engine_options()}
+    """lucekv.load keyword arguments from the engine flags (and the speculation flags, where the command has them)."""
+    options = {name: getattr(args, name) for name in ServeConfig().engine_options()}
+    if hasattr(args, "spec"):
+        options["speculation"] = spec_config(args.spec, args.draft_model)
+    return options
+
+
+def spec_config(mode: str, draft_model: str) -> SpecConfig:
+    return SpecConfig(mode=mode, draft_model=_model_file(draft_model) if draft_model else None)
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -153,7 +166,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
             store = open_snapshot_store(config.snapshot_store, open_gguf(path).fingerprint,
                                         config.snapshot_ttl_seconds, config.lease_seconds)
-        engine = lucekv.load(path, **config.engine_options(), max_sessions=config.max_sessions,
+        engine = lucekv.load(path, **config.engine_options(), speculation=spec_config(config.spec, config.draft_model),
+                             max_sessions=config.max_sessions,
                              session_host_bytes=int(config.session_memory_gib * 2**30), snapshot_store=store)
     except LucekvError as e:
         print(f"lucekv: error: {e}", file=sys.stderr)
@@ -189,7 +203,7 @@ def run_generate(args: argparse.Namespace) -> int:
     wrote = False
     try:
         with _connect(args) as client:
-            for chunk in client.generate(prompt, sampling, session_id=args.session):
+            for chunk in client.generate(prompt, sampling, session_id=args.session, speculation=args.spec):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 wrote = wrote or bool(chunk.text)
@@ -200,10 +214,14 @@ def run_generate(args: argparse.Namespace) -> int:
         return 1
     _end_terminal_line()
     u = chunk.usage
+    spec = ""
+    if u.HasField("speculation"):
+        s = u.speculation
+        spec = f", {s.mode}: {s.accepted_tokens}/{s.drafted_tokens} drafts accepted in {s.rounds} rounds"
     print(
         f"[{FINISH_REASON_NAMES[chunk.finish_reason]}: {u.prompt_tokens} prompt + {u.completion_tokens} "
         f"completion tokens, first token {u.time_to_first_token_ms:.0f} ms, "
-        f"{u.decode_tokens_per_second:.1f} tok/s]",
+        f"{u.decode_tokens_per_second:.1f} tok/s{spec}]",
         file=sys.stderr,
     )
     return 0
@@ -295,6 +313,7 @@ def run_info(args: argparse.Namespace) -> int:
         ("embedding", str(info.n_embd)),
         ("backend", info.backend),
         ("kv pool", f"{info.kv_pool_tokens} tokens, {info.kv_policy}" if info.kv_pool_tokens else "whole context"),
+        ("speculation", f"{', '.join(info.speculation_modes)} (default {info.speculation_default})"),
         ("features", ", ".join(info.features)),
         ("max queue", str(info.max_queued_requests)),
         ("version", info.version),

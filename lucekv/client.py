@@ -129,11 +129,15 @@ class Client:
         request_id: str = "",
         session_id: str = "",
         pin_prefix_tokens: int | None = None,
+        speculation: str | None = None,
         timeout: float | None = None,
     ) -> GenerateStream:
+        """speculation: "off", "auto", "suffix", "draft" or "dflash" (None: the server's default)."""
         request = generate_request(prompt, sampling or SamplingOptions(), request_id, session_id)
         if pin_prefix_tokens is not None:
             request.pin_prefix_tokens = pin_prefix_tokens
+        if speculation is not None:
+            request.speculation = pb.SpeculationMode.Value(f"SPECULATION_MODE_{speculation.upper()}")
         return GenerateStream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata(session_id)))
 
     def complete(
@@ -143,11 +147,13 @@ class Client:
         *,
         request_id: str = "",
         session_id: str = "",
+        speculation: str | None = None,
         timeout: float | None = None,
     ) -> Completion:
         """Generate and collect the whole completion."""
         text, token_ids, logprobs = [], [], []
-        for chunk in self.generate(prompt, sampling, request_id=request_id, session_id=session_id, timeout=timeout):
+        for chunk in self.generate(prompt, sampling, request_id=request_id, session_id=session_id,
+                                   speculation=speculation, timeout=timeout):
             text.append(chunk.text)
             token_ids.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs)

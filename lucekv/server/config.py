@@ -17,6 +17,7 @@ from typing import Any
 
 from lucekv.errors import ConfigError
 from lucekv.model.registry import DEFAULT_MODEL
+from lucekv.spec.config import MODES
 
 ENV_PREFIX = "LUCEKV_"
 
@@ -64,6 +65,13 @@ class ServeConfig:
     kv_tau: int = setting(64, "decoded tokens between reselects", int, group="engine")
     kv_drafter: str = setting("", "the draft policy's model: same tokenizer, e.g. qwen2.5-coder-0.5b for the 1.5b",
                               group="engine", metavar="MODEL")
+
+    spec: str = setting("auto", "speculative decoding, the mode of requests that leave it unset: auto lets a gate "
+                        "turn the suffix drafter on where it pays; suffix / draft always use that drafter; off "
+                        "decodes plainly. The output is the same either way", choices=MODES, group="spec")
+    draft_model: str = setting("", "a small model with the target's tokenizer for --spec draft (registry name, "
+                               "fetched if missing, or .gguf path), e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b",
+                               group="spec", metavar="NAME|PATH")
 
     max_queue: int = setting(64, "Generate calls that may wait for the engine; more get RESOURCE_EXHAUSTED", int)
     snapshot_store: str = setting(

@@ -46,6 +46,14 @@ FINISH_REASONS: Mapping[str, pb.FinishReason] = {
     "length": pb.FINISH_REASON_LENGTH,
     "eos": pb.FINISH_REASON_EOS,
 }
+SPECULATION_MODES: Mapping[int, str | None] = {
+    pb.SPECULATION_MODE_UNSPECIFIED: None,  # the server's default
+    pb.SPECULATION_MODE_OFF: "off",
+    pb.SPECULATION_MODE_AUTO: "auto",
+    pb.SPECULATION_MODE_SUFFIX: "suffix",
+    pb.SPECULATION_MODE_DRAFT: "draft",
+    pb.SPECULATION_MODE_DFLASH: "dflash",
+}
 
 
 class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
@@ -71,13 +79,15 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
                 # Validation and tokenization happen here, before the queue: a bad request fails at once and costs
                 # the engine thread nothing.
                 pin = request.pin_prefix_tokens if request.HasField("pin_prefix_tokens") else None
-                prompt_ids = await asyncio.to_thread(self._engine.prepare, prompt_from_request(request), params, pin)
+                speculation = speculation_from_proto(request.speculation)
+                prompt_ids = await asyncio.to_thread(self._engine.prepare, prompt_from_request(request), params, pin,
+                                                     speculation)
                 limit = self._config.max_prompt_tokens
                 if limit and len(prompt_ids) > limit:
                     raise InvalidRequestError("prompt", f"{len(prompt_ids)} tokens, more than the server's limit of "
                                                         f"{limit} (--max-prompt-tokens)")
                 lease = await take_lease(self._engine.store, session_id) if session_id else None
-                job = GenerationJob(prompt_ids, params, request_id, session_id, pin, lease)
+                job = GenerationJob(prompt_ids, params, request_id, session_id, pin, lease, speculation)
                 self._worker.submit_or_release(job)
                 try:
                     async for delta in job.deltas():
@@ -130,6 +140,8 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
                 max_top_logprobs=MAX_TOP_LOGPROBS,
                 kv_pool_tokens=info.kv_pool_tokens,
                 kv_policy=info.kv_policy,
+                speculation_modes=info.spec_modes,
+                speculation_default=info.spec_default,
             )
 
 
@@ -310,6 +322,12 @@ def prompt_from_request(request: pb.GenerateRequest) -> Prompt:
             raise InvalidRequestError("input", "set one of text, token_ids or messages")
 
 
+def speculation_from_proto(mode: int) -> str | None:
+    if mode not in SPECULATION_MODES:
+        raise InvalidRequestError("speculation", f"unknown mode {mode}")
+    return SPECULATION_MODES[mode]
+
+
 def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     """Fields the client left unset keep SamplingParams' defaults; the proto uses the same field names."""
     values = {}
@@ -343,6 +361,11 @@ def response_from_delta(delta: GenerationDelta, request_id: str, queue_time_s: f
                 kv_bytes_moved=u.kv_bytes_moved,
             )
         )
+        if s := u.speculation:
+            response.usage.speculation.CopyFrom(pb.SpeculationUsage(
+                mode=s.mode, drafter=s.drafter, rounds=s.rounds, drafted_tokens=s.drafted, accepted_tokens=s.accepted,
+                plain_steps=s.plain_steps,
+                gate_decisions=[pb.GateDecision(at_token=at, speculating=on) for at, on in s.gate_decisions]))
     return response
 
 

@@ -82,12 +82,14 @@ class GenerationJob(Job):
     """One Generate call."""
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, session_id: str = "",
-                 pin_prefix: int | None = None, lease: Lease | None = None):
+                 pin_prefix: int | None = None, lease: Lease | None = None,
+                 speculation: str | None = None):
         super().__init__(request_id, lease)
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.session_id = session_id
         self.pin_prefix = pin_prefix
+        self.speculation = speculation
 
     async def deltas(self) -> AsyncIterator[GenerationDelta]:
         """The generation's output; re-raises on the loop whatever the engine raised."""
@@ -101,7 +103,8 @@ class GenerationJob(Job):
         survives this replica."""
         if self.lease:
             self.lease.sync(engine)
-        steps = engine.generate(self.prompt_ids, self.params, self.session_id, self.pin_prefix)
+        steps = engine.generate(self.prompt_ids, self.params, self.session_id, self.pin_prefix,
+                                self.speculation)
         last = None
         try:
             for delta in steps:

@@ -33,11 +33,11 @@ class ProbeEngine:
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
-    def generate(self, prompt, params, session_id="", pin_prefix=None):
+    def generate(self, prompt, params, session_id="", pin_prefix=None, speculation=None):
         self.calls += 1
         self.steps = 0
         self.closed.clear()
-        inner = self._engine.generate(prompt, params, session_id, pin_prefix)
+        inner = self._engine.generate(prompt, params, session_id, pin_prefix, speculation)
         return self._watch(inner)
 
     def _watch(self, inner):

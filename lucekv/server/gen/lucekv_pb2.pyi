@@ -7,12 +7,27 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SpeculationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPECULATION_MODE_UNSPECIFIED: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_OFF: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_AUTO: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_SUFFIX: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_DRAFT: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_DFLASH: _ClassVar[SpeculationMode]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_EOS: _ClassVar[FinishReason]
+SPECULATION_MODE_UNSPECIFIED: SpeculationMode
+SPECULATION_MODE_OFF: SpeculationMode
+SPECULATION_MODE_AUTO: SpeculationMode
+SPECULATION_MODE_SUFFIX: SpeculationMode
+SPECULATION_MODE_DRAFT: SpeculationMode
+SPECULATION_MODE_DFLASH: SpeculationMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -73,7 +88,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "messages", "sampling", "request_id", "session_id", "pin_prefix_tokens")
+    __slots__ = ("text", "token_ids", "messages", "sampling", "request_id", "session_id", "pin_prefix_tokens", "speculation")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +96,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PIN_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     messages: ChatMessages
@@ -88,7 +104,8 @@ class GenerateRequest(_message.Message):
     request_id: str
     session_id: str
     pin_prefix_tokens: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pin_prefix_tokens: _Optional[int] = ...) -> None: ...
+    speculation: SpeculationMode
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pin_prefix_tokens: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationMode, str]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -109,7 +126,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "time_to_first_token_ms", "decode_tokens_per_second", "queue_time_ms", "kv_resident_chunks", "kv_paged_chunks", "kv_bytes_moved")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "time_to_first_token_ms", "decode_tokens_per_second", "queue_time_ms", "kv_resident_chunks", "kv_paged_chunks", "kv_bytes_moved", "speculation")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +136,7 @@ class Usage(_message.Message):
     KV_RESIDENT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     KV_PAGED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -128,7 +146,34 @@ class Usage(_message.Message):
     kv_resident_chunks: int
     kv_paged_chunks: int
     kv_bytes_moved: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., queue_time_ms: _Optional[float] = ..., kv_resident_chunks: _Optional[int] = ..., kv_paged_chunks: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ...) -> None: ...
+    speculation: SpeculationUsage
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., queue_time_ms: _Optional[float] = ..., kv_resident_chunks: _Optional[int] = ..., kv_paged_chunks: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationUsage, _Mapping]] = ...) -> None: ...
+
+class SpeculationUsage(_message.Message):
+    __slots__ = ("mode", "drafter", "rounds", "drafted_tokens", "accepted_tokens", "plain_steps", "gate_decisions")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GATE_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    drafter: str
+    rounds: int
+    drafted_tokens: int
+    accepted_tokens: int
+    plain_steps: int
+    gate_decisions: _containers.RepeatedCompositeFieldContainer[GateDecision]
+    def __init__(self, mode: _Optional[str] = ..., drafter: _Optional[str] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., plain_steps: _Optional[int] = ..., gate_decisions: _Optional[_Iterable[_Union[GateDecision, _Mapping]]] = ...) -> None: ...
+
+class GateDecision(_message.Message):
+    __slots__ = ("at_token", "speculating")
+    AT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SPECULATING_FIELD_NUMBER: _ClassVar[int]
+    at_token: int
+    speculating: bool
+    def __init__(self, at_token: _Optional[int] = ..., speculating: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage")
@@ -179,7 +224,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model_name", "arch", "fingerprint", "context_length", "vocab_size", "backend", "n_layer", "n_embd", "features", "max_queued_requests", "version", "max_top_logprobs", "kv_pool_tokens", "kv_policy")
+    __slots__ = ("model_name", "arch", "fingerprint", "context_length", "vocab_size", "backend", "n_layer", "n_embd", "features", "max_queued_requests", "version", "max_top_logprobs", "kv_pool_tokens", "kv_policy", "speculation_modes", "speculation_default")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +239,8 @@ class ServerInfo(_message.Message):
     MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_POLICY_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_MODES_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     arch: str
     fingerprint: str
@@ -208,7 +255,9 @@ class ServerInfo(_message.Message):
     max_top_logprobs: int
     kv_pool_tokens: int
     kv_policy: str
-    def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., fingerprint: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., n_layer: _Optional[int] = ..., n_embd: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., max_queued_requests: _Optional[int] = ..., version: _Optional[str] = ..., max_top_logprobs: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_policy: _Optional[str] = ...) -> None: ...
+    speculation_modes: _containers.RepeatedScalarFieldContainer[str]
+    speculation_default: str
+    def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., fingerprint: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., n_layer: _Optional[int] = ..., n_embd: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., max_queued_requests: _Optional[int] = ..., version: _Optional[str] = ..., max_top_logprobs: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_policy: _Optional[str] = ..., speculation_modes: _Optional[_Iterable[str]] = ..., speculation_default: _Optional[str] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)
