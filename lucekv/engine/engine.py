@@ -329,7 +329,7 @@ class Engine:
         """The turn's speculation (None: off), its drafter started on the prompt and the first token."""
         if mode == "off":
             return None
-        gate = Gate.start(self._step_clock, len(ids)) if mode == "auto" else None
+        gate = Gate(self._step_clock) if mode == "auto" else None
         drafter = self.drafters["suffix" if mode == "auto" else mode]
         spec = Speculator(mode, drafter, gate, self.spec_config.max_draft)
         spec.begin(ids, first)

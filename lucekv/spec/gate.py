@@ -3,12 +3,13 @@
 Speculation pays when a round's tokens would have taken plain decoding longer than the round took:
 gain = sum(tokens_i * t_plain) / sum(t_round_i) over recent rounds. `StepClock` keeps the measured seconds of a
 plain step and of a round of each verify width per context bucket (a step's cost grows with the context), for the
-engine's whole life: they are properties of the model and backend, not of one text. `Gate` is one turn's
-decision. While speculating, real rounds are judged; below 1 - margin speculation stops. While it is off the
-drafter is still asked at every plain step (when proposing is cheap) and its proposals are scored against the
-tokens plain decoding then produces: the accepted length a round would have had is exactly known (greedy), so a
-shadow round's gain is estimated from the clock's round times; above 1 + margin, for long enough, speculation
-comes back. Each switch off in a turn doubles how long the shadow must pay before that.
+engine's whole life: they are properties of the model and backend, not of one text. `Gate` is one turn's decision.
+A turn starts with plain steps, and the drafter is asked at each of them (when proposing is cheap): its proposals
+are scored against the tokens plain decoding then produces, so the accepted length a round would have had is
+exactly known (greedy), and such a shadow round's gain is estimated from the clock's round times. Above 1 + margin
+over min_rounds shadow rounds, speculation starts; while speculating, real rounds are judged, and below
+1 - margin speculation stops. The shadow must then pay for `backoff` rounds before it comes back, twice as many
+after each further switch off in the turn.
 """
 
 from __future__ import annotations
@@ -90,12 +91,6 @@ class Gate:
         self._switch_offs = 0
         self._reset()
 
-    @classmethod
-    def start(cls, clock: StepClock, context: int) -> Gate:
-        """A turn's gate: speculating from the start where plain steps of this context are timed already (rounds
-        can then be judged at once), else plain steps first, scored in the shadow."""
-        return cls(clock, speculating=clock.warm(context_bucket(context)))
-
     def plain_step(self, seconds: float, context: int) -> None:
         self.clock.observe_plain(context_bucket(context), seconds)
 
@@ -125,8 +120,8 @@ class Gate:
         if self.speculating and self._rounds >= c.min_rounds and gain < 1 - c.margin:
             self._switch_offs += 1
             self._set(False, at)
-        elif (not self.speculating and self._rounds >= max(c.min_rounds, c.backoff << self._switch_offs)
-              and gain > 1 + c.margin):
+        elif (not self.speculating and gain > 1 + c.margin
+              and self._rounds >= (c.backoff << (self._switch_offs - 1) if self._switch_offs else c.min_rounds)):
             self._set(True, at)
 
     def _set(self, speculating: bool, at: int) -> None:

@@ -14,40 +14,61 @@ def test_context_buckets_double():
     assert [context_bucket(n) for n in (1, 512, 513, 1024, 1025, 100_000)] == [0, 0, 1, 1, 2, 8]
 
 
-def test_a_turn_starts_speculating_only_where_plain_steps_are_timed():
-    assert not Gate.start(StepClock(), 100).speculating
-    assert Gate.start(warm_clock(), 100).speculating
-    assert not Gate.start(warm_clock(), 5000).speculating  # another context bucket
+def speculating_gate(clock):
+    """A gate whose shadow rounds paid for min_rounds rounds: speculating."""
+    gate = Gate(clock)
+    for i in range(clock.config.min_rounds):
+        gate.shadow_round(width=5, emitted=4, context=100, at=i)
+    assert gate.speculating
+    return gate
+
+
+def test_a_turn_starts_plain_and_speculates_once_the_shadow_pays_where_plain_steps_are_timed():
+    cold = Gate(StepClock())
+    for i in range(20):
+        cold.shadow_round(width=5, emitted=5, context=100, at=i)
+    assert not cold.speculating  # no plain step timed: nothing to compare with
+    gate = Gate(warm_clock())
+    for i in range(3):
+        gate.shadow_round(width=5, emitted=4, context=100, at=i)
+        assert not gate.speculating
+    gate.shadow_round(width=5, emitted=4, context=100, at=3)
+    assert gate.speculating and gate.decisions == [(3, True)]
+    other_bucket = Gate(warm_clock())
+    for i in range(20):
+        other_bucket.shadow_round(width=5, emitted=5, context=5000, at=i)
+    assert not other_bucket.speculating
 
 
 def test_rounds_that_pay_keep_speculation_on():
-    gate = Gate.start(warm_clock(), 100)
+    gate = speculating_gate(warm_clock())
     for i in range(20):
         gate.real_round(0.012, width=5, emitted=3, context=100, at=i)  # 3 tokens in 12 ms vs 30 ms plain
-    assert gate.speculating and gate.decisions == []
+    assert gate.speculating and len(gate.decisions) == 1
 
 
 def test_rounds_that_do_not_pay_switch_it_off_after_min_rounds():
-    gate = Gate.start(warm_clock(), 100)
+    gate = speculating_gate(warm_clock())
     for i in range(3):
-        gate.real_round(0.015, width=5, emitted=1, context=100, at=i)
+        gate.real_round(0.015, width=5, emitted=1, context=100, at=10 + i)
         assert gate.speculating
-    gate.real_round(0.015, width=5, emitted=1, context=100, at=3)
-    assert not gate.speculating and gate.decisions == [(3, False)]
+    gate.real_round(0.015, width=5, emitted=1, context=100, at=13)
+    assert not gate.speculating and gate.decisions == [(3, True), (13, False)]
 
 
 def test_shadow_rounds_bring_it_back_after_a_backoff_that_doubles():
     clock = warm_clock()
-    gate = Gate.start(clock, 100)
-    for i in range(4):
-        gate.real_round(0.015, width=5, emitted=1, context=100, at=i)
-    assert not gate.speculating
-    backoff = clock.config.backoff << 1  # one switch off so far
-    for i in range(backoff - 1):
-        gate.shadow_round(width=5, emitted=4, context=100, at=10 + i)  # 4 tokens for a 15 ms round: pays
-    assert not gate.speculating
-    gate.shadow_round(width=5, emitted=4, context=100, at=99)
-    assert gate.speculating and gate.decisions == [(3, False), (99, True)]
+    gate = speculating_gate(clock)
+    for backoff in (clock.config.backoff, 2 * clock.config.backoff):
+        for i in range(4):
+            gate.real_round(0.015, width=5, emitted=1, context=100, at=i)
+        assert not gate.speculating
+        for i in range(backoff - 1):
+            gate.shadow_round(width=5, emitted=4, context=100, at=10 + i)  # 4 tokens for a 15 ms round: pays
+        assert not gate.speculating
+        gate.shadow_round(width=5, emitted=4, context=100, at=99)
+        assert gate.speculating
+    assert [on for _, on in gate.decisions] == [True, False, True, False, True]
 
 
 def test_shadow_rounds_that_would_not_pay_leave_it_off():
