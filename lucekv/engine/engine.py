@@ -34,6 +34,7 @@ from lucekv.snapshot.blob import (
 )
 from lucekv.snapshot.store import SnapshotStore, check_session_id
 from lucekv.spec.config import SpecConfig
+from lucekv.spec.draft_model import DraftModelDrafter, check_same_vocabulary
 from lucekv.spec.drafter import Drafter
 from lucekv.spec.gate import Gate, StepClock
 from lucekv.spec.speculator import Block, Speculator
@@ -100,6 +101,8 @@ class Engine:
         # by speculation mode; "auto" gates the suffix drafter
         self.drafters: dict[str, Drafter] = {
             "suffix": SuffixDrafter(RecentOutputs() if self.spec_config.shared_outputs else None)}
+        if self.spec_config.draft_model is not None:
+            self.drafters["draft"] = self._draft_model(g, kv_dtype)
         self._sequence = _Sequence(self)  # the live sequence as a speculative round's target
         for key in snapshot_store.keys() if snapshot_store is not None else ():
             self.sessions.put(Session(key, stored_bytes=snapshot_store.size(key)))
@@ -289,13 +292,11 @@ class Engine:
         sampler = Sampler(params, ids, self.spec.vocab_size)
         out = OutputStream(self.tokenizer, params, ids[-1], self.tokenizer.eog_ids)
 
-        def sample(row: np.ndarray, i: int) -> int:  # the i-th token of the next block, on the host
-            tok = sampler.sample(row, out.banned(i))
-            sampler.observe(tok)  # (device-greedy tokens are not observed: plain greedy reads no penalties)
-            return tok
+        def host(rows: np.ndarray) -> _BlockSampling:  # the next block's tokens, sampled on the host
+            return _BlockSampling(sampler, out, rows)
 
-        block = Block([sample(logits, 0)], logits[None])
-        spec = self._speculator(speculation, ids, block.tokens[0])
+        block = Block([host(logits[None]).sample(0)], logits[None])
+        spec = self._speculator(speculation, ids, block.tokens[0], params)
         device_greedy = sampler.plain_greedy and not params.logprobs  # the sample is the argmax: the device's
         while True:
             logprobs = None
@@ -314,25 +315,25 @@ class Engine:
             greedy_now = device_greedy and out.n >= params.min_tokens
             if spec is not None and spec.speculating and not self._in_flight:
                 block = spec.round(self._sequence, tok, pos, params.max_tokens - out.n, out.n,
-                                   None if greedy_now else sample)
+                                   None if greedy_now else host)
                 continue
             if greedy_now:
                 more = out.n + 1 < params.max_tokens and (spec is None or not spec.speculating)
                 block = Block([self._decode_greedy(tok, pos, more)])
             else:
                 logits = self._forward([tok], pos, decoding=True)[0][-1]
-                block = Block([sample(logits, 0)], logits[None])
+                block = Block([host(logits[None]).sample(0)], logits[None])
             if spec is not None:
                 spec.plain(block.tokens[0], pos + 1, out.n)
 
-    def _speculator(self, mode: str, ids: list[int], first: int) -> Speculator | None:
+    def _speculator(self, mode: str, ids: list[int], first: int, params: SamplingParams) -> Speculator | None:
         """The turn's speculation (None: off), its drafter started on the prompt and the first token."""
         if mode == "off":
             return None
         gate = Gate(self._step_clock) if mode == "auto" else None
         drafter = self.drafters["suffix" if mode == "auto" else mode]
         spec = Speculator(mode, drafter, gate, self.spec_config.max_draft)
-        spec.begin(ids, first)
+        spec.begin(ids, first, params)
         return spec
 
     def _usage(self, ids: list[int], cached: int, out: OutputStream, t0: float, spec: Speculator | None) -> Usage:
@@ -345,6 +346,18 @@ class Engine:
         if spec is not None:
             usage.speculation = spec.end()
         return usage
+
+    def _draft_model(self, target, kv_dtype: str) -> DraftModelDrafter:
+        """The draft model of SpecConfig on a backend of this engine's kind, its pool the whole context."""
+        path = self.spec_config.draft_model
+        g = open_gguf(path)
+        check_same_vocabulary(target.metadata, g.metadata, str(path))
+        spec = ModelSpec.from_gguf(g)
+        if spec.n_ctx < self.n_ctx:
+            raise ConfigError(f"draft model {path}: its context of {spec.n_ctx} tokens is shorter than the target's "
+                              f"{self.n_ctx}")
+        backend, _ = _make_backend(self.backend.name, g, spec, kv_dtype, self.n_ctx, None)
+        return DraftModelDrafter(backend, self.spec.vocab_size)
 
     def _forget_drafts(self) -> None:
         """Free the slots of rejected drafts past the sequence's end (they are out of view already): a pager's
@@ -624,6 +637,31 @@ class Engine:
                 return
             if s is not self._live:
                 self._spill(s)
+
+
+class _BlockSampling:
+    """The request's sampler over a block's logits (lucekv.spec.verify.TargetSampler): row i gives the block's i-th
+    token. Tokens are observed as they are drawn or kept (penalties of later rows see them; device-greedy tokens
+    are not: plain greedy reads no penalties)."""
+
+    def __init__(self, sampler: Sampler, out: OutputStream, rows: np.ndarray):
+        self._sampler, self._out, self._rows = sampler, out, rows
+
+    def sample(self, i: int) -> int:
+        return self.keep(self._sampler.sample(self._rows[i], self._out.banned(i)))
+
+    def probs(self, i: int) -> np.ndarray:
+        return self._sampler.distribution(self._rows[i], self._out.banned(i))
+
+    def draw(self, probs: np.ndarray) -> int:
+        return self.keep(self._sampler.draw(probs))
+
+    def uniform(self) -> float:
+        return float(self._sampler.rng.random())
+
+    def keep(self, token: int) -> int:
+        self._sampler.observe(token)
+        return token
 
 
 class _Sequence:

@@ -22,7 +22,7 @@ class SpecConfig:
 
     def available(self) -> tuple[str, ...]:
         """The modes a request may ask for."""
-        return tuple(m for m in MODES if m not in ("draft", "dflash") or (m == "draft" and self.draft_model))
+        return tuple(m for m in MODES if m != "dflash" and (m != "draft" or self.draft_model is not None))
 
     def check(self) -> SpecConfig:
         if self.mode not in MODES:
