@@ -93,11 +93,34 @@ class Sampler:
         return p.greedy and p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty)
 
     def sample(self, logits: np.ndarray, banned: list[int] | None = None) -> int:
-        p = self.p
-        x = logits[: self.vocab_size]
         if self.plain_greedy and not banned:
-            return int(np.argmax(x))  # nothing to change: no copy (a decode step's cost, at 150K-token vocabularies)
-        x = x.astype(np.float32, copy=True)
+            return int(np.argmax(logits[: self.vocab_size]))  # no copy: a decode step costs it at 150K vocabularies
+        x = self._adjusted(logits, banned)
+        if self.p.greedy:
+            return int(np.argmax(x))
+        order, probs = self._candidates(x)
+        return int(order[self.rng.choice(len(order), p=probs)])
+
+    def distribution(self, logits: np.ndarray, banned: list[int] | None = None) -> np.ndarray:
+        """float64 [vocab]: the probabilities `sample` draws the next token with (one-hot when greedy)."""
+        x = self._adjusted(logits, banned)
+        out = np.zeros(self.vocab_size)
+        if self.p.greedy:
+            out[int(np.argmax(x))] = 1.0
+            return out
+        order, probs = self._candidates(x)
+        out[order] = probs
+        return out
+
+    def draw(self, probs: np.ndarray) -> int:
+        """A token drawn from probs [vocab] with this sampler's RNG."""
+        support = np.flatnonzero(probs)
+        return int(support[self.rng.choice(len(support), p=probs[support] / probs[support].sum())])
+
+    def _adjusted(self, logits: np.ndarray, banned: list[int] | None) -> np.ndarray:
+        """Logits after the penalties and bans, divided by the temperature (float32 [vocab], a copy)."""
+        p = self.p
+        x = logits[: self.vocab_size].astype(np.float32, copy=True)
         if p.repetition_penalty != 1.0:
             s = x[self.seen]
             x[self.seen] = np.where(s > 0, s / p.repetition_penalty, s * p.repetition_penalty)
@@ -105,11 +128,10 @@ class Sampler:
             x -= p.presence_penalty * (self.counts > 0) + p.frequency_penalty * self.counts
         if banned:
             x[banned] = -np.inf
-        if p.greedy:
-            return int(np.argmax(x))
-        return self._draw(x / np.float32(p.temperature))
+        return x if p.greedy else x / np.float32(p.temperature)
 
-    def _draw(self, x: np.ndarray) -> int:
+    def _candidates(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens a draw may pick, most likely first, and their probabilities (top-k, top-p, min-p applied)."""
         p = self.p
         # Tokens more than e^30 less likely than the best carry < 1e-13 of the mass: skip sorting them.
         cand = np.flatnonzero(x >= x.max() - np.float32(30.0))
@@ -123,5 +145,4 @@ class Sampler:
             keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
         if p.min_p > 0.0:
             keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
-        probs = probs[:keep] / probs[:keep].sum()
-        return int(order[self.rng.choice(keep, p=probs)])
+        return order[:keep], probs[:keep] / probs[:keep].sum()

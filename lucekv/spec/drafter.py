@@ -8,6 +8,8 @@ from typing import Protocol
 
 import numpy as np
 
+from lucekv.engine.sampling import SamplingParams
+
 
 @dataclass(frozen=True)
 class Draft:
@@ -27,8 +29,9 @@ class Drafter(Protocol):
     name: str
     cheap: bool  # proposing costs next to nothing: the gate may score its proposals while speculation is off
 
-    def begin(self, tokens: Sequence[int]) -> None:
-        """A turn starts from `tokens` (the prompt, a session's history included)."""
+    def begin(self, tokens: Sequence[int], params: SamplingParams) -> None:
+        """A turn starts from `tokens` (the prompt, a session's history included), sampled with `params` (a
+        drafter with distributions of its own draws from them where the temperature is above 0)."""
 
     def propose(self, max_len: int) -> Draft:
         """Up to `max_len` tokens to follow the sequence so far (possibly none)."""

@@ -15,11 +15,12 @@ from typing import Protocol
 
 import numpy as np
 
+from lucekv.engine.sampling import SamplingParams
 from lucekv.spec.drafter import Drafter
 from lucekv.spec.gate import Gate
-from lucekv.spec.verify import accept_greedy, accept_sampled
+from lucekv.spec.verify import TargetSampler, accept_greedy, accept_rejection, accept_sampled
 
-Sample = Callable[[np.ndarray, int], int]  # (logits of a position, its index in the block) -> token, observed
+HostSampling = Callable[[np.ndarray], TargetSampler]  # the request's sampler over a verify block's logits
 
 
 class Target(Protocol):
@@ -68,25 +69,27 @@ class Speculator:
     def speculating(self) -> bool:
         return self.gate is None or self.gate.speculating
 
-    def begin(self, prompt: list[int], first: int) -> None:
+    def begin(self, prompt: list[int], first: int, params: SamplingParams) -> None:
         """The turn's prompt and its first token (sampled from the prefill's logits)."""
-        self.drafter.begin(prompt)
+        self.drafter.begin(prompt, params)
         self.drafter.accept([first])
         self._mark = time.perf_counter()
 
     def round(self, target: Target, last: int, position: int, budget: int, at: int,
-              sample: Sample | None = None) -> Block:
+              host: HostSampling | None = None) -> Block:
         """Propose after `last` (at `position`, not yet forwarded), verify in one target forward, keep the accepted.
-        At most `budget` tokens come out; `at`: output tokens so far. Greedy on the device when `sample` is None,
-        else each position sampled on the host (`accept_sampled`)."""
+        At most `budget` tokens come out; `at`: output tokens so far. Greedy on the device when `host` is None,
+        else on the host with the request's sampler: the rejection rule where the drafter gave its distributions,
+        sample-and-match where its drafts are deterministic."""
         draft = self.drafter.propose(min(self.max_draft, budget - 1))
         inputs = [last, *draft.tokens]
         logits = None
-        if sample is None:
+        if host is None:
             tokens = accept_greedy(draft, target.verify_greedy(inputs, position))
         else:
             logits = target.verify_logits(inputs, position)
-            tokens = accept_sampled(draft, logits, sample)
+            accept = accept_sampled if draft.probs is None else accept_rejection
+            tokens = accept(draft, host(logits))
             logits = logits[: len(tokens)]
         target.keep(position + len(tokens))  # `last` and the accepted drafts
         self.drafter.accept(tokens)

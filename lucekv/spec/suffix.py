@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lucekv.engine.sampling import SamplingParams
 from lucekv.spec.drafter import Draft
 
 NGRAMS = (2, 3, 4, 6, 8)  # suffix lengths looked up, longest first; 1-grams match too much to be worth a verify
@@ -180,7 +181,7 @@ class SuffixDrafter:
         self.per_match = per_match
         self._turn_start = 0
 
-    def begin(self, tokens: Sequence[int]) -> None:
+    def begin(self, tokens: Sequence[int], params: SamplingParams | None = None) -> None:
         """Keeps the index when `tokens` continue what it holds (a session's next turn), else indexes afresh."""
         n = len(self.index)
         if n > len(tokens) or self.index.tokens != list(tokens[:n]):

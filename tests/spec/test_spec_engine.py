@@ -34,7 +34,7 @@ class OracleDrafter:
         self.reference, self.longest = reference, longest
         self.proposals = 0
 
-    def begin(self, tokens):
+    def begin(self, tokens, params=None):
         self.seq = list(tokens)
 
     def propose(self, max_len):

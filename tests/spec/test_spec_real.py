@@ -58,17 +58,32 @@ class LRUCache:
 PROMPT = CODE + "\n\n# The same module, once more:\n\n" + CODE[:300]  # its continuation copies the code
 
 
-def greedy(engine, speculation):
-    out = list(engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True),
-                               speculation=speculation))
-    return [t for d in out for t in d.token_ids], out[-1].usage
+NEAR_TIE = 1e-2  # logprob gap between the best two tokens below which batch and one-token float32 rounding may differ
+
+
+def greedy(engine, speculation, prompt=PROMPT, logprobs=False):
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True, logprobs=logprobs, top_logprobs=2)
+    out = list(engine.generate(prompt, params, speculation=speculation))
+    return [t for d in out for t in d.token_ids], out
+
+
+def assert_same_greedy(spec, plain_out):
+    """Token-identical, except that the outputs may part where plain decoding's best two tokens were a near-tie:
+    a verify forward's batched products round in another order than a one-token step's (on both backends), which
+    can flip an argmax whose margin is within that rounding. Anywhere else a difference is a bug."""
+    plain = [t for d in plain_out for t in d.token_ids]
+    first = next((i for i, (a, b) in enumerate(zip(spec, plain, strict=True)) if a != b), None)
+    if first is not None:
+        top = [x for d in plain_out for x in d.logprobs][first].top
+        assert top[0][1] - top[1][1] < NEAR_TIE, f"outputs part at token {first}, not a near-tie: {top}"
 
 
 def check_self_drafting(path, pool):
     # fresh engines: a second request on one engine reuses the first one's sequence, whose residency differs
-    plain, _ = greedy(lucekv.load(path, backend="cpu", kv_pool=pool, kv_policy="lru"), "off")
-    spec, usage = greedy(lucekv.load(path, backend="cpu", kv_pool=pool, kv_policy="lru"), "suffix")
-    assert spec == plain
+    _, plain_out = greedy(lucekv.load(path, backend="cpu", kv_pool=pool, kv_policy="lru"), "off", logprobs=True)
+    spec, out = greedy(lucekv.load(path, backend="cpu", kv_pool=pool, kv_policy="lru"), "suffix")
+    assert_same_greedy(spec, plain_out)
+    usage = out[-1].usage
     s = usage.speculation
     assert s.accepted > 64 and s.rounds < 64  # the answer copies the prompt: most tokens come from drafts
     if pool:
