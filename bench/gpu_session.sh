@@ -14,6 +14,10 @@
 #                                      draft (drafter qwen2.5-coder-0.5b); MODEL qwen05 (default) or qwen15; needs
 #                                      .data/niah-corpus.json (lucekv bench niah-corpus -o .data/niah-corpus.json;
 #                                      git-ignored, ~8 MB) carried
+#   bash bench/gpu_session.sh spec [WORKLOADS]  lucekv bench spec: qwen2.5-coder-1.5b target, 0.5b draft, greedy,
+#                                      20 prompts per workload (default code,edit,chat; ~2-3 min each), needs both
+#                                      models' pieces (.models/qwen15.part*, .models/qwen05.part*) and
+#                                      bench/prompts/spec.json (`lucekv bench spec-prompts -o bench/prompts/spec.json`)
 #   bash bench/gpu_session.sh depth    decode tok/s at 4K..128K context, 8B shape, pool 4096 vs full cache vs
 #                                      llama-bench (~5 min); `depth build` first builds llama-bench (~4 min, a call
 #                                      of its own: /tmp survives while the machine stays warm)
@@ -83,6 +87,13 @@ bench)
   # the 8B-shaped anchor file of shared/tools (carried in .anchors/): raw random Q4_K/Q6_K blocks, seconds to write
   [ -f /tmp/qwen3-8b-shape.gguf ] || timeout 120 python3 .anchors/synth_gguf.py /tmp/qwen3-8b-shape.gguf qwen3-8b-shape
   [ -f /tmp/qwen3-8b-shape.gguf ] && run_pair qwen3-8b-shape /tmp/qwen3-8b-shape.gguf
+  ;;
+spec)
+  Q15=/tmp/qwen2.5-coder-1.5b.gguf Q05=/tmp/qwen2.5-coder-0.5b.gguf W=${2:-code,edit,chat}
+  [ -f $Q15 ] && [ -f $Q05 ] && [ -f bench/prompts/spec.json ] || { echo "spec: needs $Q15, $Q05 and bench/prompts/spec.json"; exit 1; }
+  python3 -m lucekv.cli bench spec --model $Q15 --draft-model $Q05 --backend cuda --prompts bench/prompts/spec.json \
+    --workloads "$W" --modes suffix,auto,draft --n 20 --max-tokens 256 \
+    --json "$OUT/spec-qwen2.5-coder-1.5b-${W//,/-}.json" 2>&1 | grep -v -i warn | tail -25
   ;;
 profile)
   python3 -m lucekv.bench.matvec_speed --json "$OUT/matvec-speed.json" 2>&1 | grep -v -i warning
