@@ -14,7 +14,7 @@ __all__ = ["Engine", "EngineInfo", "GenerationDelta", "SamplingParams", "Usage",
 
 def load(model: str | Path, **options: Any) -> Engine:
     """Load a model by registry name (fetched if missing) or GGUF path; `options` are Engine's (backend, kv_dtype,
-    n_ctx, kv_pool, kv_policy, kv_tau, session limits, snapshot_store)."""
+    n_ctx, kv_pool, kv_policy, kv_tau, session limits, snapshot_store, speculation)."""
     from lucekv.model.registry import resolve_model
 
     return Engine(resolve_model(str(model)), **options)
