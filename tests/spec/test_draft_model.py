@@ -72,6 +72,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused(models, tmp_path):
         load(models[0], other)
 
 
+@pytest.mark.slow  # CI time; the synthetic pairs above cover the drafter in the default run
 def test_smollm2_drafting_for_itself_equals_plain_greedy_for_128_tokens(model_path):
     from tests.spec.test_spec_real import assert_same_greedy, greedy
 
