@@ -14,7 +14,8 @@
 #                                      draft (drafter qwen2.5-coder-0.5b); MODEL qwen05 (default) or qwen15; needs
 #                                      .data/niah-corpus.json (lucekv bench niah-corpus -o .data/niah-corpus.json;
 #                                      git-ignored, ~8 MB) carried
-#   bash bench/gpu_session.sh spec [WORKLOADS]  lucekv bench spec: qwen2.5-coder-1.5b target, 0.5b draft, greedy,
+#   bash bench/gpu_session.sh spec [WORKLOADS] [qwen15|qwen05]  lucekv bench spec: qwen2.5-coder-1.5b target, 0.5b draft
+#                                      (or the 0.5b alone: suffix and auto), greedy,
 #                                      20 prompts per workload (default code,edit,chat; ~2-3 min each), needs both
 #                                      models' pieces (.models/qwen15.part*, .models/qwen05.part*) and
 #                                      bench/prompts/spec.json (`lucekv bench spec-prompts -o bench/prompts/spec.json`)
@@ -89,11 +90,14 @@ bench)
   [ -f /tmp/qwen3-8b-shape.gguf ] && run_pair qwen3-8b-shape /tmp/qwen3-8b-shape.gguf
   ;;
 spec)
+  # MODEL qwen15 (default): the 1.5b with the 0.5b drafting; qwen05: the 0.5b alone (suffix and auto: no smaller
+  # drafter shares its tokenizer)
   Q15=/tmp/qwen2.5-coder-1.5b.gguf Q05=/tmp/qwen2.5-coder-0.5b.gguf W=${2:-code,edit,chat}
-  [ -f $Q15 ] && [ -f $Q05 ] && [ -f bench/prompts/spec.json ] || { echo "spec: needs $Q15, $Q05 and bench/prompts/spec.json"; exit 1; }
-  python3 -m lucekv.cli bench spec --model $Q15 --draft-model $Q05 --backend cuda --prompts bench/prompts/spec.json \
-    --workloads "$W" --modes suffix,auto,draft --n 20 --max-tokens 256 \
-    --json "$OUT/spec-qwen2.5-coder-1.5b-${W//,/-}.json" 2>&1 | grep -v -i warn | tail -25
+  if [ "${3:-qwen15}" = qwen05 ]; then T=$Q05 MODES=suffix,auto DRAFT=; else T=$Q15 MODES=suffix,auto,draft DRAFT="--draft-model $Q05"; fi
+  [ -f $T ] && [ -f $Q05 ] && [ -f bench/prompts/spec.json ] || { echo "spec: needs $T, $Q05 and bench/prompts/spec.json"; exit 1; }
+  python3 -m lucekv.cli bench spec --model $T $DRAFT --backend cuda --prompts bench/prompts/spec.json \
+    --workloads "$W" --modes $MODES --n 20 --max-tokens 256 \
+    --json "$OUT/spec-$(basename $T .gguf)-${W//,/-}.json" 2>&1 | grep -v -i warn | tail -25
   ;;
 profile)
   python3 -m lucekv.bench.matvec_speed --json "$OUT/matvec-speed.json" 2>&1 | grep -v -i warning
