@@ -53,10 +53,9 @@ class CpuOps:
         self.spec = spec
         self.pool = pool
         self._layer_rope = [spec.layer_rope(i) for i in range(spec.n_layer)]
-        # post-RoPE query of each layer's latest token (decode step or last prompt token), for relevance scorers,
-        # and of the latest forward's last RECENT_QUERIES tokens (views of arrays each forward makes anew)
-        self.last_q = np.zeros((spec.n_layer, spec.n_head, spec.head_dim), np.float32)
-        self.recent_q: list[np.ndarray] = [self.last_q[i][None] for i in range(spec.n_layer)]
+        # post-RoPE queries [n_tokens, n_head, head_dim] of each layer's latest forward, for relevance scorers (a decode
+        # row's, or a prompt's last RECENT_QUERIES)
+        self.queries = [np.zeros((1, spec.n_head, spec.head_dim), np.float32) for _ in range(spec.n_layer)]
 
     def matrix(self, t: TensorInfo) -> PackedMatrix:
         return pack_tensor(t)
@@ -123,8 +122,7 @@ class CpuOps:
         kp[slots] = k.reshape(len(k), spec.n_kv_head, spec.head_dim)
         vp[slots] = v.reshape(len(v), spec.n_kv_head, spec.head_dim)
         qh = q.reshape(len(q), spec.n_head, spec.head_dim)
-        self.last_q[layer] = qh[-1]
-        self.recent_q[layer] = qh[-RECENT_QUERIES:]
+        self.queries[layer] = qh
         if len(q) == 1:
             out = attend_decode(qh[0], kp, vp, pool.slot_pos, pool.high_water, int(positions[0]), window,
                                 rope.attn_scale)[None]
@@ -213,8 +211,8 @@ class CpuBackend(RunAhead):
         rows = slice(block * CHUNK_TOKENS, (block + 1) * CHUNK_TOKENS)
         return np.stack([k[rows] for k in self.pool.k]).astype(np.float32)
 
-    def last_queries(self) -> np.ndarray:
-        return self.ops.last_q
+    def last_queries(self, row: int = -1) -> np.ndarray:
+        return np.stack([q[row] for q in self.ops.queries])
 
     def recent_queries(self) -> np.ndarray:
-        return np.stack(self.ops.recent_q, axis=1)
+        return np.stack([q[-RECENT_QUERIES:] for q in self.ops.queries], axis=1)

@@ -651,7 +651,10 @@ class CudaBackend(RunAhead):
         """The block's keys as float32 [n_layer, CHUNK_TOKENS, n_kv_head, head_dim]: a buffer the next call reuses."""
         return self.pool.read_keys(block)
 
-    def last_queries(self) -> np.ndarray:
+    def last_queries(self, row: int = -1) -> np.ndarray:
+        """The last token's query (the only row kept: -1)."""
+        if row != -1:
+            raise ValueError("the CUDA backend keeps the query of a forward's last token only")
         q = self.pool.last_q.copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return q.reshape(self.spec.n_layer, self.spec.n_head, self.spec.head_dim)

@@ -23,6 +23,7 @@ import numpy as np
 
 from lucekv.bench.decode import git_commit, machine
 from lucekv.kvflash import policy as policy_module
+from lucekv.kvflash.blocks import BlockPool
 from lucekv.kvflash.pager import CHUNK_TOKENS, Move, Pager
 from lucekv.kvflash.policy import POLICIES
 from lucekv.kvflash.sequence import PagedSequence
@@ -50,7 +51,7 @@ class FakeBackend:
     def chunk_keys(self, block: int) -> np.ndarray:
         return self._view(self.key_shape)
 
-    def last_queries(self) -> np.ndarray:
+    def last_queries(self, row: int = -1) -> np.ndarray:
         return self._view((N_LAYER, N_HEAD, HEAD_DIM))
 
     def _view(self, shape: tuple[int, ...]) -> np.ndarray:
@@ -79,11 +80,11 @@ class Timer:
 def restored(policy: str, context: int, rng: np.random.Generator) -> PagedSequence:
     """A sequence of `context` tokens as Engine.restore + resume + the prompt's recall leave it."""
     backend = FakeBackend(rng)
-    seq = PagedSequence(backend, np.full(POOL_TOKENS, -1, np.int32), n_layer=N_LAYER, n_kv_head=N_KV_HEAD,
-                        head_dim=HEAD_DIM, dtype=np.dtype(np.float16), policy=policy, tau=TAU, window=0)
+    seq = PagedSequence(backend, BlockPool(POOL_TOKENS // CHUNK_TOKENS, CHUNK_TOKENS), POOL_TOKENS,
+                        n_layer=N_LAYER, n_kv_head=N_KV_HEAD, head_dim=HEAD_DIM, dtype=np.dtype(np.float16),
+                        policy=policy, tau=TAU, window=0)
     p = seq.pager
-    seq.pager = Pager.parked(p.pool_tokens, context, p.chunk, p.sink_chunks, p.tail_chunks, p.chunk_bytes)
-    seq.pager.slot_pos = p.slot_pos
+    seq.pager = Pager.parked(p.pool_tokens, context, p.chunk, p.sink_chunks, p.tail_chunks, p.chunk_bytes, p.blocks)
     for c in range(context // CHUNK_TOKENS):
         seq.policy.scorer.seal(seq.pager, c, backend.chunk_keys(0))
     seq.resume()

@@ -15,6 +15,7 @@ from lucekv.engine.sampling import Sampler, SamplingParams, log_softmax
 from lucekv.engine.sessions import Session, SessionInfo, SessionTable
 from lucekv.engine.types import ChatMessage, GenerationDelta, TokenLogprob, Usage
 from lucekv.errors import ConfigError, ContextOverflowError, InvalidRequestError, LucekvError, ResourceLimitError
+from lucekv.kvflash.blocks import BlockPool
 from lucekv.kvflash.draft import DraftReader
 from lucekv.kvflash.host_store import MemoryHostStore
 from lucekv.kvflash.pager import CHUNK_TOKENS, RECENT_QUERIES, PageIn, PageOut, min_pool_tokens
@@ -86,6 +87,8 @@ class Engine:
         self.n_ctx = min(n_ctx or self.spec.n_ctx, self.spec.n_ctx)
         self.backend, kv_pool = _make_backend(backend, g, self.spec, kv_dtype, self.n_ctx, kv_pool)
         self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, kv_tau
+        pool = self.backend.pool
+        self.blocks = BlockPool(pool.size // CHUNK_TOKENS, CHUNK_TOKENS, pool.slot_pos)  # the sessions' pagers borrow
         self._drafter = self._load_drafter(kv_drafter, kv_dtype) if kv_pool and kv_policy == "draft" else None
         self.layout = KVLayout(g.fingerprint, self.spec.arch.name, self.spec.n_layer, self.spec.n_kv_head,
                                self.spec.head_dim, kv_dtype, CHUNK_TOKENS)
@@ -493,7 +496,7 @@ class Engine:
         s = Session(session_id)
         if self._kv_pool is not None:
             s.paged = PagedSequence(
-                self.backend, self.backend.pool.slot_pos, n_layer=self.spec.n_layer, n_kv_head=self.spec.n_kv_head,
+                self.backend, self.blocks, self._kv_pool, n_layer=self.spec.n_layer, n_kv_head=self.spec.n_kv_head,
                 head_dim=self.spec.head_dim, dtype=self.backend.pool.dtype, policy=self._kv_policy,
                 tau=self._kv_tau, window=self.spec.sliding_window, drafter=self._drafter, history=lambda: s.tokens)
         return s

@@ -1,10 +1,14 @@
 """The KVFlash pager: which logical 64-token chunk lives in which pool block (DESIGN §4).
 
-Pure bookkeeping. The pager decides *where* (slot numbers) and *what moves* (PageOut / PageIn); the backend
-copies the bytes, in the order the moves are returned, before it writes the slots of that allocation.
+Pure bookkeeping. The blocks come from a `BlockPool` (kvflash.blocks), shared by every sequence of a server: a pager
+borrows one for each resident chunk, up to its residency budget (`pool_tokens`), and evicts one of its own chunks
+when a new one needs a block at that budget. The pager decides *where* (slot numbers) and *what moves* (PageOut /
+PageIn); the backend copies the bytes, in the order the moves are returned, before it writes the slots of that
+allocation.
 
 Invariants (tests/kvflash check them after every operation):
-- a resident chunk c occupies block `block_of[c]`, and that block belongs to no other chunk;
+- a resident chunk c occupies block `block_of[c]`, held from the pool by this pager, and by no other chunk; the
+  pager holds no other blocks, and at most `n_blocks` (its budget);
 - `slot_pos[b*C + i] == c*C + i` for the written prefix `i < filled[c]` of a resident chunk, -1 everywhere
   else, so attention's `0 <= slot_pos <= q` rule never sees a free slot or a paged-out chunk;
 - a written (materialized) chunk that is not resident has a valid copy in the backend's host store;
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lucekv.errors import ConfigError, InvalidRequestError
+from lucekv.kvflash.blocks import BlockPool
 
 STATE_VERSION = 1
 CHUNK_TOKENS = 64  # logical positions per chunk, and slots per pool block
@@ -141,7 +146,9 @@ class PagerState:
 
 class Pager:
     def __init__(self, pool_tokens: int, chunk: int = CHUNK_TOKENS, sink_chunks: int = 1, tail_chunks: int = 4,
-                 chunk_bytes: int = 0):
+                 chunk_bytes: int = 0, blocks: BlockPool | None = None):
+        """pool_tokens: the residency budget (whole blocks). blocks: the pool to borrow from; None makes a private
+        one of the budget's size, which hands out blocks 0, 1, 2... (identity layout until it is full)."""
         _check_config(pool_tokens, chunk, sink_chunks, tail_chunks)
         self.pool_tokens = pool_tokens
         self.chunk = chunk
@@ -149,16 +156,16 @@ class Pager:
         self.tail_chunks = tail_chunks
         self.chunk_bytes = chunk_bytes  # K+V bytes of one chunk over all pooled layers, for statistics
         self.n_blocks = pool_tokens // chunk
-        self.slot_pos = np.full(pool_tokens, -1, np.int32)
+        if blocks is not None and blocks.chunk != chunk:
+            raise ConfigError(f"a pager of {chunk}-token chunks cannot borrow {blocks.chunk}-slot blocks")
+        self.blocks = BlockPool(self.n_blocks, chunk) if blocks is None else blocks
         self.epoch = 0
         self.n_tokens = 0  # one past the highest position ever written
         self.clock = 0
         self.stats = PagerStats()
         self.summaries = ChunkSummaries()
         self.pins: list[tuple[int, int]] = []
-        # Popped from the end: a fresh pager hands out blocks 0, 1, 2... (identity layout until it is full).
-        self._free = list(range(self.n_blocks - 1, -1, -1))
-        self._block_chunk = np.full(self.n_blocks, -1, np.int32)
+        self._block_chunk = np.full(self.blocks.n_blocks, -1, np.int32)  # pool block -> this pager's chunk in it
         self._sealed: set[int] = set()
         self.block_of = np.full(0, NOT_RESIDENT, np.int32)
         self.filled = np.zeros(0, np.int32)  # written prefix of each chunk, in positions
@@ -167,6 +174,16 @@ class Pager:
         self.scores = np.zeros(0, np.float64)
 
     # ---- queries --------------------------------------------------------------------------------
+
+    @property
+    def slot_pos(self) -> np.ndarray:
+        """The pool's slot map (int32, -1 = free): this pager writes the slots of the blocks it holds."""
+        return self.blocks.slot_pos
+
+    @property
+    def held_blocks(self) -> int:
+        """Pool blocks this pager holds: one per resident chunk."""
+        return self.blocks.held(self)
 
     @property
     def n_chunks(self) -> int:
@@ -262,11 +279,12 @@ class Pager:
         return moves
 
     def recall_recent(self) -> list[Move]:
-        """The protected chunks and the most recent others that fit the free blocks (a sequence back in the pool with
-        no residency to return to), placed in order: recency then ranks them as their writes did."""
+        """The protected chunks and the most recent others that fit its budget and the pool's free blocks (a sequence
+        back in the pool with no residency to return to), placed in order: recency then ranks them as their writes
+        did."""
         n = self.n_chunks
         want = self.protected_mask() & (self.block_of[:n] < 0)
-        room = len(self._free) - int(want.sum())
+        room = min(self.n_blocks - self.held_blocks, self.blocks.free_blocks) - int(want.sum())
         others = np.flatnonzero(~want & (self.block_of[:n] < 0) & (self.filled[:n] > 0))
         want[others[len(others) - max(room, 0) :] if room > 0 else []] = True
         moves: list[Move] = []
@@ -298,7 +316,8 @@ class Pager:
                 "pins": [list(span) for span in self.pins]}
 
     def check_residency(self, r: dict) -> None:
-        """Raise ValueError unless `r` (from `residency()`) fits this parked pager: pool, chunks, protections."""
+        """Raise ValueError unless `r` (from `residency()`) fits this pager, parked or with some of r's chunks still
+        resident: pool, chunks, protections."""
         n = self.n_chunks
         try:
             resident, blocks = np.asarray(r["resident"], np.int64), np.asarray(r["blocks"], np.int64)
@@ -309,22 +328,25 @@ class Pager:
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ValueError(f"malformed residency: {e}") from None
         if (r["pool_tokens"] != self.pool_tokens or resident.shape != blocks.shape or resident.ndim != 1
-                or last_use.shape != (n,) or scores.shape != (n,) or len(self.resident_chunks())
-                or np.any((resident < 0) | (resident >= n)) or np.any((blocks < 0) | (blocks >= self.n_blocks))
+                or last_use.shape != (n,) or scores.shape != (n,)
+                or not np.all(np.isin(self.resident_chunks(), resident))
+                or len(resident) > self.n_blocks
+                or np.any((resident < 0) | (resident >= n)) or np.any((blocks < 0) | (blocks >= self.blocks.n_blocks))
                 or len(np.unique(resident)) != len(resident) or len(np.unique(blocks)) != len(blocks)
                 or any(not 0 <= a < b for a, b in pins)
                 or np.any(self._protected(n_tokens=self.n_tokens, pins=pins) & ~np.isin(np.arange(n), resident))):
             raise ValueError("the residency does not fit this pager (pool size, chunks, blocks or protections)")
 
     def restore_residency(self, r: dict) -> list[Move]:
-        """Page the chunks of `residency()` back into their blocks and restore recency and scores."""
+        """Page the chunks of `residency()` that left back, each into its block where that is free, and restore
+        recency and scores (attention reads a sequence's chunks in logical order: the blocks they land in do not
+        change it)."""
         self.check_residency(r)
         n = self.n_chunks
         moves: list[Move] = []
         for c, block in zip(r["resident"], r["blocks"], strict=True):
-            self._free.remove(block)
-            self._free.append(block)  # _place takes the free list's last block
-            self._place(c, moves)
+            if self.block_of[c] < 0:
+                self._place(c, moves, prefer=block)
         self.last_use[:n] = r["last_use"]
         self.scores[:n] = scores_from_text(r["scores"])
         self.clock = int(r["clock"])
@@ -336,11 +358,32 @@ class Pager:
         protected ones back when this sequence returns."""
         return [self._evict(int(c)) for c in self.resident_chunks()]
 
+    def give_back(self, n: int) -> list[PageOut]:
+        """Page out up to n resident chunks of this sequence, which is not running, for the pool: the chunks it would
+        evict first (lowest score, least recent), protected ones last."""
+        resident = self.resident_chunks()
+        order = np.lexsort((self.last_use[resident], self.scores[resident], self.protected_mask()[resident]))
+        return [self._evict(int(c)) for c in resident[order[:n]]]
+
+    def recall_all(self) -> list[Move]:
+        """Make every written chunk resident (a sequence that holds its whole context)."""
+        moves: list[Move] = []
+        for c in np.flatnonzero((self.block_of[: self.n_chunks] < 0) & (self.filled[: self.n_chunks] > 0)):
+            self._place(int(c), moves)
+        return moves
+
+    def blocks_wanted(self, end: int) -> int:
+        """Blocks this pager may take from the pool until it holds positions up to `end`: what writing them, recalling
+        chunks it gave back or a reselect can borrow at most (its budget or its chunks, whichever is less, less what
+        it holds). The scheduler reserves them before a step."""
+        chunks = -(-max(self.n_tokens, end) // self.chunk)
+        return max(0, min(self.n_blocks, chunks) - self.held_blocks)
+
     @classmethod
     def parked(cls, pool_tokens: int, n_tokens: int, chunk: int = CHUNK_TOKENS, sink_chunks: int = 1,
-               tail_chunks: int = 4, chunk_bytes: int = 0) -> Pager:
+               tail_chunks: int = 4, chunk_bytes: int = 0, blocks: BlockPool | None = None) -> Pager:
         """A pager for `n_tokens` positions whose chunks are all in the host store (a restored session)."""
-        p = cls(pool_tokens, chunk, sink_chunks, tail_chunks, chunk_bytes)
+        p = cls(pool_tokens, chunk, sink_chunks, tail_chunks, chunk_bytes, blocks)
         p.n_tokens = n_tokens
         n = p.n_chunks
         p._resize(n)
@@ -421,7 +464,7 @@ class Pager:
             STATE_VERSION, self.pool_tokens, self.chunk, self.sink_chunks, self.tail_chunks, self.chunk_bytes,
             self.n_tokens, self.clock, self.epoch, self.block_of[:n].copy(), self.filled[:n].copy(),
             self.host_valid[:n].copy(), self.last_use[:n].copy(), self.scores[:n].copy(),
-            np.asarray(self._free, np.int32), self.slot_pos.copy(), list(self.pins),
+            np.asarray(self.blocks.free_order(), np.int32), self.slot_pos.copy(), list(self.pins),
             PagerStats(**vars(self.stats)),
             {name: tuple(a.copy() for a in self.summaries.table(name, n)) for name in self.summaries.values})
 
@@ -484,12 +527,12 @@ class Pager:
                 f"protected chunks resident at once, more than the pool's {self.n_blocks} blocks; write in "
                 f"smaller batches or use a larger --kv-pool")
 
-    def _place(self, c: int, moves: list[Move], keep: slice = slice(0)) -> None:
-        """Give non-resident chunk c a block (evicting, but not a chunk in `keep`, if needed); recall its bytes if
-        it was written."""
-        if not self._free:
+    def _place(self, c: int, moves: list[Move], keep: slice = slice(0), prefer: int | None = None) -> None:
+        """Give non-resident chunk c a block (at the budget, evicting one of its own chunks, but not one in `keep`);
+        recall its bytes if it was written. Raises PoolExhaustedError when the shared pool has no block left."""
+        if self.held_blocks >= self.n_blocks:
             moves.append(self._evict(self._victim(keep)))
-        block = self._free.pop()
+        block = self.blocks.take(self, prefer)
         self.block_of[c] = block
         self._block_chunk[block] = c
         self.epoch += 1
@@ -525,7 +568,7 @@ class Pager:
         self.block_of[c] = NOT_RESIDENT
         self._block_chunk[block] = -1
         self.slot_pos[self.block_slots(block)] = -1
-        self._free.append(block)
+        self.blocks.give(block)
         self.epoch += 1
 
     def _write(self, c: int, off0: int, off1: int) -> None:
@@ -550,17 +593,17 @@ class Pager:
         return {c for c0, c1 in self._pinned_ranges(pins) for c in range(max(c0, self.sink_chunks), c1 + 1)}
 
     def _rebuild_blocks(self, free: np.ndarray) -> None:
-        """Block ownership and slot_pos from block_of/filled, checking no block has two owners."""
+        """Block ownership (taken from this pager's private pool) and slot_pos from block_of/filled, checking no
+        block has two owners; then the pool hands out its free blocks in the order `free` gives."""
         n = self.n_chunks
         for c in np.flatnonzero(self.block_of[:n] >= 0):
             block = int(self.block_of[c])
             if not 0 <= block < self.n_blocks or self._block_chunk[block] >= 0:
                 raise ValueError(f"pager state maps chunk {c} to block {block}, which is invalid or taken")
+            self.blocks.take(self, prefer=block)
             self._block_chunk[block] = c
             self._mark(int(c), block, 0, int(self.filled[c]))
-        if sorted(int(b) for b in free) != sorted(np.flatnonzero(self._block_chunk < 0).tolist()):
-            raise ValueError("pager state free list does not match its chunk map")
-        self._free = [int(b) for b in free]
+        self.blocks.set_free_order([int(b) for b in free])
 
 
 def min_pool_tokens(chunk: int = 64, sink_chunks: int = 1, tail_chunks: int = 4) -> int:

@@ -11,9 +11,10 @@ from typing import Protocol
 
 import numpy as np
 
+from lucekv.kvflash.blocks import BlockPool
 from lucekv.kvflash.draft import DraftReader
 from lucekv.kvflash.host_store import HostStore, MemoryHostStore
-from lucekv.kvflash.pager import CHUNK_TOKENS, UNSCORED, Move, PageIn, Pager, PagerUsage, scores_text
+from lucekv.kvflash.pager import CHUNK_TOKENS, UNSCORED, Move, PageIn, Pager, PagerUsage, min_pool_tokens, scores_text
 from lucekv.kvflash.policy import make_policy
 
 TAIL_CHUNKS = 4  # the recent chunks before the head that are never evicted...
@@ -33,59 +34,73 @@ class PoolBackend(Protocol):
 
     def execute(self, moves: list[Move], host: HostStore) -> None: ...
     def chunk_keys(self, block: int) -> np.ndarray: ...  # [layers, chunk, n_kv_head, head_dim]
-    def last_queries(self) -> np.ndarray: ...  # [layers, n_head, head_dim] of the latest token
+    def last_queries(self, row: int = -1) -> np.ndarray: ...  # [layers, n_head, head_dim] of a row of the last forward
     def recent_queries(self) -> np.ndarray: ...  # [rows, layers, n_head, head_dim]: the latest forward's last rows
 
 
 class PagedSequence:
-    """Slots for a sequence whose K/V may exceed the pool: cold chunks live in a host store."""
+    """One sequence's chunks in the server's block pool; with a budget, cold chunks live in a host store.
 
-    def __init__(self, backend: PoolBackend, slot_pos: np.ndarray, *, n_layer: int, n_kv_head: int,
+    Without a budget (None) the sequence holds its whole context while it runs: no policy, nothing is paged out but
+    what the pool takes back while the sequence is idle, and all of that comes back when it runs again."""
+
+    def __init__(self, backend: PoolBackend, blocks: BlockPool, budget: int | None, *, n_layer: int, n_kv_head: int,
                  head_dim: int, dtype: np.dtype, policy: str, tau: int, window: int, drafter: DraftReader | None = None,
                  history: Callable[[], Sequence[int]] | None = None):
         """drafter, history: the draft policy's reader and the sequence's tokens so far (see make_policy)."""
         chunk = CHUNK_TOKENS
         # Sliding-window layers share the slot space, so the protected tail must cover the window.
-        tail = max(tail_chunks(len(slot_pos) // chunk), math.ceil(window / chunk) + 1)
+        tail = max(tail_chunks((budget or blocks.n_blocks * chunk) // chunk), math.ceil(window / chunk) + 1)
+        self.holds_all = budget is None
+        if budget is None:  # the pool bounds it: no block is ever evicted to make room for another of its own
+            budget = max(blocks.n_blocks * chunk, min_pool_tokens(chunk, tail_chunks=tail))
         self.host = MemoryHostStore(n_layer, chunk, n_kv_head, head_dim, dtype)
-        self.pager = Pager(len(slot_pos), chunk, tail_chunks=tail, chunk_bytes=self.host.chunk_bytes)
-        self.pager.slot_pos = slot_pos  # the backend's own array: attention reads exactly what the pager says
-        self.policy = make_policy(policy, n_kv_head, tau, drafter, history)
+        self.pager = Pager(budget, chunk, tail_chunks=tail, chunk_bytes=self.host.chunk_bytes, blocks=blocks)
+        self.policy = None if self.holds_all else make_policy(policy, n_kv_head, tau, drafter, history)
         self.backend = backend
-        self._parked: dict | None = None  # the residency to return to, while parked
+        self._resume: dict | None = None  # the residency to return to, while suspended
 
     def alloc(self, start: int, n: int) -> np.ndarray:
         a = self.pager.alloc_span(start, n)
         self.backend.execute(a.moves, self.host)
         return a.slots
 
-    def after_forward(self, decoded: int) -> None:
-        """Summarize chunks that just filled up; after a decode step, feed the policy and maybe reselect."""
-        for c in self.pager.take_sealed():
+    def after_forward(self, decoded: int, row: int = -1) -> None:
+        """Summarize chunks that just filled up; after a decode step, feed the policy and maybe reselect. `row`: the
+        sequence's row in the forward (its query is the scorers')."""
+        sealed = self.pager.take_sealed()
+        if self.policy is None:
+            return
+        for c in sealed:
             self.policy.scorer.seal(self.pager, c, self.backend.chunk_keys(int(self.pager.block_of[c])))
         if decoded:
             if self.policy.wants_query(self.pager.n_tokens, decoded):
-                self.policy.scorer.observe(self.backend.last_queries())
+                self.policy.scorer.observe(self.backend.last_queries(row))
             self._run(self.policy.after_decode(self.pager, decoded))
 
     def quiet_step(self, position: int) -> bool:
         """Whether `after_forward` of the decode step at `position` (allocated) will only count it, and allocating
         position + 1 neither seals a chunk nor needs a block: then the step at position + 1 may be allocated and
         run before that `after_forward` with the same result (the engine's run-ahead decode)."""
-        return position % self.pager.chunk < self.pager.chunk - 2 and self.policy.quiet(self.pager.n_tokens)
+        quiet = self.policy is None or self.policy.quiet(self.pager.n_tokens)
+        return position % self.pager.chunk < self.pager.chunk - 2 and quiet
 
     def recall_for_prompt(self, tail: int) -> bool:
         """After a prompt whose latest forward computed its last `tail` tokens: rank chunks against the queries of
         the last PROMPT_QUERIES of them and recall the best. True if anything came back (the caller then computes
         the tail again, so that it sees the recalled chunks)."""
+        if self.policy is None:
+            return False
         queries = self.backend.recent_queries() if tail > 1 else self.backend.last_queries()[None]
         moves = self.policy.reselect_for_prompt(self.pager, queries[-PROMPT_QUERIES:])
         self._run(moves)
         return any(isinstance(m, PageIn) for m in moves)
 
     def truncate(self, n_tokens: int) -> None:
-        self.policy.drop_pending()  # scored against chunks that are cut now
-        self.policy.scorer.truncate(n_tokens)
+        if self.policy is not None:
+            self.policy.drop_pending()  # scored against chunks that are cut now
+            self.policy.scorer.truncate(n_tokens)
+        self._resume = None
         cut = self.pager.truncate(n_tokens)
         for c in cut.dropped:
             self.host.discard(c)
@@ -97,27 +112,57 @@ class PagedSequence:
     def usage(self) -> PagerUsage:
         return self.pager.usage()
 
-    # ---- sessions: the pool is shared by turns; a parked sequence lives in its host store -------
+    def table(self) -> np.ndarray:
+        """int32: the blocks of the resident chunks in logical order (what attention reads, in that order)."""
+        block_of = self.pager.block_of[: self.pager.n_chunks]
+        return block_of[block_of >= 0].astype(np.int32)
+
+    @property
+    def held_blocks(self) -> int:
+        return self.pager.held_blocks
+
+    def blocks_wanted(self, end: int) -> int:
+        return self.pager.blocks_wanted(end)
+
+    # ---- sessions: the pool is shared; an idle sequence keeps its blocks until the pool needs them ------
 
     def sync_to_host(self) -> None:
         """Bring the host store up to date with the resident chunks, which stay resident (for snapshots)."""
         self._run(self.pager.write_back())
 
+    def suspend(self) -> None:
+        """The sequence stops running: its chunks stay in their blocks until the pool takes them (`give_back`)."""
+        if self._resume is None:
+            self._resume = self.pager.residency()
+
+    def give_back(self, n: int) -> int:
+        """Page out up to n chunks of the suspended sequence for another one; the blocks freed."""
+        moves = self.pager.give_back(n)
+        self._run(moves)
+        return len(moves)
+
     def park(self) -> None:
         """Page everything out (the pool is free for another sequence), remembering the residency."""
-        self._parked = self.pager.residency()
+        self.suspend()
         self._run(self.pager.park())
 
     def resume(self) -> None:
-        """Back in the pool: each chunk that was resident returns to its block, so the sequence continues exactly
-        as if it had never left; without a residency to return to (another pool, a partial snapshot), the
-        protected chunks and the most recent others that fit."""
-        parked, self._parked = self._parked, None
-        self._run(self.pager.restore_residency(parked) if parked else self.pager.recall_recent())
+        """Running again: each chunk that was resident and was given back meanwhile returns (where its block is free:
+        the place does not matter), so the sequence continues exactly as if it had never left; without a residency
+        to return to (a snapshot of another pool, a partial snapshot), the whole context, or the protected chunks and
+        the most recent others that fit."""
+        resume, self._resume = self._resume, None
+        if resume:
+            self._run(self.pager.restore_residency(resume))
+        else:
+            self._run(self.pager.recall_all() if self.holds_all else self.pager.recall_recent())
 
-    def state(self) -> dict:
-        """JSON-safe residency and policy state, for snapshots (see `restore`)."""
-        return {"residency": self._parked or self.pager.residency(), **self.policy.state()}
+    def state(self) -> dict | None:
+        """JSON-safe residency and policy state, for snapshots (see `restore`); None for a sequence that holds its
+        whole context (every chunk comes back: there is no residency to keep)."""
+        if self.policy is None:
+            return None
+        return {"residency": self._resume or self.pager.residency(), **self.policy.state()}
 
     def restore(self, n_tokens: int, chunks: list[np.ndarray], state: dict | None) -> None:
         """Take over a restored sequence, parked: chunk c's K/V [n_layer, 2, rows, n_kv_head, head_dim] into the
@@ -125,20 +170,22 @@ class PagedSequence:
         residency, and its policy's state when the policy is this one (else the policy starts afresh, its scores
         unknown). Raises ValueError when `state` is malformed."""
         p = self.pager
-        self.policy.drop_pending()
-        self.pager = Pager.parked(p.pool_tokens, n_tokens, p.chunk, p.sink_chunks, p.tail_chunks, p.chunk_bytes)
-        self.pager.slot_pos = p.slot_pos
+        if self.policy is not None:
+            self.policy.drop_pending()
+        self.pager = Pager.parked(p.pool_tokens, n_tokens, p.chunk, p.sink_chunks, p.tail_chunks, p.chunk_bytes,
+                                  p.blocks)
+        self._resume = None
         for c, kv in enumerate(chunks):
             self.host.put_chunk(c, kv)
-            if kv.shape[2] == p.chunk:
+            if kv.shape[2] == p.chunk and self.policy is not None:
                 self.policy.scorer.seal(self.pager, c, kv[:, 0].astype(np.float32))
-        if state and state["residency"]["pool_tokens"] == p.pool_tokens:
+        if state and self.policy is not None and state["residency"]["pool_tokens"] == p.pool_tokens:
             self.pager.check_residency(state["residency"])
-            self._parked = state["residency"]
+            self._resume = state["residency"]
             if state["policy"] == self.policy.scorer.name:
                 self.policy.load_state(state)
             else:  # another policy's scores rank nothing here
-                self._parked = {**self._parked, "scores": scores_text(np.full(self.pager.n_chunks, UNSCORED))}
+                self._resume = {**self._resume, "scores": scores_text(np.full(self.pager.n_chunks, UNSCORED))}
 
     def _run(self, moves: list[Move]) -> None:
         if moves:

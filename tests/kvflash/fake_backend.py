@@ -15,14 +15,15 @@ POISON = -7  # what a freed block holds after a page-out, so reading it is caugh
 
 
 class FakeBackend:
-    def __init__(self, pager: Pager):
+    def __init__(self, pager: Pager, rows: np.ndarray | None = None):
+        """rows: the pool's KV rows when several pagers share one block pool (each with its own FakeBackend)."""
         self.pager = pager
-        self.rows = np.full(pager.pool_tokens, POISON, np.int64)
+        self.rows = np.full(len(pager.slot_pos), POISON, np.int64) if rows is None else rows
         self.host = MemoryHostStore(1, pager.chunk, 1, 1, np.int64)
         self.truth: dict[int, int] = {}  # position -> value of its latest write (the reference model)
         self.n_tokens = 0  # reference length: one past the highest position written
         self.writes = 0
-        self.mirror = np.full(pager.pool_tokens, -1, np.int32)  # a device's copy of slot_pos
+        self.mirror = np.full(len(pager.slot_pos), -1, np.int32)  # a device's copy of slot_pos
         self.mirror_epoch = pager.epoch
         self.uploads = 0
 
@@ -83,21 +84,28 @@ def check_invariants(pager: Pager, backend: FakeBackend | None = None) -> None:
     blocks = pager.block_of[resident]
     assert len(set(blocks.tolist())) == len(blocks), "two chunks share a block"
     assert len(resident) <= n_blocks
-    assert sorted(pager._free) == sorted(set(range(n_blocks)) - set(blocks.tolist()))
-    # slot_pos from the reference model: every written position of a resident chunk, nothing else.
-    expected = np.full(pager.pool_tokens, -1, np.int32)
+    assert pager.held_blocks == len(resident)
+    assert all(pager.blocks.holder(b) is pager for b in blocks.tolist())
+    alone = pager.blocks.n_blocks == n_blocks and pager.blocks.used_blocks == len(resident)  # the only holder
+    if alone:  # every block not holding a chunk is free
+        assert sorted(pager.blocks.free_order()) == sorted(set(range(n_blocks)) - set(blocks.tolist()))
+    # slot_pos from the reference model: every written position of a resident chunk, nothing else (in a shared
+    # pool: on the slots of this pager's blocks; the others are other pagers')
+    expected = np.full(len(pager.slot_pos), -1, np.int32)
+    mine = np.full(len(pager.slot_pos), alone)
     for c, b in zip(resident.tolist(), blocks.tolist(), strict=True):
         pos = np.arange(c * chunk, min((c + 1) * chunk, n_tokens))
         expected[b * chunk + pos - c * chunk] = pos
-    assert np.array_equal(pager.slot_pos, expected), "slot_pos differs from the reference model"
+        mine[b * chunk : (b + 1) * chunk] = True
+    assert np.array_equal(pager.slot_pos[mine], expected[mine]), "slot_pos differs from the reference model"
     protected = np.flatnonzero(pager.protected_mask())
     assert np.all(pager.block_of[protected] >= 0), "a protected chunk is not resident"
     if backend is None:
         return
-    valid = np.flatnonzero(pager.slot_pos >= 0)
+    valid = np.flatnonzero((pager.slot_pos >= 0) & mine)
     want = np.array([backend.truth[p] for p in pager.slot_pos[valid].tolist()], np.int64)
     assert np.array_equal(backend.rows[valid], want), "a visible slot holds the wrong bytes"
-    assert np.array_equal(backend.mirror, pager.slot_pos), "the epoch-driven mirror of slot_pos drifted"
+    assert np.array_equal(backend.mirror[mine], pager.slot_pos[mine]), "the epoch-driven mirror of slot_pos drifted"
     assert set(backend.host._chunks) >= set(pager.paged_chunks().tolist())
     for c in pager.paged_chunks().tolist():
         stored = backend.host.load(c, 0)[0].reshape(-1)

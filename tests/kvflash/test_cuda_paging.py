@@ -22,6 +22,7 @@ from lucekv.engine.engine import auto_pool_tokens
 from lucekv.engine.sampling import SamplingParams
 from lucekv.errors import ConfigError
 from lucekv.kernels.cuda import available, cuda
+from lucekv.kvflash.blocks import BlockPool
 from lucekv.kvflash.host_store import MemoryHostStore
 from lucekv.kvflash.pager import CHUNK_TOKENS, PageIn, PageOut, min_pool_tokens
 from lucekv.kvflash.sequence import PagedSequence
@@ -137,7 +138,8 @@ def test_pager_driven_moves_keep_every_position_in_place(model):
     pool_tokens = min_pool_tokens()
     backend = cuda_backend(model, "f32", pool_tokens)
     spec = backend.spec
-    seq = PagedSequence(backend, backend.pool.slot_pos, n_layer=spec.n_layer, n_kv_head=spec.n_kv_head,
+    blocks = BlockPool(pool_tokens // CHUNK_TOKENS, CHUNK_TOKENS, backend.pool.slot_pos)
+    seq = PagedSequence(backend, blocks, pool_tokens, n_layer=spec.n_layer, n_kv_head=spec.n_kv_head,
                         head_dim=spec.head_dim, dtype=np.float32, policy="quest", tau=4, window=0)
     rng = np.random.default_rng(1)
     n = 2 * pool_tokens + 20
@@ -183,7 +185,7 @@ def test_attention_captures_the_latest_query_on_the_device(tmp_path, monkeypatch
     cpu.ops.attention(1, x, cpu.weights.layers[1], pos, slots, 0)
     got = backend.last_queries()
     assert got.shape == (spec.n_layer, spec.n_head, spec.head_dim)
-    ref = cpu.ops.last_q[1]  # the latest query, rotated
+    ref = cpu.last_queries()[1]  # the latest query, rotated
     assert np.max(np.abs(got[1] - ref)) <= 1e-3 * np.max(np.abs(ref))
     if n > 1:  # a forward of several tokens also keeps their queries (a prompt's tail, for the prompt's recall)
         recent, ref = backend.recent_queries()[:, 1], cpu.ops.recent_q[1]
