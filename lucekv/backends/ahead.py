@@ -20,13 +20,14 @@ class RunAhead:
         self._ahead: deque[int] = deque()  # tokens of the steps enqueued and not yet taken, oldest first
         self._ahead_last: int | None = None  # the latest enqueued step's token
 
-    def decode_ahead(self, position: int, slot: int, token: int | None = None) -> None:
-        """Enqueue the one-token step of `token` at `position` (K/V into `slot`), greedy; token=None: the token
-        of the step enqueued before it (which must exist)."""
+    def decode_ahead(self, position: int, slot: int, token: int | None = None, table: np.ndarray | None = None
+                     ) -> None:
+        """Enqueue the one-token step of `token` at `position` (K/V into `slot`, attending over the blocks of `table`,
+        see `forward`), greedy; token=None: the token of the step enqueued before it (which must exist)."""
         if token is None:
             token = self._ahead_last
         one = np.array([token], np.int32), np.array([position], np.int32), np.array([slot], np.int32)
-        logits = self.forward(*one)
+        logits = self.forward(*one, tables=None if table is None else [table])
         self._ahead_last = int(np.argmax(logits[-1][: self.spec.vocab_size]))
         self._ahead.append(self._ahead_last)
 

@@ -10,8 +10,8 @@ from threadpoolctl import threadpool_limits
 
 from lucekv.backends.ahead import RunAhead
 from lucekv.backends.slots import SlotMap
-from lucekv.kernels.cpu.attention import attend_batch, attend_decode
-from lucekv.kernels.cpu.matvec import matmul, matvec
+from lucekv.kernels.cpu.attention import attend_batch, attend_rows
+from lucekv.kernels.cpu.matvec import matmul, matvec_rows
 from lucekv.kernels.cpu.moe import group_by_expert, route
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, dequantize_rows, pack_stacked, pack_tensor, split_rows
 from lucekv.kvflash.host_store import HostStore
@@ -47,15 +47,34 @@ class CpuExperts:
 
 
 class CpuOps:
-    """The decoder's ops on numpy arrays [n_tokens, width] (see lucekv.model.decoder.Ops)."""
+    """The decoder's ops on numpy arrays [n_tokens, width] (see lucekv.model.decoder.Ops).
+
+    A forward is one sequence's tokens, or one token of each of several sequences (decode rows); `begin_step` says
+    which slots each token attends over (its sequence's blocks in logical order). Rows go through `matvec_rows` and
+    each row's attention is a loop of its own, so a row's numbers do not depend on the others in its batch."""
 
     def __init__(self, spec: ModelSpec, pool: KVPool):
         self.spec = spec
         self.pool = pool
         self._layer_rope = [spec.layer_rope(i) for i in range(spec.n_layer)]
+        self._slots = np.zeros(0, np.intp)  # the slots the forward's tokens attend over, one run per sequence
+        self._offsets: np.ndarray | None = None  # decode rows: token t reads run offsets[t] .. offsets[t + 1]
         # post-RoPE queries [n_tokens, n_head, head_dim] of each layer's latest forward, for relevance scorers (a decode
         # row's, or a prompt's last RECENT_QUERIES)
         self.queries = [np.zeros((1, spec.n_head, spec.head_dim), np.float32) for _ in range(spec.n_layer)]
+
+    def begin_step(self, n_tokens: int, tables: Sequence[np.ndarray] | None) -> None:
+        """tables: the blocks of each sequence of the forward, in logical order: one (all tokens are its), or one per
+        token; None: the whole pool below its high-water mark, in slot order (a sequence alone in the pool)."""
+        if tables is None:
+            runs = [np.arange(self.pool.high_water)]
+        else:
+            runs = [(np.asarray(t, np.intp)[:, None] * CHUNK_TOKENS + np.arange(CHUNK_TOKENS)).ravel() for t in tables]
+        if len(runs) not in (1, n_tokens):
+            raise ValueError(f"a forward of {n_tokens} tokens over {len(runs)} sequences: one sequence's tokens, or "
+                             "one token of each")
+        self._slots = np.concatenate(runs).astype(np.intp)
+        self._offsets = np.cumsum([0] + [len(r) for r in runs]) if n_tokens == len(runs) else None
 
     def matrix(self, t: TensorInfo) -> PackedMatrix:
         return pack_tensor(t)
@@ -87,7 +106,7 @@ class CpuOps:
                residual: np.ndarray | None = None) -> np.ndarray:
         if norm is not None:
             x = self.rmsnorm(x, norm)
-        y = matvec(w, x[0])[None, :] if len(x) == 1 else matmul(w, x)
+        y = matvec_rows(w, x) if self._offsets is not None else matmul(w, x)
         return y if residual is None else residual + y
 
     def rmsnorm(self, x: np.ndarray, w: np.ndarray, groups: int = 1) -> np.ndarray:
@@ -123,11 +142,12 @@ class CpuOps:
         vp[slots] = v.reshape(len(v), spec.n_kv_head, spec.head_dim)
         qh = q.reshape(len(q), spec.n_head, spec.head_dim)
         self.queries[layer] = qh
-        if len(q) == 1:
-            out = attend_decode(qh[0], kp, vp, pool.slot_pos, pool.high_water, int(positions[0]), window,
-                                rope.attn_scale)[None]
+        # numba's CPU target has no float16: the slots read are gathered and widened here (numpy uses F16C for it)
+        k, v, sp = kp[self._slots].astype(np.float32), vp[self._slots].astype(np.float32), pool.slot_pos[self._slots]
+        if self._offsets is not None:
+            out = attend_rows(qh, k, v, sp, self._offsets, positions, window, rope.attn_scale)
         else:
-            out = attend_batch(qh, kp, vp, pool.slot_pos, pool.high_water, positions, window, rope.attn_scale)
+            out = attend_batch(qh, k, v, sp, len(sp), positions, window, rope.attn_scale)
         return out.reshape(len(q), -1)
 
     def gated_linear(self, x: np.ndarray, g: tuple[PackedMatrix, PackedMatrix], norm: np.ndarray) -> np.ndarray:
@@ -182,11 +202,15 @@ class CpuBackend(RunAhead):
         self.ops = CpuOps(spec, self.pool)
         self.weights: Weights = load_weights(g, spec, self.ops)
 
-    def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-                all_logits: bool = False) -> np.ndarray:
-        """Logits [1 or n, vocab] float32 for `tokens` at `positions`, their K/V written to `slots`."""
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, all_logits: bool = False,
+                tables: Sequence[np.ndarray] | None = None) -> np.ndarray:
+        """Logits [1 or n, vocab] float32 for `tokens` at `positions`, their K/V written to `slots`. tables: each
+        sequence's blocks in logical order, one for all the tokens or one per token (decode rows: the logits of
+        every row); None: a sequence alone in the pool (see CpuOps.begin_step)."""
         self.pool.assign(slots, positions)
-        return forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, all_logits)
+        self.ops.begin_step(len(tokens), tables)
+        rows = tables is not None and len(tables) == len(tokens)
+        return forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, all_logits or rows)
 
     def forward_argmax(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """The greedy token after each of `tokens` (int32 [n]): a speculative round's verify forward."""

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
 from lucekv.errors import UnsupportedModelError
-from lucekv.kernels.cpu.matvec import MATMUL_TILE_ROWS, matmul, matvec
+from lucekv.kernels.cpu.matvec import MATMUL_TILE_ROWS, matmul, matvec, matvec_rows
 from lucekv.kernels.cpu.quants import SUPPORTED_QTYPES, dequantize, dequantize_rows, pack, pack_tensor
 from lucekv.model.gguf import TensorInfo, open_gguf
 
@@ -162,6 +162,9 @@ def test_matvec_and_matmul_match_float64(qtype):
         ys = matmul(m, xs)
         assert ys.shape == (n, rows) and ys.dtype == np.float32
         assert_close_to_float64(ys, w, xs)
+    # a batch's decode rows: each row exactly what matvec gives it alone
+    rows_out = matvec_rows(m, xs)
+    assert all(np.array_equal(rows_out[t], matvec(m, xs[t])) for t in range(len(xs)))
 
 
 def test_shape_errors_are_refused():

@@ -21,47 +21,52 @@ def visible(slot_pos: np.ndarray, positions: np.ndarray, window: int) -> np.ndar
 
 
 @njit(parallel=True, cache=True)
-def _decode_one(q, k_pool, v_pool, slot_pos, n_slots, pos, window, scale, out):
-    n_head, head_dim = q.shape
-    group = n_head // k_pool.shape[1]
-    lo = pos - window if window > 0 else -1
-    for h in prange(n_head):
+def _decode_rows(q, k, v, slot_pos, offsets, positions, window, scale, out):
+    n, n_head, head_dim = q.shape
+    group = n_head // k.shape[1]
+    for task in prange(n * n_head):
+        t = task // n_head
+        h = task % n_head
         kvh = h // group
-        scores = np.empty(n_slots, dtype=np.float32)
+        pos = positions[t]
+        lo = pos - window if window > 0 else -1
+        s0 = offsets[t]
+        scores = np.empty(offsets[t + 1] - s0, dtype=np.float32)
         m = np.float32(-np.inf)
-        for s in range(n_slots):
-            p = slot_pos[s]
+        for i in range(scores.shape[0]):
+            p = slot_pos[s0 + i]
             if p < 0 or p > pos or p <= lo:
-                scores[s] = -np.inf
+                scores[i] = -np.inf
                 continue
             acc = np.float32(0.0)
             for j in range(head_dim):
-                acc += q[h, j] * np.float32(k_pool[s, kvh, j])
+                acc += q[t, h, j] * k[s0 + i, kvh, j]
             acc *= scale
-            scores[s] = acc
+            scores[i] = acc
             m = max(m, acc)
         total = np.float32(0.0)
         for j in range(head_dim):
-            out[h, j] = 0.0
-        for s in range(n_slots):
-            if scores[s] == -np.inf:
+            out[t, h, j] = 0.0
+        for i in range(scores.shape[0]):
+            if scores[i] == -np.inf:
                 continue
-            e = np.float32(np.exp(scores[s] - m))
+            e = np.float32(np.exp(scores[i] - m))
             total += e
             for j in range(head_dim):
-                out[h, j] += e * np.float32(v_pool[s, kvh, j])
+                out[t, h, j] += e * v[s0 + i, kvh, j]
         for j in range(head_dim):
-            out[h, j] /= total
+            out[t, h, j] /= total
 
 
-def attend_decode(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, slot_pos: np.ndarray,
-                  n_slots: int, pos: int, window: int, scale: float) -> np.ndarray:
-    """One query [n_head, head_dim] against the first n_slots slots of the pool."""
+def attend_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, slot_pos: np.ndarray, offsets: np.ndarray,
+                positions: np.ndarray, window: int, scale: float) -> np.ndarray:
+    """Queries [n, n_head, head_dim], each over its own run of slots: query t reads rows offsets[t] .. offsets[t+1]
+    - 1 of k, v [slots, n_kv_head, head_dim] (float32: a sequence's slots gathered in logical order) and their
+    positions `slot_pos`. Each query's result is a sequential loop over its own slots: the same whatever else the
+    batch holds."""
     out = np.empty(q.shape, dtype=np.float32)
-    # numba's CPU target has no float16: a float16 pool is widened here (numpy uses F16C for it).
-    k = k_pool[:n_slots].astype(np.float32, copy=False)
-    v = v_pool[:n_slots].astype(np.float32, copy=False)
-    _decode_one(q, k, v, slot_pos, n_slots, pos, window, np.float32(scale), out)
+    _decode_rows(np.ascontiguousarray(q, np.float32), k, v, slot_pos, offsets, positions, window, np.float32(scale),
+                 out)
     return out
 
 

@@ -32,15 +32,24 @@ def matvec(m: PackedMatrix, x: np.ndarray) -> np.ndarray:
     """float32 [rows] = W @ x for x float32 [cols]."""
     if x.shape != (m.cols,):
         raise ValueError(f"matvec: x has shape {x.shape}, expected ({m.cols},)")
-    x = np.require(x, np.float32, ["C", "W"])  # one numba specialization: contiguous, writable float32
-    out = np.empty(m.rows, np.float32)
+    return matvec_rows(m, x[None, :])[0]
+
+
+def matvec_rows(m: PackedMatrix, xs: np.ndarray) -> np.ndarray:
+    """float32 [n, rows] = X @ W.T for X float32 [n, cols], a few rows (a batch's decode tokens): each group of weight
+    rows is read from memory once for all of X's rows, and each row's result equals `matvec` of it alone, bit for bit
+    (the same operations in the same order)."""
+    if xs.ndim != 2 or xs.shape[1] != m.cols:
+        raise ValueError(f"matvec: X has shape {xs.shape}, expected (n, {m.cols})")
+    xs = np.require(xs, np.float32, ["C", "W"])  # one numba specialization: contiguous, writable float32
+    out = np.empty((xs.shape[0], m.rows), np.float32)
     n_threads = numba.get_num_threads()  # read out here: inside a kernel it keeps the kernel out of the cache
     if m.kind == "q4":
-        _matvec_q4(m.codes, m.scale, m.bias, x, out, n_threads)
+        _matvec_q4(m.codes, m.scale, m.bias, xs, out, n_threads)
     elif m.kind == "q8":
-        _matvec_q8(m.codes, m.scale, m.bias, x, out, n_threads)
+        _matvec_q8(m.codes, m.scale, m.bias, xs, out, n_threads)
     else:
-        _matvec_f32(m.codes, x, out, n_threads)
+        _matvec_f32(m.codes, xs, out, n_threads)
     return out
 
 
@@ -61,13 +70,15 @@ def matmul(m: PackedMatrix, xs: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True)
-def _block_sums(x, block):
-    sums = np.empty(x.shape[0] // block, np.float32)
-    for b in range(sums.shape[0]):
-        s = np.float32(0)
-        for j in range(block):
-            s += x[b * block + j]
-        sums[b] = s
+def _block_sums(xs, block):
+    """[n, cols // block]: each row's sums over blocks of `block` columns."""
+    sums = np.empty((xs.shape[0], xs.shape[1] // block), np.float32)
+    for t in range(xs.shape[0]):
+        for b in range(sums.shape[1]):
+            s = np.float32(0)
+            for j in range(block):
+                s += xs[t, b * block + j]
+            sums[t, b] = s
     return sums
 
 
@@ -105,61 +116,64 @@ def _thread_rows(t, n_threads, rows):
 
 
 @njit(parallel=True, fastmath=False, cache=True)
-def _matvec_q4(codes, scale, bias, x, out, n_threads):
+def _matvec_q4(codes, scale, bias, xs, out, n_threads):
     n_blocks = scale.shape[1]
-    # x re-ordered to the byte order of the codes: xlo[k] / xhi[k] meet the low / high nibble of byte k
-    xlo = np.empty(codes.shape[1], np.float32)
-    xhi = np.empty(codes.shape[1], np.float32)
-    for b in range(n_blocks):
-        for j in range(LANES):
-            xlo[b * LANES + j] = x[2 * b * LANES + j]
-            xhi[b * LANES + j] = x[2 * b * LANES + LANES + j]
-    xsum = _block_sums(x, 2 * LANES)
-    for t in prange(n_threads):
-        r0, r1 = _thread_rows(t, n_threads, out.shape[0])
+    # x re-ordered to the byte order of the codes: xlo[t, k] / xhi[t, k] meet the low / high nibble of byte k
+    xlo = np.empty((xs.shape[0], codes.shape[1]), np.float32)
+    xhi = np.empty((xs.shape[0], codes.shape[1]), np.float32)
+    for t in range(xs.shape[0]):
+        for b in range(n_blocks):
+            for j in range(LANES):
+                xlo[t, b * LANES + j] = xs[t, 2 * b * LANES + j]
+                xhi[t, b * LANES + j] = xs[t, 2 * b * LANES + LANES + j]
+    xsum = _block_sums(xs, 2 * LANES)
+    for th in prange(n_threads):
+        r0, r1 = _thread_rows(th, n_threads, out.shape[1])
         _q4_rows(codes, scale, bias, xlo, xhi, xsum, out, r0, r1)
 
 
 @njit(cache=True)
 def _q4_rows(codes, scale, bias, xlo, xhi, xsum, out, r0, r1):
-    """Rows r0..r1; a 32-block is 16 bytes: one chunk of LANES bytes, two elements per byte."""
+    """Rows r0..r1 for every row of x (the group's codes stay in cache between them); a 32-block is 16 bytes: one
+    chunk of LANES bytes, two elements per byte."""
     low = np.uint8(15)
     shift = np.uint8(4)
     acc = np.empty((ROW_GROUP, LANES), np.float32)
     s = np.empty(ROW_GROUP, np.float32)
     for g in range((r1 - r0 + ROW_GROUP - 1) // ROW_GROUP):
         first = r0 + g * ROW_GROUP
-        acc[:] = 0
-        for b in range(scale.shape[1]):
-            for i in range(ROW_GROUP):
-                s[i] = scale[min(first + i, r1 - 1), b]
-            k0 = b * LANES
-            for j in range(LANES):
-                xl = xlo[k0 + j]
-                xh = xhi[k0 + j]
+        for t in range(xlo.shape[0]):
+            acc[:] = 0
+            for b in range(scale.shape[1]):
                 for i in range(ROW_GROUP):
-                    c = codes[min(first + i, r1 - 1), k0 + j]
-                    lo = np.float32(np.uint8(c & low))
-                    hi = np.float32(np.uint8(c >> shift))
-                    acc[i, j] += s[i] * (lo * xl + hi * xh)
-        for i in range(ROW_GROUP):
-            r = min(first + i, r1 - 1)
-            out[r] = _lane_sum(acc[i]) + _row_bias(bias, r, xsum)
+                    s[i] = scale[min(first + i, r1 - 1), b]
+                k0 = b * LANES
+                for j in range(LANES):
+                    xl = xlo[t, k0 + j]
+                    xh = xhi[t, k0 + j]
+                    for i in range(ROW_GROUP):
+                        c = codes[min(first + i, r1 - 1), k0 + j]
+                        lo = np.float32(np.uint8(c & low))
+                        hi = np.float32(np.uint8(c >> shift))
+                        acc[i, j] += s[i] * (lo * xl + hi * xh)
+            for i in range(ROW_GROUP):
+                r = min(first + i, r1 - 1)
+                out[t, r] = _lane_sum(acc[i]) + _row_bias(bias, r, xsum[t])
 
 
 @njit(parallel=True, fastmath=False, cache=True)
-def _matvec_q8(codes, scale, bias, x, out, n_threads):
-    xsum = _block_sums(x, codes.shape[1] // scale.shape[1])
+def _matvec_q8(codes, scale, bias, xs, out, n_threads):
+    xsum = _block_sums(xs, codes.shape[1] // scale.shape[1])
     touched = np.zeros(n_threads, np.uint8)  # returned, so that the prefetch loads are not dropped
-    for t in prange(n_threads):
-        r0, r1 = _thread_rows(t, n_threads, out.shape[0])
-        touched[t] = _q8_rows(codes, scale, bias, x, xsum, out, r0, r1)
+    for th in prange(n_threads):
+        r0, r1 = _thread_rows(th, n_threads, out.shape[1])
+        touched[th] = _q8_rows(codes, scale, bias, xs, xsum, out, r0, r1)
     return touched.max()
 
 
 @njit(cache=True)
-def _q8_rows(codes, scale, bias, x, xsum, out, r0, r1):
-    """Rows r0..r1 in chunks of LANES codes; a block (32 or 16 codes) is two chunks or one."""
+def _q8_rows(codes, scale, bias, xs, xsum, out, r0, r1):
+    """Rows r0..r1 for every row of x, in chunks of LANES codes; a block (32 or 16 codes) is two chunks or one."""
     chunk_shift = codes.shape[1] // scale.shape[1] // 32  # chunk h lies in block h >> chunk_shift
     acc = np.empty((ROW_GROUP, LANES), np.float32)
     s = np.empty(ROW_GROUP, np.float32)
@@ -169,45 +183,47 @@ def _q8_rows(codes, scale, bias, x, xsum, out, r0, r1):
         first = r0 + g * ROW_GROUP
         ahead = (first + PREFETCH_GROUPS * ROW_GROUP) * codes.shape[1]  # rows are contiguous in flat
         touched |= _touch_lines(flat, ahead, ahead + ROW_GROUP * codes.shape[1])
-        acc[:] = 0
-        for h in range(codes.shape[1] // LANES):
-            for i in range(ROW_GROUP):
-                s[i] = scale[min(first + i, r1 - 1), h >> chunk_shift]
-            k0 = h * LANES
-            for j in range(LANES):
-                xv = x[k0 + j]
+        for t in range(xs.shape[0]):
+            acc[:] = 0
+            for h in range(codes.shape[1] // LANES):
                 for i in range(ROW_GROUP):
-                    acc[i, j] += s[i] * (np.float32(codes[min(first + i, r1 - 1), k0 + j]) * xv)
-        for i in range(ROW_GROUP):
-            r = min(first + i, r1 - 1)
-            out[r] = _lane_sum(acc[i]) + _row_bias(bias, r, xsum)
+                    s[i] = scale[min(first + i, r1 - 1), h >> chunk_shift]
+                k0 = h * LANES
+                for j in range(LANES):
+                    xv = xs[t, k0 + j]
+                    for i in range(ROW_GROUP):
+                        acc[i, j] += s[i] * (np.float32(codes[min(first + i, r1 - 1), k0 + j]) * xv)
+            for i in range(ROW_GROUP):
+                r = min(first + i, r1 - 1)
+                out[t, r] = _lane_sum(acc[i]) + _row_bias(bias, r, xsum[t])
     return touched
 
 
 @njit(parallel=True, fastmath=False, cache=True)
-def _matvec_f32(w, x, out, n_threads):
-    for t in prange(n_threads):
-        r0, r1 = _thread_rows(t, n_threads, out.shape[0])
-        _f32_rows(w, x, out, r0, r1)
+def _matvec_f32(w, xs, out, n_threads):
+    for th in prange(n_threads):
+        r0, r1 = _thread_rows(th, n_threads, out.shape[1])
+        _f32_rows(w, xs, out, r0, r1)
 
 
 @njit(cache=True)
-def _f32_rows(w, x, out, r0, r1):
+def _f32_rows(w, xs, out, r0, r1):
     cols = w.shape[1]
     n_chunks = cols // LANES
     acc = np.empty((ROW_GROUP, LANES), np.float32)
     for g in range((r1 - r0 + ROW_GROUP - 1) // ROW_GROUP):
         first = r0 + g * ROW_GROUP
-        acc[:] = 0
-        for h in range(n_chunks):
-            k0 = h * LANES
-            for j in range(LANES):
-                xv = x[k0 + j]
-                for i in range(ROW_GROUP):
-                    acc[i, j] += w[min(first + i, r1 - 1), k0 + j] * xv
-        for i in range(ROW_GROUP):
-            r = min(first + i, r1 - 1)
-            tail = np.float32(0)
-            for k in range(n_chunks * LANES, cols):
-                tail += w[r, k] * x[k]
-            out[r] = _lane_sum(acc[i]) + tail
+        for t in range(xs.shape[0]):
+            acc[:] = 0
+            for h in range(n_chunks):
+                k0 = h * LANES
+                for j in range(LANES):
+                    xv = xs[t, k0 + j]
+                    for i in range(ROW_GROUP):
+                        acc[i, j] += w[min(first + i, r1 - 1), k0 + j] * xv
+            for i in range(ROW_GROUP):
+                r = min(first + i, r1 - 1)
+                tail = np.float32(0)
+                for k in range(n_chunks * LANES, cols):
+                    tail += w[r, k] * xs[t, k]
+                out[t, r] = _lane_sum(acc[i]) + tail
