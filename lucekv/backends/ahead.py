@@ -34,3 +34,7 @@ class RunAhead:
     def next_token(self) -> int:
         """The greedy token of the oldest enqueued step not taken yet (waits for it)."""
         return self._ahead.popleft()
+
+    def discard_ahead(self) -> None:
+        """Forget the steps enqueued and not taken (a step failed: what they computed is not used)."""
+        self._ahead.clear()

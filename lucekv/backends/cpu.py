@@ -217,6 +217,13 @@ class CpuBackend(RunAhead):
         logits = self.forward(tokens, positions, slots, all_logits=True)
         return np.argmax(logits[:, : self.spec.vocab_size], axis=1).astype(np.int32)
 
+    def decode_rows(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: Sequence[np.ndarray],
+                    sampled: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """One token of each of several sequences (tables: each one's blocks in logical order): the greedy token of
+        every row, int32 [n], and the logits [len(sampled), vocab] of the rows listed in `sampled`."""
+        logits = self.forward(tokens, positions, slots, tables=tables)
+        return np.argmax(logits[:, : self.spec.vocab_size], axis=1).astype(np.int32), logits[list(sampled)]
+
     # ---- KVFlash: the pager decides, the backend moves bytes (lucekv.kvflash.sequence.PoolBackend) ----
 
     def execute(self, moves: list[Move], host: HostStore) -> None:

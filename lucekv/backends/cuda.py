@@ -58,23 +58,23 @@ from lucekv.model.gguf import GGUFFile, TensorInfo
 
 
 class CudaKVPool(SlotMap):
-    """The slot map on the host and mirrored on the GPU, with K/V of every layer and the high-water mark."""
+    """The slot map on the host and mirrored on the GPU, with K/V of every layer. Its last block is kept out of the
+    block pool: the rows of a batch's padding write their K/V there, and no sequence reads it."""
 
-    def __init__(self, spec: ModelSpec, size: int, dtype: str, stream):
-        super().__init__(size)
+    def __init__(self, spec: ModelSpec, size: int, dtype: str, stream, max_rows: int = 1):
+        super().__init__(size, reserved=1)
         self.dtype = KV_DTYPES[dtype]
         self._stream = stream
+        self.scratch_slot = size - CHUNK_TOKENS
         # K and V of every layer in one array, so that one kernel gathers a block's rows of all of them
         self.kv = device_zeros((spec.n_layer, 2, size, spec.n_kv_head, spec.head_dim), self.dtype, stream)
         self.k = [self.kv[layer, 0] for layer in range(spec.n_layer)]
         self.v = [self.kv[layer, 1] for layer in range(spec.n_layer)]
         self.d_slot_pos = cuda.to_device(self.slot_pos, stream=stream)
-        self._mirrored = self.slot_pos.copy()  # what d_slot_pos holds
-        self.d_high_water = cuda.to_device(np.zeros(1, np.int32), stream=stream)
-        self._high_water_host = cuda.pinned_array(2, np.int32)  # two turns: one step may run ahead (see assign)
-        self._turn = 0
-        # post-RoPE query of each layer's latest token, written by CudaOps.attention (KVFlash scorers read it)
-        self.last_q = cuda.to_device(np.zeros((spec.n_layer, spec.n_head * spec.head_dim), np.float32),
+        self._uploaded_epoch = self.blocks.epoch  # the block pool's epoch when d_slot_pos was last uploaded whole
+        # post-RoPE queries of each layer's latest forward, for KVFlash scorers: a prompt's last token, or each of a
+        # batch's decode rows (written by CudaOps.attention, and by a replayed graph)
+        self.last_q = cuda.to_device(np.zeros((max_rows, spec.n_layer, spec.n_head * spec.head_dim), np.float32),
                                      stream=stream)
         # and of the last RECENT_QUERIES tokens of the latest forward of several tokens (a prompt's tail)
         self.recent_q = device_zeros((spec.n_layer, RECENT_QUERIES, spec.n_head * spec.head_dim), np.float32, stream)
@@ -85,22 +85,16 @@ class CudaKVPool(SlotMap):
         self.upload_slot_pos()
 
     def assign(self, slots: np.ndarray, positions: np.ndarray) -> None:
-        """The host map as KVPool keeps it; CudaOps.begin_step writes these slots on the device. Any other edit
-        of the host map since the last upload (a pager's truncate frees blocks and moves no bytes) uploads it."""
+        """The host map as KVPool keeps it; CudaOps.begin_step writes these slots on the device. When the map changed
+        otherwise since the last upload (a block changed hands: the pool's epoch moved), it is uploaded whole."""
         super().assign(slots, positions)
-        # the pinned source of a copy still queued behind a running step is the other turn's
-        self._turn ^= 1
-        source = self._high_water_host[self._turn : self._turn + 1]
-        source[0] = self.high_water
-        copy_to_device_async(self.d_high_water, source, self._stream)
-        self._mirrored[slots] = positions
-        if not np.array_equal(self._mirrored, self.slot_pos):
+        if self.blocks.epoch != self._uploaded_epoch:
             self.upload_slot_pos()
 
     def upload_slot_pos(self) -> None:
         """The whole host map into the same device array (a captured decode graph reads it by address)."""
         self.d_slot_pos.copy_to_device(self.slot_pos, stream=self._stream)
-        self._mirrored[:] = self.slot_pos
+        self._uploaded_epoch = self.blocks.epoch
 
     def read_block(self, block: int) -> np.ndarray:
         """Block's rows of every layer in pinned host memory, [2 (K, V), n_layer, CHUNK_TOKENS, n_kv_head,
@@ -202,7 +196,9 @@ class CudaOps:
     pools, but those of the token counts captured graphs run (`keep_pools`): a graph's kernels hold their arrays'
     addresses, and the same forward run eagerly takes the same arrays, in the same order."""
 
-    def __init__(self, spec: ModelSpec, pool: CudaKVPool, stream):
+    def __init__(self, spec: ModelSpec, pool: CudaKVPool, stream, max_tokens: int, max_rows: int = 1):
+        """max_tokens: the most tokens of one sequence a forward takes (the prefill batch); max_rows: the most
+        sequences a forward's decode rows hold."""
         self.spec = spec
         self.pool = pool
         self.stream = stream
@@ -231,11 +227,26 @@ class CudaOps:
         self._pooled_tokens = 0  # the token count the pools' arrays are shaped for
         self._counter = None  # the MoE router's (see _route_counter)
         self._slot_row_maps: dict[tuple[int, int], object] = {}
+        # block tables (attention.BlockTables) in one fixed device buffer, [start (max_rows), used (max_rows), flat
+        # blocks], filled from pinned memory in two turns like the one-token inputs, and only when they changed
+        self._max_rows = max_rows
+        width = 2 * max_rows + pool.size // CHUNK_TOKENS
+        self._tables_host = cuda.pinned_array((2, width), np.int32)
+        self._tables_dev = cuda.to_device(np.zeros(width, np.int32), stream=stream)
+        self._tables_turn = 0
+        self._tables_sent = np.zeros(0, np.int32)  # what the device buffer holds (its used prefix)
+        self._seq_of_one = cuda.to_device(np.zeros(max(max_tokens, max_rows), np.int32), stream=stream)
+        self._seq_of_rows = cuda.to_device(np.arange(max_rows, dtype=np.int32), stream=stream)
+        self.tables: attention.BlockTables | None = None
+        self.one_sequence = True  # the latest forward's tokens are one sequence's (else decode rows)
+        self.kept_rows = 1  # rows of the latest forward whose queries pool.last_q keeps
 
-    def begin_step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, mark: bool = True) -> None:
-        """Upload the step's inputs (those of a one-token step or of a kept token count into fixed buffers) and, with
-        `mark`, mark their slots (a replayed graph marks them itself)."""
+    def begin_step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, mark: bool = True,
+                   tables: Sequence[np.ndarray] | None = None) -> None:
+        """Upload the step's inputs (those of a one-token step or of a kept token count into fixed buffers) and block
+        tables (see `set_tables`) and, with `mark`, mark their slots (a replayed graph marks them itself)."""
         n = len(tokens)
+        self.set_tables(n, tables)
         if n != self._pooled_tokens:
             self._pools_by_tokens = {c: p for c, p in self._pools_by_tokens.items() if c in self._kept}
             self._pools, self._pooled_tokens = self._pools_by_tokens.setdefault(n, {}), n
@@ -258,6 +269,37 @@ class CudaOps:
                 setattr(self, name, cuda.to_device(np.ascontiguousarray(host, np.int32), stream=self.stream))
         if mark:
             self.mark_slots()
+
+    def set_tables(self, n: int, tables: Sequence[np.ndarray] | None) -> None:
+        """The slots an n-token forward attends over: the blocks of each of its sequences in logical order (numpy
+        int32), one table for all the tokens or one per token (decode rows); None: a sequence alone in the pool,
+        whose slots are those below the high-water mark, in slot order."""
+        if tables is None:
+            tables, used = [np.arange(-(-self.pool.high_water // CHUNK_TOKENS), dtype=np.int32)], [self.pool.high_water]
+        else:
+            used = [len(t) * CHUNK_TOKENS for t in tables]
+        rows = len(tables)
+        if rows not in (1, n) or rows > self._max_rows:
+            raise ValueError(f"a forward of {n} tokens over {rows} sequences: one sequence's tokens, or one token of "
+                             f"each of at most {self._max_rows}")
+        m = self._max_rows
+        sent = np.zeros(2 * m, np.int32)
+        sent[:rows] = np.cumsum([0] + [len(t) for t in tables[:-1]])
+        sent[m : m + rows] = used
+        sent = np.concatenate([sent, *tables]).astype(np.int32)
+        if not np.array_equal(sent, self._tables_sent):
+            self._tables_turn ^= 1
+            host = self._tables_host[self._tables_turn, : len(sent)]
+            host[:] = sent
+            copy_to_device_async(self._tables_dev[: len(sent)], host, self.stream)
+            self._tables_sent = sent
+        seq_of = self._seq_of_one[:n] if rows == 1 else self._seq_of_rows[:n]
+        if rows == 1 and n > len(self._seq_of_one):  # longer than any graph's forward: a buffer of its own
+            seq_of = cuda.to_device(np.zeros(n, np.int32), stream=self.stream)
+        d = self._tables_dev
+        self.tables = attention.BlockTables(d[2 * m :], d[:m], d[m : 2 * m], seq_of)
+        self.one_sequence = rows == 1
+        self.kept_rows = 1 if self.one_sequence else n
 
     def keep_pools(self, n: int) -> None:
         """Keep the activation pools (and, for n > 1, fixed input buffers) of n-token forwards from now on."""
@@ -468,10 +510,10 @@ class CudaOps:
         n = x.shape[0]
         layer_rope = self._layer_rope[layer]
         rotary = Rotary(self._inv_freq[layer_rope.inv_freq.tobytes()], spec.arch.rope_style == "neox", self._paired)
-        # KVFlash scorers read the latest token's rotated query from pool.last_q (a replayed graph writes it too)
+        # KVFlash scorers read the rotated queries from pool.last_q (a replayed graph writes them too)
         if n == 1 and self._rotates_in_product and all(st.matrix.kind != "f32" for st in lw.qkv):
             x, norm = self._norm_for(x, lw.qkv, lw.attn_norm)
-            q = pool.last_q[layer:layer + 1]
+            q = pool.last_q[0, layer:layer + 1]
             n_q, n_k = spec.n_head * spec.head_dim, spec.n_kv_head * spec.head_dim
             row0s = np.cumsum([0] + [st.matrix.rows for st in lw.qkv[:-1]]).tolist()  # each stack's first row
             self._products([(st.matrix, attention_inputs(q, pool.k[layer], pool.v[layer], self.positions, self.slots,
@@ -483,14 +525,15 @@ class CudaOps:
             self._use_pool(layer % 2)
             q_rot = self._empty(n, q.shape[1])
             attention.rope_and_store(q, k, v, self.positions, self.slots, rotary, pool.k[layer], pool.v[layer],
-                                     q_rot, pool.last_q[layer], stream=s)
+                                     q_rot, pool.last_q[: self.kept_rows, layer], stream=s)
             q = q_rot
-            pool.recent_rows = min(n, RECENT_QUERIES)
-            pool.recent_q[layer, : pool.recent_rows].copy_to_device(q[n - pool.recent_rows :], stream=s)
+            if self.one_sequence:
+                pool.recent_rows = min(n, RECENT_QUERIES)
+                pool.recent_q[layer, : pool.recent_rows].copy_to_device(q[n - pool.recent_rows :], stream=s)
         parts = attention.partials(n, spec.n_head, spec.n_kv_head, spec.head_dim, pool.size, self._alloc)
         out = self._empty(n, spec.n_head * spec.head_dim)
-        attention.attend(q, pool.k[layer], pool.v[layer], pool.d_slot_pos, pool.d_high_water, self.positions,
-                         window, layer_rope.attn_scale, parts, out, stream=s)
+        attention.attend(q, pool.k[layer], pool.v[layer], pool.d_slot_pos, self.tables, self.positions, window,
+                         layer_rope.attn_scale, parts, out, stream=s, one_sequence=self.one_sequence)
         return out
 
     def add(self, x, y):
@@ -524,9 +567,11 @@ class CudaBackend(RunAhead):
     prefill_chunk = 512  # tokens per prefill forward: each reads every weight once (no score matrix here)
 
     def __init__(self, g: GGUFFile, spec: ModelSpec, kv_dtype: str = "f16", pool_size: int | None = None,
-                 use_graph: bool | None = None):
-        """use_graph: replay decode steps and full prefill chunks from CUDA graphs; default: on a GPU (the simulator
-        has none)."""
+                 use_graph: bool | None = None, max_rows: int = 1):
+        """pool_size: KV slots (one block of them the backend's scratch); max_rows: the most sequences whose decode
+        tokens share a forward (`decode_rows`). use_graph: replay decode steps, decode rows (one graph per batch
+        size bucket: 2, 4, 8...) and full prefill chunks from CUDA graphs; default: on a GPU (the simulator has
+        none)."""
         if why := attention.unsupported(spec.n_head, spec.n_kv_head, spec.head_dim):
             raise UnsupportedModelError(f"the CUDA backend cannot run {spec.name}: {why}")
         if spec.n_expert and (why := moe.unsupported(spec.n_expert, spec.n_expert_used)):
@@ -535,33 +580,38 @@ class CudaBackend(RunAhead):
         self.spec = spec
         self.stream = cuda.stream()
         self._chained = False  # the device's step token is the argmax of the latest step (a graph replay's)
-        self.pool = CudaKVPool(spec, pool_size or spec.n_ctx, kv_dtype, self.stream)
-        if self.pool.size < spec.n_ctx:  # a pager may page: its kernels compile now, not in a session's decode
-            self.pool.compile_paging()
-        self.ops = CudaOps(spec, self.pool, self.stream)
+        self.max_rows = row_bucket(max_rows)
+        pool_size = pool_size or (-(-spec.n_ctx // CHUNK_TOKENS) + 1) * CHUNK_TOKENS  # the context and the scratch
+        self.pool = CudaKVPool(spec, pool_size, kv_dtype, self.stream, self.max_rows)
+        self.pool.compile_paging()  # sequences page (idle ones too): the kernels compile now, not in a session's step
+        self.ops = CudaOps(spec, self.pool, self.stream, self.prefill_chunk, self.max_rows)
         self.weights: Weights = load_weights(g, spec, self.ops)
-        graphs = not SIMULATOR if use_graph is None else use_graph
-        self.graph = DecodeGraph(self) if graphs else None
+        self._graphs = not SIMULATOR if use_graph is None else use_graph
+        self.graph = DecodeGraph(self) if self._graphs else None
         # full prefill chunks (a long prompt's all but last) replay a graph too: as ~200 launches, numba's host time
         # per launch made a small model's prefill host-bound (0.5B shape, H200: ~180 us per launch, 36 of 42 ms)
-        self.prefill_graph = ForwardGraph(self, self.prefill_chunk) if graphs else None
+        self.prefill_graph = ForwardGraph(self, self.prefill_chunk) if self._graphs else None
         # speculative verify forwards of each width up to MAX_VERIFY tokens, captured on first use
-        self.verify_graphs: dict[int, VerifyGraph] | None = {} if graphs else None
+        self.verify_graphs: dict[int, RowsGraph] | None = {} if self._graphs else None
         self._argmax_scratch: dict[int, tuple] = {}  # eager verify forwards' argmax buffers, by width
+        self.row_graphs: dict[int, RowsGraph] = {}  # batch size bucket -> its decode rows' graph, made on first use
 
-    def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-                all_logits: bool = False) -> np.ndarray:
-        """Logits [1 or n, vocab] float32 on the host for `tokens` at `positions`, K/V written to `slots`."""
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, all_logits: bool = False,
+                tables: Sequence[np.ndarray] | None = None) -> np.ndarray:
+        """Logits [1 or n, vocab] float32 on the host for `tokens` at `positions`, K/V written to `slots`. tables: each
+        sequence's blocks in logical order, one for all the tokens or one per token (decode rows: the logits of every
+        row); None: a sequence alone in the pool (see CudaOps.set_tables)."""
         tokens = np.asarray(tokens)
         self._chained = False
         self.pool.assign(slots, positions)
-        graph = self._graph_for(len(tokens), all_logits)
+        rows = tables is not None and len(tables) == len(tokens) > 1
+        graph = None if rows else self._graph_for(len(tokens), all_logits)
         replay = graph is not None and graph.ready
-        self.ops.begin_step(tokens, positions, slots, mark=not replay)
+        self.ops.begin_step(tokens, positions, slots, mark=not replay, tables=tables)
         if replay:
             return graph.replay()
         with cuda.defer_cleanup():  # numba frees device memory synchronously: not between a forward's launches
-            logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits)
+            logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits or rows)
         if graph is not None:  # kernels are compiled and loaded now: capture the same forward for the next ones
             graph.capture(tokens, positions, slots)
         out = logits.copy_to_host(stream=self.stream)
@@ -569,7 +619,7 @@ class CudaBackend(RunAhead):
         return out
 
     def _graph_for(self, n: int, all_logits: bool) -> ForwardGraph | None:
-        """The graph that runs an n-token forward, if any (one token's logits are all its logits)."""
+        """The graph that runs an n-token forward of one sequence, if any (one token's logits are all its logits)."""
         if n == 1:
             return self.graph
         if all_logits:
@@ -577,28 +627,30 @@ class CudaBackend(RunAhead):
         graph = self.prefill_graph
         return graph if graph is not None and n == graph.n_tokens else None
 
-    def _verify_graph(self, n: int) -> VerifyGraph | None:
+    def _verify_graph(self, n: int) -> RowsGraph | None:
         if self.verify_graphs is None or not 1 < n <= MAX_VERIFY:
             return None
         if n not in self.verify_graphs:
-            self.verify_graphs[n] = VerifyGraph(self, n)
+            self.verify_graphs[n] = RowsGraph(self, n)
         return self.verify_graphs[n]
 
-    def forward_argmax(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """The greedy token after each of `tokens` (int32 [n]), each row's argmax taken on the device: a speculative
-        round's verify forward, of which only n token ids come back. Widths up to MAX_VERIFY replay a graph (after
-        one eager run that captures it); one token is a plain decode step."""
+    def forward_argmax(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                       tables: Sequence[np.ndarray] | None = None) -> np.ndarray:
+        """The greedy token after each of `tokens` (int32 [n]) of one sequence (tables: its blocks, see `forward`),
+        each row's argmax taken on the device: a speculative round's verify forward, of which only n token ids come
+        back. Widths up to MAX_VERIFY replay a graph (after one eager run that captures it); one token is a plain
+        decode step."""
         n = len(tokens)
         if n == 1:
-            self.decode_ahead(int(positions[0]), int(slots[0]), int(tokens[0]))
+            self.decode_ahead(int(positions[0]), int(slots[0]), int(tokens[0]), None if tables is None else tables[0])
             return np.array([self.next_token()], np.int32)
         self._chained = False
         self.pool.assign(slots, positions)
         graph = self._verify_graph(n)
         replay = graph is not None and graph.ready
-        self.ops.begin_step(tokens, positions, slots, mark=not replay)
+        self.ops.begin_step(tokens, positions, slots, mark=not replay, tables=tables)
         if replay:
-            return graph.replay_argmax()
+            return graph.replay_rows(n, [])[0]
         if n not in self._argmax_scratch:
             self._argmax_scratch[n] = (cuda.device_array(n, np.int32, stream=self.stream),
                                        sample.argmax_scratch(n, stream=self.stream))
@@ -612,15 +664,44 @@ class CudaBackend(RunAhead):
         self.stream.synchronize()
         return tokens_out
 
-    def decode_ahead(self, position: int, slot: int, token: int | None = None) -> None:
+    def decode_rows(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: Sequence[np.ndarray],
+                    sampled: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """One token of each of several sequences in one forward (tables: each one's blocks in logical order): the
+        greedy token of every row, int32 [n] (the argmax taken on the device), and the logits [len(sampled), vocab]
+        of the rows listed in `sampled`. The products read each weight once for all rows. With graphs, the rows are
+        padded to a bucket (a power of two) whose captured graph replays them: the padding rows write the pool's
+        scratch block and read nothing."""
+        n = len(tokens)
+        if n == 1 or not self._graphs:
+            logits = self.forward(tokens, positions, slots, tables=tables)
+            return np.argmax(logits[:, : self.spec.vocab_size], axis=1).astype(np.int32), logits[list(sampled)]
+        b = row_bucket(n)
+        pad = b - n
+        tokens = np.concatenate([tokens, np.zeros(pad, np.int32)])
+        positions = np.concatenate([positions, np.zeros(pad, np.int32)])
+        slots = np.concatenate([slots, self.pool.scratch_slot + np.arange(pad, dtype=np.int32) % CHUNK_TOKENS])
+        tables = [*tables, *(np.zeros(0, np.int32) for _ in range(pad))]
+        graph = self.row_graphs.get(b) or self.row_graphs.setdefault(b, RowsGraph(self, b))
+        self._chained = False
+        self.pool.assign(slots, positions)
+        self.ops.begin_step(tokens, positions, slots, mark=not graph.ready, tables=tables)
+        if not graph.ready:
+            with cuda.defer_cleanup():
+                forward(self.spec, self.weights, self.ops, tokens, positions, slots, True)
+            graph.capture(tokens, positions, slots)  # and from now on replayed, this first time too
+        return graph.replay_rows(n, sampled)
+
+    def decode_ahead(self, position: int, slot: int, token: int | None = None, table: np.ndarray | None = None
+                     ) -> None:
         """RunAhead's step as a graph replay left running: inputs copied in, the replay and the copy out of its
         argmax queued on the stream, nothing waited for. Without a captured graph, the plain synchronous step."""
         if token is None and not self._chained:  # the latest step ran eagerly: its token is on the host
             token = self._ahead_last
         if self.graph is None or not self.graph.ready:
-            super().decode_ahead(position, slot, token)
+            super().decode_ahead(position, slot, token, table)
             return
         self.pool.assign(np.array([slot], np.int32), np.array([position], np.int32))
+        self.ops.set_tables(1, None if table is None else [table])
         self.ops.upload_one(token, position, slot)
         self._ahead.append(self.graph.launch_ahead())
         self._chained = True
@@ -628,6 +709,10 @@ class CudaBackend(RunAhead):
     def next_token(self) -> int:
         entry = self._ahead.popleft()
         return entry if isinstance(entry, int) else self.graph.token(entry)
+
+    def discard_ahead(self) -> None:
+        super().discard_ahead()
+        self._chained = False
 
     # ---- KVFlash: the pager decides, the backend moves bytes (lucekv.kvflash.sequence.PoolBackend) ----
 
@@ -652,10 +737,9 @@ class CudaBackend(RunAhead):
         return self.pool.read_keys(block)
 
     def last_queries(self, row: int = -1) -> np.ndarray:
-        """The last token's query (the only row kept: -1)."""
-        if row != -1:
-            raise ValueError("the CUDA backend keeps the query of a forward's last token only")
-        q = self.pool.last_q.copy_to_host(stream=self.stream)
+        """The rotated query of a row of the latest forward: of decode rows, the row's; of one sequence's tokens,
+        the last one's (the only one kept)."""
+        q = self.pool.last_q[row % self.ops.kept_rows].copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return q.reshape(self.spec.n_layer, self.spec.n_head, self.spec.head_dim)
 
@@ -765,33 +849,46 @@ class DecodeGraph(ForwardGraph):
         return int(self._tokens_host[r.turn])
 
 
-class VerifyGraph(ForwardGraph):
-    """An n-token forward with every position's logits, ending with each row's argmax: a speculative round's verify.
-    `replay` brings all the logits to the host (sampled verification), `replay_argmax` only the n token ids."""
+class RowsGraph(ForwardGraph):
+    """A forward of `rows` tokens with every row's logits, ending with the argmax of every row: decode rows, one token
+    of each of `rows` sequences (their block tables in CudaOps' fixed buffers; one graph per batch size bucket), or a
+    speculative round's verify block of one sequence (one graph per width). `replay` brings all the logits to the
+    host, `replay_rows` the tokens and the logits of the rows asked for."""
 
-    def __init__(self, backend: CudaBackend, n_tokens: int):
-        super().__init__(backend, n_tokens, all_logits=True)
-        s = backend.stream
-        self.tokens = cuda.device_array(n_tokens, np.int32, stream=s)
-        self._tokens_host = cuda.pinned_array(n_tokens, np.int32)
-        self._scratch = sample.argmax_scratch(n_tokens, stream=s)
-        # compiled now: a capture only records launches (an eager all-logits forward may not have run it)
-        sample.argmax(cuda.device_array((1, 4), np.float32), 4, cuda.device_array(1, np.int32),
-                      sample.argmax_scratch(1, stream=s), stream=s)
+    def __init__(self, backend: CudaBackend, rows: int):
+        super().__init__(backend, rows, all_logits=True)
+        self._tokens_dev = cuda.device_array(rows, np.int32, stream=backend.stream)
+        self._tokens_host = cuda.pinned_array(rows, np.int32)
+        self._argmax_scratch = sample.argmax_scratch(rows, stream=backend.stream)
+        # compiled now: a capture only records launches
+        sample.argmax(cuda.device_array((rows, 4), np.float32), 4, self._tokens_dev, self._argmax_scratch,
+                      stream=backend.stream)
 
     def _record_after(self) -> None:
         b = self.backend
-        sample.argmax(self.logits, b.spec.vocab_size, self.tokens, self._scratch, stream=b.stream)
+        sample.argmax(self.logits, b.spec.vocab_size, self._tokens_dev, self._argmax_scratch, stream=b.stream)
 
-    def replay_argmax(self) -> np.ndarray:
+    def replay_rows(self, n: int, sampled: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Run the rows: the greedy tokens of the first n rows, and the logits of the rows in `sampled` (only those
+        rows cross to the host)."""
         from cuda.bindings import driver
 
         self.launch()
         handle = driver.CUstream(int(self.backend.stream.handle))
-        _check(driver.cuMemcpyDtoHAsync(self._tokens_host.ctypes.data, _device_pointer(self.tokens),
+        _check(driver.cuMemcpyDtoHAsync(self._tokens_host.ctypes.data, _device_pointer(self._tokens_dev),
                                         self._tokens_host.nbytes, handle))
+        row_bytes = self._host_logits.strides[0]
+        for i in sampled:
+            _check(driver.cuMemcpyDtoHAsync(self._host_logits[i].ctypes.data,
+                                            driver.CUdeviceptr(int(_device_pointer(self.logits)) + i * row_bytes),
+                                            row_bytes, handle))
         _check(driver.cuStreamSynchronize(handle))
-        return self._tokens_host.copy()
+        return self._tokens_host[:n].copy(), self._host_logits[list(sampled)].copy()
+
+
+def row_bucket(rows: int) -> int:
+    """The batch size a decode rows' graph is captured for: rows rounded up to a power of two."""
+    return 1 << (rows - 1).bit_length()
 
 
 def capture_graph(stream, record: Callable[[], None]) -> tuple[object, int]:

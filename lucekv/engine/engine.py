@@ -1,4 +1,11 @@
-"""The engine: a loaded model, its tokenizer and backend, and the generation loop."""
+"""The engine: a loaded model, its tokenizer and backend, and the step loop that serves many requests at once.
+
+Requests are submitted, the scheduler (lucekv.engine.scheduler) forms each step from them, and `Engine.step` runs it:
+each prompt piece as a forward of its own sequence, the decode tokens of every running sequence as one forward of
+rows (the weights read once for all). Each request keeps its session (its blocks of the one pool, lucekv.kvflash),
+its sampler and its stop rules (lucekv.engine.request). A step's rows give every sequence the numbers it gets alone:
+pieces are the sequence's own, and each row is computed as it would be by itself (see the backends).
+"""
 
 from __future__ import annotations
 
@@ -10,15 +17,22 @@ from pathlib import Path
 
 import numpy as np
 
-from lucekv.engine.output import OutputStream
-from lucekv.engine.sampling import Sampler, SamplingParams, log_softmax
+from lucekv.engine.request import Request
+from lucekv.engine.sampling import SamplingParams
+from lucekv.engine.scheduler import Scheduler, SchedulerConfig
 from lucekv.engine.sessions import Session, SessionInfo, SessionTable
-from lucekv.engine.types import ChatMessage, GenerationDelta, TokenLogprob, Usage
-from lucekv.errors import ConfigError, ContextOverflowError, InvalidRequestError, LucekvError, ResourceLimitError
+from lucekv.engine.types import ChatMessage, GenerationDelta
+from lucekv.errors import (
+    ConfigError,
+    ContextOverflowError,
+    InvalidRequestError,
+    LucekvError,
+    PreconditionError,
+    ResourceLimitError,
+)
 from lucekv.kvflash.blocks import BlockPool
 from lucekv.kvflash.draft import DraftReader
-from lucekv.kvflash.host_store import MemoryHostStore
-from lucekv.kvflash.pager import CHUNK_TOKENS, RECENT_QUERIES, PageIn, PageOut, min_pool_tokens
+from lucekv.kvflash.pager import CHUNK_TOKENS, RECENT_QUERIES, min_pool_tokens
 from lucekv.kvflash.sequence import PagedSequence
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
@@ -35,14 +49,9 @@ from lucekv.snapshot.blob import (
 )
 from lucekv.snapshot.store import SnapshotStore, check_session_id
 from lucekv.spec.config import SpecConfig
-from lucekv.spec.draft_model import DraftModelDrafter, check_same_vocabulary
-from lucekv.spec.drafter import Drafter
-from lucekv.spec.gate import Gate, StepClock
-from lucekv.spec.speculator import Block, Speculator
-from lucekv.spec.suffix import RecentOutputs, SuffixDrafter
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
-AUTO_POOL_SHARE = 0.9  # of the GPU memory free after the weights, for --kv-pool auto's pool
+AUTO_POOL_SHARE = 0.9  # of the GPU memory free after the weights, for the KV pool
 PROMPT_TAIL = RECENT_QUERIES  # a pooled prompt's last tokens, recomputed after the chunks they rank are recalled
 RECALL_ROUNDS = 2  # rank, recall and recompute the tail at most this often per prompt
 
@@ -57,22 +66,32 @@ class EngineInfo:
     backend: str
     n_layer: int
     n_embd: int
-    kv_pool_tokens: int  # 0 = the whole context
+    kv_pool_tokens: int  # each sequence's residency budget; 0 = the whole context
     kv_policy: str  # "" without paging
+    max_batch: int  # sequences in one step
+    kv_cache_tokens: int  # the one pool every sequence borrows from
     spec_modes: tuple[str, ...]  # speculation modes a request may ask for
     spec_default: str  # the mode of requests that do not choose
 
 
 class Engine:
-    """Not thread-safe: one generation at a time (the server serializes requests)."""
+    """A model and its step loop. Requests are submitted (`submit`) and advance one step at a time (`step`), many at
+    once; `generate` is the form for one caller, stepping until its request is done. Not thread-safe: one thread
+    drives it (the server's engine thread)."""
 
     def __init__(self, path: Path, backend: str = "auto", kv_dtype: str = "f16", n_ctx: int | None = None,
                  kv_pool: int | str | None = None, kv_policy: str = "quest", kv_tau: int = 64,
                  kv_drafter: str | Path | None = None, max_sessions: int = 64, session_host_bytes: int = 16 << 30,
-                 snapshot_store: SnapshotStore | None = None, speculation: SpecConfig | None = None):
-        """kv_pool: KV slots on the device in tokens (a multiple of 64); None holds the whole context; "auto" sizes
-        it from free GPU memory on the CUDA backend (`auto_pool_tokens`) and is None on the CPU backend, whose
-        device memory is host RAM.
+                 snapshot_store: SnapshotStore | None = None, speculation: SpecConfig | None = None,
+                 max_batch: int = 64, max_queue: int = 64, step_tokens: int | None = None, kv_cache: int | None = None):
+        """kv_pool: each sequence's residency budget on the device in tokens (a multiple of 64); None holds its whole
+        context; "auto" on the CUDA backend: the whole context if it fits the GPU memory free after the weights,
+        else the largest budget that does (`auto_pool_tokens`); on the CPU backend (whose device memory is host RAM)
+        None.
+        kv_cache: the one pool every sequence borrows its blocks from, in tokens; None: room for max_batch sequences
+        at their budget (on CUDA no more than AUTO_POOL_SHARE of the free GPU memory holds).
+        max_batch, max_queue, step_tokens: the scheduler's limits (SchedulerConfig); step_tokens defaults to the
+        backend's prefill batch.
         max_sessions / session_host_bytes: limits on sessions held in memory and on the host RAM their K/V
         takes; past them idle sessions spill to `snapshot_store` (least recently used first), or, without a
         store, new sessions are refused.
@@ -85,11 +104,15 @@ class Engine:
         self.spec = ModelSpec.from_gguf(g)
         self.tokenizer = Tokenizer.from_metadata(g.metadata)
         self.n_ctx = min(n_ctx or self.spec.n_ctx, self.spec.n_ctx)
-        self.backend, kv_pool = _make_backend(backend, g, self.spec, kv_dtype, self.n_ctx, kv_pool)
+        if max_batch < 1:
+            raise ConfigError(f"--max-batch must be >= 1 (got {max_batch})")
+        self.backend, kv_pool = _make_backend(backend, g, self.spec, kv_dtype, self.n_ctx, kv_pool, kv_cache,
+                                              max_batch)
         self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, kv_tau
-        pool = self.backend.pool
-        self.blocks = BlockPool(pool.size // CHUNK_TOKENS, CHUNK_TOKENS, pool.slot_pos)  # the sessions' pagers borrow
         self._drafter = self._load_drafter(kv_drafter, kv_dtype) if kv_pool and kv_policy == "draft" else None
+        self.blocks: BlockPool = self.backend.pool.blocks  # the pool every sequence borrows from
+        step_tokens = step_tokens or self.backend.prefill_chunk
+        self.scheduler = Scheduler(SchedulerConfig(max_batch, max_queue, step_tokens), self)
         self.layout = KVLayout(g.fingerprint, self.spec.arch.name, self.spec.n_layer, self.spec.n_kv_head,
                                self.spec.head_dim, kv_dtype, CHUNK_TOKENS)
         if max_sessions < 1 or session_host_bytes < 0:
@@ -97,22 +120,18 @@ class Engine:
                               f"{session_host_bytes} bytes)")
         self.max_sessions, self.session_host_bytes, self.store = max_sessions, session_host_bytes, snapshot_store
         self.sessions = SessionTable()
-        self._anonymous = self._live = self._new_session("")
+        self._anonymous: Session | None = self._new_session("")  # the latest request without a session, idle
+        self._latest: Session = self._anonymous
+        self._deferred: dict[str, deque[Request]] = {}  # requests waiting for their session's current one
         self._in_flight: deque[int | None] = deque()  # input tokens of enqueued greedy steps (None: chained)
+        self._ahead: Request | None = None  # the request those steps are of
         self._last_greedy = 0  # the token of the latest settled greedy step
-        self._step_clock = StepClock()  # the gate's measured step times, for the engine's life
-        # by speculation mode; "auto" gates the suffix drafter
-        self.drafters: dict[str, Drafter] = {
-            "suffix": SuffixDrafter(RecentOutputs() if self.spec_config.shared_outputs else None)}
-        if self.spec_config.draft_model is not None:
-            self.drafters["draft"] = self._draft_model(g, kv_dtype)
-        self._sequence = _Sequence(self)  # the live sequence as a speculative round's target
         for key in snapshot_store.keys() if snapshot_store is not None else ():
-            self.sessions.put(Session(key, stored_bytes=snapshot_store.size(key)))
+            self.sessions.put(Session(key, None, stored_bytes=snapshot_store.size(key)))
         self.info = EngineInfo(self.spec.name, self.spec.arch.name, g.fingerprint, self.n_ctx,
                                self.spec.vocab_size, self.backend.name, self.spec.n_layer, self.spec.n_embd,
-                               kv_pool or 0, kv_policy if kv_pool else "", self.spec_config.available(),
-                               self.spec_config.mode)
+                               kv_pool or 0, kv_policy if kv_pool else "", max_batch,
+                               self.blocks.n_blocks * CHUNK_TOKENS, self.spec_config.available(), self.spec_config.mode)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -151,81 +170,315 @@ class Engine:
 
     def generate(self, prompt: Prompt, params: SamplingParams, session_id: str = "",
                  pin_prefix: int | None = None, speculation: str | None = None) -> Iterator[GenerationDelta]:
-        """Stream the completion of `prompt`. With a session id, the session (created if new) keeps the K/V for
-        the next turn: a prompt that starts with its history only computes what is new. `pin_prefix`: with a
-        bounded pool, the prompt's first tokens that are never paged out (None keeps the session's pins).
-        `speculation`: a mode of `SpecConfig` (None: the engine's default); the output is the same either way
-        (greedy: token for token; sampling: in distribution)."""
+        """Stream the completion of `prompt`, stepping the engine (and whatever else it runs) until it is done. With
+        a session id, the session (created if new) keeps the K/V for the next turn: a prompt that starts with its
+        history only computes what is new. `pin_prefix`: with a bounded pool, the prompt's first tokens that are
+        never paged out (None keeps the session's pins). `speculation`: a mode of `SpecConfig` (None: the engine's
+        default); the output is the same either way (greedy: token for token; sampling: in distribution). Closing
+        the iterator early cancels the request."""
         ids = self.prepare(prompt, params, pin_prefix, speculation)
-        if session_id:
-            check_session_id(session_id)
-        return self._run(ids, params, session_id, pin_prefix, self.spec_config.resolve(speculation))
+        request = self.submit(ids, params, session_id, pin_prefix, speculation)
+        return self._stream(request)
 
     def prefill(self, prompt: Prompt, session_id: str = "") -> int:
         """Compute the K/V of `prompt` into the session (created if new), reusing the prefix it holds, without
         generating: a later generate whose prompt extends it computes only the rest (and, with a bounded pool, is
-        the one that ranks and recalls chunks). Returns the tokens computed."""
+        the one that ranks and recalls chunks). Returns the tokens computed (the last one always is)."""
         ids = self._tokenize_prompt(prompt)
         if len(ids) > self.n_ctx:
             raise ContextOverflowError("prompt", f"{len(ids)} tokens exceed the context of {self.n_ctx}")
+        request = self.submit(ids, SamplingParams(max_tokens=0), session_id)
+        for _ in self._stream(request):
+            pass
+        return len(ids) - request.cached
+
+    def _stream(self, request: Request) -> Iterator[GenerationDelta]:
+        try:
+            while True:
+                while request.out:
+                    yield request.out.popleft()
+                if request.error is not None:
+                    raise request.error
+                if request.done:
+                    return
+                self.step()
+        finally:
+            self.cancel(request)
+
+    def submit(self, ids: list[int], params: SamplingParams, session_id: str = "", pin_prefix: int | None = None,
+               speculation: str | None = None, arrived: float | None = None) -> Request:
+        """Queue a prepared request (see `prepare`); its deltas collect in `Request.out` as steps run. `arrived`: when
+        it arrived (perf_counter), if before now. Raises QueueFullError when the queue is full, ResourceLimitError when
+        a new session finds no room. max_tokens 0: the prompt's K/V only (`prefill`)."""
         if session_id:
             check_session_id(session_id)
-        self._activate(session_id)
-        try:
-            reused = self._reuse(ids, len(ids))
-            if reused < len(ids):
-                self._forward(ids[reused:], reused)
-        finally:
-            self._enforce_host_limit()
-        return len(ids) - reused
+        self.scheduler.check_room(extra=sum(len(d) for d in self._deferred.values()) + 1)
+        session = self._session_for(session_id, ids)
+        if session.request is not None:  # its session is in use: it waits for that request to end
+            request = self._request(ids, params, session, pin_prefix, arrived)
+            self._deferred.setdefault(session_id, deque()).append(request)
+            return request
+        request = self._request(ids, params, session, pin_prefix, arrived)
+        self.scheduler.add(request)
+        session.request = request
+        if session is self._anonymous:
+            self._anonymous = None
+        return request
+
+    def _request(self, ids: list[int], params: SamplingParams, session: Session, pin_prefix: int | None,
+                 arrived: float | None) -> Request:
+        r = Request(ids, params, session, self.tokenizer, self.spec.vocab_size, pin_prefix, self._piece,
+                    0 if session.paged.holds_all else PROMPT_TAIL)
+        r.submitted = arrived or r.submitted
+        return r
+
+    def _session_for(self, session_id: str, ids: list[int]) -> Session:
+        """The session a new request runs in: the named one (created if new, loaded if stored), or for a request
+        without one the idle anonymous sequence if the prompt starts with what it holds (its prefix cache), else a new
+        one (nothing of another conversation, its policy's state included, carries over)."""
+        if not session_id:
+            idle = self._anonymous
+            if idle is not None and idle.tokens[:1] == ids[:1]:
+                return idle
+            if idle is not None:
+                idle.paged.truncate(0)
+                self._anonymous = None
+            return self._new_session("")
+        s = self.sessions.get(session_id)
+        if s is None:
+            self._make_room()
+            s = self._new_session(session_id)
+            self.sessions.put(s)
+        elif s.stored_bytes:
+            s = self._load_stored(s)
+        return s
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request (within this step): what it computed stays in its session."""
+        waiting = self._deferred.get(request.session.id)
+        if waiting is not None and request in waiting:
+            waiting.remove(request)
+            return
+        if request.session.request is request:
+            self._end(request)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
 
     def score(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), vocab] for every position of a fresh sequence (used by oracle checks)."""
-        self._activate("")
-        self._truncate(0)
-        return np.concatenate(self._forward(list(ids), 0, all_logits=True))
+        seq = self._new_session("").paged
+        self._reclaim(max(0, _n_chunks(len(ids)) - self.blocks.free_blocks))
+        out, done = [], 0
+        try:
+            while done < len(ids):
+                n = self._piece(seq, done, len(ids) - done)
+                slots = seq.alloc(done, n)
+                out.append(self.backend.forward(np.asarray(ids[done : done + n], np.int32),
+                                                np.arange(done, done + n, dtype=np.int32), slots, all_logits=True,
+                                                tables=[seq.table()]))
+                seq.after_forward(0)
+                done += n
+        finally:
+            seq.truncate(0)
+        return np.concatenate(out)
 
-    # ---- the loop -------------------------------------------------------------------------------
+    # ---- the step loop --------------------------------------------------------------------------
 
-    def _forward(self, ids: list[int], start: int, all_logits: bool = False, decoding: bool = False,
-                 greedy: bool = False) -> list[np.ndarray]:
-        """Logits of `ids` at positions from `start` (each piece's last, or all), or with `greedy` the argmax after
-        each token, taken by the backend. `decoding`: output tokens (a plain step or a verify block)."""
-        out = []
-        done = 0
-        while done < len(ids):
-            n = self._batch(start + done, len(ids) - done, decoding)
-            chunk = np.asarray(ids[done : done + n], np.int32)
-            pos = np.arange(start + done, start + done + n, dtype=np.int32)
-            done += n
-            slots = self._slots(int(pos[0]), len(chunk))
-            if greedy:
-                out.append(self.backend.forward_argmax(chunk, pos, slots))
+    def step(self) -> None:
+        """Run the scheduler's next step: each request in it gets its next token (or its next prompt piece) into
+        `Request.out`. A failure of the step fails the requests in it, and only those."""
+        step = self.scheduler.schedule()
+        solo = (len(step.works) == 1 and not step.works[0].prefill and not step.preempted
+                and not self.scheduler.waiting and step.works[0].seq.device_greedy)
+        if self._in_flight and not (solo and step.works[0].seq is self._ahead):
+            self._drain()  # the request's steps enqueued ahead are its next tokens: settled now, out of turn
+        try:
+            for r in step.preempted:
+                r.session.paged.park()
+            self._reclaim(step.reclaim)
+            works = [w for w in step.works if w.seq.computed == w.start and self._admitted(w.seq, step)]
+            for w in works:
+                if w.prefill:
+                    self._prefill(w.seq, w.start, w.n)
+            rows = [w.seq for w in works if not w.prefill]
+            if solo and rows:
+                self._decode_greedy(rows[0])
+            elif rows:
+                self._decode_rows(rows)
+        except Exception as e:  # the requests of the step get it; the engine goes on
+            self._abandon([w.seq for w in step.works], e)
+        for w in step.works:
+            if w.seq.done:
+                self._end(w.seq)
+
+    def _admitted(self, r: Request, step) -> bool:
+        """Set a request up as it (re)enters the batch; False if it failed to (a bad pin: that request alone)."""
+        if r not in step.admitted:
+            return True
+        s = r.session
+        s.paged.resume()  # what the pool took back while it was idle or parked comes back
+        if r.started:
+            return True
+        r.started, r.t_start = True, time.perf_counter()
+        s.last_used_unix = time.time()
+        s.sampler = asdict(r.params)
+        s.in_store = False  # it changes from here on
+        self._latest = s
+        try:
+            if r.pin_prefix is not None:
+                s.paged.pin_prefix(r.pin_prefix)
+        except InvalidRequestError as e:
+            r.fail(e)
+            return False
+        s.paged.truncate(r.cached)
+        del s.tokens[r.cached :]
+        return True
+
+    def _prefill(self, r: Request, start: int, n: int) -> None:
+        """A piece of the prompt; after the last one, the first token.
+
+        A prompt longer than a bounded pool was computed beside the chunks resident as it went (the most recent): its
+        tail, the question, never saw what it asks about. The tail is the prompt's last piece (Request.tail_start):
+        its own queries rank the chunks, the best come back, and the tail is computed again, so that its K/V and the
+        first sample see them (twice: the second ranking reads the queries of a tail that has seen the first
+        recall)."""
+        logits = self._forward(r, r.ids[start : start + n], start)
+        if r.prefilling:
+            return
+        if r.params.max_tokens == 0:  # the prompt's K/V was all it wanted (`prefill`)
+            r.finish = "length"
+            return
+        tail = len(r.ids) - r.tail_start
+        for _ in range(RECALL_ROUNDS if tail else 0):
+            if not r.session.paged.recall_for_prompt(tail):
+                break
+            del r.session.tokens[r.tail_start :]
+            pos = r.tail_start
+            while pos < len(r.ids):
+                n = self._piece(r.session.paged, pos, len(r.ids) - pos)
+                logits = self._forward(r, r.ids[pos : pos + n], pos)
+                pos += n
+        r.take(logits[-1])
+
+    def _forward(self, r: Request, ids: list[int], start: int) -> np.ndarray:
+        seq = r.session.paged
+        slots = seq.alloc(start, len(ids))
+        logits = self.backend.forward(np.asarray(ids, np.int32), np.arange(start, start + len(ids), dtype=np.int32),
+                                      slots, tables=[seq.table()])
+        r.session.tokens.extend(ids)
+        r.computed = max(r.computed, start + len(ids))
+        seq.after_forward(decoded=0)
+        return logits
+
+    def _decode_rows(self, rows: list[Request]) -> None:
+        """One decode token of each request, in one forward: weights are read once for all of them."""
+        positions = np.array([r.computed for r in rows], np.int32)
+        slots = np.array([r.session.paged.alloc(r.computed, 1)[0] for r in rows], np.int32)
+        tables = [r.session.paged.table() for r in rows]
+        tokens = np.array([r.last_token for r in rows], np.int32)
+        sampled = [i for i, r in enumerate(rows) if not r.device_greedy]
+        greedy, logits = self.backend.decode_rows(tokens, positions, slots, tables, sampled)
+        for i, r in enumerate(rows):
+            r.session.tokens.append(r.last_token)
+            r.computed += 1
+            r.session.paged.after_forward(decoded=1, row=i)
+        for i, r in enumerate(rows):
+            if i in sampled:
+                r.take(logits[sampled.index(i)], batch=len(rows))
             else:
-                out.append(self.backend.forward(chunk, pos, slots, all_logits))
-            self._live.tokens.extend(int(t) for t in chunk)
-            if self.paged is not None:
-                self.paged.after_forward(decoded=len(chunk) if decoding else 0)
-        return out
+                r.take(None, int(greedy[i]), batch=len(rows))
 
-    def _slots(self, start: int, n: int) -> np.ndarray:
-        """Pool slots for positions start .. start + n - 1: the positions themselves when the pool holds the whole
-        context, else the pager's (which may move chunks first)."""
-        if self.paged is None:
-            return np.arange(start, start + n, dtype=np.int32)
-        return self.paged.alloc(start, n)
+    def _decode_greedy(self, r: Request) -> None:
+        """The greedy token of a request decoding alone, argmax taken by the backend. Run-ahead: when a token after
+        the next is wanted, nothing waits and the pager has nothing to do, the step after this one is enqueued before
+        this one's token is read, its input the device's argmax: the device runs while the host handles the token."""
+        pos = r.computed
+        if not self._in_flight:  # else an earlier step enqueued this one
+            self._enqueue(r, r.last_token, pos)
+        if r.wants_more and r.session.paged.quiet_step(pos):
+            self._enqueue(r, None, pos + 1)
+        self._settle()
 
-    def _batch(self, start: int, n: int, decoding: bool = False) -> int:
-        """Tokens of the next forward from position `start`, at most n: the backend's batch, and with a bounded pool
-        no more than fit it beside the protected chunks (whole chunks, so the pool evicts as the prompt goes).
-        A verify block (`decoding`) with a bounded pool stops at a chunk boundary: the next chunk takes a block (and
-        a chunk is evicted) only when a query has reached it, as in plain decoding."""
-        n = min(n, self.backend.prefill_chunk)
-        if self.paged is not None and decoding:
-            return min(n, CHUNK_TOKENS - start % CHUNK_TOKENS)
-        if self.paged is None or start % CHUNK_TOKENS + n <= CHUNK_TOKENS:
+    def _enqueue(self, r: Request, tok: int | None, pos: int) -> None:
+        seq = r.session.paged
+        self.backend.decode_ahead(pos, int(seq.alloc(pos, 1)[0]), tok, seq.table())
+        self._in_flight.append(tok)
+        self._ahead = r
+
+    def _settle(self) -> None:
+        """Wait for the oldest enqueued greedy step: its input joins the sequence, the pager counts it, and its token
+        is the request's next (unless the request ended meanwhile: its K/V is kept all the same)."""
+        tok = self._in_flight.popleft()  # first: a backend error leaves nothing for a drain to wait on again
+        out = self.backend.next_token()
+        r = self._ahead
+        r.session.tokens.append(self._last_greedy if tok is None else tok)
+        r.session.paged.after_forward(decoded=1)
+        self._last_greedy = out
+        if not r.done:
+            r.computed += 1
+            r.take(None, out)
+
+    def _drain(self) -> None:
+        """Settle every enqueued step."""
+        while self._in_flight:
+            self._settle()
+
+    def _end(self, r: Request) -> None:
+        """The request is done (finished, failed or cancelled): its session stays as it is, idle, keeping its blocks
+        until the pool needs them; a request waiting for the session goes into the queue."""
+        if r is self._ahead:
+            self._drain()
+            self._ahead = None
+        self.scheduler.remove(r)
+        if r.finish is None and r.error is None:
+            r.cancelled = True
+        s = r.session
+        if s.request is not r:
+            return
+        s.request = None
+        s.last_used_unix = time.time()
+        s.paged.suspend()
+        if not s.id:
+            if self._anonymous is not None:
+                self._anonymous.paged.truncate(0)  # one idle anonymous sequence: the latest
+            self._anonymous = s
+        elif (waiting := self._deferred.get(s.id)) is not None:
+            nxt = waiting.popleft()
+            if not waiting:
+                del self._deferred[s.id]
+            nxt.reuse(s.tokens)
+            s.request = nxt
+            self.scheduler.waiting.appendleft(nxt)  # it arrived before the requests queued since
+        self._enforce_host_limit()
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every request (a step went wrong outside the engine's own handling): each ends with `error`."""
+        requests = [*self.scheduler.running, *self.scheduler.waiting]
+        self._abandon(requests, error)
+        for r in requests:
+            self._end(r)
+
+    def _abandon(self, requests: list[Request], error: BaseException) -> None:
+        """Fail the requests of a step that raised: steps enqueued ahead are dropped, and each sequence forgets the
+        positions it was given but never got the K/V of."""
+        self._in_flight.clear()
+        self.backend.discard_ahead()
+        for r in requests:
+            r.fail(error)
+            seq, held = r.session.paged, len(r.session.tokens)
+            if seq.pager.n_tokens > held:
+                seq.truncate(held)
+
+    def _piece(self, seq: PagedSequence, start: int, n: int) -> int:
+        """Tokens of the prompt piece from position `start`, at most n: the backend's batch (or the step's token
+        budget), and with a bounded pool no more than fit it beside the protected chunks (whole chunks, so the pool
+        evicts as the prompt goes). The sequence's own state decides it, never what else a step holds."""
+        n = min(n, self.backend.prefill_chunk, self.scheduler.config.step_tokens)
+        if start % CHUNK_TOKENS + n <= CHUNK_TOKENS:
             return n  # within one chunk: the allocation checks the fit itself
-        pager = self.paged.pager
+        pager = seq.pager
         end = start + n
         while not pager.span_fits(start, end):
             end = (end - 1) // pager.chunk * pager.chunk  # down to the previous chunk boundary
@@ -233,185 +486,42 @@ class Engine:
                 return min(n, pager.chunk - start % pager.chunk)
         return end - start
 
-    def _truncate(self, n: int) -> None:
-        if self.paged is None:
-            self.backend.pool.truncate(n)
-        else:
-            self.paged.truncate(n)
-        del self._live.tokens[n:]
+    # ---- the block pool, as the scheduler sees it (BlockLedger) -------------------------------------
 
-    def _reuse(self, ids: list[int], limit: int) -> int:
-        """Cut the live sequence to its longest common prefix with `ids` (at most `limit` tokens); its length."""
-        reused = 0
-        held = self._live.tokens
-        limit = min(limit, len(held))
-        while reused < limit and held[reused] == ids[reused]:
-            reused += 1
-        self._truncate(reused)
-        return reused
+    @property
+    def free_blocks(self) -> int:
+        return self.blocks.free_blocks
 
-    def _prefill(self, ids: list[int]) -> tuple[np.ndarray, int]:
-        """Last-position logits of `ids`, reusing the K/V of the longest prefix the pool already holds.
+    @property
+    def reclaimable_blocks(self) -> int:
+        return sum(s.paged.held_blocks for s in self._idle())
 
-        At least the last token is recomputed: its logits are what the first sample needs."""
-        reused = self._reuse(ids, len(ids) - 1)
-        if self.paged is None:
-            return self._forward(ids[reused:], reused)[-1][-1], reused
-        # A prompt longer than the pool was computed beside the chunks resident as it went (the most recent): its
-        # tail, the question, never saw what it asks about. Its own queries rank the chunks, the best come back, and
-        # the tail is computed again, so that its K/V and the first sample see them (twice: the second ranking
-        # reads the queries of a tail that has seen the first recall).
-        start = len(ids) - min(len(ids) - reused, PROMPT_TAIL)
-        if start > reused:
-            self._forward(ids[reused:start], reused)
-        logits = self._forward(ids[start:], start)[-1][-1]
-        for _ in range(RECALL_ROUNDS):
-            if not self.paged.recall_for_prompt(len(ids) - start):
-                break
-            logits = self._forward(ids[start:], start)[-1][-1]
-            del self._live.tokens[len(ids):]
-        return logits, reused
+    def _idle(self) -> list[Session]:
+        """Sequences holding blocks that no running request uses (idle sessions, the idle anonymous sequence, those
+        of queued requests), least recently used first."""
+        running = set(map(id, self.scheduler.running))
+        candidates = [*self.sessions.in_memory(), *(r.session for r in self.scheduler.waiting)]
+        if self._anonymous is not None:
+            candidates.append(self._anonymous)
+        idle = {id(s): s for s in candidates
+                if s.paged is not None and s.paged.held_blocks and id(s.request) not in running}
+        return sorted(idle.values(), key=lambda s: s.last_used_unix)
 
-    def _run(self, ids: list[int], params: SamplingParams, session_id: str, pin_prefix: int | None,
-             speculation: str) -> Iterator[GenerationDelta]:
-        t0 = time.perf_counter()
-        session = self._activate(session_id)
-        if pin_prefix is not None and session.paged is not None:
-            session.paged.pin_prefix(pin_prefix)
-        session.last_used_unix = time.time()
-        session.sampler = asdict(params)
-        session.in_store = False
-        try:
-            yield from self._generate(ids, params, t0, speculation)
-        finally:
-            self._drain()  # a cancelled stream may leave a step in flight
-            self._forget_drafts()
-            session.last_used_unix = time.time()
-            self._enforce_host_limit()
-
-    def _generate(self, ids: list[int], params: SamplingParams, t0: float, speculation: str
-                  ) -> Iterator[GenerationDelta]:
-        logits, cached = self._prefill(ids)
-        sampler = Sampler(params, ids, self.spec.vocab_size)
-        out = OutputStream(self.tokenizer, params, ids[-1], self.tokenizer.eog_ids)
-
-        def host(rows: np.ndarray) -> _BlockSampling:  # the next block's tokens, sampled on the host
-            return _BlockSampling(sampler, out, rows)
-
-        block = Block([host(logits[None]).sample(0)], logits[None])
-        spec = self._speculator(speculation, ids, block.tokens[0], params)
-        device_greedy = sampler.plain_greedy and not params.logprobs  # the sample is the argmax: the device's
-        while True:
-            logprobs = None
-            if params.logprobs:
-                logprobs = [self._logprob(row, t, params.top_logprobs)
-                            for row, t in zip(block.logits, block.tokens, strict=True)]
-            delta = out.emit(block.tokens, logprobs)
-            if out.finish:
-                self._drain()  # before the last delta: a caller may never resume this generator
-                self._truncate(min(len(self._live.tokens), len(ids) + out.n))  # drafts past the finish
-                delta.usage = self._usage(ids, cached, out, t0, spec)
-                yield delta
+    def _reclaim(self, n: int) -> None:
+        """Take n blocks back from idle sequences (their chunks page out to host), least recently used first."""
+        for s in self._idle():
+            if n <= 0:
                 return
-            yield delta
-            tok, pos = block.tokens[-1], len(ids) + out.n - 1
-            greedy_now = device_greedy and out.n >= params.min_tokens
-            if spec is not None and spec.speculating and not self._in_flight:
-                block = spec.round(self._sequence, tok, pos, params.max_tokens - out.n, out.n,
-                                   None if greedy_now else host)
-                continue
-            if greedy_now:
-                more = out.n + 1 < params.max_tokens and (spec is None or not spec.speculating)
-                block = Block([self._decode_greedy(tok, pos, more)])
-            else:
-                logits = self._forward([tok], pos, decoding=True)[0][-1]
-                block = Block([host(logits[None]).sample(0)], logits[None])
-            if spec is not None:
-                spec.plain(block.tokens[0], pos + 1, out.n)
+            s.paged.suspend()
+            n -= s.paged.give_back(n)
 
-    def _speculator(self, mode: str, ids: list[int], first: int, params: SamplingParams) -> Speculator | None:
-        """The turn's speculation (None: off), its drafter started on the prompt and the first token."""
-        if mode == "off":
-            return None
-        gate = Gate(self._step_clock) if mode == "auto" else None
-        drafter = self.drafters["suffix" if mode == "auto" else mode]
-        spec = Speculator(mode, drafter, gate, self.spec_config.max_draft)
-        spec.begin(ids, first, params)
-        return spec
-
-    def _usage(self, ids: list[int], cached: int, out: OutputStream, t0: float, spec: Speculator | None) -> Usage:
-        elapsed = time.perf_counter() - out.t_first
-        usage = Usage(len(ids), cached, out.n, out.t_first - t0, (out.n - 1) / elapsed if elapsed > 0 else 0.0)
-        if self.paged is not None:
-            kv = self.paged.usage()
-            usage.kv_resident_chunks, usage.kv_paged_chunks = kv.resident_chunks, kv.paged_chunks
-            usage.kv_bytes_moved = kv.bytes_moved
-        if spec is not None:
-            usage.speculation = spec.end()
-        return usage
-
-    def _draft_model(self, target, kv_dtype: str) -> DraftModelDrafter:
-        """The draft model of SpecConfig on a backend of this engine's kind, its pool the whole context."""
-        path = self.spec_config.draft_model
-        g = open_gguf(path)
-        check_same_vocabulary(target.metadata, g.metadata, str(path))
-        spec = ModelSpec.from_gguf(g)
-        if spec.n_ctx < self.n_ctx:
-            raise ConfigError(f"draft model {path}: its context of {spec.n_ctx} tokens is shorter than the target's "
-                              f"{self.n_ctx}")
-        backend, _ = _make_backend(self.backend.name, g, spec, kv_dtype, self.n_ctx, None)
-        return DraftModelDrafter(backend, self.spec.vocab_size)
-
-    def _forget_drafts(self) -> None:
-        """Free the slots of rejected drafts past the sequence's end (they are out of view already): a pager's
-        head and a snapshot's residency then match the sequence again."""
-        n = len(self._live.tokens)
-        if self.paged is not None and self.paged.pager.n_tokens > n:
-            self.paged.truncate(n)
-        elif self.paged is None and self.backend.pool.slot_pos.max(initial=-1) >= n:
-            self.backend.pool.truncate(n)
-
-    def _decode_greedy(self, tok: int, pos: int, more: bool) -> int:
-        """The greedy token after `tok` at `pos`, argmax taken by the backend. Run-ahead: with `more` (a token after
-        the next is wanted) and nothing for the pager to do, the step after this one is enqueued before this one's
-        token is read, its input the device's argmax: the device runs while the host handles the token."""
-        if not self._in_flight:  # else the previous call enqueued this step
-            self._enqueue_greedy(tok, pos)
-        if more and (self.paged is None or self.paged.quiet_step(pos)):
-            self._enqueue_greedy(None, pos + 1)
-        return self._settle_greedy()
-
-    def _enqueue_greedy(self, tok: int | None, pos: int) -> None:
-        self.backend.decode_ahead(pos, int(self._slots(pos, 1)[0]), tok)
-        self._in_flight.append(tok)
-
-    def _settle_greedy(self) -> int:
-        """Wait for the oldest enqueued greedy step: its token joins the sequence, the pager counts it."""
-        tok = self._in_flight.popleft()  # first: a backend error leaves nothing for the drain to wait on again
-        out = self.backend.next_token()
-        self._live.tokens.append(self._last_greedy if tok is None else tok)
-        if self.paged is not None:
-            self.paged.after_forward(decoded=1)
-        self._last_greedy = out
-        return out
-
-    def _drain(self) -> None:
-        """Settle every enqueued step (its K/V is written: the sequence keeps it)."""
-        while self._in_flight:
-            self._settle_greedy()
-
-    def _logprob(self, logits: np.ndarray, tok: int, top: int) -> TokenLogprob:
-        lp = log_softmax(logits)
-        best = np.argsort(-lp)[:top] if top else []
-        return TokenLogprob(tok, float(lp[tok]), [(int(t), float(lp[t])) for t in best])
-
-
-    # ---- sessions (DESIGN §5): one is live in the pool, the others parked on the host or stored ---------
+    # ---- sessions (DESIGN §5): idle ones keep their blocks until the pool needs them -------------------
 
     @property
     def paged(self) -> PagedSequence | None:
-        """The live sequence's pager; None when the pool holds the whole context."""
-        return self._live.paged
+        """The sequence of the latest request, when it has a residency budget (None: it holds its whole context)."""
+        seq = self._latest.paged
+        return None if seq is None or seq.holds_all else seq
 
     def session_info(self, session_id: str) -> SessionInfo:
         return self.sessions.info(self.sessions.require(session_id))
@@ -420,16 +530,18 @@ class Engine:
         """The session's header and chunk K/V (copies), cut to a chunk boundary below `upto_tokens` if that is
         shorter than the session. Runs on the engine thread; the caller serializes (write_snapshot) off it."""
         s = self.sessions.require(session_id)
+        if self._ahead is not None and s is self._ahead.session:
+            self._drain()
         if s.stored_bytes:
             s = self._load_stored(s)
         n = len(s.tokens)
         if upto_tokens is not None and upto_tokens < n:
             n = upto_tokens // CHUNK_TOKENS * CHUNK_TOKENS
-        host = self._host_copy(s, _n_chunks(n))
-        chunks = [host.chunk(c)[:, :, : chunk_rows(n, CHUNK_TOKENS, c)].copy() for c in range(_n_chunks(n))]
+        chunks = [kv[:, :, : chunk_rows(n, CHUNK_TOKENS, c)].copy()
+                  for c, kv in enumerate(s.paged.read_chunks(_n_chunks(n)))]
         partial = n < len(s.tokens)
         # the residency only fits the whole session (a partial one starts afresh with the policy)
-        pager = s.paged.state() if s.paged is not None and not partial else None
+        pager = s.paged.state() if not partial else None
         header = SnapshotHeader(self.layout, tuple(s.tokens[:n]), s.id, s.sampler, FLAG_PARTIAL if partial else 0,
                                 time.time(), pager)
         return header, chunks
@@ -449,6 +561,7 @@ class Engine:
         if old is None:
             self._make_room()
         else:
+            _check_unused(old, "restore over")
             self._forget(old)
         self.sessions.put(s)
         self._enforce_host_limit()
@@ -456,7 +569,9 @@ class Engine:
 
     def delete_session(self, session_id: str) -> None:
         self.sessions.check_idle(session_id, "delete")
-        self._forget(self.sessions.require(session_id))
+        s = self.sessions.require(session_id)
+        _check_unused(s, "delete")
+        self._forget(s)
 
     def save_sessions(self) -> int:
         """Write every session held in memory to the snapshot store (at shutdown); how many were written. One that
@@ -490,97 +605,38 @@ class Engine:
         if s is not None:
             self._drop_local(s)
         if session_id in self.store:
-            self.sessions.put(Session(session_id, stored_bytes=self.store.size(session_id)))
+            self.sessions.put(Session(session_id, None, stored_bytes=self.store.size(session_id)))
 
     def _new_session(self, session_id: str) -> Session:
-        s = Session(session_id)
-        if self._kv_pool is not None:
-            s.paged = PagedSequence(
-                self.backend, self.blocks, self._kv_pool, n_layer=self.spec.n_layer, n_kv_head=self.spec.n_kv_head,
-                head_dim=self.spec.head_dim, dtype=self.backend.pool.dtype, policy=self._kv_policy,
-                tau=self._kv_tau, window=self.spec.sliding_window, drafter=self._drafter, history=lambda: s.tokens)
+        s = Session(session_id, None)
+        s.paged = PagedSequence(
+            self.backend, self.blocks, self._kv_pool, n_layer=self.spec.n_layer, n_kv_head=self.spec.n_kv_head,
+            head_dim=self.spec.head_dim, dtype=self.backend.pool.dtype, policy=self._kv_policy, tau=self._kv_tau,
+            window=self.spec.sliding_window, drafter=self._drafter, history=lambda: s.tokens)
         return s
 
     def _load_drafter(self, model: str | Path | None, kv_dtype: str) -> DraftReader:
-        """The draft policy's reader: the drafter on this engine's backend, holding the whole context."""
+        """The draft policy's reader: the drafter on this engine's backend, holding the whole context (one sequence
+        at a time: its pool holds one)."""
         from lucekv.model.registry import resolve_model
 
         if not model:
             raise ConfigError("kv policy draft needs a drafter model (--kv-drafter)")
-        drafter = Engine(resolve_model(str(model)), backend=self.backend.name, kv_dtype=kv_dtype, n_ctx=self.n_ctx)
+        drafter = Engine(resolve_model(str(model)), backend=self.backend.name, kv_dtype=kv_dtype, n_ctx=self.n_ctx,
+                         max_batch=1)
         if drafter.tokenizer.pieces != self.tokenizer.pieces:
             raise ConfigError(f"the drafter {drafter.spec.name!r} does not share {self.spec.name!r}'s tokenizer")
         if drafter.n_ctx < self.n_ctx:
             raise ConfigError(f"the drafter's context ({drafter.n_ctx}) is shorter than the model's ({self.n_ctx})")
         return DraftReader(drafter)
 
-    def _new_host_store(self) -> MemoryHostStore:
-        return MemoryHostStore(self.spec.n_layer, CHUNK_TOKENS, self.spec.n_kv_head, self.spec.head_dim,
-                               self.backend.pool.dtype)
-
-    def _activate(self, session_id: str) -> Session:
-        """Make the session live (its K/V in the pool): created if new, loaded if stored, the live one parked."""
-        if session_id == self._live.id:
-            return self._live
-        target = self.sessions.get(session_id) if session_id else self._anonymous
-        if target is None:
-            self._make_room()
-            target = self._new_session(session_id)
-            self.sessions.put(target)
-        elif target.stored_bytes:
-            target = self._load_stored(target)
-        self._park_live()
-        if target.paged is not None:
-            target.paged.resume()
-        elif target.parked is not None:  # whole-context pool: chunk c goes back to block c (slot = position)
-            pos = np.arange(len(target.tokens), dtype=np.int32)
-            if len(pos):
-                self.backend.pool.assign(pos, pos)
-            self.backend.execute([PageIn(c, c) for c in range(_n_chunks(len(pos)))], target.parked)
-            target.parked = None
-        self._set_live(target)
-        return target
-
-    def _park_live(self) -> None:
-        """Free the pool: the live session's K/V goes to the host (the anonymous sequence's is dropped)."""
-        s = self._live
-        if not s.id:
-            self._truncate(0)
-        elif s.paged is not None:
-            s.paged.park()
-        else:
-            s.parked = self._host_copy(s, _n_chunks(len(s.tokens)))
-            self.backend.pool.truncate(0)
-        self._set_live(self._anonymous)
-
-    def _set_live(self, s: Session) -> None:
-        self._live = s
-        self.sessions.live_id = s.id
-
-    def _host_copy(self, s: Session, n_chunks: int) -> MemoryHostStore:
-        """A host store holding the session's first `n_chunks` chunks, current (copied out of the pool if live)."""
-        if s.paged is not None:
-            if s is self._live:
-                s.paged.sync_to_host()
-            return s.paged.host
-        if s is not self._live:
-            return s.parked
-        host = self._new_host_store()
-        self.backend.execute([PageOut(c, c) for c in range(n_chunks)], host)
-        return host
-
     def _session_from(self, session_id: str, header: SnapshotHeader, chunks: list[np.ndarray]) -> Session:
         s = self._new_session(session_id)
         s.tokens, s.sampler = list(header.token_ids), dict(header.sampler)
-        if s.paged is not None:
-            try:
-                s.paged.restore(len(s.tokens), chunks, header.pager)
-            except (KeyError, TypeError, ValueError, OverflowError) as e:
-                raise SnapshotError(f"the header's pager state is malformed: {e}") from None
-        else:
-            s.parked = self._new_host_store()
-            for c, kv in enumerate(chunks):
-                s.parked.put_chunk(c, kv)
+        try:
+            s.paged.restore(len(s.tokens), chunks, header.pager)
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise SnapshotError(f"the header's pager state is malformed: {e}") from None
         return s
 
     def _load_stored(self, s: Session) -> Session:
@@ -600,10 +656,7 @@ class Engine:
         else:
             header, chunks = self.snapshot(s.id)
             nbytes = self.store.put(s.id, write_snapshot(header, chunks.__getitem__))
-        if s is self._live:
-            self._park_live()
-        if s.paged is not None:
-            s.paged.truncate(0)
+        s.paged.truncate(0)
         self.sessions.mark_stored(s, nbytes)
 
     def _forget(self, s: Session) -> None:
@@ -614,17 +667,14 @@ class Engine:
 
     def _drop_local(self, s: Session) -> None:
         """Free the session's K/V in the pool and on the host, and its table entry."""
-        if s is self._live:
-            self._truncate(0)
-            self._set_live(self._anonymous)
-        elif s.paged is not None:
+        if s.paged is not None:
             s.paged.truncate(0)
         self.sessions.remove(s.id)
 
     def _make_room(self) -> None:
         """Before a session enters memory: spill the least recently used idle one if the count is at its limit."""
         while len(self.sessions.in_memory()) >= self.max_sessions:
-            idle = [s for s in self.sessions.idle_by_age() if s is not self._live]
+            idle = [s for s in self.sessions.idle_by_age() if s.request is None]
             if self.store is None or not idle:
                 raise ResourceLimitError(
                     f"{self.max_sessions} sessions are held in memory, the limit: delete one"
@@ -638,95 +688,74 @@ class Engine:
         for s in self.sessions.idle_by_age():
             if self.sessions.host_bytes() <= self.session_host_bytes:
                 return
-            if s is not self._live:
+            if s.request is None:
                 self._spill(s)
 
 
-class _BlockSampling:
-    """The request's sampler over a block's logits (lucekv.spec.verify.TargetSampler): row i gives the block's i-th
-    token. Tokens are observed as they are drawn or kept (penalties of later rows see them; device-greedy tokens
-    are not: plain greedy reads no penalties)."""
-
-    def __init__(self, sampler: Sampler, out: OutputStream, rows: np.ndarray):
-        self._sampler, self._out, self._rows = sampler, out, rows
-
-    def sample(self, i: int) -> int:
-        return self.keep(self._sampler.sample(self._rows[i], self._out.banned(i)))
-
-    def probs(self, i: int) -> np.ndarray:
-        return self._sampler.distribution(self._rows[i], self._out.banned(i))
-
-    def draw(self, probs: np.ndarray) -> int:
-        return self.keep(self._sampler.draw(probs))
-
-    def uniform(self) -> float:
-        return float(self._sampler.rng.random())
-
-    def keep(self, token: int) -> int:
-        self._sampler.observe(token)
-        return token
-
-
-class _Sequence:
-    """The live sequence as a speculative round's target (lucekv.spec.speculator.Target)."""
-
-    def __init__(self, engine: Engine):
-        self._engine = engine
-
-    def verify_greedy(self, tokens: list[int], start: int) -> np.ndarray:
-        return np.concatenate(self._engine._forward(tokens, start, decoding=True, greedy=True))
-
-    def verify_logits(self, tokens: list[int], start: int) -> np.ndarray:
-        return np.concatenate(self._engine._forward(tokens, start, all_logits=True, decoding=True))
-
-    def keep(self, n_tokens: int) -> None:
-        del self._engine._live.tokens[n_tokens:]
-
-
-def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_pool: int | str | None):
-    """The backend, and its KV pool in tokens (None: the whole context) with "auto" resolved."""
+def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_pool: int | str | None,
+                  kv_cache: int | None, max_batch: int):
+    """The backend with its KV pool, and each sequence's residency budget in tokens (None: the whole context) with
+    "auto" resolved. The pool: `kv_cache` tokens, or room for max_batch sequences at that budget, on CUDA within
+    AUTO_POOL_SHARE of the GPU memory free after the weights; it always holds one sequence at least."""
     from lucekv.backends.cpu import KV_DTYPES, CpuBackend
 
     if kv_dtype not in KV_DTYPES:
         raise ConfigError(f"kv dtype {kv_dtype!r} is not supported (choose {', '.join(KV_DTYPES)})")
     if name not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"unknown backend {name!r} (choose auto, cpu or cuda)")
+    whole = _whole_chunks(n_ctx)
     if name != "cpu":
         from lucekv.kernels.cuda import SIMULATOR, available
 
         if available() and (name == "cuda" or not SIMULATOR):  # "auto" never picks the slow simulator
             from lucekv.backends.cuda import CudaBackend
 
+            room = _gpu_kv_room(g, spec, np.dtype(KV_DTYPES[kv_dtype]))
             if kv_pool == "auto":
-                kv_pool = _auto_gpu_pool(g, spec, np.dtype(KV_DTYPES[kv_dtype]), n_ctx)
-            return CudaBackend(g, spec, kv_dtype, kv_pool or _whole_chunks(n_ctx)), kv_pool
+                kv_pool = auto_pool_tokens(room, whole)
+            total = _check_cache(kv_cache or max(min(room, max_batch * (kv_pool or whole)), kv_pool or whole),
+                                 kv_pool or whole)
+            # one block more: the backend's scratch (see CudaKVPool)
+            return CudaBackend(g, spec, kv_dtype, total + CHUNK_TOKENS, max_rows=max_batch), kv_pool
         if name == "cuda":
             raise ConfigError("--backend cuda: no CUDA GPU is available (numba.cuda found none)")
     kv_pool = None if kv_pool == "auto" else kv_pool
-    return CpuBackend(g, spec, kv_dtype, kv_pool or _whole_chunks(n_ctx)), kv_pool
+    total = kv_cache or max_batch * (kv_pool or whole)
+    return CpuBackend(g, spec, kv_dtype, _check_cache(total, kv_pool or whole)), kv_pool
 
 
-def _auto_gpu_pool(g, spec: ModelSpec, kv_dtype: np.dtype, n_ctx: int) -> int | None:
+def _check_cache(tokens: int, sequence: int) -> int:
+    if tokens % CHUNK_TOKENS or tokens < sequence:
+        raise ConfigError(f"a KV cache of {tokens} tokens must be a multiple of {CHUNK_TOKENS} and hold one "
+                          f"sequence's {sequence} (its --kv-pool budget, or the whole context)")
+    return tokens
+
+
+def _gpu_kv_room(g, spec: ModelSpec, kv_dtype: np.dtype) -> int:
+    """Tokens of K/V that fit AUTO_POOL_SHARE of the GPU memory free after the weights (the rest is scratch and
+    headroom), in whole chunks."""
     from lucekv.kernels.cuda import cuda
 
     token_bytes = 2 * spec.n_layer * spec.n_kv_head * spec.head_dim * kv_dtype.itemsize
     weight_bytes = sum(t.data.nbytes for t in g.tensors.values())  # as uploaded, near enough: quants stay packed
-    return auto_pool_tokens(cuda.current_context().get_memory_info().free, weight_bytes, token_bytes, n_ctx)
+    free_bytes = cuda.current_context().get_memory_info().free
+    return kv_room_tokens(free_bytes, weight_bytes, token_bytes)
 
 
-def auto_pool_tokens(free_bytes: float, weight_bytes: int, token_bytes: int, n_ctx: int) -> int | None:
-    """--kv-pool auto on a GPU: None (the whole context, no paging) when its K/V fits in AUTO_POOL_SHARE of the
-    memory left after the weights, else the most whole chunks that fit (the rest is scratch and headroom)."""
-    budget = max(free_bytes - weight_bytes, 0) * AUTO_POOL_SHARE
-    if _whole_chunks(n_ctx) * token_bytes <= budget:
+def kv_room_tokens(free_bytes: float, weight_bytes: int, token_bytes: int) -> int:
+    return int(max(free_bytes - weight_bytes, 0) * AUTO_POOL_SHARE // token_bytes) // CHUNK_TOKENS * CHUNK_TOKENS
+
+
+def auto_pool_tokens(room: int, n_ctx: int) -> int | None:
+    """--kv-pool auto on a GPU with `room` tokens of K/V (`kv_room_tokens`): None (the whole context, no paging)
+    when it fits, else the room as a sequence's budget."""
+    if _whole_chunks(n_ctx) <= room:
         return None
-    tokens = int(budget // token_bytes) // CHUNK_TOKENS * CHUNK_TOKENS
-    if tokens < min_pool_tokens():
+    if room < min_pool_tokens():
         raise ConfigError(
-            f"--kv-pool auto: {free_bytes / 2**30:.2f} GiB of GPU memory are free and the weights take "
-            f"{weight_bytes / 2**30:.2f} GiB, leaving room for {tokens} tokens of K/V, below the "
+            f"--kv-pool auto: the GPU memory free after the weights holds {room} tokens of K/V, below the "
             f"{min_pool_tokens()} a pool needs; free GPU memory or use a smaller model")
-    return tokens
+    return room
 
 
 def _n_chunks(n_tokens: int) -> int:
@@ -736,3 +765,9 @@ def _n_chunks(n_tokens: int) -> int:
 def _whole_chunks(n_tokens: int) -> int:
     """A whole-context pool rounded up to whole chunks, so sessions can move it chunk by chunk."""
     return _n_chunks(n_tokens) * CHUNK_TOKENS
+
+
+
+def _check_unused(s: Session, action: str) -> None:
+    if s.request is not None:
+        raise PreconditionError(f"cannot {action} session {s.id!r}: a request is using it")

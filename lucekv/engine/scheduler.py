@@ -95,11 +95,15 @@ class Scheduler:
         self.waiting: deque[Schedulable] = deque()
         self.running: list[Schedulable] = []  # oldest admission first
 
-    def add(self, seq: Schedulable) -> None:
-        """Queue a new request; QueueFullError when the queue is full (places the next step admits do not count)."""
+    def check_room(self, extra: int = 1) -> None:
+        """Raise QueueFullError unless `extra` more requests fit the queue (places in the batch do not count)."""
         room = max(0, self.config.max_batch - len(self.running))
-        if len(self.waiting) >= self.config.max_queue + room:
+        if len(self.waiting) + extra > self.config.max_queue + room:
             raise QueueFullError(f"all {self.config.max_queue} places in the request queue are taken; retry later")
+
+    def add(self, seq: Schedulable) -> None:
+        """Queue a new request; QueueFullError when the queue is full."""
+        self.check_room()
         self.waiting.append(seq)
 
     def remove(self, seq: Schedulable) -> None:

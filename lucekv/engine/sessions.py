@@ -1,7 +1,8 @@
 """Sessions: named token histories whose K/V outlive a request (DESIGN §5).
 
-One session at a time is *live*: its K/V is in the backend's pool. The others are *parked* in host RAM (their
-chunks in a host store) or *stored*: spilled as snapshot blobs to a snapshot store, loaded again when used.
+A session is *live* while it holds blocks of the backend's pool (running, or idle with its chunks still there: the
+pool takes them back when another sequence needs them), *parked* when all its chunks are in host RAM (its host
+store), or *stored*: spilled as a snapshot blob to a snapshot store, loaded again when used.
 The table here is bookkeeping only; moving K/V between pool, host and store is the engine's part. Its lock
 makes listing safe from the server's event loop while the engine thread changes sessions.
 """
@@ -14,30 +15,27 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lucekv.errors import NotFoundError, PreconditionError
-from lucekv.kvflash.host_store import MemoryHostStore
 from lucekv.kvflash.sequence import PagedSequence
 
 SessionState = Literal["live", "parked", "stored"]
 
 
-@dataclass
+@dataclass(eq=False)
 class Session:
-    id: str  # "" is the anonymous sequence of requests without a session: never listed, parked or stored
+    id: str  # "" for a request without a session: never listed or stored
+    paged: PagedSequence | None  # its sequence: blocks in the pool, host store, policy (None while stored)
     tokens: list[int] = field(default_factory=list)  # tokens whose K/V the session holds, positions 0..n-1
-    paged: PagedSequence | None = None  # with a bounded pool: the session's pager, host store and policy
-    parked: MemoryHostStore | None = None  # whole-context pool: the chunks while another session is live
     sampler: dict = field(default_factory=dict)  # the sampling settings of its last request
     created_unix: float = field(default_factory=time.time)
     last_used_unix: float = field(default_factory=time.time)
     stored_bytes: int = 0  # > 0: the session is only in the snapshot store, as a blob of this size
     in_store: bool = False  # the snapshot store holds it as it is here (spilling it writes nothing)
+    request: object | None = None  # the engine's request using it (one at a time)
 
     @property
     def host_bytes(self) -> int:
-        """Host RAM its chunks take (paged-out chunks, or the whole parked context)."""
-        if self.paged is not None:
-            return self.paged.host.nbytes
-        return self.parked.nbytes if self.parked is not None else 0
+        """Host RAM its chunks take (those paged out, or the whole parked context)."""
+        return self.paged.host.nbytes if self.paged is not None else 0
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,6 @@ class SessionTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
-        self.live_id = ""
         self._stored_tokens: dict[str, int] = {}  # token counts of sessions spilled by this process
         self._pending: dict[str, int] = {}  # Generate calls queued or running, per session id
 
@@ -83,7 +80,7 @@ class SessionTable:
         """The session's K/V now lives only in the snapshot store."""
         with self._lock:
             self._stored_tokens[s.id] = len(s.tokens)
-            s.tokens, s.paged, s.parked, s.stored_bytes = [], None, None, nbytes
+            s.tokens, s.paged, s.stored_bytes = [], None, nbytes
 
     def in_memory(self) -> list[Session]:
         with self._lock:
@@ -117,7 +114,8 @@ class SessionTable:
 
     def info(self, s: Session) -> SessionInfo:
         with self._lock:
-            state: SessionState = "stored" if s.stored_bytes else "live" if s.id == self.live_id else "parked"
+            live = s.paged is not None and s.paged.held_blocks > 0
+            state: SessionState = "stored" if s.stored_bytes else "live" if live else "parked"
             n = self._stored_tokens.get(s.id, -1) if s.stored_bytes else len(s.tokens)
             return SessionInfo(s.id, state, n, s.host_bytes, s.stored_bytes, s.created_unix, s.last_used_unix,
                                s.id in self._pending)

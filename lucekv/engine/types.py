@@ -32,6 +32,8 @@ class Usage:
     kv_resident_chunks: int = 0  # KVFlash residency at the end; zeros when the pool holds the whole context
     kv_paged_chunks: int = 0
     kv_bytes_moved: int = 0
+    queue_time_s: float = 0.0  # from the request's arrival to its first step
+    batch_size: float = 1.0  # sequences per step, on average over the steps that made its tokens
     speculation: SpecUsage | None = None  # rounds, drafted and accepted tokens, the gate's decisions; None: off
 
 

@@ -14,7 +14,17 @@ import numpy as np
 from lucekv.kvflash.blocks import BlockPool
 from lucekv.kvflash.draft import DraftReader
 from lucekv.kvflash.host_store import HostStore, MemoryHostStore
-from lucekv.kvflash.pager import CHUNK_TOKENS, UNSCORED, Move, PageIn, Pager, PagerUsage, min_pool_tokens, scores_text
+from lucekv.kvflash.pager import (
+    CHUNK_TOKENS,
+    UNSCORED,
+    Move,
+    PageIn,
+    PageOut,
+    Pager,
+    PagerUsage,
+    min_pool_tokens,
+    scores_text,
+)
 from lucekv.kvflash.policy import make_policy
 
 TAIL_CHUNKS = 4  # the recent chunks before the head that are never evicted...
@@ -126,9 +136,16 @@ class PagedSequence:
 
     # ---- sessions: the pool is shared; an idle sequence keeps its blocks until the pool needs them ------
 
-    def sync_to_host(self) -> None:
-        """Bring the host store up to date with the resident chunks, which stay resident (for snapshots)."""
-        self._run(self.pager.write_back())
+    def read_chunks(self, n_chunks: int) -> list[np.ndarray]:
+        """K/V [n_layer, 2, chunk, n_kv_head, head_dim] of the first n_chunks chunks (for snapshots): the host store's
+        where its copy is current, else read out of the pool into a store of their own (the sequence's host store,
+        which counts as the session's host memory, stays as it is). Views: copy what you keep."""
+        p = self.pager
+        n_layer, _, chunk, n_kv_head, head_dim = self.host.shape
+        read = MemoryHostStore(n_layer, chunk, n_kv_head, head_dim, self.host.dtype)
+        self.backend.execute([PageOut(c, int(p.block_of[c])) for c in range(n_chunks)
+                              if p.block_of[c] >= 0 and not p.host_valid[c]], read)
+        return [(read if c in read else self.host).chunk(c) for c in range(n_chunks)]
 
     def suspend(self) -> None:
         """The sequence stops running: its chunks stay in their blocks until the pool takes them (`give_back`)."""

@@ -64,7 +64,8 @@ async def start_server(engine: Engine, config: ServeConfig) -> LucekvServer:
     token file cannot be read."""
     worker = EngineWorker(engine, config.max_queue)
     auth = Authenticator.from_file(config.auth_tokens)
-    metrics = Metrics(lambda: worker.queued, engine.sessions.infos, engine.info.kv_pool_tokens)
+    metrics = Metrics(lambda: worker.queued, engine.sessions.infos, engine.info.kv_pool_tokens,
+                      lambda: len(engine.scheduler.running))
     interceptors = [AuthInterceptor(auth, lambda method: metrics.requests.labels(
         method.rsplit("/", 1)[-1], grpc.StatusCode.UNAUTHENTICATED.name).inc())] if auth.enabled else []
     server = grpc.aio.server(options=_GRPC_OPTIONS, interceptors=interceptors)

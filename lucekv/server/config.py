@@ -65,6 +65,15 @@ class ServeConfig:
     kv_tau: int = setting(64, "decoded tokens between reselects", int, group="engine")
     kv_drafter: str = setting("", "the draft policy's model: same tokenizer, e.g. qwen2.5-coder-0.5b for the 1.5b",
                               group="engine", metavar="MODEL")
+    kv_cache: int | None = setting(
+        None, "the one KV pool every sequence borrows its blocks from, in tokens (a multiple of 64); off: room for "
+        "--max-batch sequences at their --kv-pool budget (on CUDA within 90%% of the GPU memory free after the "
+        "weights)", optional_int, group="engine", metavar="TOKENS")
+    max_batch: int = setting(64, "sequences that decode together in one step", int, group="engine")
+    step_tokens: int | None = setting(
+        None, "tokens per step: the running streams' decode tokens and pieces of new prompts (a long prompt is "
+        "prefilled in pieces beside the running streams); off: the backend's prefill batch (256 CPU, 512 CUDA)",
+        optional_int, group="engine", metavar="TOKENS")
 
     spec: str = setting("auto", "speculative decoding, the mode of requests that leave it unset: auto lets a gate "
                         "turn the suffix drafter on where it pays; suffix / draft always use that drafter; off "
@@ -73,7 +82,8 @@ class ServeConfig:
                                "fetched if missing, or .gguf path), e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b",
                                group="spec", metavar="NAME|PATH")
 
-    max_queue: int = setting(64, "Generate calls that may wait for the engine; more get RESOURCE_EXHAUSTED", int)
+    max_queue: int = setting(64, "Generate calls that may wait for a place in the batch; more get RESOURCE_EXHAUSTED",
+                             int)
     snapshot_store: str = setting(
         "", "where sessions are kept: a directory (one server) or redis://HOST:PORT/DB (replicas share it). Idle "
         "sessions spill there past the limits, all are saved at shutdown and found again after a restart; with "

@@ -23,14 +23,14 @@ SESSION_STATES = ("live", "parked", "stored")
 
 class Metrics:
     def __init__(self, queue_depth: Callable[[], int], sessions: Callable[[], list[SessionInfo]],
-                 kv_pool_tokens: int):
+                 kv_pool_tokens: int, running: Callable[[], int] = lambda: 0):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("lucekv_requests", "finished RPCs by method and status code", ["rpc", "code"],
                                 registry=r)
         self.ttft = Histogram("lucekv_time_to_first_token_seconds", "Generate: from the start of the engine's work "
                               "to the first token (queue time excluded)", buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("lucekv_queue_time_seconds", "Generate: time waiting for the engine",
+        self.queue_time = Histogram("lucekv_queue_time_seconds", "Generate: time waiting for a place in the batch",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("lucekv_time_per_output_token_seconds", "Generate: decode time per token after the "
                               "first", buckets=_TOKEN_BUCKETS, registry=r)
@@ -49,16 +49,17 @@ class Metrics:
         Gauge("lucekv_kv_pool_tokens", "K/V slots of the device pool (0: the whole context)",
               registry=r).set(kv_pool_tokens)
         Gauge("lucekv_num_requests_waiting", "calls queued for the engine", registry=r).set_function(queue_depth)
+        Gauge("lucekv_num_requests_running", "calls in the engine's batch", registry=r).set_function(running)
         r.register(_SessionStates(sessions))
         self.port: int | None = None
         self._http = None
 
-    def observe_generation(self, usage: Usage, queue_time_s: float) -> None:
+    def observe_generation(self, usage: Usage) -> None:
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.cached_tokens.inc(usage.cached_tokens)
         self.generation_tokens.inc(usage.completion_tokens)
         self.ttft.observe(usage.time_to_first_token_s)
-        self.queue_time.observe(queue_time_s)
+        self.queue_time.observe(usage.queue_time_s)
         if usage.completion_tokens > 1 and usage.decode_tokens_per_s > 0:
             self.tpot.observe(1.0 / usage.decode_tokens_per_s)
             self.tokens_per_second.set(usage.decode_tokens_per_s)

@@ -92,9 +92,9 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
                 try:
                     async for delta in job.deltas():
                         if delta.usage:
-                            self._metrics.observe_generation(delta.usage, job.queue_time_s)
-                            _log_finished(request_id, delta, job.queue_time_s)
-                        yield response_from_delta(delta, request_id, job.queue_time_s)
+                            self._metrics.observe_generation(delta.usage)
+                            _log_finished(request_id, delta)
+                        yield response_from_delta(delta, request_id)
                 finally:
                     self._worker.cancel(job)  # a no-op once the job is done; else frees its place or stops it
 
@@ -142,6 +142,10 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
                 kv_policy=info.kv_policy,
                 speculation_modes=info.spec_modes,
                 speculation_default=info.spec_default,
+                max_batch=info.max_batch,
+                kv_cache_tokens=info.kv_cache_tokens,
+                running_requests=len(self._engine.scheduler.running),
+                waiting_requests=len(self._engine.scheduler.waiting),
             )
 
 
@@ -339,7 +343,7 @@ def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(**values)
 
 
-def response_from_delta(delta: GenerationDelta, request_id: str, queue_time_s: float) -> pb.GenerateResponse:
+def response_from_delta(delta: GenerationDelta, request_id: str) -> pb.GenerateResponse:
     response = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text)
     for lp in delta.logprobs or ():
         top = [pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
@@ -355,7 +359,8 @@ def response_from_delta(delta: GenerationDelta, request_id: str, queue_time_s: f
                 completion_tokens=u.completion_tokens,
                 time_to_first_token_ms=u.time_to_first_token_s * 1e3,
                 decode_tokens_per_second=u.decode_tokens_per_s,
-                queue_time_ms=queue_time_s * 1e3,
+                queue_time_ms=u.queue_time_s * 1e3,
+                batch_size=u.batch_size,
                 kv_resident_chunks=u.kv_resident_chunks,
                 kv_paged_chunks=u.kv_paged_chunks,
                 kv_bytes_moved=u.kv_bytes_moved,
@@ -369,17 +374,19 @@ def response_from_delta(delta: GenerationDelta, request_id: str, queue_time_s: f
     return response
 
 
-def _log_finished(request_id: str, last: GenerationDelta, queue_time_s: float) -> None:
+def _log_finished(request_id: str, last: GenerationDelta) -> None:
     u = last.usage
     logger.info(
-        "request %s: %s; %d prompt + %d completion tokens; queued %.0f ms, first token %.0f ms, %.1f tok/s",
+        "request %s: %s; %d prompt + %d completion tokens; queued %.0f ms, first token %.0f ms, %.1f tok/s, "
+        "batch %.1f",
         request_id,
         last.finish_reason,
         u.prompt_tokens,
         u.completion_tokens,
-        queue_time_s * 1e3,
+        u.queue_time_s * 1e3,
         u.time_to_first_token_s * 1e3,
         u.decode_tokens_per_s,
+        u.batch_size,
     )
 
 

@@ -1,16 +1,23 @@
-"""The engine's own thread: jobs run there one at a time, first in first out, from a bounded queue.
+"""The engine's own thread: it runs the engine's steps while requests are in flight, many Generate calls sharing
+each step (continuous batching, lucekv.engine.scheduler).
 
-Jobs are Generate calls and short engine calls (snapshot, restore, delete a session), which must not run
-beside a generation because they move K/V in and out of the same pool.
+Between two steps it takes new Generate calls into the engine (which queues them first in, first out, up to
+`max_queued` waiting), stops those whose call ended (cancelled, deadline, client gone: within one step), runs short
+engine calls (snapshot, restore, delete a session), which must not run inside a step because they move K/V in and
+out of the same pool, and hands each call the deltas its request produced.
+
+A job on a session shared by replicas holds the session's lease (lucekv.server.leases): before the engine takes it
+the session is synced with the store, after it the session is written back, and the lease is released, before the
+caller hears the work is done (a generation's last delta waits for that).
 
 The event loop never runs model code, so health checks and new calls are answered during a generation.
 Deltas cross back to the loop through `call_soon_threadsafe`; the worker does not wait for slow readers.
-A job's `cancelled` flag is checked after every step, so a cancelled call costs at most one more step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -19,18 +26,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from lucekv.engine.engine import Engine
+from lucekv.engine.request import Request
 from lucekv.engine.sampling import SamplingParams
 from lucekv.engine.types import GenerationDelta
-from lucekv.errors import ConfigError, LucekvError, ResourceLimitError
+from lucekv.errors import ConfigError, LucekvError
 from lucekv.server.leases import Lease
 
 logger = logging.getLogger(__name__)
 
 _END = object()  # the job's last item: the generation is over
-
-
-class QueueFullError(ResourceLimitError):
-    """Every place in the request queue is taken."""
 
 
 class ServerStoppingError(LucekvError):
@@ -47,13 +51,8 @@ class Job:
         self.lease = lease  # held for the job (replicas sharing a store) until `release_lease`
         self.cancelled = threading.Event()
         self.submitted_at = time.perf_counter()
-        self.started_at: float | None = None
         self._loop = asyncio.get_running_loop()
         self._items: asyncio.Queue[object] = asyncio.Queue()
-
-    @property
-    def queue_time_s(self) -> float:
-        return (self.started_at or time.perf_counter()) - self.submitted_at
 
     def deliver(self, item: object) -> bool:
         """Called on the worker thread; False when the server's loop is gone and nobody is listening."""
@@ -62,9 +61,6 @@ class Job:
         except RuntimeError:
             return False
         return True
-
-    def run(self, engine: Engine) -> None:
-        raise NotImplementedError
 
     def release_lease(self) -> None:
         """Give the session's lease back (once): before the caller hears the work is done, so that its next call
@@ -79,7 +75,7 @@ class Job:
 
 
 class GenerationJob(Job):
-    """One Generate call."""
+    """One Generate call; `request` is its request in the engine once the engine thread took it."""
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, session_id: str = "",
                  pin_prefix: int | None = None, lease: Lease | None = None,
@@ -90,6 +86,8 @@ class GenerationJob(Job):
         self.session_id = session_id
         self.pin_prefix = pin_prefix
         self.speculation = speculation
+        self.request: Request | None = None
+        self.held: GenerationDelta | None = None  # with a lease: the last delta, until the session is written back
 
     async def deltas(self) -> AsyncIterator[GenerationDelta]:
         """The generation's output; re-raises on the loop whatever the engine raised."""
@@ -98,49 +96,13 @@ class GenerationJob(Job):
                 raise item
             yield item
 
-    def run(self, engine: Engine) -> None:
-        """With a lease, the last delta waits until the session is in the store: a turn the client saw end
-        survives this replica."""
-        if self.lease:
-            self.lease.sync(engine)
-        steps = engine.generate(self.prompt_ids, self.params, self.session_id, self.pin_prefix,
-                                self.speculation)
-        last = None
-        try:
-            for delta in steps:
-                if self.cancelled.is_set():
-                    logger.info("request %s stopped: its call ended", self.request_id)
-                    break
-                if delta.finish_reason and self.lease:
-                    last = delta
-                elif not self.deliver(delta):
-                    logger.info("request %s stopped: its call ended", self.request_id)
-                    break
-        finally:
-            steps.close()  # frees what the generation held, also when it was cut short
-        if self.lease:
-            self.lease.commit(engine)
-            self.release_lease()
-        if last is not None:
-            self.deliver(last)
-        self.deliver(_END)
-
 
 class EngineCall(Job):
-    """A short engine operation, `fn(engine)`, run in queue order; its result comes back as one item."""
+    """A short engine operation, `fn(engine)`, run between steps; its result comes back as one item."""
 
     def __init__(self, fn: Callable[[Engine], Any], name: str, lease: Lease | None = None):
         super().__init__(name, lease)
         self.fn = fn
-
-    def run(self, engine: Engine) -> None:
-        if self.lease:
-            self.lease.sync(engine)
-        result = self.fn(engine)
-        if self.lease:
-            self.lease.commit(engine)
-            self.release_lease()
-        self.deliver(result)
 
     async def result(self) -> Any:
         item = await self._items.get()
@@ -153,10 +115,13 @@ class EngineWorker:
     def __init__(self, engine: Engine, max_queued: int):
         if max_queued < 0:
             raise ConfigError(f"the request queue needs a size >= 0 (got {max_queued})")
+        config = dataclasses.replace(engine.scheduler.config, max_queue=max_queued)
+        config.check()
+        engine.scheduler.config = config
         self.engine = engine
         self.max_queued = max_queued
-        self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._inbox: deque[Job] = deque()  # jobs the engine thread has not taken yet
+        self._running: list[GenerationJob] = []  # generations in the engine
         self._wakeup = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="lucekv-engine", daemon=True)
@@ -168,18 +133,13 @@ class EngineWorker:
         with self._wakeup:
             if self._stopping:
                 raise ServerStoppingError("the server is shutting down")
-            idle = self._running is None and not self._waiting
-            if len(self._waiting) >= self.max_queued and not idle:
-                raise QueueFullError(
-                    f"all {self.max_queued} places in the request queue are taken; retry later"
-                )
-            self._waiting.append(job)
+            self._inbox.append(job)
             if job.session_id:
                 self.engine.sessions.begin_request(job.session_id)
             self._wakeup.notify()
 
     def submit_or_release(self, job: Job) -> None:
-        """submit; a job the queue refuses gives its lease back."""
+        """submit; a job the worker refuses gives its lease back."""
         try:
             self.submit(job)
         except BaseException:
@@ -188,24 +148,25 @@ class EngineWorker:
 
     @property
     def queued(self) -> int:
-        """Jobs waiting for the engine (not counting the running one)."""
-        return len(self._waiting)
+        """Calls waiting for a place in the batch (read from the event loop: a gauge's estimate)."""
+        return len(self._inbox) + len(self.engine.scheduler.waiting)
 
     def cancel(self, job: Job) -> None:
-        """Frees the job's place at once if it is waiting; a running job stops after its current step."""
+        """Frees the job's place at once if the engine has not taken it; else it stops after the current step."""
         job.cancelled.set()
         with self._wakeup:
-            if job in self._waiting:
-                self._waiting.remove(job)
+            if job in self._inbox:
+                self._inbox.remove(job)
                 self._release(job)
+            self._wakeup.notify()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Ends the waiting and running jobs with ServerStoppingError and lets the thread finish."""
         with self._wakeup:
             self._stopping = True
-            waiting = list(self._waiting)
-            ended = [*waiting, *([self._running] if self._running else [])]
-            self._waiting.clear()
+            waiting = list(self._inbox)
+            ended = [*waiting, *self._running]
+            self._inbox.clear()
             self._wakeup.notify()
         for job in waiting:
             self._release(job)
@@ -227,24 +188,9 @@ class EngineWorker:
         if saved:
             logger.info("saved %d sessions to the snapshot store", saved)
 
-    def _run(self) -> None:
-        while job := self._next_job():
-            self._execute(job)
-            with self._wakeup:
-                self._running = None
-
-    def _next_job(self) -> Job | None:
-        with self._wakeup:
-            while not self._waiting and not self._stopping:
-                self._wakeup.wait()
-            if self._stopping:
-                return None
-            self._running = self._waiting.popleft()
-            return self._running
-
     async def call(self, fn: Callable[[Engine], Any], name: str, lease: Lease | None = None) -> Any:
-        """Run `fn(engine)` on the engine thread after the jobs queued before it; its result or its exception.
-        The lease, if any, is the job's from here on (released when it leaves the queue)."""
+        """Run `fn(engine)` on the engine thread between two steps; its result or its exception. The lease, if any,
+        is the job's from here on (released when it leaves the queue)."""
         job = EngineCall(fn, name, lease)
         self.submit_or_release(job)
         try:
@@ -252,20 +198,101 @@ class EngineWorker:
         finally:
             self.cancel(job)
 
-    def _execute(self, job: Job) -> None:
+    # ---- the engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
         try:
-            if job.cancelled.is_set():  # cancelled between leaving the queue and starting
+            self._serve()
+        finally:  # stopping: the generations left end here (their calls were told already)
+            for job in self._running:
+                self.engine.cancel(job.request)
+                self._release(job)
+
+    def _serve(self) -> None:
+        while (jobs := self._next_jobs()) is not None:
+            for job in jobs:
+                self._take(job)
+            for job in self._running:
+                if job.cancelled.is_set():
+                    self.engine.cancel(job.request)
+            if self.engine.has_work:
+                try:
+                    self.engine.step()
+                except Exception as e:  # the engine failed outside its own handling: its requests get the error
+                    logger.exception("an engine step failed")
+                    self.engine.fail_all(e)
+            self._hand_out()
+
+    def _next_jobs(self) -> list[Job] | None:
+        """The jobs that arrived since the last step (waiting for one while the engine is idle); None to stop."""
+        with self._wakeup:
+            while not self._inbox and not self._stopping and not self.engine.has_work and not any(
+                    job.cancelled.is_set() and not job.request.done for job in self._running):
+                self._wakeup.wait()
+            if self._stopping:
+                return None
+            jobs = list(self._inbox)
+            self._inbox.clear()
+            return jobs
+
+    def _take(self, job: Job) -> None:
+        """A new job into the engine: a generation is submitted, an engine call runs now."""
+        if job.cancelled.is_set():  # cancelled between leaving the inbox and here
+            self._release(job)
+            return
+        try:
+            if job.lease:
+                job.lease.sync(self.engine)
+            if isinstance(job, EngineCall):
+                result = job.fn(self.engine)
+                if job.lease:
+                    job.lease.commit(self.engine)
+                    job.release_lease()
+                job.deliver(result)
+                self._release(job)
                 return
-            job.started_at = time.perf_counter()
-            job.run(self.engine)
+            job.request = self.engine.submit(job.prompt_ids, job.params, job.session_id, job.pin_prefix,
+                                             job.speculation, arrived=job.submitted_at)
         except Exception as e:  # the handler maps it to a status code; the worker keeps serving
+            job.deliver(e)
+            self._release(job)
+            return
+        self._running.append(job)
+
+    def _hand_out(self) -> None:
+        """Each generation's new deltas to its call; those that ended leave (a leased session written back first)."""
+        for job in list(self._running):
+            r = job.request
+            while r.out:
+                delta = r.out.popleft()
+                if delta.finish_reason and job.lease:
+                    job.held = delta
+                elif not job.deliver(delta):
+                    logger.info("request %s stopped: its call ended", job.request_id)
+                    self.engine.cancel(r)
+            if r.done:
+                self._running.remove(job)
+                self._finish(job)
+
+    def _finish(self, job: GenerationJob) -> None:
+        r = job.request
+        try:
+            if r.error is not None:
+                raise r.error
+            if job.lease:
+                job.lease.commit(self.engine)
+                job.release_lease()
+            if job.held is not None:
+                job.deliver(job.held)
+            job.deliver(_END)
+        except Exception as e:
             if not job.deliver(e):
                 logger.error("request %s failed after its caller left", job.request_id, exc_info=e)
         finally:
             self._release(job)
 
     def _release(self, job: Job) -> None:
-        """The job left the queue for good: its session may be restored over or deleted again, its lease goes."""
+        """The job left for good: its session may be restored over or deleted again, its lease goes."""
         if job.session_id:
             self.engine.sessions.end_request(job.session_id)
         job.release_lease()

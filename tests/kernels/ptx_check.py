@@ -35,8 +35,9 @@ I2 = types.int32[:, ::1]
 H3 = types.float16[:, :, ::1]
 I64, F32, B = types.int64, types.float32, types.boolean
 PART = (types.float32[:, :, ::1], types.float32[:, :, ::1], types.float32[:, :, :, ::1])
-ATTEND = (F2, U2, U2, I1, I1, I1, I64, F32, *PART, F2)
-FLASH = (F2, U2, U2, I1, I1, I1, I64, F32, F2)
+TABLES = typeof(attention.BlockTables(*(np.zeros(2, np.int32) for _ in range(4))))
+ATTEND = (F2, U2, U2, I1, TABLES, I1, I64, F32, *PART, F2)
+FLASH = (F2, U2, U2, I1, TABLES, I1, I64, F32, F2)
 # tuple arguments, typed from host arrays of the device ones' dtype, dimensions and layout
 _m = np.zeros((2, 4), np.float32)
 EP = typeof(epilogue((_m, _m), bias=_m[0]))
@@ -70,7 +71,7 @@ CHECKS = {
     "rmsnorm": (norm._rmsnorm, (F2, F1, F32, F2)),
     "gated_act": (act._gated_act, (F2, F2, B, F2)),
     "add": (act._add, (F2, F2, F2)),
-    "rope_and_store_f16": (attention._rope_and_store, (F2, F2, F2, I1, I1, ROTARY, H3, H3, F2, F1)),
+    "rope_and_store_f16": (attention._rope_and_store, (F2, F2, F2, I1, I1, ROTARY, H3, H3, F2, types.float32[:, :])),
     "attend_f16_128": (attention._split_kernel(2, 64), ATTEND),
     "attend_f32_128": (attention._split_kernel(1, 128), ATTEND),
     "attend_f32_160": (attention._split_kernel(1, 160), ATTEND),

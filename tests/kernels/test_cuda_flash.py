@@ -9,7 +9,7 @@ import pytest
 
 from lucekv.kernels.cuda import available
 from tests.kernels.cuda_sim import needs_gpu, needs_kernels, run_in_simulator
-from tests.kernels.test_cuda_kernels import check_attention
+from tests.kernels.test_cuda_kernels import check_attention, check_table_attention
 
 
 @pytest.mark.skipif(available(), reason="kernels run directly in this process")
@@ -33,6 +33,12 @@ def test_flash_attention_skips_hidden_tiles_and_launches_again():
     # slots in position order, queries at 180..199 with a 30-position window: the first two tiles are hidden
     check_attention(260, 8, 2, 16, np.arange(180, 200, dtype=np.int32), 30, np.float16, ordered=True, launches=2,
                     flash=True)
+
+
+@needs_kernels
+def test_flash_attention_reads_a_sequence_in_scattered_blocks():
+    # one sequence's 20 queries over its blocks 3, 0, 2 of the pool (block 1 is another sequence's)
+    check_table_attention([((3, 0, 2), p) for p in range(150, 170)], 4, 2, 16, window=0, flash=True)
 
 
 def test_flash_serves_float16_prefills_of_supported_heads():

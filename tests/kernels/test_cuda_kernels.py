@@ -245,7 +245,7 @@ def test_rope_and_store(neox, paired):
     k, v = (rng.standard_normal((2, n_kv * head_dim)).astype(np.float32) for _ in range(2))
     positions, slots = np.array([5, 70001], np.int32), np.array([3, 0], np.int32)
     k_pool, v_pool = (cuda.to_device(np.full((4, n_kv, head_dim), np.nan, np.float32)) for _ in range(2))
-    q_out, last_q = cuda.device_array(q.shape, np.float32), cuda.device_array(q.shape[1], np.float32)
+    q_out, last_q = cuda.device_array(q.shape, np.float32), cuda.device_array((2, q.shape[1]), np.float32)
     # paired: q and k as a product of paired weights gives them (see rope.pair_order); the outputs stay natural
     q_in, k_in = (x[:, pair_order(h, head_dim, rope_dim)] if paired else x for x, h in ((q, n_heads), (k, n_kv)))
     rope = Rotary(cuda.to_device(frequencies(base, rope_dim, RopeScaling("linear", scale))), neox, paired)
@@ -254,7 +254,7 @@ def test_rope_and_store(neox, paired):
     ref_q = rope_reference(q, n_heads, head_dim, rope_dim, positions, base, scale, neox)
     ref_k = rope_reference(k, n_kv, head_dim, rope_dim, positions, base, scale, neox)
     assert rel_err(q_out.copy_to_host(), ref_q) <= 1e-6
-    assert np.array_equal(last_q.copy_to_host(), q_out.copy_to_host()[-1])
+    assert np.array_equal(last_q.copy_to_host(), q_out.copy_to_host()[-2:])  # the last rows, as many as it holds
     assert rel_err(k_pool.copy_to_host()[slots].reshape(2, -1), ref_k) <= 1e-6
     assert np.array_equal(v_pool.copy_to_host()[slots].reshape(2, -1), v)
     assert np.isnan(k_pool.copy_to_host()[[1, 2]]).all()  # other slots untouched
@@ -385,7 +385,7 @@ def check_attention(n_slots, n_head, n_kv, d, positions, window, kv_dtype, seed=
     """Random pool with a shuffled (or, `ordered`, increasing) slot -> position map and free slots, queries at
     `positions`; `launches` times with the same scratch, as a replayed graph does. `flash`: the tensor-core
     prefill kernel (`flash.attend`) instead of the per-query one."""
-    from lucekv.kernels.cuda.attention import attend, partials
+    from lucekv.kernels.cuda.attention import BLOCK, attend, identity_tables, partials
     from lucekv.kernels.cuda.flash import attend as flash_attend
 
     rng = np.random.default_rng(seed)
@@ -410,7 +410,9 @@ def check_attention(n_slots, n_head, n_kv, d, positions, window, kv_dtype, seed=
     parts = partials(n, n_head, n_kv, d, n_slots)
     ref = attention_reference(q, k_pool[:used], v_pool[:used], slot_pos[:used], positions, window, scale)
     first = None
-    args = cuda.to_device(q), dk, dv, cuda.to_device(slot_pos), d_used, cuda.to_device(positions), window, scale
+    tables = identity_tables(cuda.to_device(np.arange(-(-n_slots // BLOCK), dtype=np.int32)), d_used,
+                             cuda.to_device(np.zeros(n, np.int32)))
+    args = cuda.to_device(q), dk, dv, cuda.to_device(slot_pos), tables, cuda.to_device(positions), window, scale
     for _ in range(launches):
         if flash:
             flash_attend(*args, out)
@@ -444,6 +446,54 @@ def test_attention_wide_rows():
     # tile buffer; 200 slots: 4 chunks, more than the simulator's combine warps, whose lanes hold 16 bytes of a
     # row or none
     check_attention(200, 2, 1, 160, np.array([190], np.int32), 0, np.float32)
+
+
+def check_table_attention(layout, n_head, n_kv, d, window, flash=False, seed=3):
+    """Sequences in scattered blocks of one float16 pool: `layout` lists, per query, (its sequence's blocks in
+    logical order, its position); each query reads its own sequence's slots in that order. With `flash` one
+    sequence's queries through the tensor-core kernel."""
+    from lucekv.kernels.cuda.attention import BLOCK, BlockTables, attend, partials
+    from lucekv.kernels.cuda.flash import attend as flash_attend
+
+    rng = np.random.default_rng(seed)
+    n_blocks = 1 + max(b for blocks, _ in layout for b in blocks)
+    k_pool = (rng.standard_normal((n_blocks * BLOCK, n_kv, d)) * 0.5).astype(np.float16)
+    v_pool = rng.standard_normal((n_blocks * BLOCK, n_kv, d)).astype(np.float16)
+    slot_pos = np.full(n_blocks * BLOCK, 7, np.int32)  # slots of no sequence here hold a position every query sees
+    seqs = list(dict.fromkeys(tuple(blocks) for blocks, _ in layout))
+    for blocks in seqs:
+        slots = (np.array(blocks)[:, None] * BLOCK + np.arange(BLOCK)).ravel()
+        pos = np.arange(len(slots), dtype=np.int32)
+        pos[rng.random(len(slots)) < 0.1] = -1  # free slots inside the sequence
+        slot_pos[slots] = pos
+    n = len(layout)
+    q = rng.standard_normal((n, n_head * d)).astype(np.float32)
+    positions = np.array([p for _, p in layout], np.int32)
+    starts = np.cumsum([0] + [len(b) for b in seqs])
+    tables = BlockTables(cuda.to_device(np.concatenate([np.array(b, np.int32) for b in seqs])),
+                         cuda.to_device(starts[:-1].astype(np.int32)),
+                         cuda.to_device(np.array([len(b) * BLOCK for b in seqs], np.int32)),
+                         cuda.to_device(np.array([seqs.index(tuple(b)) for b, _ in layout], np.int32)))
+    out = cuda.device_array((n, n_head * d), np.float32)
+    args = (cuda.to_device(q), cuda.to_device(k_pool), cuda.to_device(v_pool), cuda.to_device(slot_pos), tables,
+            cuda.to_device(positions), window, 1 / np.sqrt(d))
+    if flash:
+        flash_attend(*args, out)
+    else:
+        attend(*args, partials(n, n_head, n_kv, d, n_blocks * BLOCK), out)
+    got = out.copy_to_host()
+    for t, (blocks, pos) in enumerate(layout):
+        slots = (np.array(blocks)[:, None] * BLOCK + np.arange(BLOCK)).ravel()
+        ref = attention_reference(q[t : t + 1], k_pool[slots], v_pool[slots], slot_pos[slots], [pos], window,
+                                  1 / np.sqrt(d))
+        assert rel_err(got[t : t + 1], ref) <= 1e-2, f"query {t}"
+
+
+@needs_kernels
+def test_attention_rows_read_their_own_sequences_blocks():
+    # three sequences in scattered blocks, one query each (decode rows), a window on the last
+    check_table_attention([((4, 1), 100), ((0, 5, 2), 150), ((3,), 40)], 4, 2, 16, window=0)
+    check_table_attention([((2, 0), 120)], 2, 1, 16, window=30)
 
 
 def test_attention_splits_and_supported_heads():

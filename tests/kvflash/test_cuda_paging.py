@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 
 import lucekv
-from lucekv.engine.engine import auto_pool_tokens
+from lucekv.engine.engine import auto_pool_tokens, kv_room_tokens
 from lucekv.engine.sampling import SamplingParams
 from lucekv.errors import ConfigError
 from lucekv.kernels.cuda import available, cuda
-from lucekv.kvflash.blocks import BlockPool
 from lucekv.kvflash.host_store import MemoryHostStore
 from lucekv.kvflash.pager import CHUNK_TOKENS, PageIn, PageOut, min_pool_tokens
 from lucekv.kvflash.sequence import PagedSequence
@@ -136,10 +135,9 @@ def test_pager_driven_moves_keep_every_position_in_place(model):
     """Prefill past the pool, decode through reselects, rewind: the device pool, the host store and the device
     slot map always agree with the pager."""
     pool_tokens = min_pool_tokens()
-    backend = cuda_backend(model, "f32", pool_tokens)
+    backend = cuda_backend(model, "f32", pool_tokens + CHUNK_TOKENS)  # and the backend's scratch block
     spec = backend.spec
-    blocks = BlockPool(pool_tokens // CHUNK_TOKENS, CHUNK_TOKENS, backend.pool.slot_pos)
-    seq = PagedSequence(backend, blocks, pool_tokens, n_layer=spec.n_layer, n_kv_head=spec.n_kv_head,
+    seq = PagedSequence(backend, backend.pool.blocks, pool_tokens, n_layer=spec.n_layer, n_kv_head=spec.n_kv_head,
                         head_dim=spec.head_dim, dtype=np.float32, policy="quest", tau=4, window=0)
     rng = np.random.default_rng(1)
     n = 2 * pool_tokens + 20
@@ -182,6 +180,7 @@ def test_attention_captures_the_latest_query_on_the_device(tmp_path, monkeypatch
     backend.ops.begin_step(pos, pos, slots)
     backend.ops.attention(1, cuda.to_device(x), backend.weights.layers[1], pos, slots, 0)
     cpu.pool.assign(slots, pos)
+    cpu.ops.begin_step(n, None)
     cpu.ops.attention(1, x, cpu.weights.layers[1], pos, slots, 0)
     got = backend.last_queries()
     assert got.shape == (spec.n_layer, spec.n_head, spec.head_dim)
@@ -197,20 +196,21 @@ def test_attention_captures_the_latest_query_on_the_device(tmp_path, monkeypatch
 
 
 def test_auto_pool_is_the_whole_context_when_it_fits():
-    assert auto_pool_tokens(free_bytes=10 << 30, weight_bytes=1 << 30, token_bytes=1 << 10, n_ctx=4096) is None
+    room = kv_room_tokens(free_bytes=10 << 30, weight_bytes=1 << 30, token_bytes=1 << 10)
+    assert auto_pool_tokens(room, n_ctx=4096) is None
 
 
 def test_auto_pool_is_the_most_whole_chunks_that_fit():
     token_bytes = 100_000
-    tokens = auto_pool_tokens(free_bytes=1_000_000_000, weight_bytes=400_000_000, token_bytes=token_bytes,
-                              n_ctx=32768)
+    room = kv_room_tokens(free_bytes=1_000_000_000, weight_bytes=400_000_000, token_bytes=token_bytes)
+    tokens = auto_pool_tokens(room, n_ctx=32768)
     budget = 0.9 * 600_000_000
     assert tokens % CHUNK_TOKENS == 0 and tokens * token_bytes <= budget < (tokens + CHUNK_TOKENS) * token_bytes
 
 
 def test_auto_pool_below_the_pager_minimum_is_refused():
     with pytest.raises(ConfigError, match="--kv-pool auto"):
-        auto_pool_tokens(free_bytes=2 << 30, weight_bytes=(2 << 30) - 1000, token_bytes=1000, n_ctx=4096)
+        auto_pool_tokens(kv_room_tokens(free_bytes=2 << 30, weight_bytes=(2 << 30) - 1000, token_bytes=1000), 4096)
 
 
 def test_auto_pool_on_the_cpu_backend_holds_the_whole_context(model):
@@ -228,7 +228,8 @@ def test_auto_pool_on_the_cuda_backend_follows_free_memory(model, monkeypatch):
     monkeypatch.setattr(context, "get_memory_info", lambda self: MemoryInfo(free, free))
     engine = lucekv.load(model, backend="cuda", kv_pool="auto")
     assert 1024 <= engine.info.kv_pool_tokens < 4096 and engine.info.kv_pool_tokens % CHUNK_TOKENS == 0
-    assert engine.backend.pool.size == engine.info.kv_pool_tokens and engine.paged is not None
+    # the pool is what the memory holds: one sequence at that budget
+    assert engine.info.kv_cache_tokens == engine.info.kv_pool_tokens
 
 
 # ---- whole engines on a GPU --------------------------------------------------------------------------------

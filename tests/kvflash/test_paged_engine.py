@@ -51,7 +51,7 @@ def test_prefill_of_a_prompt_four_times_the_pool_runs_at_constant_pool_memory(mo
 
 
 def test_a_pooled_prefill_forwards_the_largest_batches_that_fit_beside_the_protected_chunks(model):
-    engine = lucekv.load(model, backend="cpu", kv_pool=512, kv_policy="lru")
+    engine = lucekv.load(model, backend="cpu", kv_pool=512, kv_policy="lru", step_tokens=1024)
     engine.backend.prefill_chunk = 1024  # more than the pool: batches shrink to whole chunks that fit
     sizes = []
     forward = engine.backend.forward

@@ -37,7 +37,8 @@ def server(probe: ProbeEngine) -> Iterator[ServerThread]:
 
 @pytest.fixture
 def slow_probe(tiny_model: Path) -> ProbeEngine:
-    """20 ms per step: a 400-token generation lasts 8 s unless the server stops it."""
-    probe = ProbeEngine(load_engine(tiny_model))
+    """20 ms per step: a 400-token generation lasts 8 s unless the server stops it. One request at a time (a batch
+    of one): the others queue behind it."""
+    probe = ProbeEngine(load_engine(tiny_model, max_batch=1))
     probe.step_delay = 0.02
     return probe

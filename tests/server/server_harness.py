@@ -13,45 +13,60 @@ from lucekv.server.app import start_server
 from lucekv.server.config import ServeConfig
 
 
-def load_engine(path: Path) -> Engine:
-    return lucekv.load(path, backend="cpu")
+def load_engine(path: Path, **options) -> Engine:
+    return lucekv.load(path, backend="cpu", **options)
 
 
 class ProbeEngine:
-    """Wraps a real engine to watch the server use it: counts generate() calls and the steps each one took,
-    can slow every step down (so a generation lasts long enough to cancel it), and can fail on purpose."""
+    """Wraps a real engine to watch the server use it: counts the requests submitted and the tokens of the one the
+    engine works on (the oldest that has not ended), can slow every step down (so a generation lasts long enough to
+    cancel it), and can fail on purpose."""
 
     def __init__(self, engine: Engine):
         self._engine = engine
         self.step_delay = 0.0
         self.fail_after_steps: int | None = None
         self.calls = 0
-        self.steps = 0  # of the latest generation
-        self.steps_at_close = 0  # of the latest generation that ended (the next one resets `steps`)
-        self.closed = threading.Event()  # the latest generation's generator was closed or ran out
+        self.steps = 0  # tokens of the oldest request that has not ended
+        self.steps_at_close = 0  # tokens of the latest request that ended
+        self.closed = threading.Event()  # a request ended since the latest one was submitted
+        self._requests: list = []  # submitted and not ended, oldest first
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
-    def generate(self, prompt, params, session_id="", pin_prefix=None, speculation=None):
+    def submit(self, *args, **kwargs):
+        request = self._engine.submit(*args, **kwargs)
         self.calls += 1
-        self.steps = 0
         self.closed.clear()
-        inner = self._engine.generate(prompt, params, session_id, pin_prefix, speculation)
-        return self._watch(inner)
+        self._requests.append(request)
+        self._watch()
+        return request
 
-    def _watch(self, inner):
-        try:
-            for delta in inner:
-                time.sleep(self.step_delay)
-                self.steps += 1
-                if self.fail_after_steps is not None and self.steps > self.fail_after_steps:
-                    raise RuntimeError("synthetic engine failure")
-                yield delta
-        finally:
-            inner.close()
-            self.steps_at_close = self.steps
+    def step(self):
+        time.sleep(self.step_delay)
+        if self.fail_after_steps is not None and self.steps >= self.fail_after_steps:
+            raise RuntimeError("synthetic engine failure")
+        self._engine.step()
+        self._watch()
+
+    def cancel(self, request):
+        self._engine.cancel(request)
+        self._watch()
+
+    def fail_all(self, error):
+        self._engine.fail_all(error)
+        self._watch()
+
+    def _watch(self):
+        while self._requests and self._requests[0].done:
+            self.steps_at_close = self._requests.pop(0).n_out
             self.closed.set()
+        for r in list(self._requests):  # ended out of order (cancelled while queued)
+            if r.done:
+                self._requests.remove(r)
+                self.closed.set()
+        self.steps = self._requests[0].n_out if self._requests else self.steps_at_close
 
 
 class ServerThread:

@@ -3,8 +3,12 @@
 Slot s is visible to a query at position q iff 0 <= slot_pos[s] <= q and, for a sliding window w > 0,
 slot_pos[s] > q - w. Free slots hold slot_pos = -1.
 
-Split-K ("flash decoding") over the used part of the pool only: the slots below the high-water mark
-(a device int, so that a captured decode graph sees each step's value) are cut into equal chunks of
+Each query reads its own sequence's slots (`BlockTables`): the pool's 64-slot blocks a sequence holds, in logical
+order, so that queries of several sequences share a launch (decode rows) and a query's sums run in the same order
+wherever its blocks are. A sequence alone in the pool reads it whole in slot order (`identity_tables`).
+
+Split-K ("flash decoding") over the used part of the sequence only: its slots below `used` (a device int, so that
+a captured decode graph sees each step's value) are cut into equal chunks of
 whole TILE-slot tiles, as many as `splits` gives (128 for a decode step: enough blocks to keep every SM
 busy at 4K slots as at 128K; a prefill's queries fill the GPU with fewer). One block per (KV head,
 chunk, query), one warp per query head of the KV head's group, runs an online softmax over its chunk and
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -75,35 +80,60 @@ THREADS = 128
 COMBINE_WARPS = 2 if SIMULATOR else 8
 COMBINE_QUADS = MAX_HEAD_DIM // (4 * WARP)  # 16-byte pieces of a row per lane
 COMBINE_LANE_DIMS = 4 * COMBINE_QUADS
+BLOCK = 64  # slots per pool block (a KVFlash chunk): a sequence's slots are whole blocks
+assert BLOCK % TILE == 0 and flash.TILE == BLOCK  # a tile lies in one block
+
+
+class BlockTables(NamedTuple):
+    """Which pool slots each query reads, as device int32 arrays (one kernel argument): query t is of sequence
+    s = seq_of[t], whose logical slot j < used[s] is pool slot flat[start[s] + j // BLOCK] * BLOCK + j % BLOCK."""
+
+    flat: object  # the blocks of every sequence of the forward, each sequence's in logical order
+    start: object  # [sequences]: where each one's blocks begin in flat
+    used: object  # [sequences]: its logical slots (whole blocks; or a sequence alone: the pool's high-water mark)
+    seq_of: object  # [queries]
+
+
+def identity_tables(blocks, used, seq_of) -> BlockTables:
+    """One sequence that holds the whole pool: blocks [0, 1, ...] (device), its slots below used[0]; seq_of: zeros
+    [queries] (device)."""
+    return BlockTables(blocks, seq_of[:1], used, seq_of)
+
+
+@cuda.jit(device=True, inline=True)
+def pool_slot(tables, first, j):
+    """The pool slot of logical slot j of the sequence whose blocks begin at tables.flat[first]."""
+    return tables.flat[first + j // BLOCK] * BLOCK + j % BLOCK
 
 
 def rope_and_store(q, k, v, positions, slots, rope: Rotary, k_pool, v_pool, q_out, last_q, stream=0) -> None:
     """A step's attention inputs, one launch: q_out = RoPE(q); k_pool[slots[t]] = RoPE(k[t]) and
-    v_pool[slots[t]] = v[t], in the pool's dtype; last_q = q_out[-1] (what KVFlash scorers read).
+    v_pool[slots[t]] = v[t], in the pool's dtype; last_q [kept, n_head * head_dim] = the last `kept` rows of q_out
+    (what KVFlash scorers read: a prompt's last token, or every row of a batch's decode rows).
     q, q_out: [n, n_head * head_dim]; k, v: [n, n_kv * head_dim]; q_out and the pool in natural order."""
     n = q.shape[0] * (q.shape[1] + 2 * k.shape[1])
     _rope_and_store[blocks(n, THREADS), THREADS, stream](q, k, v, positions, slots, rope, k_pool, v_pool, q_out,
                                                          last_q)
 
 
-def attend(q, k_pool, v_pool, slot_pos, n_slots, positions, window: int, scale: float, parts, out,
-           stream=0) -> None:
-    """out[n, n_head * head_dim] for queries q [n, n_head * head_dim] at `positions` (int32 [n]).
-
-    Reads the slots below n_slots[0] (a device int32 [1]); parts: `partials(n, n_head, n_kv, head_dim, slots)`.
+def attend(q, k_pool, v_pool, slot_pos, tables: BlockTables, positions, window: int, scale: float, parts, out,
+           stream=0, one_sequence: bool = False) -> None:
+    """out[n, n_head * head_dim] for queries q [n, n_head * head_dim] at `positions` (int32 [n]), each over its
+    sequence's slots (`tables`); parts: `partials(n, n_head, n_kv, head_dim, slots)`. `one_sequence`: every query is
+    of one sequence (a prompt's), which the tensor-core kernel may then take.
     Pools: float16 or float32 [slots, n_kv, head_dim], rows a multiple of 16 bytes (see `unsupported`).
     """
     n = q.shape[0]
     size, n_kv, head_dim = k_pool.shape
-    if flash.serves(n, k_pool.dtype, head_dim):
-        flash.attend(q, k_pool, v_pool, slot_pos, n_slots, positions, window, scale, out, stream)
+    if one_sequence and flash.serves(n, k_pool.dtype, head_dim):
+        flash.attend(q, k_pool, v_pool, slot_pos, tables, positions, window, scale, out, stream)
         return
     group = q.shape[1] // head_dim // n_kv
     part_m, part_l, part_acc = parts
     k_words = k_pool.view(np.uint32).reshape(size * n_kv, -1)  # row s * n_kv + h: slot s, KV head h
     v_words = v_pool.view(np.uint32).reshape(size * n_kv, -1)
     kernel = _split_kernel(4 // k_pool.dtype.itemsize, k_words.shape[1])
-    kernel[(n_kv, part_m.shape[2], n), group * WARP, stream](q, k_words, v_words, slot_pos, n_slots, positions,
+    kernel[(n_kv, part_m.shape[2], n), group * WARP, stream](q, k_words, v_words, slot_pos, tables, positions,
                                                             window, np.float32(scale), part_m, part_l, part_acc,
                                                             out)
     if part_m.shape[2] > 1:
@@ -157,8 +187,9 @@ def _rope_and_store(q, k, v, positions, slots, rope, k_pool, v_pool, q_out, last
     value = rotated(q if is_q else k, t, c - d, d, positions[t], rope)
     if is_q:
         q_out[t, c] = value
-        if t == q.shape[0] - 1:
-            last_q[c] = value
+        kept = t - (q.shape[0] - last_q.shape[0])
+        if kept >= 0:
+            last_q[kept, c] = value
     else:
         k_pool[slots[t], c // head_dim, d] = value
 
@@ -199,8 +230,8 @@ def _split_kernel(dims_per_word: int, row_words: int):
         copy_async_commit()
 
     @cuda.jit(device=True, inline=True)
-    def slot_position(slot_pos, s, end):
-        return slot_pos[s] if s < end else np.int32(-1)
+    def slot_position(slot_pos, tables, first, s, end):
+        return slot_pos[pool_slot(tables, first, s)] if s < end else np.int32(-1)
 
     @cuda.jit(device=True, inline=True)
     def dot_quad(tile, at, qs, q_at):
@@ -226,7 +257,7 @@ def _split_kernel(dims_per_word: int, row_words: int):
         else:
             acc[k] += w * bits_f32(word)
 
-    def kernel(q, k_words, v_words, slot_pos, n_slots, positions, window, scale, part_m, part_l, part_acc, out):
+    def kernel(q, k_words, v_words, slot_pos, tables, positions, window, scale, part_m, part_l, part_acc, out):
         await_grid()
         kvh = cuda.blockIdx.x
         split = cuda.blockIdx.y
@@ -240,7 +271,9 @@ def _split_kernel(dims_per_word: int, row_words: int):
         q_at = warp * head_dim
         acc = cuda.local.array(lane_dims, np.float32)  # dims of words lane, lane + WARP, ...
         pos = positions[t]
-        used = n_slots[0]
+        seq = tables.seq_of[t]
+        first = tables.start[seq]
+        used = tables.used[seq]
         n_splits = cuda.gridDim.y
         # whole tiles; down to one when few slots are used (the grid was sized by MIN_CHUNK for a full pool)
         chunk = ((used + n_splits - 1) // n_splits + TILE - 1) // TILE * TILE
@@ -249,15 +282,15 @@ def _split_kernel(dims_per_word: int, row_words: int):
         # the first two tiles' slot positions and the query are read together (one memory latency, not three);
         # visibility: lane i's slot of a tile, the same for every warp of the block (measured on an H200: copying
         # the first tile before its visibility is known was 4% slower)
-        sp_next = slot_position(slot_pos, start + TILE + lane, end)
-        visible = slot_visible(slot_position(slot_pos, start + lane, end), pos, window)
+        sp_next = slot_position(slot_pos, tables, first, start + TILE + lane, end)
+        visible = slot_visible(slot_position(slot_pos, tables, first, start + lane, end), pos, window)
         for d in range(lane, head_dim, WARP):
             qs[q_at + d] = q[t, h * head_dim + d] * scale
         for j in range(lane_dims):
             acc[j] = np.float32(0)
         any_visible = cuda.syncthreads_or(np.int32(visible))  # (and every warp has written its query)
-        if any_visible:  # a tile is copied when part of it is visible, and then scored
-            copy_tile(k_words, v_words, start, min(TILE, end - start), n_kv, kvh, tile, 0)
+        if any_visible:  # a tile is copied when part of it is visible, and then scored (its slots are consecutive)
+            copy_tile(k_words, v_words, pool_slot(tables, first, start), min(TILE, end - start), n_kv, kvh, tile, 0)
         at = 0  # this tile's buffer
         m = NEG_INF
         total = np.float32(0)  # this lane's share of the softmax denominator
@@ -265,13 +298,14 @@ def _split_kernel(dims_per_word: int, row_words: int):
             n_in = min(TILE, end - base)
             nxt = base + TILE
             visible_next = slot_visible(sp_next, pos, window)
-            sp_next = slot_position(slot_pos, nxt + TILE + lane, end)  # two tiles ahead
+            sp_next = slot_position(slot_pos, tables, first, nxt + TILE + lane, end)  # two tiles ahead
             # every warp is done with the previous tile (its buffer is copied into next); nothing visible in the
             # next tile: it is not copied
             any_next = cuda.syncthreads_or(np.int32(visible_next))
             ahead = stages == 2 and any_next != 0
             if ahead:
-                copy_tile(k_words, v_words, nxt, min(TILE, end - nxt), n_kv, kvh, tile, tile_words - at)
+                copy_tile(k_words, v_words, pool_slot(tables, first, nxt), min(TILE, end - nxt), n_kv, kvh, tile,
+                          tile_words - at)
             if any_visible:
                 if ahead:
                     copy_async_wait_one()
@@ -294,7 +328,7 @@ def _split_kernel(dims_per_word: int, row_words: int):
                 corr = math.exp(m - m_new) if m != NEG_INF else np.float32(0)
                 if not both:  # V over the K rows, once every warp has scored them
                     cuda.syncthreads()
-                    copy_rows(v_words, base, n_in, n_kv, kvh, tile, at, row_words)
+                    copy_rows(v_words, pool_slot(tables, first, base), n_in, n_kv, kvh, tile, at, row_words)
                     copy_async_commit()
                     copy_async_wait_all()
                     cuda.syncthreads()
@@ -312,7 +346,7 @@ def _split_kernel(dims_per_word: int, row_words: int):
                 m = m_new
             if stages == 1 and any_next:
                 cuda.syncthreads()  # every warp is done with the one buffer
-                copy_tile(k_words, v_words, nxt, min(TILE, end - nxt), n_kv, kvh, tile, 0)
+                copy_tile(k_words, v_words, pool_slot(tables, first, nxt), min(TILE, end - nxt), n_kv, kvh, tile, 0)
             if stages == 2:
                 at = tile_words - at
             visible = visible_next

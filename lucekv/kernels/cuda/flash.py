@@ -55,15 +55,16 @@ def serves(n_tokens: int, pool_dtype, head_dim: int) -> bool:
             and head_dim <= MAX_HEAD_DIM)
 
 
-def attend(q, k_pool, v_pool, slot_pos, n_slots, positions, window: int, scale: float, out, stream=0) -> None:
-    """out[n, n_head * head_dim] for queries q [n, n_head * head_dim] at `positions`, over the slots below n_slots[0]
-    of the float16 pools [slots, n_kv, head_dim] (the contract of `attention.attend`, where `serves`)."""
+def attend(q, k_pool, v_pool, slot_pos, tables, positions, window: int, scale: float, out, stream=0) -> None:
+    """out[n, n_head * head_dim] for queries q [n, n_head * head_dim] at `positions`, all of one sequence (its slots:
+    `tables`, an attention.BlockTables), of the float16 pools [slots, n_kv, head_dim] (the contract of
+    `attention.attend`, where `serves`). A tile is one block of the sequence."""
     size, n_kv, head_dim = k_pool.shape
     group = q.shape[1] // head_dim // n_kv
     k_words = k_pool.view(np.uint32).reshape(size * n_kv, -1)  # row s * n_kv + h: slot s, KV head h
     v_words = v_pool.view(np.uint32).reshape(size * n_kv, -1)
     grid = (n_kv, blocks(q.shape[0] * group, ROWS))
-    _kernel(head_dim)[grid, WARPS * WARP, stream](q, k_words, v_words, slot_pos, n_slots, positions, window,
+    _kernel(head_dim)[grid, WARPS * WARP, stream](q, k_words, v_words, slot_pos, tables, positions, window,
                                                   np.float32(scale), out)
 
 
@@ -130,7 +131,7 @@ def _kernel(head_dim: int):
                 out[t, base + 8 * j] = o[j, 2 * upper] * inv
                 out[t, base + 8 * j + 1] = o[j, 2 * upper + 1] * inv
 
-    def kernel(q, k_words, v_words, slot_pos, n_slots, positions, window, scale, out):
+    def kernel(q, k_words, v_words, slot_pos, tables, positions, window, scale, out):
         await_grid()
         kvh = cuda.blockIdx.x
         n_kv = cuda.gridDim.x
@@ -165,10 +166,13 @@ def _kernel(head_dim: int):
         m_b = NEG_INF
         l_a = np.float32(0)  # this thread's share of row a's softmax sum
         l_b = np.float32(0)
-        used = n_slots[0]
+        seq = tables.seq_of[0]
+        first = tables.start[seq]
+        used = tables.used[seq]
         for base in range(0, used, TILE):
+            block_at = tables.flat[first + base // TILE] * TILE  # the tile's block in the pool
             for i in range(cuda.threadIdx.x, TILE, threads):
-                tile_pos[i] = slot_pos[base + i] if base + i < used else np.int32(-1)
+                tile_pos[i] = slot_pos[block_at + i] if base + i < used else np.int32(-1)
             cuda.syncthreads()
             seen_any = False
             for i in range(TILE):
@@ -179,7 +183,7 @@ def _kernel(head_dim: int):
             for e in range(cuda.threadIdx.x, TILE * quads, threads):
                 i = e // quads
                 w = 4 * (e - i * quads)
-                r = min(base + i, used - 1) * n_kv + kvh  # past the used slots: a used row (finite: P is 0 there)
+                r = (block_at + min(i, used - 1 - base)) * n_kv + kvh  # past the used slots: a used row (P is 0 there)
                 copy_async16(k_tile, i * stride + w, k_words, r, w)
                 copy_async16(v_tile, i * stride + w, v_words, r, w)
             copy_async_commit()

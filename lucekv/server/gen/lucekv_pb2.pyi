@@ -126,7 +126,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "time_to_first_token_ms", "decode_tokens_per_second", "queue_time_ms", "kv_resident_chunks", "kv_paged_chunks", "kv_bytes_moved", "speculation")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "time_to_first_token_ms", "decode_tokens_per_second", "queue_time_ms", "kv_resident_chunks", "kv_paged_chunks", "kv_bytes_moved", "speculation", "batch_size")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class Usage(_message.Message):
     KV_PAGED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -147,7 +148,8 @@ class Usage(_message.Message):
     kv_paged_chunks: int
     kv_bytes_moved: int
     speculation: SpeculationUsage
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., queue_time_ms: _Optional[float] = ..., kv_resident_chunks: _Optional[int] = ..., kv_paged_chunks: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationUsage, _Mapping]] = ...) -> None: ...
+    batch_size: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., queue_time_ms: _Optional[float] = ..., kv_resident_chunks: _Optional[int] = ..., kv_paged_chunks: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationUsage, _Mapping]] = ..., batch_size: _Optional[float] = ...) -> None: ...
 
 class SpeculationUsage(_message.Message):
     __slots__ = ("mode", "drafter", "rounds", "drafted_tokens", "accepted_tokens", "plain_steps", "gate_decisions")
@@ -224,7 +226,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model_name", "arch", "fingerprint", "context_length", "vocab_size", "backend", "n_layer", "n_embd", "features", "max_queued_requests", "version", "max_top_logprobs", "kv_pool_tokens", "kv_policy", "speculation_modes", "speculation_default")
+    __slots__ = ("model_name", "arch", "fingerprint", "context_length", "vocab_size", "backend", "n_layer", "n_embd", "features", "max_queued_requests", "version", "max_top_logprobs", "kv_pool_tokens", "kv_policy", "speculation_modes", "speculation_default", "max_batch", "kv_cache_tokens", "running_requests", "waiting_requests")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +243,10 @@ class ServerInfo(_message.Message):
     KV_POLICY_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_MODES_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     arch: str
     fingerprint: str
@@ -257,7 +263,11 @@ class ServerInfo(_message.Message):
     kv_policy: str
     speculation_modes: _containers.RepeatedScalarFieldContainer[str]
     speculation_default: str
-    def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., fingerprint: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., n_layer: _Optional[int] = ..., n_embd: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., max_queued_requests: _Optional[int] = ..., version: _Optional[str] = ..., max_top_logprobs: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_policy: _Optional[str] = ..., speculation_modes: _Optional[_Iterable[str]] = ..., speculation_default: _Optional[str] = ...) -> None: ...
+    max_batch: int
+    kv_cache_tokens: int
+    running_requests: int
+    waiting_requests: int
+    def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., fingerprint: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., n_layer: _Optional[int] = ..., n_embd: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., max_queued_requests: _Optional[int] = ..., version: _Optional[str] = ..., max_top_logprobs: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_policy: _Optional[str] = ..., speculation_modes: _Optional[_Iterable[str]] = ..., speculation_default: _Optional[str] = ..., max_batch: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)
