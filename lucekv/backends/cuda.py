@@ -196,7 +196,7 @@ class CudaOps:
     pools, but those of the token counts captured graphs run (`keep_pools`): a graph's kernels hold their arrays'
     addresses, and the same forward run eagerly takes the same arrays, in the same order."""
 
-    def __init__(self, spec: ModelSpec, pool: CudaKVPool, stream, max_tokens: int, max_rows: int = 1):
+    def __init__(self, spec: ModelSpec, pool: CudaKVPool, stream, max_tokens: int = 1, max_rows: int = 1):
         """max_tokens: the most tokens of one sequence a forward takes (the prefill batch); max_rows: the most
         sequences a forward's decode rows hold."""
         self.spec = spec

@@ -34,6 +34,8 @@ def bench_depth(depth: int, dtype: np.dtype, rng: np.random.Generator, replays: 
                                          stream=stream)))
     slot_pos = cuda.to_device(np.arange(depth, dtype=np.int32), stream=stream)
     used = cuda.to_device(np.array([depth], np.int32), stream=stream)
+    blocks = cuda.to_device(np.arange(-(-depth // attention.BLOCK), dtype=np.int32), stream=stream)
+    tables = attention.identity_tables(blocks, used, cuda.to_device(np.zeros(1, np.int32), stream=stream))
     position = cuda.to_device(np.array([depth - 1], np.int32), stream=stream)
     q = cuda.to_device(rng.standard_normal((1, N_HEAD * HEAD_DIM)).astype(np.float32), stream=stream)
     parts = attention.partials(1, N_HEAD, N_KV_HEAD, HEAD_DIM, depth)
@@ -41,7 +43,7 @@ def bench_depth(depth: int, dtype: np.dtype, rng: np.random.Generator, replays: 
     scale = 1 / math.sqrt(HEAD_DIM)
 
     def launch(s, k):
-        attention.attend(q, pools[k][0], pools[k][1], slot_pos, used, position, 0, scale, parts, out, stream=s)
+        attention.attend(q, pools[k][0], pools[k][1], slot_pos, tables, position, 0, scale, parts, out, stream=s)
 
     us = graph_us(stream, [lambda s, k=i % n_pools: launch(s, k) for i in range(LAUNCHES)], replays)
     return {"depth": depth, "pools": n_pools, "kv_bytes": kv_bytes, "us": us, "gbps": kv_bytes / (us * 1e3),

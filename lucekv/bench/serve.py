@@ -282,9 +282,7 @@ def run(model: str, engine_flags: list[str], concurrencies: list[int], n_request
             requests, used = sample_requests(load_conversations(dataset), client.tokenize, n_requests, seed,
                                              max_prompt, max_output)
             if save_dataset is not None:
-                save_dataset.write_text(json.dumps([{"conversations": [{"from": "human", "value": c.prompt},
-                                                                       {"from": "gpt", "value": c.reply}]}
-                                                    for c in used]))
+                save_conversations(used, save_dataset)
             lucekv_rows = measure(lucekv_sender(client), requests, concurrencies, "lucekv")
     finally:
         proc.terminate()
@@ -351,7 +349,19 @@ def plot(result: dict, out: str) -> None:
     fig.savefig(out, dpi=120)
 
 
+def save_conversations(conversations: list[Conversation], path: Path) -> None:
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": c.prompt},
+                                                   {"from": "gpt", "value": c.reply}]} for c in conversations]))
+
+
 def main(args) -> int:
+    if args.sample_only:  # raw conversations to carry elsewhere: the length filters run there, with its tokenizer
+        if not args.save_dataset:
+            raise SystemExit("--sample-only writes --save-dataset FILE")
+        conversations = load_conversations(args.dataset)
+        random.Random(args.seed).shuffle(conversations)
+        save_conversations(conversations[: 8 * args.num_requests], args.save_dataset)
+        return 0
     kv_pool = {None: "off"}.get(args.kv_pool, args.kv_pool)
     flags = ["--backend", args.backend, "--kv-dtype", args.kv_dtype, "--kv-pool", str(kv_pool),
              "--kv-policy", args.kv_policy, "--kv-tau", str(args.kv_tau)]
@@ -364,4 +374,9 @@ def main(args) -> int:
     report(result, args.json)
     if args.plot:
         plot(result, args.plot)
+    return 0
+
+
+def main_plot(args) -> int:
+    plot(json.loads(Path(args.result).read_text()), args.output)
     return 0
