@@ -36,6 +36,7 @@ from lucekv.kernels.cuda._numba import (
     copy_async_commit,
     copy_async_wait_all,
     cuda,
+    jit_bounded,
     mma_f16_16816,
     pack_half2,
     warp_shfl_xor,
@@ -46,6 +47,7 @@ ROWS = 16 * WARPS  # (token, head) rows per block: one m16 tile per warp
 TILE = 64  # slots per K/V tile
 MAX_HEAD_DIM = 128  # the output accumulators: head_dim / 2 float32 registers per thread
 MIN_TOKENS = 16  # fewer queries: the per-query kernel is as fast (a block would hold mostly padding)
+BLOCKS_PER_SM = 3  # resident blocks the registers are bounded for (see _kernel)
 LOW_HALF = np.uint32(0xFFFF)
 
 
@@ -56,9 +58,9 @@ def serves(n_tokens: int, pool_dtype, head_dim: int) -> bool:
 
 
 def attend(q, k_pool, v_pool, slot_pos, tables, positions, window: int, scale: float, out, stream=0) -> None:
-    """out[n, n_head * head_dim] for queries q [n, n_head * head_dim] at `positions`, all of one sequence (its slots:
-    `tables`, an attention.BlockTables), of the float16 pools [slots, n_kv, head_dim] (the contract of
-    `attention.attend`, where `serves`). A tile is one block of the sequence."""
+    """out[n, n_head * head_dim] for queries q [n, n_head * head_dim] at `positions`, all of one sequence (`tables`,
+    an attention.BlockTables of that one sequence: its blocks from flat[0]), of the float16 pools [slots, n_kv,
+    head_dim] (the contract of `attention.attend`, where `serves`). A tile is one block of the sequence."""
     size, n_kv, head_dim = k_pool.shape
     group = q.shape[1] // head_dim // n_kv
     k_words = k_pool.view(np.uint32).reshape(size * n_kv, -1)  # row s * n_kv + h: slot s, KV head h
@@ -166,11 +168,10 @@ def _kernel(head_dim: int):
         m_b = NEG_INF
         l_a = np.float32(0)  # this thread's share of row a's softmax sum
         l_b = np.float32(0)
-        seq = tables.seq_of[0]
-        first = tables.start[seq]
-        used = tables.used[seq]
+        # one sequence: its blocks from flat[0] (read through `start`, the kernel took 241 registers, not 168)
+        used = tables.used[0]
         for base in range(0, used, TILE):
-            block_at = tables.flat[first + base // TILE] * TILE  # the tile's block in the pool
+            block_at = tables.flat[base // TILE] * TILE  # the tile's block in the pool
             for i in range(cuda.threadIdx.x, TILE, threads):
                 tile_pos[i] = slot_pos[block_at + i] if base + i < used else np.int32(-1)
             cuda.syncthreads()
@@ -249,4 +250,6 @@ def _kernel(head_dim: int):
         store_row(out, o, row_b, n_rows, group, kvh, c, 1, _quad_sum(l_b))
 
     kernel.__name__ = kernel.__qualname__ = f"_attend_flash_{head_dim}"
-    return cuda.jit(kernel)
+    # three blocks an SM: reading the sequence's block table took head_dim 64 from 159 registers to 171 (two blocks);
+    # bounded, 161 (head_dim 128: 168, as before the tables, with 16 bytes of spills)
+    return jit_bounded(kernel, WARPS * WARP, BLOCKS_PER_SM)
