@@ -428,12 +428,12 @@ class Engine:
     def _end(self, r: Request) -> None:
         """The request is done (finished, failed or cancelled): its session stays as it is, idle, keeping its blocks
         until the pool needs them; a request waiting for the session goes into the queue."""
+        if r.finish is None and r.error is None:
+            r.cancelled = True  # first: steps it had enqueued ahead settle without making tokens
         if r is self._ahead:
             self._drain()
             self._ahead = None
         self.scheduler.remove(r)
-        if r.finish is None and r.error is None:
-            r.cancelled = True
         s = r.session
         if s.request is not r:
             return
@@ -450,7 +450,7 @@ class Engine:
                 del self._deferred[s.id]
             nxt.reuse(s.tokens)
             s.request = nxt
-            self.scheduler.waiting.appendleft(nxt)  # it arrived before the requests queued since
+            self.scheduler.requeue(nxt)  # it arrived before the requests queued since
         self._enforce_host_limit()
 
     def fail_all(self, error: BaseException) -> None:

@@ -106,6 +106,10 @@ class Scheduler:
         self.check_room()
         self.waiting.append(seq)
 
+    def requeue(self, seq: Schedulable) -> None:
+        """Queue a request that was counted against the queue already (it waited elsewhere), at the head."""
+        self.waiting.appendleft(seq)
+
     def remove(self, seq: Schedulable) -> None:
         """The request ended (finished or cancelled), running or waiting."""
         if seq in self.running:
@@ -134,7 +138,7 @@ class Scheduler:
             while need > avail - reserved:  # park the youngest running sequence, which may be this one
                 victim = self.running.pop()
                 step.preempted.append(victim)
-                self.waiting.appendleft(victim)
+                self.requeue(victim)
                 avail += victim.held_blocks
                 free += victim.held_blocks
                 if victim is seq:

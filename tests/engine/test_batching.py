@@ -148,6 +148,21 @@ def test_random_cancellations_leave_no_block_behind_and_finished_streams_correct
     assert_pool_adds_up(engine)
 
 
+def test_a_call_on_a_busy_session_waits_for_the_one_before_and_continues_from_it(model):
+    first, more = prompt(100, 30), prompt(10, 31)
+    reference = load(model)
+    answer = tokens(reference.generate(first, greedy(6), "s"))
+    follow_up = first + answer + more
+    expected = tokens(reference.generate(follow_up, greedy(4), "s"))
+    engine = load(model, max_batch=4)
+    one, two = engine.submit(first, greedy(6), "s"), engine.submit(follow_up, greedy(4), "s")
+    assert engine.scheduler.waiting == type(engine.scheduler.waiting)([one])  # the second waits outside the queue
+    while engine.has_work:
+        engine.step()
+    assert tokens(one.out) == answer and tokens(two.out) == expected
+    assert two.out[-1].usage.cached_tokens == len(first) + len(answer) - 1
+
+
 def test_a_full_queue_is_refused_before_any_compute(model):
     engine = lucekv.load(model, backend="cpu", max_batch=1, max_queue=1)
     engine.submit(prompt(10, 1), greedy(5))  # the place in the batch
