@@ -71,7 +71,6 @@ class CudaKVPool(SlotMap):
         self.k = [self.kv[layer, 0] for layer in range(spec.n_layer)]
         self.v = [self.kv[layer, 1] for layer in range(spec.n_layer)]
         self.d_slot_pos = cuda.to_device(self.slot_pos, stream=stream)
-        self._uploaded_epoch = self.blocks.epoch  # the block pool's epoch when d_slot_pos was last uploaded whole
         # post-RoPE queries of each layer's latest forward, for KVFlash scorers: a prompt's last token, or each of a
         # batch's decode rows (written by CudaOps.attention, and by a replayed graph)
         self.last_q = cuda.to_device(np.zeros((max_rows, spec.n_layer, spec.n_head * spec.head_dim), np.float32),
@@ -85,16 +84,24 @@ class CudaKVPool(SlotMap):
         self.upload_slot_pos()
 
     def assign(self, slots: np.ndarray, positions: np.ndarray) -> None:
-        """The host map as KVPool keeps it; CudaOps.begin_step writes these slots on the device. When the map changed
-        otherwise since the last upload (a block changed hands: the pool's epoch moved), it is uploaded whole."""
+        """The host map as KVPool keeps it; CudaOps.begin_step writes these slots on the device. The blocks whose
+        slots changed otherwise since (blocks that changed hands, a cut) are uploaded first (`upload_changed`)."""
         super().assign(slots, positions)
-        if self.blocks.epoch != self._uploaded_epoch:
-            self.upload_slot_pos()
+        self.upload_changed()
+
+    def upload_changed(self) -> None:
+        """The slots of the block pool's changed blocks into the device map: the span from the first to the last
+        (usually a block or two; the whole map is megabytes at a large pool)."""
+        dirty = self.blocks.dirty
+        if dirty:
+            lo, hi = min(dirty) * CHUNK_TOKENS, (max(dirty) + 1) * CHUNK_TOKENS
+            self.d_slot_pos[lo:hi].copy_to_device(self.slot_pos[lo:hi], stream=self._stream)
+            dirty.clear()
 
     def upload_slot_pos(self) -> None:
         """The whole host map into the same device array (a captured decode graph reads it by address)."""
         self.d_slot_pos.copy_to_device(self.slot_pos, stream=self._stream)
-        self._uploaded_epoch = self.blocks.epoch
+        self.blocks.dirty.clear()
 
     def read_block(self, block: int) -> np.ndarray:
         """Block's rows of every layer in pinned host memory, [2 (K, V), n_layer, CHUNK_TOKENS, n_kv_head,
@@ -730,7 +737,7 @@ class CudaBackend(RunAhead):
                 self.pool.write_block(m.block, (host.load(m.chunk, layer) for layer in range(self.spec.n_layer)))
                 self.pool.cover((m.block + 1) * CHUNK_TOKENS)  # the next forward's assign uploads the mark
         if moves:
-            self.pool.upload_slot_pos()
+            self.pool.upload_changed()
 
     def chunk_keys(self, block: int) -> np.ndarray:
         """The block's keys as float32 [n_layer, CHUNK_TOKENS, n_kv_head, head_dim]: a buffer the next call reuses."""

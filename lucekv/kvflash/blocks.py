@@ -33,9 +33,9 @@ class BlockPool:
         self._free = list(range(n_blocks - 1, -1, -1))
         self._holder: dict[int, object] = {}  # block -> the pager holding it
         self._held: dict[int, int] = {}  # id(holder) -> blocks it holds
-        # counts changes of slot_pos other than writes of allocated slots (a block changing hands, a cut): a device
-        # copy of the map is uploaded again only when it moved
-        self.epoch = 0
+        # blocks whose slots in slot_pos changed other than by writes of allocated slots (a block changing hands, a
+        # cut): what a device copy of the map must take again; its keeper clears the set
+        self.dirty: set[int] = set()
 
     @property
     def free_blocks(self) -> int:
@@ -64,7 +64,7 @@ class BlockPool:
             block = self._free.pop()
         self._holder[block] = holder
         self._held[id(holder)] = self._held.get(id(holder), 0) + 1
-        self.epoch += 1
+        self.dirty.add(block)
         return block
 
     def give(self, block: int) -> None:
@@ -74,7 +74,7 @@ class BlockPool:
         if left:
             self._held[id(holder)] = left
         self._free.append(block)
-        self.epoch += 1
+        self.dirty.add(block)
 
     def free_order(self) -> list[int]:
         """The free blocks, the next one handed out last (a pager's snapshot of a private pool)."""

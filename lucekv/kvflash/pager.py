@@ -267,7 +267,7 @@ class Pager:
             self._sealed.discard(c)
             if self.block_of[c] >= 0:
                 self.slot_pos[self.block_slots(int(self.block_of[c]))][off:] = -1
-                self.blocks.epoch += 1
+                self.blocks.dirty.add(int(self.block_of[c]))
         self.n_tokens = n_tokens
         self.epoch += 1
         return Truncation(gone, self.recall_protected())

@@ -76,6 +76,7 @@ def test_page_out_then_in_to_another_block_is_bit_exact(model):
     pool.kv.copy_to_device(kv)
     host = MemoryHostStore(spec.n_layer, CHUNK_TOKENS, spec.n_kv_head, spec.head_dim, np.float16)
     pool.slot_pos[320:384] = np.arange(64, 128)  # what the pager marks for a page-in to block 5
+    pool.blocks.dirty.update((1, 5))  # and what its block pool notes: the blocks that changed hands
 
     backend.execute([PageOut(chunk=1, block=1), PageIn(chunk=1, block=5)], host)
 
