@@ -159,7 +159,7 @@ serve)
   05b) M=/tmp/qwen2.5-coder-0.5b.gguf; NAME=qwen2.5-coder-0.5b ;;
   esac
   [ -x "$LS" ] || echo "no llama-server at $LS (run 'serve build' first): lucekv alone" >&2
-  python3 -m lucekv.cli bench serve --model $M --backend cuda --concurrency 1,4,16,64 --num-requests 128 \
+  python3 -m lucekv.cli bench serve --model $M --backend cuda --concurrency 1,4,16,64 --num-requests 96 \
     --max-output-tokens 256 --dataset .anchors/sharegpt.json $([ -x "$LS" ] && echo --llama-server "$LS") \
     --json "$OUT/serve-$NAME.json" 2>&1 >/dev/null | grep --line-buffered -v -i warning | tee "$OUT/serve-$NAME.log"
   ;;

@@ -270,8 +270,9 @@ def measure(send, requests: list[BenchRequest], concurrencies: list[int], label:
 
 
 def run(model: str, engine_flags: list[str], concurrencies: list[int], n_requests: int, dataset: Path | None,
-        seed: int, max_prompt: int, max_output: int | None, llama_server: str | None,
-        save_dataset: Path | None) -> dict:
+        seed: int, max_prompt: int, max_output: int | None, llama_server: str | None, save_dataset: Path | None,
+        checkpoint=lambda result: None) -> dict:
+    """`checkpoint(result)` gets lucekv's result before llama-server runs (a run cut short keeps it)."""
     path = resolve_model(model)
     port = free_port()
     proc = start_lucekv(path, port, [*engine_flags, "--max-batch", str(max(concurrencies)),
@@ -297,6 +298,11 @@ def run(model: str, engine_flags: list[str], concurrencies: list[int], n_request
         "output_tokens_mean": statistics.fmean(r.output_tokens for r in requests),
         "lucekv": lucekv_rows,
     }
+    one = next((r for r in lucekv_rows if r["concurrency"] == 1), None)
+    if one:
+        result["speedup_over_one_stream"] = {r["concurrency"]: r["output_tok_s"] / one["output_tok_s"]
+                                             for r in lucekv_rows}
+    checkpoint(result)
     if llama_server:
         server: list[subprocess.Popen] = []
 
@@ -316,10 +322,6 @@ def run(model: str, engine_flags: list[str], concurrencies: list[int], n_request
                 p.terminate()
         result["ratio_to_llama_server"] = [a["output_tok_s"] / b["output_tok_s"]
                                            for a, b in zip(result["lucekv"], result["llama_server"], strict=True)]
-    one = next((r for r in lucekv_rows if r["concurrency"] == 1), None)
-    if one:
-        result["speedup_over_one_stream"] = {r["concurrency"]: r["output_tok_s"] / one["output_tok_s"]
-                                             for r in lucekv_rows}
     return result
 
 
@@ -369,8 +371,12 @@ def main(args) -> int:
         if value:
             flags += [flag, str(value)]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    def checkpoint(partial: dict) -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(partial, indent=2) + "\n")
+
     result = run(args.model, flags, concurrencies, args.num_requests, args.dataset, args.seed, args.max_prompt_tokens,
-                 args.max_output_tokens, args.llama_server, args.save_dataset)
+                 args.max_output_tokens, args.llama_server, args.save_dataset, checkpoint)
     report(result, args.json)
     if args.plot:
         plot(result, args.plot)
