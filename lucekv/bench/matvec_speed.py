@@ -1,6 +1,6 @@
 """GPU timing of the decode matvec at Qwen3-8B shapes (Q4_K_M: Q4_K attention / FFN, Q6_K v / down / output).
 
-    python -m lucekv.bench.matvec_speed [--json OUT] [--replays 20]
+    python -m lucekv.bench.matvec_speed [--json OUT] [--replays 20] [--rows 2,4,8,16,32,64]
 
 Random GGUF blocks, packed and uploaded as the backend does (Q6_K becomes the device's q6 form). Each kernel
 is timed as the decode step runs it: `LAUNCHES` launches captured as one CUDA graph and replayed (no numba
@@ -159,6 +159,29 @@ def bench_shape(s: Shape, rng: np.random.Generator, replays: int, l2_bytes: int,
             "max_rel_err": float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))}
 
 
+def bench_rows(s: Shape, rng: np.random.Generator, rows: list[int], replays: int, l2_bytes: int, stream) -> list:
+    """Decode rows (one token of each of n sequences) through the shape: µs per product of the decode matvec with n
+    token rows (grid rows: each reads the weights) and of the tensor-core matmul (each weight read once per 64
+    rows), the products a batched step runs."""
+    from lucekv.kernels.cuda.matmul import matmul
+
+    packed = random_matrix(rng, s)
+    mats = [upload(packed)]
+    mats += [upload(random_matrix(rng, s)) for _ in range(max(3, math.ceil(2 * l2_bytes / mats[0].nbytes)) - 1)]
+    order = [i % len(mats) for i in range(max(LAUNCHES, len(mats)))]
+    out = []
+    for n in rows:
+        xs = [cuda.to_device(rng.standard_normal((n, s.cols)).astype(np.float32)) for _ in mats]
+        outs = [cuda.device_array((n, s.rows), np.float32) for _ in mats]
+        row = {"shape": s.name, "rows": n}
+        for name, product in (("matvec", matvec), ("matmul", matmul)):
+            launches = [lambda st, w=mats[k], x=xs[k], y=outs[k], f=product: f(w, x, y, stream=st) for k in order]
+            row[f"{name}_us"] = graph_us(stream, launches, replays)
+        row["matmul_over_matvec"] = row["matmul_us"] / row["matvec_us"]
+        out.append(row)
+    return out
+
+
 def device_name(dev) -> str:
     """A numba device's name (bytes on some numba versions)."""
     return dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
@@ -174,6 +197,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--rows", default="", help="also time decode rows, e.g. 2,4,8,16,32,64: the matvec with that "
+                    "many token rows against the tensor-core matmul, per shape")
     a = ap.parse_args()
     dev = cuda.get_current_device()
     l2, sms = int(dev.L2_CACHE_SIZE), int(dev.MULTIPROCESSOR_COUNT)
@@ -192,6 +217,12 @@ def main() -> None:
         print(f"{r['shape']:32s} {r['weight_bytes'] / 1e6:7.1f} {r['us']:9.2f} {r['gbps']:7.0f} "
               f"{r['stream_us']:9.2f} {r['stream_gbps']:7.0f} {r['max_rel_err']:8.1e}")
     print(f"matvec ms per Qwen3-8B token: {result['ms_per_token']:.3f} (stream {result['stream_ms_per_token']:.3f})")
+    if a.rows:
+        counts = [int(n) for n in a.rows.split(",")]
+        result["decode_rows"] = [r for s in SHAPES for r in bench_rows(s, rng, counts, a.replays, l2, stream)]
+        for r in result["decode_rows"]:
+            print(f"{r['shape']:32s} rows {r['rows']:3d}: matvec {r['matvec_us']:8.1f} µs, matmul "
+                  f"{r['matmul_us']:8.1f} µs")
     write_json(a.json, result)
 
 
