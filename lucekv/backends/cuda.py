@@ -90,13 +90,16 @@ class CudaKVPool(SlotMap):
         self.upload_changed()
 
     def upload_changed(self) -> None:
-        """The slots of the block pool's changed blocks into the device map: the span from the first to the last
-        (usually a block or two; the whole map is megabytes at a large pool)."""
-        dirty = self.blocks.dirty
-        if dirty:
-            lo, hi = min(dirty) * CHUNK_TOKENS, (max(dirty) + 1) * CHUNK_TOKENS
-            self.d_slot_pos[lo:hi].copy_to_device(self.slot_pos[lo:hi], stream=self._stream)
-            dirty.clear()
+        """The slots of the block pool's changed blocks into the device map, one copy per run of consecutive blocks
+        (usually a block or two a step; the whole map is megabytes at a large pool)."""
+        blocks = sorted(self.blocks.dirty)
+        self.blocks.dirty.clear()
+        start = 0
+        for i in range(1, len(blocks) + 1):
+            if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+                lo, hi = blocks[start] * CHUNK_TOKENS, (blocks[i - 1] + 1) * CHUNK_TOKENS
+                self.d_slot_pos[lo:hi].copy_to_device(self.slot_pos[lo:hi], stream=self._stream)
+                start = i
 
     def upload_slot_pos(self) -> None:
         """The whole host map into the same device array (a captured decode graph reads it by address)."""
