@@ -7,8 +7,9 @@ engine calls (snapshot, restore, delete a session), which must not run inside a 
 out of the same pool, and hands each call the deltas its request produced.
 
 A job on a session shared by replicas holds the session's lease (lucekv.server.leases): before the engine takes it
-the session is synced with the store, after it the session is written back, and the lease is released, before the
-caller hears the work is done (a generation's last delta waits for that).
+the session is synced with the store, after it the session is written back. The session is marked idle and the lease
+released before the caller hears the work is done (a generation's last delta waits for that), so the caller's next
+call never finds the session busy.
 
 The event loop never runs model code, so health checks and new calls are answered during a generation.
 Deltas cross back to the loop through `call_soon_threadsafe`; the worker does not wait for slow readers.
@@ -87,7 +88,7 @@ class GenerationJob(Job):
         self.pin_prefix = pin_prefix
         self.speculation = speculation
         self.request: Request | None = None
-        self.held: GenerationDelta | None = None  # with a lease: the last delta, until the session is written back
+        self.held: GenerationDelta | None = None  # the last delta, until the session is idle (and written back)
 
     async def deltas(self) -> AsyncIterator[GenerationDelta]:
         """The generation's output; re-raises on the loop whatever the engine raised."""
@@ -248,24 +249,24 @@ class EngineWorker:
                 if job.lease:
                     job.lease.commit(self.engine)
                     job.release_lease()
-                job.deliver(result)
                 self._release(job)
+                job.deliver(result)
                 return
             job.request = self.engine.submit(job.prompt_ids, job.params, job.session_id, job.pin_prefix,
                                              job.speculation, arrived=job.submitted_at)
         except Exception as e:  # the handler maps it to a status code; the worker keeps serving
-            job.deliver(e)
             self._release(job)
+            job.deliver(e)
             return
         self._running.append(job)
 
     def _hand_out(self) -> None:
-        """Each generation's new deltas to its call; those that ended leave (a leased session written back first)."""
+        """Each generation's new deltas to its call; those that ended leave (their last delta waits for `_finish`)."""
         for job in list(self._running):
             r = job.request
             while r.out:
                 delta = r.out.popleft()
-                if delta.finish_reason and job.lease:
+                if delta.finish_reason:
                     job.held = delta
                 elif not job.deliver(delta):
                     logger.info("request %s stopped: its call ended", job.request_id)
@@ -275,21 +276,24 @@ class EngineWorker:
                 self._finish(job)
 
     def _finish(self, job: GenerationJob) -> None:
-        r = job.request
+        """The generation ended: a leased session is written back, then the session is idle and the lease given back,
+        and only then does the call hear its last delta (or error), so that its next call can never find the session
+        busy or leased."""
+        error = job.request.error
         try:
-            if r.error is not None:
-                raise r.error
-            if job.lease:
+            if error is None and job.lease:
                 job.lease.commit(self.engine)
-                job.release_lease()
-            if job.held is not None:
-                job.deliver(job.held)
-            job.deliver(_END)
         except Exception as e:
-            if not job.deliver(e):
-                logger.error("request %s failed after its caller left", job.request_id, exc_info=e)
+            error = e
         finally:
             self._release(job)
+        if error is not None:
+            if not job.deliver(error):
+                logger.error("request %s failed after its caller left", job.request_id, exc_info=error)
+            return
+        if job.held is not None:
+            job.deliver(job.held)
+        job.deliver(_END)
 
     def _release(self, job: Job) -> None:
         """The job left for good: its session may be restored over or deleted again, its lease goes."""

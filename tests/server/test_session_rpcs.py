@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import grpc
 import numpy as np
@@ -154,6 +155,26 @@ def test_restore_over_a_generating_session_is_a_failed_precondition(model):
                     call()
                 assert refused.value.code() == PRECONDITION and "Generate call is using it" in refused.value.details()
             stream.cancel()
+    finally:
+        server.stop()
+
+
+def test_a_session_is_idle_before_the_calls_last_chunk_reaches_it(model, monkeypatch):
+    """A client's next call on a session right after a Generate on it ended never finds it busy (the flake a CI run
+    saw: the session was marked idle only after the last chunk was on its way). Marking it idle is slowed down here:
+    the last chunk must wait for it."""
+    probe = engine(model)
+    sessions = probe.sessions
+    end_request = sessions.end_request
+    monkeypatch.setattr(sessions, "end_request", lambda session_id: time.sleep(0.3) or end_request(session_id))
+    server = ServerThread(probe)
+    try:
+        with Client(server.address) as client:
+            client.complete(prompt(50, seed=9), GREEDY, session_id="quick")
+            client.delete_session("quick")
+            with pytest.raises(grpc.RpcError) as gone:
+                client.get_session("quick")
+            assert gone.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         server.stop()
 
