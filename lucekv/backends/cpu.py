@@ -212,9 +212,11 @@ class CpuBackend(RunAhead):
         rows = tables is not None and len(tables) == len(tokens)
         return forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, all_logits or rows)
 
-    def forward_argmax(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """The greedy token after each of `tokens` (int32 [n]): a speculative round's verify forward."""
-        logits = self.forward(tokens, positions, slots, all_logits=True)
+    def forward_argmax(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                       tables: Sequence[np.ndarray] | None = None) -> np.ndarray:
+        """The greedy token after each of `tokens` (int32 [n]) of one sequence (tables: see `forward`): a speculative
+        round's verify forward."""
+        logits = self.forward(tokens, positions, slots, all_logits=True, tables=tables)
         return np.argmax(logits[:, : self.spec.vocab_size], axis=1).astype(np.int32)
 
     def decode_rows(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: Sequence[np.ndarray],

@@ -1,17 +1,19 @@
 """The engine: a loaded model, its tokenizer and backend, and the step loop that serves many requests at once.
 
 Requests are submitted, the scheduler (lucekv.engine.scheduler) forms each step from them, and `Engine.step` runs it:
-each prompt piece as a forward of its own sequence, the decode tokens of every running sequence as one forward of
-rows (the weights read once for all). Each request keeps its session (its blocks of the one pool, lucekv.kvflash),
-its sampler and its stop rules (lucekv.engine.request). A step's rows give every sequence the numbers it gets alone:
-pieces are the sequence's own, and each row is computed as it would be by itself (see the backends).
+each prompt piece as a forward of its own sequence, each speculative round's verify block as a forward of its own
+sequence (lucekv.spec proposes and accepts), the plain decode tokens of every other running sequence as one forward
+of rows (the weights read once for all). Each request keeps its session (its blocks of the one pool, lucekv.kvflash),
+its sampler, its stop rules and its speculation (lucekv.engine.request). A step gives every sequence the numbers it
+gets alone: pieces and verify blocks are the sequence's own, and each row is computed as it would be by itself (see
+the backends).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -49,6 +51,11 @@ from lucekv.snapshot.blob import (
 )
 from lucekv.snapshot.store import SnapshotStore, check_session_id
 from lucekv.spec.config import SpecConfig
+from lucekv.spec.draft_model import DraftModel, DraftModelDrafter, check_same_vocabulary
+from lucekv.spec.drafter import Drafter
+from lucekv.spec.gate import Gate, StepClock
+from lucekv.spec.speculator import Speculator
+from lucekv.spec.suffix import RecentOutputs, SuffixDrafter
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 AUTO_POOL_SHARE = 0.9  # of the GPU memory free after the weights, for the KV pool
@@ -126,6 +133,13 @@ class Engine:
         self._in_flight: deque[int | None] = deque()  # input tokens of enqueued greedy steps (None: chained)
         self._ahead: Request | None = None  # the request those steps are of
         self._last_greedy = 0  # the token of the latest settled greedy step
+        self._step_clock = StepClock()  # the gate's measured step times, for the engine's life
+        # speculation mode -> a new drafter ("auto" gates the suffix drafter); a session keeps its drafters
+        recent = RecentOutputs() if self.spec_config.shared_outputs else None
+        self.drafters: dict[str, Callable[[], Drafter]] = {"suffix": lambda: SuffixDrafter(recent)}
+        if self.spec_config.draft_model is not None:
+            draft_model = self._draft_model(g, kv_dtype)
+            self.drafters["draft"] = lambda: DraftModelDrafter(draft_model)
         for key in snapshot_store.keys() if snapshot_store is not None else ():
             self.sessions.put(Session(key, None, stored_bytes=snapshot_store.size(key)))
         self.info = EngineInfo(self.spec.name, self.spec.arch.name, g.fingerprint, self.n_ctx,
@@ -208,29 +222,40 @@ class Engine:
     def submit(self, ids: list[int], params: SamplingParams, session_id: str = "", pin_prefix: int | None = None,
                speculation: str | None = None, arrived: float | None = None) -> Request:
         """Queue a prepared request (see `prepare`); its deltas collect in `Request.out` as steps run. `arrived`: when
-        it arrived (perf_counter), if before now. Raises QueueFullError when the queue is full, ResourceLimitError when
-        a new session finds no room. max_tokens 0: the prompt's K/V only (`prefill`)."""
+        it arrived (perf_counter), if before now. `speculation`: a mode of `SpecConfig` (None: the engine's default).
+        Raises QueueFullError when the queue is full, ResourceLimitError when a new session finds no room. max_tokens 0:
+        the prompt's K/V only (`prefill`)."""
         if session_id:
             check_session_id(session_id)
         self.scheduler.check_room(extra=sum(len(d) for d in self._deferred.values()) + 1)
+        mode = self.spec_config.resolve(speculation)
         session = self._session_for(session_id, ids)
+        request = self._request(ids, params, session, pin_prefix, mode, arrived)
         if session.request is not None:  # its session is in use: it waits for that request to end
-            request = self._request(ids, params, session, pin_prefix, arrived)
             self._deferred.setdefault(session_id, deque()).append(request)
             return request
-        request = self._request(ids, params, session, pin_prefix, arrived)
         self.scheduler.add(request)
         session.request = request
         if session is self._anonymous:
             self._anonymous = None
         return request
 
-    def _request(self, ids: list[int], params: SamplingParams, session: Session, pin_prefix: int | None,
+    def _request(self, ids: list[int], params: SamplingParams, session: Session, pin_prefix: int | None, mode: str,
                  arrived: float | None) -> Request:
+        speculator = None if mode == "off" or params.max_tokens == 0 else lambda: self._speculator(mode, session)
         r = Request(ids, params, session, self.tokenizer, self.spec.vocab_size, pin_prefix, self._piece,
-                    0 if session.paged.holds_all else PROMPT_TAIL)
+                    0 if session.paged.holds_all else PROMPT_TAIL, speculator)
         r.submitted = arrived or r.submitted
         return r
+
+    def _speculator(self, mode: str, session: Session) -> Speculator:
+        """A turn's speculation: its own gate (mode auto) and the session's drafter of that kind, kept across its turns
+        (a suffix index, a draft model's K/V)."""
+        kind = "suffix" if mode == "auto" else mode
+        if kind not in session.drafters:
+            session.drafters[kind] = self.drafters[kind]()
+        gate = Gate(self._step_clock) if mode == "auto" else None
+        return Speculator(mode, session.drafters[kind], gate, self.spec_config.max_draft)
 
     def _session_for(self, session_id: str, ids: list[int]) -> Session:
         """The session a new request runs in: the named one (created if new, loaded if stored), or for a request
@@ -291,7 +316,8 @@ class Engine:
         `Request.out`. A failure of the step fails the requests in it, and only those."""
         step = self.scheduler.schedule()
         solo = (len(step.works) == 1 and not step.works[0].prefill and not step.preempted
-                and not self.scheduler.waiting and step.works[0].seq.device_greedy)
+                and not self.scheduler.waiting and step.works[0].seq.device_greedy
+                and not step.works[0].seq.speculating)
         if self._in_flight and not (solo and step.works[0].seq is self._ahead):
             self._drain()  # the request's steps enqueued ahead are its next tokens: settled now, out of turn
         try:
@@ -302,7 +328,9 @@ class Engine:
             for w in works:
                 if w.prefill:
                     self._prefill(w.seq, w.start, w.n)
-            rows = [w.seq for w in works if not w.prefill]
+                elif w.seq.speculating:
+                    self._round(w.seq, len(works))
+            rows = [w.seq for w in works if not w.prefill and not w.seq.speculating]
             if solo and rows:
                 self._decode_greedy(rows[0])
             elif rows:
@@ -348,7 +376,7 @@ class Engine:
         if r.prefilling:
             return
         if r.params.max_tokens == 0:  # the prompt's K/V was all it wanted (`prefill`)
-            r.finish = "length"
+            r.output.finish = "length"
             return
         tail = len(r.ids) - r.tail_start
         for _ in range(RECALL_ROUNDS if tail else 0):
@@ -362,15 +390,35 @@ class Engine:
                 pos += n
         r.take(logits[-1])
 
-    def _forward(self, r: Request, ids: list[int], start: int) -> np.ndarray:
+    def _forward(self, r: Request, ids: list[int], start: int, decoded: int = 0, all_logits: bool = False,
+                 greedy: bool = False) -> np.ndarray:
+        """A forward of the request's own sequence: the logits of `ids` at positions from `start` (the last, or all),
+        or with `greedy` the argmax after each token, taken by the backend. `decoded`: output tokens among them (a
+        verify block's), for the pager's policy."""
         seq = r.session.paged
         slots = seq.alloc(start, len(ids))
-        logits = self.backend.forward(np.asarray(ids, np.int32), np.arange(start, start + len(ids), dtype=np.int32),
-                                      slots, tables=[seq.table()])
+        tokens, positions = np.asarray(ids, np.int32), np.arange(start, start + len(ids), dtype=np.int32)
+        if greedy:
+            out = self.backend.forward_argmax(tokens, positions, slots, tables=[seq.table()])
+        else:
+            out = self.backend.forward(tokens, positions, slots, all_logits, tables=[seq.table()])
         r.session.tokens.extend(ids)
         r.computed = max(r.computed, start + len(ids))
-        seq.after_forward(decoded=0)
-        return logits
+        seq.after_forward(decoded=decoded)
+        return out
+
+    def _round(self, r: Request, batch: int) -> None:
+        """A speculative round (lucekv.spec.Speculator.round): propose, verify the block on the request's own sequence,
+        keep the accepted drafts; the block's tokens are the request's next. Greedy on the device where its next token
+        would be, else on the host with its sampler. Tokens past a finish inside the block leave the sequence."""
+        position = r.computed
+        block = r.spec.round(_RequestTarget(self, r), r.last_token, position, r.params.max_tokens - r.n_out, r.n_out,
+                             None if r.device_greedy else r.host_sampling)
+        r.computed = position + len(block.tokens)  # `last` and the accepted drafts are the sequence's now
+        r.emit(block, batch)
+        if r.finish is not None:
+            del r.session.tokens[len(r.ids) + r.n_out :]  # the drafts past the finish
+            r.computed = min(r.computed, len(r.session.tokens))
 
     def _decode_rows(self, rows: list[Request]) -> None:
         """One decode token of each request, in one forward: weights are read once for all of them."""
@@ -437,6 +485,8 @@ class Engine:
         s = r.session
         if s.request is not r:
             return
+        r.end_speculation()
+        _forget_drafts(s)
         s.request = None
         s.last_used_unix = time.time()
         s.paged.suspend()
@@ -532,6 +582,8 @@ class Engine:
         s = self.sessions.require(session_id)
         if self._ahead is not None and s is self._ahead.session:
             self._drain()
+        if s.paged is not None:
+            _forget_drafts(s)  # a running request's rejected drafts: out of view, and not the session's
         if s.stored_bytes:
             s = self._load_stored(s)
         n = len(s.tokens)
@@ -614,6 +666,18 @@ class Engine:
             head_dim=self.spec.head_dim, dtype=self.backend.pool.dtype, policy=self._kv_policy, tau=self._kv_tau,
             window=self.spec.sliding_window, drafter=self._drafter, history=lambda: s.tokens)
         return s
+
+    def _draft_model(self, target, kv_dtype: str) -> DraftModel:
+        """The draft model of SpecConfig on a backend of this engine's kind, its pool one sequence's whole context."""
+        path = self.spec_config.draft_model
+        g = open_gguf(path)
+        check_same_vocabulary(target.metadata, g.metadata, str(path))
+        spec = ModelSpec.from_gguf(g)
+        if spec.n_ctx < self.n_ctx:
+            raise ConfigError(f"draft model {path}: its context of {spec.n_ctx} tokens is shorter than the target's "
+                              f"{self.n_ctx}")
+        backend, _ = _make_backend(self.backend.name, g, spec, kv_dtype, self.n_ctx, None, None, 1)
+        return DraftModel(backend, self.spec.vocab_size)
 
     def _load_drafter(self, model: str | Path | None, kv_dtype: str) -> DraftReader:
         """The draft policy's reader: the drafter on this engine's backend, holding the whole context (one sequence
@@ -766,6 +830,41 @@ def _whole_chunks(n_tokens: int) -> int:
     """A whole-context pool rounded up to whole chunks, so sessions can move it chunk by chunk."""
     return _n_chunks(n_tokens) * CHUNK_TOKENS
 
+
+
+class _RequestTarget:
+    """A request's sequence as a speculative round's target (lucekv.spec.speculator.Target). With a budget, a verify
+    block stops at a chunk boundary and goes on in a second forward: the next chunk takes a block (and a chunk is
+    evicted) only when a query has reached it, as in plain decoding."""
+
+    def __init__(self, engine: Engine, r: Request):
+        self._engine, self._r = engine, r
+
+    def verify_greedy(self, tokens: list[int], start: int) -> np.ndarray:
+        return np.concatenate(self._forwards(tokens, start, greedy=True))
+
+    def verify_logits(self, tokens: list[int], start: int) -> np.ndarray:
+        return np.concatenate(self._forwards(tokens, start, all_logits=True))
+
+    def keep(self, n_tokens: int) -> None:
+        del self._r.session.tokens[n_tokens:]
+
+    def _forwards(self, tokens: list[int], start: int, **kw) -> list[np.ndarray]:
+        out, done = [], 0
+        bounded = not self._r.session.paged.holds_all
+        while done < len(tokens):
+            pos = start + done
+            n = min(len(tokens) - done, CHUNK_TOKENS - pos % CHUNK_TOKENS) if bounded else len(tokens) - done
+            out.append(self._engine._forward(self._r, tokens[done : done + n], pos, decoded=n, **kw))
+            done += n
+        return out
+
+
+def _forget_drafts(s: Session) -> None:
+    """Free the slots of rejected drafts past the sequence's end (they are out of view already): a pager's head and
+    a snapshot's residency then match the sequence again."""
+    if s.paged.pager.n_tokens > len(s.tokens):
+        s.paged.truncate(len(s.tokens))
 
 
 def _check_unused(s: Session, action: str) -> None:

@@ -1,5 +1,6 @@
-"""One Generate call inside the engine: its prompt, sampler and stop rules, its session's sequence, and where it
-stands. The scheduler sees it as a `Schedulable`; the engine feeds it each token and collects its deltas."""
+"""One Generate call inside the engine: its prompt, sampler and output stream (lucekv.engine.output), its session's
+sequence, its speculation if any (lucekv.spec), and where it stands. The scheduler sees it as a `Schedulable`; the
+engine feeds it each token, or each speculative round's block of tokens, and collects its deltas."""
 
 from __future__ import annotations
 
@@ -9,42 +10,42 @@ from collections.abc import Callable
 
 import numpy as np
 
+from lucekv.engine.output import OutputStream
 from lucekv.engine.sampling import Sampler, SamplingParams, log_softmax
 from lucekv.engine.sessions import Session
-from lucekv.engine.stops import StopMatcher
 from lucekv.engine.types import GenerationDelta, TokenLogprob, Usage
 from lucekv.kvflash.sequence import PagedSequence
 from lucekv.model.tokenizer import Tokenizer
+from lucekv.spec.speculator import Block, Speculator
 
 
 class Request:
     def __init__(self, ids: list[int], params: SamplingParams, session: Session, tokenizer: Tokenizer,
                  vocab_size: int, pin_prefix: int | None, piece: Callable[[PagedSequence, int, int], int],
-                 prompt_tail: int = 0):
+                 prompt_tail: int = 0, speculator: Callable[[], Speculator] | None = None):
         """piece(sequence, start, n): the tokens of the prompt piece from `start` (at most n), the sequence's own.
         prompt_tail: the prompt's last tokens that go as a piece of their own (a pooled prompt's, whose queries rank
-        the chunks to recall: see Engine._prefill); 0: none."""
+        the chunks to recall: see Engine._prefill); 0: none. speculator: makes the turn's speculation once the
+        first token is known (None: speculation off)."""
         self.ids = ids
         self.params = params
         self.session = session
         self.pin_prefix = pin_prefix
         self._piece = piece
         self._prompt_tail = prompt_tail
+        self._speculator = speculator
+        self.spec: Speculator | None = None
         self.sampler = Sampler(params, ids, vocab_size)
-        self.detok = tokenizer.stream(after=ids[-1])
-        self.stops = StopMatcher(params.stop)
-        self.end_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eog_ids))
+        self.output = OutputStream(tokenizer, params, ids[-1], tokenizer.eog_ids)
         self.reuse(session.tokens)
-        self.n_out = 0
-        self.last_token = -1  # the latest sampled token: the next decode step's input
+        self.last_token = -1  # the latest token out: the next decode step's (or round's) first input
         self.started = False  # admitted once (its session set up for it)
         self.out: deque[GenerationDelta] = deque()  # deltas not yet taken by the caller
-        self.finish: str | None = None
         self.error: BaseException | None = None
         self.cancelled = False
         self.submitted = time.perf_counter()
-        self.t_start = self.t_first = 0.0
-        self.steps = self.rows = 0  # steps that produced a token of it, and the sequences those steps held
+        self.t_start = 0.0
+        self.steps = self.rows = 0  # steps that produced tokens of it, and the sequences those steps held
 
     def reuse(self, held: list[int]) -> None:
         """The prompt's first position to compute: what the session holds of it (`held`) is reused, but never the
@@ -66,6 +67,8 @@ class Request:
         if self.prefilling:
             end = self.tail_start if self.computed < self.tail_start else len(self.ids)
             return self.computed, self._piece(self.session.paged, self.computed, end - self.computed), True
+        if self.speculating:  # a verify block: the last token and at most the longest draft the round may propose
+            return self.computed, 1 + self.spec.max_draft_for(self.params.max_tokens - self.n_out), False
         return self.computed, 1, False
 
     def blocks_wanted(self, end: int) -> int:
@@ -78,6 +81,18 @@ class Request:
     # ---- output ----------------------------------------------------------------------------------
 
     @property
+    def n_out(self) -> int:
+        return self.output.n
+
+    @property
+    def finish(self) -> str | None:
+        return self.output.finish
+
+    @property
+    def t_first(self) -> float:
+        return self.output.t_first
+
+    @property
     def done(self) -> bool:
         return self.finish is not None or self.error is not None or self.cancelled
 
@@ -87,44 +102,53 @@ class Request:
         return self.sampler.plain_greedy and not self.params.logprobs and self.n_out >= self.params.min_tokens
 
     @property
+    def speculating(self) -> bool:
+        """Its next step is a speculative round (a verify block on its own sequence)."""
+        return self.spec is not None and self.spec.speculating
+
+    @property
     def wants_more(self) -> bool:
-        """Whether a token after the next one may still be wanted (max_tokens allows it)."""
-        return self.n_out + 1 < self.params.max_tokens
+        """Whether a plain step after the next one may still be wanted (max_tokens allows it, no round comes)."""
+        return self.n_out + 1 < self.params.max_tokens and not self.speculating
+
+    def host_sampling(self, rows: np.ndarray) -> BlockSampling:
+        """The request's sampler over a verify block's logits (a round verified on the host)."""
+        return BlockSampling(self.sampler, self.output, rows)
 
     def take(self, logits: np.ndarray | None, token: int | None = None, batch: int = 1) -> None:
-        """The next token: `token` (a greedy one the device took) or sampled from `logits`; queues its delta, the last
-        one with the finish reason and usage. `batch`: sequences in the step that made it."""
-        p = self.params
+        """The next token of a plain step: `token` (a greedy one the device took) or sampled from `logits`, at position
+        `computed` (the first: the prompt's); queues its delta. `batch`: sequences in the step that made it."""
         if token is None:
-            banned = sorted(self.end_ids) if self.n_out < p.min_tokens else None
-            token = self.sampler.sample(logits, banned)
-        self.sampler.observe(token)
-        self.n_out += 1
-        self.last_token = token
+            token = BlockSampling(self.sampler, self.output, logits[None]).sample(0)
+        if self.n_out == 0 and self._speculator is not None:
+            self.spec = self._speculator()
+            self.spec.begin(self.ids, token, self.params)
+        elif self.spec is not None:
+            self.spec.plain(token, self.computed, self.n_out)
+        self.emit(Block([token], None if logits is None else logits[None]), batch)
+
+    def emit(self, block: Block, batch: int = 1) -> None:
+        """Queue the delta of a block of tokens (a plain step's one, or a round's), cut at the one that finishes the
+        generation; the last delta carries the finish reason and usage."""
+        p = self.params
+        logprobs = None
+        if p.logprobs:
+            logprobs = [_logprob(row, t, p.top_logprobs) for row, t in zip(block.logits, block.tokens, strict=True)]
+        delta = self.output.emit(block.tokens, logprobs)
+        self.last_token = block.tokens[-1]
         self.steps += 1
         self.rows += batch
-        if self.n_out == 1:
-            self.t_first = time.perf_counter()
-        logprobs = [_logprob(logits, token, p.top_logprobs)] if p.logprobs else None
-        finish = None
-        if token in self.end_ids:
-            finish = "stop" if token in p.stop_token_ids else "eos"
-            text = self.stops.flush() + self.detok.flush()
-        else:
-            text, stopped = self.stops.feed(self.detok.add(token))
-            if stopped:
-                finish = "stop"
-            elif self.n_out >= p.max_tokens:
-                finish = "length"
-                text += self.stops.feed(self.detok.flush())[0] + self.stops.flush()
-        if finish is None:
-            self.out.append(GenerationDelta([token], text, logprobs))
-            return
-        self.finish = finish
-        self.out.append(GenerationDelta([token], text, logprobs, finish, self._usage()))
+        if self.finish is not None:
+            delta.usage = self._usage()
+        self.out.append(delta)
 
     def fail(self, error: BaseException) -> None:
         self.error = error
+
+    def end_speculation(self) -> None:
+        """The turn is over however it ended: its drafter learns so (a finished one's did in its usage)."""
+        if self.spec is not None and self.finish is None:
+            self.spec.end()
 
     def _usage(self) -> Usage:
         elapsed = time.perf_counter() - self.t_first
@@ -136,7 +160,34 @@ class Request:
             kv = seq.usage()
             usage.kv_resident_chunks, usage.kv_paged_chunks = kv.resident_chunks, kv.paged_chunks
             usage.kv_bytes_moved = kv.bytes_moved
+        if self.spec is not None:
+            usage.speculation = self.spec.end()
         return usage
+
+
+class BlockSampling:
+    """The request's sampler over a block's logits (lucekv.spec.verify.TargetSampler): row i gives the block's i-th
+    token. Tokens are observed as they are drawn or kept (penalties of later rows see them; device-greedy tokens
+    are not: plain greedy reads no penalties)."""
+
+    def __init__(self, sampler: Sampler, output: OutputStream, rows: np.ndarray):
+        self._sampler, self._output, self._rows = sampler, output, rows
+
+    def sample(self, i: int) -> int:
+        return self.keep(self._sampler.sample(self._rows[i], self._output.banned(i)))
+
+    def probs(self, i: int) -> np.ndarray:
+        return self._sampler.distribution(self._rows[i], self._output.banned(i))
+
+    def draw(self, probs: np.ndarray) -> int:
+        return self.keep(self._sampler.draw(probs))
+
+    def uniform(self) -> float:
+        return float(self._sampler.rng.random())
+
+    def keep(self, token: int) -> int:
+        self._sampler.observe(token)
+        return token
 
 
 def _logprob(logits: np.ndarray, tok: int, top: int) -> TokenLogprob:

@@ -31,6 +31,7 @@ class Session:
     stored_bytes: int = 0  # > 0: the session is only in the snapshot store, as a blob of this size
     in_store: bool = False  # the snapshot store holds it as it is here (spilling it writes nothing)
     request: object | None = None  # the engine's request using it (one at a time)
+    drafters: dict = field(default_factory=dict)  # speculation's drafters by kind, kept across turns (lucekv.spec)
 
     @property
     def host_bytes(self) -> int:
@@ -80,7 +81,7 @@ class SessionTable:
         """The session's K/V now lives only in the snapshot store."""
         with self._lock:
             self._stored_tokens[s.id] = len(s.tokens)
-            s.tokens, s.paged, s.stored_bytes = [], None, nbytes
+            s.tokens, s.paged, s.drafters, s.stored_bytes = [], None, {}, nbytes
 
     def in_memory(self) -> list[Session]:
         with self._lock:

@@ -6,6 +6,11 @@ since (the last round's bonus, or a plain step's tokens), then chains one-token 
 step's argmax on the device (the run-ahead decode: the host reads a token while the next step runs). After a
 round, the held K/V stays only up to the last accepted draft; the rejected drafts' positions are rewritten by the
 next forward before any query reaches them (the position rule of DESIGN §4), so rolling back copies nothing.
+
+The pool holds one sequence (`DraftModel`): each session has a drafter of its own, and one turn at a time owns the
+model; another turn that asks for drafts meanwhile gets none (its rounds verify its own token alone, plain decoding's
+output either way) until that turn ends. A drafter that takes the model back after another sequence used it computes
+its K/V again; one whose K/V is still there (the session's next turn) keeps it.
 """
 
 from __future__ import annotations
@@ -31,14 +36,41 @@ class DraftBackend(Protocol):
     def next_token(self) -> int: ...
 
 
-class DraftModelDrafter:
-    name = "draft"
-    cheap = False  # a proposal costs model steps: the gate does not score it in the shadow
+class DraftModel:
+    """The draft model's backend, whose pool holds one sequence's K/V: which drafter's turn uses it now (`owner`), and
+    whose sequence the pool holds (`holder`)."""
 
     def __init__(self, backend: DraftBackend, vocab_size: int):
         """vocab_size: the target's; a draft token past it ends the draft (a padded embedding's rows)."""
         self.backend = backend
         self.vocab_size = vocab_size
+        self.owner: DraftModelDrafter | None = None
+        self.holder: DraftModelDrafter | None = None
+
+    def take(self, drafter: DraftModelDrafter) -> bool:
+        """Whether `drafter` may use the model (it is free, or the drafter's turn holds it already); a drafter taking
+        the pool over from another sequence holds nothing of its own there any more."""
+        if self.owner not in (None, drafter):
+            return False
+        self.owner = drafter
+        if self.holder is not drafter:
+            drafter.held = []
+            self.holder = drafter
+        return True
+
+    def release(self, drafter: DraftModelDrafter) -> None:
+        if self.owner is drafter:
+            self.owner = None
+
+
+class DraftModelDrafter:
+    name = "draft"
+    cheap = False  # a proposal costs model steps: the gate does not score it in the shadow
+
+    def __init__(self, model: DraftModel):
+        self.model = model
+        self.backend = model.backend
+        self.vocab_size = model.vocab_size
         self.seq: list[int] = []  # the sequence
         self.held: list[int] = []  # its prefix (and, after a proposal, the drafts) whose K/V the pool holds
 
@@ -55,7 +87,7 @@ class DraftModelDrafter:
             self._sampler = Sampler(q, [], self.vocab_size)
 
     def propose(self, max_len: int) -> Draft:
-        if max_len <= 0:
+        if max_len <= 0 or not self.model.take(self):
             return Draft()
         b = self.backend
         pending = self.seq[len(self.held) :]
@@ -98,7 +130,7 @@ class DraftModelDrafter:
         self._keep_common_prefix(before)
 
     def end(self) -> None:
-        pass
+        self.model.release(self)
 
     def _keep_common_prefix(self, checked: int) -> None:
         """held = its longest common prefix with seq (its first `checked` tokens are known to agree), never the

@@ -81,7 +81,7 @@ class Speculator:
         At most `budget` tokens come out; `at`: output tokens so far. Greedy on the device when `host` is None,
         else on the host with the request's sampler: the rejection rule where the drafter gave its distributions,
         sample-and-match where its drafts are deterministic."""
-        draft = self.drafter.propose(min(self.max_draft, budget - 1))
+        draft = self.drafter.propose(self.max_draft_for(budget))
         inputs = [last, *draft.tokens]
         logits = None
         if host is None:
@@ -101,6 +101,10 @@ class Speculator:
         if self.gate is not None:
             self.gate.real_round(seconds, len(inputs), len(tokens), position, at)
         return Block(tokens, logits)
+
+    def max_draft_for(self, budget: int) -> int:
+        """The longest draft a round may propose when `budget` more tokens may come out (a round emits one more)."""
+        return min(self.max_draft, budget - 1)
 
     def plain(self, token: int, position: int, at: int) -> None:
         """A plain decode step's token joined the sequence at `position`: time the step, score the shadow round."""

@@ -188,7 +188,7 @@ def test_attention_captures_the_latest_query_on_the_device(tmp_path, monkeypatch
     ref = cpu.last_queries()[1]  # the latest query, rotated
     assert np.max(np.abs(got[1] - ref)) <= 1e-3 * np.max(np.abs(ref))
     if n > 1:  # a forward of several tokens also keeps their queries (a prompt's tail, for the prompt's recall)
-        recent, ref = backend.recent_queries()[:, 1], cpu.ops.recent_q[1]
+        recent, ref = backend.recent_queries()[:, 1], cpu.ops.queries[1]
         assert recent.shape == (n, spec.n_head, spec.head_dim)
         assert np.max(np.abs(recent - ref)) <= 1e-3 * np.max(np.abs(ref))
 

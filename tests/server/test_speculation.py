@@ -27,7 +27,7 @@ def plain(tiny_model):
 @pytest.fixture(scope="module")
 def spec_probe(tiny_model, plain):
     engine = lucekv.load(tiny_model, backend="cpu", speculation=SpecConfig(mode="auto"))
-    engine.drafters["suffix"] = OracleDrafter(PROMPT + plain)
+    engine.drafters["suffix"] = lambda: OracleDrafter(PROMPT + plain)
     return ProbeEngine(engine)
 
 

@@ -61,7 +61,7 @@ def test_turns_of_a_session_keep_the_drafts_kv_in_step(models):
     b, _ = greedy(ref, first + a + second, "off", "s", n=40)
     engine = load(models[0], models[1])
     assert greedy(engine, first, "draft", "s", n=40)[0] == a
-    held = len(engine.drafters["draft"].held)
+    held = len(engine.sessions.get("s").drafters["draft"].held)  # the session keeps its drafter
     assert greedy(engine, first + a + second, "draft", "s", n=40)[0] == b
     assert held >= len(first) + 30  # the second turn reused the first's draft K/V
 

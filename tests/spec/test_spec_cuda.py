@@ -85,7 +85,7 @@ def test_greedy_rounds_on_the_gpu_equal_its_plain_greedy(model, pool):
     def run(speculation, reference=None):
         engine = lucekv.load(model, backend="cuda", kv_dtype="f32", kv_pool=pool, kv_policy="lru")
         if reference is not None:
-            engine.drafters["suffix"] = OracleDrafter(reference)
+            engine.drafters["suffix"] = lambda: OracleDrafter(reference)
         out = list(engine.generate(ids, params, speculation=speculation))
         return [t for d in out for t in d.token_ids], out[-1].usage
 

@@ -68,7 +68,7 @@ def generate(engine, ids, speculation="off", session_id="", n=150, **kw):
 
 
 def with_oracle(engine, reference, **kw):
-    engine.drafters["suffix"] = OracleDrafter(reference, **kw)
+    engine.drafters["suffix"] = lambda: OracleDrafter(reference, **kw)  # each request gets its own
     return engine
 
 
@@ -83,7 +83,7 @@ def test_greedy_rounds_equal_plain_greedy(model, pool):
     assert u.rounds < len(plain) and 0 < u.accepted < u.drafted
     assert u.rounds + 1 + u.accepted == len(plain)  # the first token comes from the prefill
     assert max(len(d.token_ids) for d in out) > 5  # an accepted block streams as one delta
-    assert engine._live.tokens == ids + plain[:-1]
+    assert engine._latest.tokens == ids + plain[:-1]
     if pool:
         assert engine.paged.usage().paged_chunks > 0  # the pool paged during the run
         assert engine.paged.pager.n_tokens == len(ids) + len(plain) - 1  # rejected drafts' slots are freed
@@ -128,7 +128,7 @@ def test_min_tokens_and_stops_inside_a_block(model):
     spec, out = generate(engine, ids, "suffix", n=40, stop_token_ids=[stop], min_tokens=3)
     assert spec == plain == free[: cut + 1]
     assert out[-1].finish_reason == "stop"
-    assert len(engine._live.tokens) <= len(ids) + len(spec)  # no draft past the stop stays in the sequence
+    assert len(engine._latest.tokens) <= len(ids) + len(spec)  # no draft past the stop stays in the sequence
 
 
 @pytest.mark.parametrize("pool", POOLS.values(), ids=POOLS.keys())
@@ -161,7 +161,7 @@ def test_a_cancelled_stream_leaves_a_sequence_the_next_request_continues_exactly
     while len(got) < 30:
         got += next(stream).token_ids
     stream.close()  # what the server does when a client cancels, between two rounds
-    assert engine.paged.pager.n_tokens == len(engine._live.tokens)
+    assert engine.paged.pager.n_tokens == len(engine._latest.tokens)
     resumed, out = generate(engine, ids + got, session_id="s", n=80 - len(got))
     assert got + resumed == plain
     assert out[-1].usage.cached_tokens == len(ids) + len(got) - 1
