@@ -2,7 +2,8 @@
 captured graphs, and the engine's rounds on the GPU equal to its plain greedy decoding.
 
 Without a GPU, `test_in_simulator` runs this file again under numba's CUDA simulator, where only the backend-level
-test runs (a forward takes minutes there, so it stands in for the model's); the rest are `gpu` tests:
+test runs (a forward takes minutes there, so it stands in for the model's); the rest are `gpu` tests (the last:
+speculating requests batched with plain ones):
     pytest -q -m gpu tests/spec/test_spec_cuda.py
 """
 
@@ -52,7 +53,7 @@ def test_forward_argmax_takes_each_rows_argmax_on_the_device(model, monkeypatch)
     monkeypatch.setattr(cuda_module, "forward", lambda *args, **kw: cuda.to_device(logits))
     slots = np.array([3, 4, 5, 6, 7], np.int32)
     pos = slots + 100
-    got = backend.forward_argmax(np.array([1, 2, 3, 4, 5], np.int32), pos, slots)
+    got = backend.forward_argmax(np.array([1, 2, 3, 4, 5], np.int32), pos, slots, tables=[np.array([0], np.int32)])
     assert got.tolist() == np.argmax(logits, axis=1).tolist()
     assert backend.pool.slot_pos[slots].tolist() == pos.tolist()
 
@@ -93,3 +94,33 @@ def test_greedy_rounds_on_the_gpu_equal_its_plain_greedy(model, pool):
     spec, usage = run("suffix", ids + plain)
     assert spec == plain
     assert 0 < usage.speculation.accepted < usage.speculation.drafted
+
+
+@gpu
+@needs_gpu
+def test_speculating_requests_batched_on_the_gpu_decode_what_the_cpu_does(model):
+    """Rounds (verify blocks replayed from their graphs, with a budget cut at chunk boundaries) in steps beside other
+    sequences' decode rows (the bucket graphs) on CUDA: every greedy request's tokens are the CPU backend's plain
+    greedy ones (these synthetic models' top tokens are far apart; see tests/engine/test_batching.py)."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(10, 500, n).tolist() for n in (700, 40, 300, 90)]
+    modes = ["suffix", "off", "suffix", "auto"]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    cpu = lucekv.load(model, backend="cpu", kv_dtype="f16", kv_pool=512, kv_policy="lru")
+    plain = [[t for d in cpu.generate(ids, params) for t in d.token_ids] for ids in prompts]
+    references = [ids + out for ids, out in zip(prompts, plain, strict=True)]
+
+    class Oracle(OracleDrafter):
+        def begin(self, tokens, params=None):
+            super().begin(tokens, params)
+            self.reference = next(r for r in references if r[: len(tokens)] == list(tokens))
+
+    engine = lucekv.load(model, backend="cuda", kv_dtype="f16", kv_pool=512, kv_policy="lru", max_batch=4)
+    engine.drafters["suffix"] = lambda: Oracle([])
+    requests = [engine.submit(ids, params, speculation=mode) for ids, mode in zip(prompts, modes, strict=True)]
+    while engine.has_work:
+        engine.step()
+    assert [[t for d in r.out for t in d.token_ids] for r in requests] == plain
+    usage = [r.out[-1].usage.speculation for r in requests]
+    assert usage[0].rounds > 0 and usage[2].rounds > 0 and usage[1] is None
+    assert engine.backend.verify_graphs and engine.backend.row_graphs
