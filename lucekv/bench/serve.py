@@ -365,8 +365,9 @@ def main(args) -> int:
         save_conversations(conversations[: 8 * args.num_requests], args.save_dataset)
         return 0
     kv_pool = {None: "off"}.get(args.kv_pool, args.kv_pool)
+    # plain decoding, as llama-server's beside it (`bench spec` measures speculation)
     flags = ["--backend", args.backend, "--kv-dtype", args.kv_dtype, "--kv-pool", str(kv_pool),
-             "--kv-policy", args.kv_policy, "--kv-tau", str(args.kv_tau)]
+             "--kv-policy", args.kv_policy, "--kv-tau", str(args.kv_tau), "--spec", "off"]
     for flag, value in (("--kv-cache", args.kv_cache), ("--step-tokens", args.step_tokens)):
         if value:
             flags += [flag, str(value)]
