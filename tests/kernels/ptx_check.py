@@ -88,7 +88,7 @@ CHECKS["matmul_f32"] = (matmul._matmul_f32, (F2, F2, EP))
 for kind, quant in (*QUANTS.items(), ("f32", _quant(np.float32, np.uint8, np.uint8))):
     CHECKS[f"embed_{kind}"] = (embed._KERNELS[kind], (quant, I1, F32, F2))
 for kind, quant in (("q4", Q4_K), ("f32", _quant(np.float32, np.uint8, np.uint8))):
-    CHECKS[f"moe_route_{kind}"] = (moe._ROUTERS[kind], (quant, F2, XNORM, F2, I1, I2, F2, B))
+    CHECKS[f"moe_route_{kind}"] = (moe._ROUTERS[kind], (quant, F2, XNORM, F2, I1, I2, F2, B, I64))
 for kind, quant in QUANTS.items():
     CHECKS[f"moe_routed_{kind}"] = (moe._ROUTED[kind], (quant, I64, F2, XNORM, EP, I64, I64, I64, I2, B))
 for (kind, block), kernel in moe._GROUPED.items():
