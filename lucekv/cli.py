@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub.choices["decode"].add_argument(
         "--transformers", action="store_true",
         help="also run Hugging Face transformers on the same GGUF and prompts (needs the `ref` extra)")
+    bench_sub.choices["decode"].add_argument(
+        "--threads", metavar="N,N", help="CPU backend: measure once per numba thread count (e.g. 1,2)")
+    bench_sub.choices["decode"].add_argument(
+        "--llama-bench", metavar="PATH", help="llama-bench binary (bench/build_llama_bench_cpu.sh builds one for the "
+        "CPU): its pp/tg on the same file with as many threads, right after each of lucekv's runs")
 
     niah = bench_sub.add_parser("niah", help="long-context recall (passkey and RULER-style tasks over real text): "
                                 "full cache vs KVFlash pools")

@@ -5,13 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from lucekv.backends.ahead import RunAhead
+from lucekv.backends.cpu_step import DecodeStep, Workers
 from lucekv.backends.slots import SlotMap
 from lucekv.kernels.cpu.attention import attend_batch, attend_rows
-from lucekv.kernels.cpu.matvec import matmul, matvec_rows
+from lucekv.kernels.cpu.matvec import matmul, matmul_rows, matvec_rows
 from lucekv.kernels.cpu.moe import group_by_expert, route
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, dequantize_rows, pack_stacked, pack_tensor, split_rows
 from lucekv.kvflash.host_store import HostStore
@@ -32,8 +34,11 @@ class KVPool(SlotMap):
         shape = (size, spec.n_kv_head, spec.head_dim)
         self.dtype = KV_DTYPES[dtype]
         # np.zeros maps untouched pages lazily, so a pool sized to the whole context costs what is used.
-        self.k = [np.zeros(shape, self.dtype) for _ in range(spec.n_layer)]
-        self.v = [np.zeros(shape, self.dtype) for _ in range(spec.n_layer)]
+        # One array of every layer (the decode step reads them all); k[layer] and v[layer] are views of it.
+        self.k_all = np.zeros((spec.n_layer, *shape), self.dtype)
+        self.v_all = np.zeros((spec.n_layer, *shape), self.dtype)
+        self.k = list(self.k_all)
+        self.v = list(self.v_all)
 
 
 @dataclass
@@ -53,9 +58,10 @@ class CpuOps:
     which slots each token attends over (its sequence's blocks in logical order). Rows go through `matvec_rows` and
     each row's attention is a loop of its own, so a row's numbers do not depend on the others in its batch."""
 
-    def __init__(self, spec: ModelSpec, pool: KVPool):
+    def __init__(self, spec: ModelSpec, pool: KVPool, workers: Workers | None = None):
         self.spec = spec
         self.pool = pool
+        self.workers = workers or Workers()  # the threads its products split rows among
         self._layer_rope = [spec.layer_rope(i) for i in range(spec.n_layer)]
         self._slots = np.zeros(0, np.intp)  # the slots the forward's tokens attend over, one run per sequence
         self._offsets: np.ndarray | None = None  # decode rows: token t reads run offsets[t] .. offsets[t + 1]
@@ -75,6 +81,11 @@ class CpuOps:
                              "one token of each")
         self._slots = np.concatenate(runs).astype(np.intp)
         self._offsets = np.cumsum([0] + [len(r) for r in runs]) if n_tokens == len(runs) else None
+
+    @property
+    def attended(self) -> np.ndarray:
+        """The slots the forward's tokens attend over, in logical order (one sequence's; see begin_step)."""
+        return self._slots
 
     def matrix(self, t: TensorInfo) -> PackedMatrix:
         return pack_tensor(t)
@@ -106,8 +117,31 @@ class CpuOps:
                residual: np.ndarray | None = None) -> np.ndarray:
         if norm is not None:
             x = self.rmsnorm(x, norm)
-        y = matvec_rows(w, x) if self._offsets is not None else matmul(w, x)
+        if self._offsets is not None:
+            y = matvec_rows(w, x)
+        elif len(x) == 1:  # one token of a model the decode step does not take (MoE): the matvec
+            y = matmul(w, x)
+        else:
+            y = self._matmul(w, x)
         return y if residual is None else residual + y
+
+    def _matmul(self, w: PackedMatrix, x: np.ndarray) -> np.ndarray:
+        """X @ W.T with W's rows split among the backend's threads (each: dequantized tiles, one-thread BLAS)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty((len(x), w.rows), np.float32)
+        self._split(w.rows, lambda r0, r1: matmul_rows(w, x, out, r0, r1))
+        return out
+
+    def _split(self, n_items: int, part) -> None:
+        """part(i0, i1) for a share of range(n_items) on each of the backend's threads (numba's thread count); a
+        thread whose share is empty (fewer items than threads: gemma3's one kv head) does nothing."""
+        n = numba.get_num_threads()
+
+        def share(t: int) -> None:
+            i0, i1 = t * n_items // n, (t + 1) * n_items // n
+            if i0 < i1:
+                part(i0, i1)
+        self.workers.run(n, share)
 
     def rmsnorm(self, x: np.ndarray, w: np.ndarray, groups: int = 1) -> np.ndarray:
         xs = x.reshape(len(x), groups, -1)
@@ -146,15 +180,32 @@ class CpuOps:
         k, v, sp = kp[self._slots].astype(np.float32), vp[self._slots].astype(np.float32), pool.slot_pos[self._slots]
         if self._offsets is not None:
             out = attend_rows(qh, k, v, sp, self._offsets, positions, window, rope.attn_scale)
-        else:
-            out = attend_batch(qh, k, v, sp, len(sp), positions, window, rope.attn_scale)
+        else:  # the kv heads (and their groups of q heads) split among the threads
+            out = np.empty(qh.shape, np.float32)
+            group = spec.n_head // spec.n_kv_head
+
+            def heads(k0: int, k1: int) -> None:
+                out[:, k0 * group:k1 * group] = attend_batch(qh[:, k0 * group:k1 * group], k[:, k0:k1], v[:, k0:k1],
+                                                             sp, len(sp), positions, window, rope.attn_scale)
+            self._split(spec.n_kv_head, heads)
         return out.reshape(len(q), -1)
 
     def gated_linear(self, x: np.ndarray, g: tuple[PackedMatrix, PackedMatrix], norm: np.ndarray) -> np.ndarray:
         return self._gated(self.rmsnorm(x, norm), *g)
 
     def _gated(self, h: np.ndarray, gate: PackedMatrix, up: PackedMatrix) -> np.ndarray:
-        return self._gated_act(self.linear(gate, h), self.linear(up, h))
+        if len(h) == 1 or self._offsets is not None:  # one token, or decode rows (matvec_rows)
+            return self._gated_act(self.linear(gate, h), self.linear(up, h))
+        h = np.ascontiguousarray(h, dtype=np.float32)
+        out = np.empty((len(h), gate.rows), np.float32)
+        up_out = np.empty_like(out)
+
+        def rows(r0: int, r1: int) -> None:  # each thread: its rows of both products, then their activation
+            matmul_rows(gate, h, out, r0, r1)
+            matmul_rows(up, h, up_out, r0, r1)
+            out[:, r0:r1] = self._gated_act(out[:, r0:r1], up_out[:, r0:r1])
+        self._split(gate.rows, rows)
+        return out
 
     def moe_ffn(self, x: np.ndarray, m: MoeWeights, norm: np.ndarray) -> np.ndarray:
         """Tokens grouped by expert: each chosen expert's products run once, over all the tokens routed to it. Every
@@ -193,14 +244,20 @@ class CpuBackend(RunAhead):
     prefill_chunk = 256  # tokens per prefill forward: bounds the attention score matrix
 
     def __init__(self, g: GGUFFile, spec: ModelSpec, kv_dtype: str = "f16", pool_size: int | None = None):
-        # numba's threads already use every core. BLAS threads spinning beside them starve both (measured
-        # on 2 cores: prefill 16 tok/s with 2 BLAS threads, 250 with 1), so BLAS runs single-threaded.
+        # The backend's own threads split every product (Workers): BLAS runs single-threaded in each. (BLAS
+        # threads spinning beside numba's starved both: prefill 16 tok/s with 2 BLAS threads, 250 with 1.)
         threadpool_limits(limits=1, user_api="blas")
         super().__init__()
         self.spec = spec
         self.pool = KVPool(spec, pool_size or spec.n_ctx, kv_dtype)
-        self.ops = CpuOps(spec, self.pool)
+        self.workers = Workers()
+        self.ops = CpuOps(spec, self.pool, self.workers)
         self.weights: Weights = load_weights(g, spec, self.ops)
+        embed_scale = float(np.sqrt(spec.n_embd)) if spec.arch.embed_scale else 1.0
+        # decode as one numba call per thread, for dense models (an MoE layer's one-token step goes op by op)
+        self.decode_step = DecodeStep(spec, self.weights, lambda tok: self.ops.embed(
+            self.weights.token_embd, np.array([tok]), embed_scale), self.pool, self.workers
+        ) if all(lw.moe is None for lw in self.weights.layers) else None
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, all_logits: bool = False,
                 tables: Sequence[np.ndarray] | None = None) -> np.ndarray:
@@ -209,6 +266,14 @@ class CpuBackend(RunAhead):
         every row); None: a sequence alone in the pool (see CpuOps.begin_step)."""
         self.pool.assign(slots, positions)
         self.ops.begin_step(len(tokens), tables)
+        # One token of a sequence alone in the pool: the whole step in one numba call per thread. Not (yet) where a
+        # block table is given (every engine forward): its products take int16 inputs, so its logits differ from the
+        # op-by-op path's by ~1e-5, and the engine promises decode rows, solo decode and speculative verify the same
+        # numbers bit for bit.
+        if len(tokens) == 1 and tables is None and self.decode_step is not None:
+            logits, queries = self.decode_step(int(tokens[0]), int(positions[0]), int(slots[0]), self.ops.attended)
+            self.ops.queries = list(queries[:, None])
+            return logits
         rows = tables is not None and len(tables) == len(tokens)
         return forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, all_logits or rows)
 

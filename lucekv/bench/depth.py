@@ -285,7 +285,7 @@ def run_llama_bench(binary: str, model: Path, depths: list[int], reps: int, time
 def parse_llama_bench(text: str) -> dict[int, dict]:
     """Depth -> {tok_s, stddev_tok_s, n_gen, ...} of the text-generation rows (n_prompt 0) of llama-bench's JSON
     array (-o json) or JSON lines (-o jsonl). Raises ValueError when there are none."""
-    rows = _json_rows(text)
+    rows = json_rows(text)
     tg = {}
     for r in rows:
         if not isinstance(r, dict) or r.get("n_prompt", 0) != 0 or not r.get("n_gen"):
@@ -298,7 +298,7 @@ def parse_llama_bench(text: str) -> dict[int, dict]:
     return tg
 
 
-def _json_rows(text: str) -> list:
+def json_rows(text: str) -> list:
     try:
         rows = json.loads(text)
     except json.JSONDecodeError:

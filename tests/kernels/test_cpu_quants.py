@@ -9,7 +9,15 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
 from lucekv.errors import UnsupportedModelError
-from lucekv.kernels.cpu.matvec import MATMUL_TILE_ROWS, matmul, matvec, matvec_rows
+from lucekv.kernels.cpu.matvec import (
+    MATMUL_TILE_ROWS,
+    _block_sums,
+    _q8_rows_x16,
+    matmul,
+    matvec,
+    matvec_rows,
+    quantize_x16,
+)
 from lucekv.kernels.cpu.quants import SUPPORTED_QTYPES, dequantize, dequantize_rows, pack, pack_tensor
 from lucekv.model.gguf import TensorInfo, open_gguf
 
@@ -165,6 +173,24 @@ def test_matvec_and_matmul_match_float64(qtype):
     # a batch's decode rows: each row exactly what matvec gives it alone
     rows_out = matvec_rows(m, xs)
     assert all(np.array_equal(rows_out[t], matvec(m, xs[t])) for t in range(len(xs)))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K], ids=lambda q: q.name)
+def test_q8_rows_with_int16_x_match_float64(qtype):
+    """The decode step's product for 32-blocks of int8 codes: x rounded to int16 per block, integer products."""
+    rng = np.random.default_rng(300 + int(qtype))
+    rows, cols = 37, 512
+    raw = random_raw(rng, qtype, rows, cols)
+    m = pack(raw, qtype, (rows, cols))
+    w = dequantize(raw, qtype, (rows, cols))
+    x = rng.normal(size=cols).astype(np.float32) * rng.choice([1e-3, 1.0, 30.0], size=cols).astype(np.float32)
+    x[:32] = 0  # a block of zeros: scale 0, codes 0
+    xq, xd = np.empty(cols, np.int16), np.empty(cols // 32, np.float32)
+    quantize_x16(x, xq, xd)
+    assert np.all(np.abs(xd.repeat(32) * xq - x) <= xd.repeat(32) / 2 * (1 + 1e-6))
+    out = np.empty(rows, np.float32)
+    _q8_rows_x16(m.codes, m.scale, m.bias, xq, xd, _block_sums(x[None], 32)[0], out, 0, rows)
+    assert_close_to_float64(out[None, :], w, x[None, :])
 
 
 def test_shape_errors_are_refused():

@@ -59,14 +59,21 @@ def matmul(m: PackedMatrix, xs: np.ndarray) -> np.ndarray:
         raise ValueError(f"matmul: X has shape {xs.shape}, expected (n, {m.cols})")
     if xs.shape[0] == 1:
         return matvec(m, xs[0])[None, :]
-    xs = np.asarray(xs, dtype=np.float32)
-    if m.kind == "f32":
-        return xs @ m.codes.T
+    xs = np.ascontiguousarray(xs, dtype=np.float32)
     out = np.empty((xs.shape[0], m.rows), np.float32)
-    for r0 in range(0, m.rows, MATMUL_TILE_ROWS):
-        r1 = min(r0 + MATMUL_TILE_ROWS, m.rows)
-        np.matmul(xs, dequantize_rows(m, r0, r1).T, out=out[:, r0:r1])
+    matmul_rows(m, xs, out, 0, m.rows)
     return out
+
+
+def matmul_rows(m: PackedMatrix, xs: np.ndarray, out: np.ndarray, r0: int, r1: int) -> None:
+    """out[:, r0:r1] = X @ W[r0:r1].T, tile by tile (float32 X [n, cols] and out [n, rows]). Threads may each
+    take a range of rows of one product: nothing here holds the GIL for long (numba nogil, BLAS)."""
+    if m.kind == "f32":
+        out[:, r0:r1] = xs @ m.codes[r0:r1].T
+        return
+    for t0 in range(r0, r1, MATMUL_TILE_ROWS):
+        t1 = min(t0 + MATMUL_TILE_ROWS, r1)
+        np.matmul(xs, dequantize_rows(m, t0, t1).T, out=out[:, t0:t1])
 
 
 @njit(cache=True)
@@ -84,8 +91,9 @@ def _block_sums(xs, block):
 
 @njit(cache=True)
 def _row_bias(bias, r, xsum):
+    """Row r's bias terms; a bias of no columns (a type without one, in the decode step's arena) adds nothing."""
     t = np.float32(0)
-    for b in range(xsum.shape[0]):
+    for b in range(bias.shape[1]):
         t += bias[r, b] * xsum[b]
     return t
 
@@ -196,6 +204,71 @@ def _q8_rows(codes, scale, bias, xs, xsum, out, r0, r1):
             for i in range(ROW_GROUP):
                 r = min(first + i, r1 - 1)
                 out[t, r] = _lane_sum(acc[i]) + _row_bias(bias, r, xsum[t])
+    return touched
+
+
+@njit(cache=True, nogil=True)
+def quantize_x16(x, xq, xd):
+    """x (float32, whole 32-blocks) as int16 codes xq and one float32 scale per 32-block, xd = max|x| / 32767:
+    x ~ xd * xq within xd / 2 (a relative 1.5e-5 of the block's largest element)."""
+    for b in range(x.shape[0] // 32):
+        amax = np.float32(0)
+        for j in range(32):
+            amax = max(amax, abs(x[b * 32 + j]))
+        d = amax / np.float32(32767)
+        xd[b] = d
+        inv = np.float32(1) / d if d > 0 else np.float32(0)
+        for j in range(32):
+            xq[b * 32 + j] = np.int16(np.round(x[b * 32 + j] * inv))
+
+
+@njit(cache=True, nogil=True)
+def _q8_rows_x16(codes, scale, bias, xq, xd, xsum, out, r0, r1):
+    """_q8_rows for 32-blocks with x as int16 (quantize_x16): lane j of a block sums the integer products of
+    elements j and j + 16, converted to float once per block (40% faster than converting every code). Blocks go
+    in pairs, one accumulator update for both (13% faster again); an odd last block alone."""
+    acc = np.empty((ROW_GROUP, LANES), np.float32)
+    s0 = np.empty(ROW_GROUP, np.float32)  # two arrays: one 2-D array of both vectorizes 10% worse
+    s1 = np.empty(ROW_GROUP, np.float32)
+    flat = codes.reshape(-1)
+    touched = np.uint8(0)
+    n_blocks = scale.shape[1]
+    for g in range((r1 - r0 + ROW_GROUP - 1) // ROW_GROUP):
+        first = r0 + g * ROW_GROUP
+        ahead = (first + PREFETCH_GROUPS * ROW_GROUP) * codes.shape[1]
+        touched |= _touch_lines(flat, ahead, ahead + ROW_GROUP * codes.shape[1])
+        acc[:] = 0
+        for pair in range(n_blocks // 2):
+            b = 2 * pair
+            for i in range(ROW_GROUP):
+                s0[i] = scale[min(first + i, r1 - 1), b] * xd[b]
+                s1[i] = scale[min(first + i, r1 - 1), b + 1] * xd[b + 1]
+            k0 = b * 2 * LANES
+            k1 = k0 + 2 * LANES
+            for j in range(LANES):
+                x0 = np.int32(xq[k0 + j])
+                x1 = np.int32(xq[k0 + LANES + j])
+                y0 = np.int32(xq[k1 + j])
+                y1 = np.int32(xq[k1 + LANES + j])
+                for i in range(ROW_GROUP):
+                    r = min(first + i, r1 - 1)
+                    p = np.int32(np.int32(codes[r, k0 + j]) * x0 + np.int32(codes[r, k0 + LANES + j]) * x1)
+                    q = np.int32(np.int32(codes[r, k1 + j]) * y0 + np.int32(codes[r, k1 + LANES + j]) * y1)
+                    acc[i, j] += s0[i] * np.float32(p) + s1[i] * np.float32(q)
+        for b in range(n_blocks - n_blocks % 2, n_blocks):
+            for i in range(ROW_GROUP):
+                s0[i] = scale[min(first + i, r1 - 1), b] * xd[b]
+            k0 = b * 2 * LANES
+            for j in range(LANES):
+                x0 = np.int32(xq[k0 + j])
+                x1 = np.int32(xq[k0 + LANES + j])
+                for i in range(ROW_GROUP):
+                    r = min(first + i, r1 - 1)
+                    p = np.int32(np.int32(codes[r, k0 + j]) * x0 + np.int32(codes[r, k0 + LANES + j]) * x1)
+                    acc[i, j] += s0[i] * np.float32(p)
+        for i in range(ROW_GROUP):
+            r = min(first + i, r1 - 1)
+            out[r] = _lane_sum(acc[i]) + _row_bias(bias, r, xsum)
     return touched
 
 

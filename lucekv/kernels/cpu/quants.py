@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from numba import njit, prange
+from numba import njit
 
 from lucekv.errors import UnsupportedModelError
 from lucekv.model.gguf import TensorInfo
@@ -418,11 +418,12 @@ def _unpack_q6_k(blocks):
 # ---- expansion (numba) ----------------------------------------------------------------------------------
 
 
-@njit(parallel=True, cache=True)
+# Serial and without the GIL: the CPU backend runs one tile per thread (a prefill product's row tiles).
+@njit(cache=True, nogil=True)
 def _expand_q4(codes, scale, bias, code_offset, out):
     rows, n_blocks = scale.shape
     half = codes.shape[1] // n_blocks
-    for r in prange(rows):
+    for r in range(rows):
         for b in range(n_blocks):
             s = scale[r, b]
             t = bias[r, b]
@@ -434,11 +435,11 @@ def _expand_q4(codes, scale, bias, code_offset, out):
                 out[r, 2 * k0 + half + j] = s * (np.float32(codes[r, k0 + j] >> 4) - code_offset) + t
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True, nogil=True)
 def _expand_q8(codes, scale, bias, out):
     rows, n_blocks = scale.shape
     block = codes.shape[1] // n_blocks
-    for r in prange(rows):
+    for r in range(rows):
         for b in range(n_blocks):
             s = scale[r, b]
             t = bias[r, b]

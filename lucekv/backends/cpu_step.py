@@ -1,0 +1,231 @@
+"""The CPU backend's decode step: the model's weights in flat arenas, and threads that run the whole step in one
+numba call each (lucekv.kernels.cpu.step); `Workers`, the backend's threads (decode steps, prefill products)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+
+import numba
+import numpy as np
+
+from lucekv.kernels.cpu import step as k
+from lucekv.kernels.cpu.quants import PackedMatrix
+from lucekv.model.arch import ModelSpec
+from lucekv.model.decoder import Weights
+
+ALIGN = 64  # bytes: each matrix starts on a cache line
+KINDS = {"q4": k.KIND_Q4, "q8": k.KIND_Q8, "f32": k.KIND_F32}
+
+
+class Arenas:
+    """Every matrix of `weights` in one byte arena (codes) and one float32 arena (scales, biases), every vector in
+    a third; the PackedMatrix objects are re-pointed at views of the arenas, so the weights are held once."""
+
+    def __init__(self, weights: Weights):
+        mats = [m for lw in weights.layers for m in _layer_matrices(lw)] + [weights.output]
+        self.mat_id: dict[int, int] = {}
+        for m in mats:
+            self.mat_id.setdefault(id(m), len(self.mat_id))
+        unique = list({id(m): m for m in mats}.values())
+        self.table = np.zeros((len(unique), k.MAT_FIELDS), np.int64)
+        code_bytes = sum(_aligned(_codes(m).nbytes) for m in unique)
+        with_bias = {id(m) for m in unique if m.kind != "f32" and np.any(m.bias != 0)}  # others store none
+        scale_floats = sum((1 + (id(m) in with_bias)) * m.scale.size for m in unique if m.kind != "f32")
+        self.codes = np.empty(code_bytes, np.uint8)
+        self.scales = np.empty(scale_floats, np.float32)
+        at = sat = 0
+        for i, m in enumerate(unique):
+            raw = _codes(m)
+            self.codes[at:at + raw.nbytes] = raw.reshape(-1)
+            nb = m.scale.shape[1] if m.kind != "f32" else 0
+            bias_at = sat + m.rows * nb if id(m) in with_bias else -1
+            self.table[i] = (KINDS[m.kind], m.rows, m.cols, at, sat, bias_at, m.codes.shape[1], nb)
+            m.codes = _read_only(self.codes[at:at + raw.nbytes].view(m.codes.dtype).reshape(m.codes.shape))
+            if m.kind != "f32":
+                for name in ("scale", "bias") if id(m) in with_bias else ("scale",):
+                    self.scales[sat:sat + m.scale.size] = getattr(m, name).reshape(-1)
+                    m.__dict__[name] = _read_only(self.scales[sat:sat + m.scale.size].reshape(m.scale.shape))
+                    sat += m.scale.size
+            at += _aligned(raw.nbytes)
+        self._vec_parts: list[np.ndarray] = []
+        self._vec_at: dict[int, int] = {}
+        self._vec_len = 0
+
+    def matrix(self, m: PackedMatrix) -> int:
+        return self.mat_id[id(m)]
+
+    def vector(self, v: np.ndarray | None) -> int:
+        """v's offset in the vector arena (-1 for None); call `vectors()` once every vector is added."""
+        if v is None:
+            return -1
+        if id(v) not in self._vec_at:
+            self._vec_at[id(v)] = self._vec_len
+            self._vec_parts.append(np.asarray(v, np.float32).reshape(-1))
+            self._vec_len += v.size
+        return self._vec_at[id(v)]
+
+    def vectors(self) -> np.ndarray:
+        return np.concatenate(self._vec_parts).astype(np.float32)
+
+
+class DecodeStep:
+    """One token through the model: `step(token, position, slot, attended) -> (logits [1, vocab], post-RoPE queries
+    [n_layer, n_head, head_dim])`, K/V written to the pool's `slot`, attention over the pool slots `attended` (the
+    sequence's, in logical order). Threads: numba's thread count (NUMBA_NUM_THREADS) at the call."""
+
+    def __init__(self, spec: ModelSpec, weights: Weights, embed: Callable[[int], np.ndarray], pool,
+                 workers: Workers):
+        self.spec, self.pool, self.embed, self.workers = spec, pool, embed, workers
+        a = Arenas(weights)
+        self.arenas = a
+        ropes = [spec.layer_rope(i) for i in range(spec.n_layer)]
+        self.inv_freqs: list[np.ndarray] = []
+        rope_row = [self._rope_row(r.inv_freq) for r in ropes]
+        self.layers = np.array([
+            [a.matrix(lw.qkv[0][0]), a.matrix(lw.qkv[1][0]), a.matrix(lw.qkv[2][0]), a.matrix(lw.wo),
+             a.matrix(lw.gate_up[0]), a.matrix(lw.gate_up[1]), a.matrix(lw.w_down),
+             a.vector(lw.attn_norm), a.vector(lw.ffn_norm), a.vector(lw.qkv[0][1]), a.vector(lw.qkv[1][1]),
+             a.vector(lw.qkv[2][1]), a.vector(lw.q_norm), a.vector(lw.k_norm), a.vector(lw.post_attn_norm),
+             a.vector(lw.post_ffn_norm), spec.window(i), rope_row[i]]
+            for i, lw in enumerate(weights.layers)], np.int64)
+        self.dims = np.zeros(k.DIM_FIELDS, np.int64)
+        self.dims[[k.N_HEAD, k.N_KV_HEAD, k.HEAD_DIM, k.ROPE_DIM, k.NEOX, k.GELU, k.N_EMBD, k.OUTPUT,
+                   k.OUTPUT_NORM, k.N_FF]] = (
+            spec.n_head, spec.n_kv_head, spec.head_dim, spec.rope_dim, spec.arch.rope_style == "neox",
+            spec.arch.activation != "silu", spec.n_embd, a.matrix(weights.output), a.vector(weights.output_norm),
+            weights.layers[0].gate_up[0].rows)
+        self.vecs = a.vectors()
+        self.attn_scales = np.array([r.attn_scale for r in ropes], np.float32)
+        self.eps = np.float32(spec.rms_eps)
+        self.n_out = weights.output.rows
+        self.width = max(spec.n_embd, spec.n_head * spec.head_dim, spec.n_kv_head * spec.head_dim,
+                         *(lw.gate_up[0].rows for lw in weights.layers))
+        self.shared = np.zeros((7, self.width), np.float32)
+        self._scratch_threads = 0
+
+    def _rope_row(self, inv_freq: np.ndarray) -> int:
+        for i, f in enumerate(self.inv_freqs):
+            if np.array_equal(f, inv_freq):
+                return i
+        self.inv_freqs.append(inv_freq)
+        return len(self.inv_freqs) - 1
+
+    def _scratch(self, n: int) -> None:
+        if n != self._scratch_threads:  # sized once per thread count; np.empty maps pages as they are touched
+            pool, hd = self.pool, self.spec.head_dim
+            self.private = np.zeros((n, k.PRIVATE_ROWS, self.width), np.float32)
+            self.private_q = np.zeros((n, self.width), np.int16)
+            self.scores = np.empty((n, pool.size), np.float32)
+            self.kv_rows = np.empty((n, 2, pool.size, hd), np.float32)
+            self._scratch_threads = n
+
+    def __call__(self, token: int, position: int, slot: int, attended: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = numba.get_num_threads()
+        self._scratch(n)
+        x = self.embed(token).astype(np.float32).reshape(-1)
+        ang = np.float64(position) * np.stack(self.inv_freqs)  # as CpuOps._rope computes them
+        rope_cs = np.ascontiguousarray(np.stack([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32))
+        logits = np.empty(self.n_out, np.float32)
+        queries = np.empty((self.spec.n_layer, self.spec.n_head, self.spec.head_dim), np.float32)
+        attended = np.ascontiguousarray(attended, np.intp)
+        kp, vp = self.pool.k_all, self.pool.v_all
+        if kp.dtype == np.float16:
+            kp, vp = kp.view(np.uint16), vp.view(np.uint16)
+        a = self.arenas
+        args = (a.codes, a.scales, a.table, self.vecs, self.layers, self.attn_scales, self.dims, self.eps, rope_cs,
+                kp, vp, attended, self.pool.slot_pos[attended], position, slot, x, self.shared, self.private,
+                self.private_q, self.scores, self.kv_rows, logits, queries)
+        work = np.zeros(2 * k.step_phases(self.spec.n_layer), np.int64)
+        self.workers.run(n, lambda t: k.decode_step(t, work, *args))
+        return logits[None, :], queries
+
+
+class Workers:
+    """n - 1 persistent threads beside the caller's; `run(n, job)` calls job(t) on thread t = 0..n-1 at once and
+    returns when all are done (job(0) on the caller's thread). numba's kernels release the GIL. The threads hold
+    nothing of a job once it is done, and end when this object is collected."""
+
+    def __init__(self) -> None:
+        self._crew = _Crew()
+        weakref.finalize(self, self._crew.stop)
+
+    def run(self, n: int, job: Callable[[int], None]) -> None:
+        crew = self._crew
+        if crew.pid != os.getpid():  # a forked child has none of its parent's threads
+            crew = self._crew = _Crew()
+            weakref.finalize(self, crew.stop)
+        while len(crew.go) < n - 1:
+            crew.add_thread()
+        crew.job = job
+        for t in range(1, n):
+            crew.done[t - 1].clear()
+            crew.go[t - 1].set()
+        try:
+            job(0)
+        finally:
+            for t in range(1, n):
+                crew.done[t - 1].wait()
+            crew.job = None
+        if crew.errors:
+            err, crew.errors = crew.errors[0], []
+            raise err
+
+
+class _Crew:
+    """The threads of a Workers and what they share (not the Workers itself, so that it can be collected)."""
+
+    def __init__(self) -> None:
+        self.go: list[threading.Event] = []
+        self.done: list[threading.Event] = []
+        self.job: Callable[[int], None] | None = None
+        self.errors: list[BaseException] = []
+        self.stopping = False
+        self.pid = os.getpid()
+
+    def add_thread(self) -> None:
+        t = len(self.go) + 1
+        self.go.append(threading.Event())
+        self.done.append(threading.Event())
+        threading.Thread(target=self._loop, args=(t,), daemon=True, name=f"lucekv-cpu-{t}").start()
+
+    def stop(self) -> None:
+        self.stopping = True
+        for go in self.go:
+            go.set()
+
+    def _loop(self, t: int) -> None:
+        go, done = self.go[t - 1], self.done[t - 1]
+        while True:
+            go.wait()
+            go.clear()
+            if self.stopping:
+                return
+            try:
+                self.job(t)
+            except BaseException as e:  # handed to the caller of run
+                self.errors.append(e)
+            finally:
+                done.set()
+
+
+def _layer_matrices(lw) -> Iterator[PackedMatrix]:
+    yield from (w for w, _ in lw.qkv)
+    yield lw.wo
+    yield from lw.gate_up
+    yield lw.w_down
+
+
+def _codes(m: PackedMatrix) -> np.ndarray:
+    return np.ascontiguousarray(m.codes).view(np.uint8)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a

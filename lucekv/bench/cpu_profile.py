@@ -1,0 +1,199 @@
+"""Where a CPU decode step's time goes: per op, numba kernels against the Python between them, and the bytes the
+step reads against this machine's measured memory bandwidth.
+
+    python -m lucekv.bench.cpu_profile --model smollm2-135m [--tokens 32] [--context 128] [--json OUT]
+
+Every numba kernel the backend calls (a `Dispatcher` in lucekv.kernels.cpu.* or lucekv.backends.cpu) and every
+method of the backend's ops is wrapped in a timer; a step's time not spent inside any kernel is host overhead
+(Python, numpy temporaries, allocation). Wall time and this process's CPU time are both kept: on a loaded machine
+CPU time is the steadier figure (it excludes time waiting for a core). The timers add a few microseconds per call:
+`step_ms_untimed` is the same steps without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import numba
+import numpy as np
+from numba import njit, prange
+from numba.core.registry import CPUDispatcher
+
+from lucekv.bench.decode import git_commit, machine, report
+from lucekv.kernels.cpu.step import KIND_F32
+
+KERNEL_MODULES = ("lucekv.kernels.cpu.matvec", "lucekv.kernels.cpu.attention", "lucekv.kernels.cpu.quants",
+                  "lucekv.kernels.cpu.step",
+                  "lucekv.backends.cpu")
+BANDWIDTH_BYTES = 1 << 30  # larger than any cache a decode step could live in
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            w, c = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.wall[name] += time.perf_counter() - w
+                self.cpu[name] += time.process_time() - c
+                self.calls[name] += 1
+        return timed
+
+
+@contextmanager
+def instrumented(ops, timers: Timers):
+    """Timers around every numba kernel of the CPU modules and every public method of `ops`, undone after."""
+    patched = []
+    for mod_name in KERNEL_MODULES:
+        mod = importlib.import_module(mod_name)
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, CPUDispatcher):
+                patched.append((mod, name, obj))
+                setattr(mod, name, timers.wrap(f"kernel:{mod_name.rsplit('.', 1)[1]}.{name}", obj))
+    for name in dir(type(ops)):
+        if not name.startswith("__") and callable(getattr(ops, name)):
+            patched.append((ops, name, None))
+            setattr(ops, name, timers.wrap(f"op:{name}", getattr(ops, name)))
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(patched):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+def decode_bytes(backend) -> dict[str, int]:
+    """Bytes of weights a decode step reads, by matrix name: codes, per-block scales and (where a matrix has them)
+    biases, as the decode step's arena holds them (`lucekv.backends.cpu_step.Arenas`)."""
+    arenas = backend.decode_step.arenas
+    out: dict[str, int] = defaultdict(int)
+    named = [(name, m) for lw in backend.weights.layers for name, v in vars(lw).items() for m in _matrices(v)]
+    for name, m in [*named, ("output", backend.weights.output)]:
+        kind, rows, _, _, _, bias_at, code_cols, blocks = arenas.table[arenas.matrix(m)]
+        per_code = 4 if kind == KIND_F32 else 1
+        out[name] += int(rows * code_cols * per_code + rows * blocks * 4 * (1 + (bias_at >= 0)))
+    return dict(out)
+
+
+def _matrices(obj):
+    if isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _matrices(o)
+    elif hasattr(obj, "codes"):
+        yield obj
+
+
+@njit(parallel=True, cache=True)
+def _stream_sum(a, n_threads):
+    part = np.zeros(n_threads, np.int64)
+    step = a.shape[0] // n_threads
+    for t in prange(n_threads):
+        s = np.uint64(0)
+        flat = a[t * step:(t + 1) * step]
+        for i in range(flat.shape[0]):
+            s += flat[i]
+        part[t] = s
+    return part.sum()
+
+
+def memory_bandwidth(repeats: int = 5) -> dict[str, float]:
+    """Best-of-`repeats` GB/s reading BANDWIDTH_BYTES (as uint64 words) with 1 and with every numba thread."""
+    a = np.ones(BANDWIDTH_BYTES // 8, np.uint64)
+    out = {}
+    for n in sorted({1, numba.get_num_threads()}):
+        _stream_sum(a[:1024], n)
+        best = min(_timed(lambda n=n: _stream_sum(a, n)) for _ in range(repeats))
+        out[f"read_gb_s_{n}_threads"] = a.nbytes / best / 1e9
+    return out
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def profile(model: str, tokens: int, context: int, kv_dtype: str) -> dict:
+    import lucekv
+    from lucekv.bench.decode import prompt_ids
+    from lucekv.model.registry import resolve_model
+
+    path = resolve_model(model)
+    engine = lucekv.load(path, backend="cpu", kv_dtype=kv_dtype)
+    backend = engine.backend
+    ids = np.array(prompt_ids(engine.tokenizer.encode, context, 0), np.int32)
+    backend.forward(ids, np.arange(len(ids), dtype=np.int32), np.arange(len(ids), dtype=np.int32))
+
+    def steps(n: int, first: int) -> list[float]:
+        times = []
+        for p in range(first, first + n):
+            one = np.array([p], np.int32)
+            t = time.perf_counter()
+            backend.forward(ids[p % len(ids):][:1], one, one)
+            times.append(time.perf_counter() - t)
+        return times
+
+    steps(4, len(ids))  # warm-up: numba's dispatch and caches
+    c0 = time.process_time()
+    untimed = steps(tokens, len(ids) + 4)
+    untimed_cpu = time.process_time() - c0
+    timers = Timers()
+    with instrumented(backend.ops, timers):
+        c0 = time.process_time()
+        timed = steps(tokens, len(ids) + 4)  # same positions again: the same work
+        timed_cpu = time.process_time() - c0
+    per_tok = {k: 1e3 * v / tokens for k, v in timers.wall.items()}
+    kernels_ms = sum(v for k, v in per_tok.items() if k.startswith("kernel:"))
+    step_ms = 1e3 * float(np.median(timed))
+    read = decode_bytes(backend)
+    total_bytes = sum(read.values())
+    bw = memory_bandwidth()
+    untimed_ms = 1e3 * float(np.median(untimed))
+    return {
+        "bench": "cpu_profile", "commit": git_commit(), "machine": machine(), "load_avg": os.getloadavg(),
+        "numba_threads": numba.get_num_threads(), "model": path.name, "kv_dtype": kv_dtype,
+        "context": context, "tokens": tokens,
+        "step_ms_untimed": untimed_ms, "step_cpu_ms_untimed": 1e3 * untimed_cpu / tokens,
+        "step_ms_timed": step_ms, "step_cpu_ms_timed": 1e3 * timed_cpu / tokens,
+        "kernels_ms": kernels_ms, "outside_kernels_ms": step_ms - kernels_ms,
+        "per_token_ms": dict(sorted(per_tok.items(), key=lambda kv: -kv[1])),
+        "per_token_cpu_ms": {k: 1e3 * v / tokens for k, v in timers.cpu.items()},
+        "calls_per_token": {k: v / tokens for k, v in timers.calls.items()},
+        "weight_bytes_per_step": read, "weight_mb_per_step": total_bytes / 1e6,
+        "achieved_gb_s": total_bytes / untimed_ms / 1e6, "memory_bandwidth": bw,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--kv-dtype", default="f16")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    result = profile(args.model, args.tokens, args.context, args.kv_dtype)
+    report(result, args.json)
+    print(f"step {result['step_ms_untimed']:.2f} ms ({result['step_cpu_ms_untimed']:.2f} CPU ms), kernels "
+          f"{result['kernels_ms']:.2f} ms, outside {result['outside_kernels_ms']:.2f} ms; "
+          f"{result['weight_mb_per_step']:.1f} MB read at {result['achieved_gb_s']:.1f} GB/s "
+          f"(machine {result['memory_bandwidth']})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,430 @@
+"""A whole decode step (one token through every layer) as one numba call per thread.
+
+The model's matrices live in one flat byte arena (`codes`) and one float32 arena (`scales`), described by a table
+(`mats`, one row per matrix); norms and biases in a third arena (`vecs`); each layer is a row of `layers` naming
+its matrices and vectors. `decode_step` runs on every thread of the step at once: each op's work (rows of a
+product in chunks, attention's heads) goes to whichever thread takes it next, and a thread waits at the end of
+an op only for chunks still in flight (6 ops a layer, 8 with post-norms). The products are matvec.py's row
+kernels (32-block int8 codes with x as int16, `_q8_rows_x16`). Nothing here allocates per token: scratch comes
+in from the caller.
+
+numba's on-disk cache keys a function on its own file only: after editing matvec.py or sync.py, delete
+lucekv/kernels/cpu/__pycache__/step.* (a fresh checkout compiles everything anew).
+
+RoPE's cos/sin come in from the host (numpy, as the prefill path computes them). A float16 KV pool comes in as
+its uint16 bits: rows are widened exactly (`widen_rows`) and new K/V rounded to nearest-even (`round_to_f16`),
+the same values numpy's float16 gives.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from lucekv.kernels.cpu.matvec import LANES, _block_sums, _f32_rows, _q4_rows, _q8_rows, _q8_rows_x16, quantize_x16
+from lucekv.kernels.cpu.sync import atomic_add, atomic_load, wait_at_least
+
+# matrix table columns (`mats`)
+KIND, ROWS, COLS, CODES_AT, SCALE_AT, BIAS_AT, CODE_COLS, BLOCKS = range(8)
+MAT_FIELDS = 8
+KIND_Q4, KIND_Q8, KIND_F32 = 0, 1, 2
+# layer table columns (`layers`): matrix ids, then offsets into `vecs` (-1: absent), then the window and RoPE row
+WQ, WK, WV, WO, WGATE, WUP, WDOWN = range(7)
+ATTN_NORM, FFN_NORM, Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM, POST_ATTN_NORM, POST_FFN_NORM = range(7, 16)
+WINDOW, ROPE = 16, 17
+LAYER_FIELDS = 18
+# model dims (`dims`)
+N_HEAD, N_KV_HEAD, HEAD_DIM, ROPE_DIM, NEOX, GELU, N_EMBD, OUTPUT, OUTPUT_NORM, N_FF = range(10)
+DIM_FIELDS = 10
+CHUNK_ROWS = 64  # rows of a product one thread takes at a time (a multiple of matvec.ROW_GROUP)
+# float32 scratch rows shared by the threads (`shared`) and private to each (`private[t]`)
+S_Q, S_K, S_V, S_ATTN, S_Y, S_GATE, S_UP = range(7)
+P_H, P_XLO, P_XHI, P_XS16, P_XS32, P_KBITS, P_XD = range(7)
+PRIVATE_ROWS = 7
+
+F16_EXP_SHIFT = np.float32(2.0 ** 112)  # an f16's bits moved to f32's places, times this, is its value
+GELU_C = np.float32(np.sqrt(2.0 / np.pi))
+
+
+@njit(cache=True, nogil=True)
+def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, eps, rope_cs, k_pool, v_pool,
+                attended, attended_pos, pos, slot, x, shared, private, private_q, scores, kv_rows, logits, last_q):
+    """Thread t's part: x (float32 [n_embd], the embedded token, shared) through every layer, K/V of `pos` into
+    pool `slot` of each layer, attention over the pool slots `attended` (their positions `attended_pos`, in the
+    order given), logits into `logits`, post-RoPE q of each layer into last_q. Any number of threads
+    may call this at once with the same arguments but t (a distinct row of private/private_q/scores/kv_rows),
+    `work` zeros (int64 [2 * step_phases(...)]) at the start."""
+    n_head, n_kv, hd = dims[N_HEAD], dims[N_KV_HEAD], dims[HEAD_DIM]
+    d = dims[N_EMBD]
+    n_slots = attended.shape[0]
+    h, mine, xq = private[t, P_H], private[t], private_q[t]
+    sink = np.uint8(0)  # q8 products' prefetch loads, kept alive by storing their OR
+    phase = 0
+    for layer in range(layers.shape[0]):
+        lt = layers[layer]
+        # q, k, v of the attention norm of x
+        n = _chunks(mats, lt[WQ]) + _chunks(mats, lt[WK]) + _chunks(mats, lt[WV])
+        if _open(work, phase, n):
+            _rmsnorm(x, vecs, lt[ATTN_NORM], h[:d], eps)
+            _prepare(h[:d], mine, xq)
+            c = _claim(work, phase)
+            while c < n:
+                j = 0  # which of q, k, v chunk c belongs to
+                while c >= _chunks(mats, lt[WQ + j]):
+                    c -= _chunks(mats, lt[WQ + j])
+                    j += 1
+                sink |= _product(codes, scales, mats, lt[WQ + j], h[:d], mine, xq, shared[S_Q + j], vecs,
+                                 lt[Q_BIAS + j], c * CHUNK_ROWS)
+                c = _done_claim(work, phase)
+        phase = _wait(work, phase, n)
+        # per kv head: k norm, RoPE, K and V into the pool
+        cs = rope_cs[lt[ROPE]]
+        c = _claim(work, phase)
+        while c < n_kv:
+            k = shared[S_K, c * hd:(c + 1) * hd]
+            if lt[K_NORM] >= 0:
+                _rmsnorm(k, vecs, lt[K_NORM], k, eps)
+            _rope(k, cs, dims[ROPE_DIM], dims[NEOX])
+            _store_kv(k, k_pool[layer, slot, c], private[t, P_KBITS])
+            _store_kv(shared[S_V, c * hd:(c + 1) * hd], v_pool[layer, slot, c], private[t, P_KBITS])
+            c = _done_claim(work, phase)
+        phase = _wait(work, phase, n_kv)
+        # per q head: q norm, RoPE, attention over the pool
+        loaded = -1
+        c = _claim(work, phase)
+        while c < n_head:
+            q = shared[S_Q, c * hd:(c + 1) * hd]
+            if lt[Q_NORM] >= 0:
+                _rmsnorm(q, vecs, lt[Q_NORM], q, eps)
+            _rope(q, cs, dims[ROPE_DIM], dims[NEOX])
+            last_q[layer, c, :] = q
+            kvh = c // (n_head // n_kv)
+            if kvh != loaded:  # a kv head's rows gathered and widened once for the q heads of its group
+                widen_rows(k_pool[layer], attended, kvh, kv_rows[t, 0, :n_slots])
+                widen_rows(v_pool[layer], attended, kvh, kv_rows[t, 1, :n_slots])
+                loaded = kvh
+            _attend(q, kv_rows[t, 0, :n_slots], kv_rows[t, 1, :n_slots], attended_pos, pos, lt[WINDOW],
+                    attn_scales[layer], scores[t, :n_slots], shared[S_ATTN, c * hd:(c + 1) * hd])
+            c = _done_claim(work, phase)
+        phase = _wait(work, phase, n_head)
+        # x += [post-norm of] W_o attn
+        attn = shared[S_ATTN, :n_head * hd]
+        n = _chunks(mats, lt[WO])
+        if _open(work, phase, n):
+            _prepare(attn, mine, xq)
+            c = _claim(work, phase)
+            while c < n:
+                sink |= _product(codes, scales, mats, lt[WO], attn, mine, xq, shared[S_Y], vecs, -1, c * CHUNK_ROWS)
+                if lt[POST_ATTN_NORM] < 0:
+                    _add_rows(x, shared[S_Y], c * CHUNK_ROWS, d)
+                c = _done_claim(work, phase)
+        phase = _wait(work, phase, n)
+        phase = _post_norm_add(work, phase, x, shared[S_Y, :d], vecs, lt[POST_ATTN_NORM], eps)
+        # act(W_gate h) * (W_up h), h the FFN norm of x
+        n_ff = mats[lt[WGATE], ROWS]
+        n = _chunks(mats, lt[WGATE])
+        if _open(work, phase, n):
+            _rmsnorm(x, vecs, lt[FFN_NORM], h[:d], eps)
+            _prepare(h[:d], mine, xq)
+            c = _claim(work, phase)
+            while c < n:
+                sink |= _product(codes, scales, mats, lt[WGATE], h[:d], mine, xq, shared[S_GATE], vecs, -1,
+                                 c * CHUNK_ROWS)
+                sink |= _product(codes, scales, mats, lt[WUP], h[:d], mine, xq, shared[S_UP], vecs, -1,
+                                 c * CHUNK_ROWS)
+                _gated_act(shared[S_GATE], shared[S_UP], c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, n_ff), dims[GELU])
+                c = _done_claim(work, phase)
+        phase = _wait(work, phase, n)
+        # x += [post-norm of] W_down of that
+        ff = shared[S_GATE, :n_ff]
+        n = _chunks(mats, lt[WDOWN])
+        if _open(work, phase, n):
+            _prepare(ff, mine, xq)
+            c = _claim(work, phase)
+            while c < n:
+                sink |= _product(codes, scales, mats, lt[WDOWN], ff, mine, xq, shared[S_Y], vecs, -1,
+                                 c * CHUNK_ROWS)
+                if lt[POST_FFN_NORM] < 0:
+                    _add_rows(x, shared[S_Y], c * CHUNK_ROWS, d)
+                c = _done_claim(work, phase)
+        phase = _wait(work, phase, n)
+        phase = _post_norm_add(work, phase, x, shared[S_Y, :d], vecs, lt[POST_FFN_NORM], eps)
+    n = _chunks(mats, dims[OUTPUT])
+    if _open(work, phase, n):
+        _rmsnorm(x, vecs, dims[OUTPUT_NORM], h[:d], eps)
+        _prepare(h[:d], mine, xq)
+        c = _claim(work, phase)
+        while c < n:
+            sink |= _product(codes, scales, mats, dims[OUTPUT], h[:d], mine, xq, logits, vecs, -1, c * CHUNK_ROWS)
+            c = _done_claim(work, phase)
+    private[t, P_KBITS, 0] = sink
+    _wait(work, phase, n)
+
+
+def step_phases(n_layer: int) -> int:
+    """Phases of a decode step (see decode_step): 8 a layer at most (two of them post-norms), then the output."""
+    return 8 * n_layer + 1
+
+
+# Work of a phase is handed out in chunks (rows of a product, heads) to whichever thread asks next: work[2p] counts
+# the chunks of phase p taken, work[2p + 1] those finished. A thread that the OS has descheduled between two chunks
+# holds nobody up: the others take its share. A thread waits only for chunks in flight at the end of a phase.
+
+
+@njit(cache=True, nogil=True)
+def _chunks(mats, m):
+    return (mats[m, ROWS] + CHUNK_ROWS - 1) // CHUNK_ROWS
+
+
+@njit(cache=True, nogil=True)
+def _open(work, phase, n):
+    """Whether chunks of the phase may be left (else the inputs need not be prepared)."""
+    return atomic_load(work, 2 * phase) < n
+
+
+@njit(cache=True, nogil=True)
+def _claim(work, phase):
+    return atomic_add(work, 2 * phase, 1)
+
+
+@njit(cache=True, nogil=True)
+def _done_claim(work, phase):
+    """Count the chunk this thread finished, take the next."""
+    atomic_add(work, 2 * phase + 1, 1)
+    return atomic_add(work, 2 * phase, 1)
+
+
+@njit(cache=True, nogil=True)
+def _wait(work, phase, n):
+    """Wait until the phase's n chunks are finished; the next phase's number."""
+    wait_at_least(work, 2 * phase + 1, n)
+    return phase + 1
+
+
+@njit(cache=True, nogil=True)
+def _add_rows(x, y, r0, d):
+    for r in range(r0, min(r0 + CHUNK_ROWS, d)):
+        x[r] += y[r]
+
+
+@njit(cache=True, nogil=True)
+def _post_norm_add(work, phase, x, y, vecs, norm_at, eps):
+    """x += rmsnorm(y) by chunks of rows once y is whole (Gemma 3's post-norms); nothing without a norm."""
+    if norm_at < 0:
+        return phase
+    n = (x.shape[0] + CHUNK_ROWS - 1) // CHUNK_ROWS
+    c = _claim(work, phase)
+    while c < n:
+        ss = 0.0
+        for i in range(y.shape[0]):
+            ss += np.float64(y[i]) * np.float64(y[i])
+        inv = np.float32(1.0 / np.sqrt(np.float32(ss / y.shape[0]) + eps))
+        for r in range(c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, x.shape[0])):
+            x[r] += y[r] * inv * vecs[norm_at + r]
+        c = _done_claim(work, phase)
+    return _wait(work, phase, n)
+
+
+@njit(cache=True, nogil=True)
+def _rmsnorm(x, vecs, w_at, out, eps):
+    """out = x / rms(x) * w, w the vector at vecs[w_at:]; out may be x."""
+    n = x.shape[0]
+    ss = 0.0
+    for i in range(n):
+        ss += np.float64(x[i]) * np.float64(x[i])
+    inv = np.float32(1.0 / np.sqrt(np.float32(ss / n) + eps))
+    for i in range(n):
+        out[i] = x[i] * inv * vecs[w_at + i]
+
+
+@njit(cache=True, nogil=True)
+def _prepare(x, mine, xq):
+    """What the row kernels need of an input x besides x: q4's re-ordered halves, x's 16- and 32-block sums, and
+    x as int16 codes (xq) with their per-block scales (mine[P_XD])."""
+    n_blocks = x.shape[0] // (2 * LANES)
+    for b in range(n_blocks):
+        for j in range(LANES):
+            mine[P_XLO, b * LANES + j] = x[2 * b * LANES + j]
+            mine[P_XHI, b * LANES + j] = x[2 * b * LANES + LANES + j]
+    if x.shape[0] % LANES == 0:
+        mine[P_XS16, :x.shape[0] // 16] = _block_sums(x.reshape(1, x.shape[0]), 16)[0]
+    mine[P_XS32, :n_blocks] = _block_sums(x.reshape(1, x.shape[0]), 32)[0]
+    quantize_x16(x, xq, mine[P_XD])
+
+
+@njit(cache=True, nogil=True)
+def _product(codes, scales, mats, m, x, mine, xq, out, vecs, bias_at, r0):
+    """Rows r0..r0 + CHUNK_ROWS (or the last) of out = W_m x (+ the bias at vecs[bias_at:] where bias_at >= 0).
+    Returns the q8 kernels' prefetch OR (see matvec._touch_lines)."""
+    rows, cols = mats[m, ROWS], mats[m, COLS]
+    r1 = min(r0 + CHUNK_ROWS, rows)
+    touched = np.uint8(0)
+    at, cc = mats[m, CODES_AT], mats[m, CODE_COLS]
+    kind = mats[m, KIND]
+    # matvec.py's row kernels take rows of x and of out (several tokens); here one of each
+    x1, out1 = x.reshape(1, x.shape[0]), out.reshape(1, out.shape[0])
+    if kind == KIND_F32:
+        w = codes[at:at + rows * cols * 4].view(np.float32).reshape(rows, cols)
+        _f32_rows(w, x1, out1, r0, r1)
+    else:
+        nb = mats[m, BLOCKS]
+        scale = scales[mats[m, SCALE_AT]:mats[m, SCALE_AT] + rows * nb].reshape(rows, nb)
+        bias_cols = nb if mats[m, BIAS_AT] >= 0 else 0  # a type without a bias stores none
+        bias = scales[mats[m, BIAS_AT]:mats[m, BIAS_AT] + rows * bias_cols].reshape(rows, bias_cols)
+        if kind == KIND_Q4:
+            q4 = codes[at:at + rows * cc].reshape(rows, cc)
+            _q4_rows(q4, scale, bias, mine[P_XLO:P_XLO + 1], mine[P_XHI:P_XHI + 1], mine[P_XS32:P_XS32 + 1, :nb],
+                     out1, r0, r1)
+        else:
+            q8 = codes[at:at + rows * cc].view(np.int8).reshape(rows, cc)
+            if cols // nb == 32:
+                touched = _q8_rows_x16(q8, scale, bias, xq, mine[P_XD], mine[P_XS32, :nb], out, r0, r1)
+            else:
+                touched = _q8_rows(q8, scale, bias, x1, mine[P_XS16:P_XS16 + 1, :nb], out1, r0, r1)
+    if bias_at >= 0:
+        for r in range(r0, r1):
+            out[r] += vecs[bias_at + r]
+    return touched
+
+
+@njit(cache=True, nogil=True)
+def _gated_act(gate, up, r0, r1, gelu):
+    """gate[r] = act(gate[r]) * up[r] for r in r0..r1 (SiLU, or GELU's tanh form)."""
+    for r in range(r0, r1):
+        g = gate[r]
+        if gelu:
+            inner = GELU_C * (g + np.float32(0.044715) * g * g * g)
+            gate[r] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner)) * up[r]
+        else:
+            gate[r] = g / (np.float32(1.0) + np.exp(-g)) * up[r]
+
+
+@njit(cache=True, nogil=True)
+def _rope(x, cs, rope_dim, neox):
+    """Rotate one head in place; cs float32 [2, rope_dim // 2]: cos and sin of each pair's angle."""
+    half = rope_dim // 2
+    for i in range(half):
+        c, s = cs[0, i], cs[1, i]
+        if neox:
+            a, b = x[i], x[i + half]
+            x[i] = a * c - b * s
+            x[i + half] = a * s + b * c
+        else:
+            a, b = x[2 * i], x[2 * i + 1]
+            x[2 * i] = a * c - b * s
+            x[2 * i + 1] = a * s + b * c
+
+
+@njit(cache=True, nogil=True)
+def _attend(q, k, v, slot_pos, pos, window, scale, scores, out):
+    """out = softmax(scale q.k) v over the slots visible at `pos` (DESIGN §4); k, v float32 [n_slots, hd] of the
+    slots whose positions are slot_pos."""
+    lo = pos - window if window > 0 else -1
+    m = np.float32(-np.inf)
+    for s in range(k.shape[0]):
+        p = slot_pos[s]
+        if p < 0 or p > pos or p <= lo:
+            scores[s] = -np.inf
+            continue
+        acc = np.float32(0.0)
+        for j in range(q.shape[0]):
+            acc += q[j] * k[s, j]
+        acc *= scale
+        scores[s] = acc
+        m = max(m, acc)
+    out[:] = 0
+    total = np.float32(0.0)
+    for s in range(k.shape[0]):
+        if scores[s] == -np.inf:
+            continue
+        e = np.float32(np.exp(scores[s] - m))
+        total += e
+        for j in range(out.shape[0]):
+            out[j] += e * v[s, j]
+    for j in range(out.shape[0]):
+        out[j] /= total
+
+
+def widen_rows(pool, slots, kvh, out):
+    """out (float32 [n, hd]) = kv head kvh of the pool rows `slots` (pool [P, n_kv, hd]: float32, or float16 as
+    uint16 bits)."""
+
+
+@overload(widen_rows, jit_options={"cache": True, "nogil": True})
+def _widen_rows(pool, slots, kvh, out):
+    if pool.dtype == types.uint16:
+        def widen(pool, slots, kvh, out):
+            bits = out.reshape(-1).view(np.uint32)
+            flat_out = out.reshape(-1)
+            n = out.shape[1]
+            for i in range(slots.shape[0]):
+                row = pool[slots[i], kvh]
+                for j in range(n):
+                    hb = np.uint32(row[j])
+                    bits[i * n + j] = ((hb & np.uint32(0x8000)) << np.uint32(16)) | (
+                        (hb & np.uint32(0x7FFF)) << np.uint32(13))
+            for i in range(slots.shape[0] * n):
+                flat_out[i] *= F16_EXP_SHIFT
+        return widen
+    return lambda pool, slots, kvh, out: _copy_rows(pool, slots, kvh, out)
+
+
+@njit(cache=True, nogil=True)
+def _copy_rows(pool, slots, kvh, out):
+    for i in range(slots.shape[0]):
+        for j in range(out.shape[1]):
+            out[i, j] = pool[slots[i], kvh, j]
+
+
+def _store_kv(values, dst, scratch):
+    """dst (one pool row: float32, or float16 as uint16 bits) = values (float32 [hd])."""
+
+
+@overload(_store_kv, jit_options={"cache": True, "nogil": True})
+def _store_kv_impl(values, dst, scratch):
+    if dst.dtype == types.uint16:
+        def store(values, dst, scratch):
+            n = values.shape[0]
+            scratch[:n] = values
+            round_to_f16(scratch[:n].view(np.uint32), dst)
+        return store
+
+    def store32(values, dst, scratch):
+        dst[:] = values
+    return store32
+
+
+@njit(cache=True, nogil=True)
+def round_to_f16(bits, out):
+    """out (uint16) = float16 bits of the float32 values whose bits are `bits`, rounded to nearest, ties to even
+    (what numpy's astype(float16) does; overflow to inf, NaN kept a NaN)."""
+    for i in range(bits.shape[0]):
+        b = np.int64(bits[i])
+        sign = (b >> 16) & 0x8000
+        e = ((b >> 23) & 0xFF) - 112  # f16 exponent field
+        m = b & 0x7FFFFF
+        if ((b >> 23) & 0xFF) == 0xFF:  # inf or NaN
+            out[i] = sign | 0x7C00 | (0x200 if m else 0)
+            continue
+        if e >= 31:
+            out[i] = sign | 0x7C00
+            continue
+        if e <= 0:  # a subnormal f16 (or zero)
+            if e < -10:
+                out[i] = sign
+                continue
+            m |= 0x800000
+            shift = 14 - e
+            half = m >> shift
+            rem = m & ((1 << shift) - 1)
+            mid = 1 << (shift - 1)
+            if rem > mid or (rem == mid and half & 1):
+                half += 1
+            out[i] = sign | half
+            continue
+        half = (e << 10) | (m >> 13)
+        rem = m & 0x1FFF
+        if rem > 0x1000 or (rem == 0x1000 and half & 1):
+            half += 1  # a carry into the exponent is right too, up to inf
+        out[i] = sign | half

@@ -1,0 +1,81 @@
+"""The CPU backend's whole-model decode step against the decoder's op-by-op forward on the same backend."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import lucekv
+from lucekv.kernels.cpu.step import round_to_f16
+from lucekv.model.decoder import forward
+from lucekv.model.synth import write_synthetic_gguf
+
+# every product kernel (q4, q8 by 32 and by 16, f32), biases (qwen2), q/k norms (qwen3), post norms, GELU,
+# sliding windows and the embedding scale (gemma3, 6 layers: one global)
+CASES = [("llama", Q.Q4_1, {}), ("qwen2", Q.Q5_0, {"ffn_down.weight": Q.Q6_K}), ("qwen3", Q.Q4_K, {}),
+         ("gemma3", Q.F16, {"ffn_up.weight": Q.Q8_0})]
+K_DIMS = {"n_embd": 256, "head_dim": 64, "n_ff": 512}
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
+@pytest.mark.parametrize("arch,qtype,overrides", CASES, ids=[c[0] for c in CASES])
+def test_decode_step_equals_op_by_op_forward(arch, qtype, overrides, kv_dtype, tmp_path):
+    dims = K_DIMS if qtype == Q.Q4_K or Q.Q6_K in overrides.values() else {}
+    path = write_synthetic_gguf(tmp_path / f"{arch}.gguf", arch, qtype=qtype, qtype_overrides=overrides,
+                                n_layer=6 if arch == "gemma3" else 2, sliding_window=8, **dims)
+    backend = lucekv.load(path, backend="cpu", kv_dtype=kv_dtype).backend
+    ids = np.arange(5, 25, dtype=np.int32)
+    n = len(ids)
+    at = np.arange(n, dtype=np.int32)
+    backend.forward(ids[:-1], at[:-1], at[:-1])  # a prompt longer than the window: local layers see a part
+    one = at[-1:]
+    backend.pool.assign(one, one)
+    backend.ops.begin_step(1, None)
+    ref = forward(backend.spec, backend.weights, backend.ops, ids[-1:], one, one)
+    ref_q = backend.last_queries()
+    for threads in (1, 2):
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            logits = backend.forward(ids[-1:], one, one)
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        err = np.abs(logits - ref).max() / np.abs(ref).max()
+        # 32-block q8 products take x as int16 codes (1.5e-5 of a block's largest element), the op-by-op path
+        # float32: measured 4.3e-5 apart (qwen2), 1e-5 elsewhere
+        assert err <= 2e-4, f"{arch} {kv_dtype} {threads} threads: {err:.2e}"
+        assert np.abs(backend.last_queries() - ref_q).max() <= 1e-4 * np.abs(ref_q).max()
+
+
+def test_prefill_with_fewer_kv_heads_than_threads(tmp_path):
+    """One kv head, two threads: one thread's share of the heads is empty (gemma3-270m has one kv head)."""
+    path = write_synthetic_gguf(tmp_path / "one_kv.gguf", "llama", n_kv_head=1)
+    engine = lucekv.load(path, backend="cpu", kv_dtype="f32")
+    ids = list(range(5, 25))
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        two = engine.score(ids)
+    finally:
+        numba.set_num_threads(1)
+    try:
+        one = engine.score(ids)
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    assert np.abs(two - one).max() <= 1e-5 * np.abs(one).max()
+
+
+def test_round_to_f16_equals_numpy():
+    rng = np.random.default_rng(0)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, 65504.0, 65520.0, 1e-8, 6e-8, 3e-8, 2.98e-8, 6.1e-5, -6.1e-5,
+                        1.0009765625, 1.00048828125, 1.00146484375], np.float32)
+    values = np.concatenate([special, rng.normal(0, 1, 4000).astype(np.float32),
+                             rng.normal(0, 1e-5, 4000).astype(np.float32),
+                             rng.normal(0, 3e4, 1000).astype(np.float32),
+                             rng.integers(0, 1 << 32, 4000, dtype=np.uint64).astype(np.uint32).view(np.float32)])
+    values = values[~np.isnan(values)]
+    out = np.empty(len(values), np.uint16)
+    round_to_f16(values.view(np.uint32), out)
+    with np.errstate(over="ignore"):
+        expected = values.astype(np.float16).view(np.uint16)
+    assert np.array_equal(out, expected), values[out != expected][:5]
