@@ -75,7 +75,8 @@ class CudaKVPool(SlotMap):
         # batch's decode rows (written by CudaOps.attention, and by a replayed graph)
         self.last_q = cuda.to_device(np.zeros((max_rows, spec.n_layer, spec.n_head * spec.head_dim), np.float32),
                                      stream=stream)
-        # and of the last RECENT_QUERIES tokens of the latest forward of several tokens (a prompt's tail)
+        # and of the last RECENT_QUERIES tokens of the latest forward of several tokens of one sequence (a prompt's
+        # tail); recent_rows: how many it holds, 0 after a forward of one token or of decode rows (last_q has those)
         self.recent_q = device_zeros((spec.n_layer, RECENT_QUERIES, spec.n_head * spec.head_dim), np.float32, stream)
         self.recent_rows = 0
 
@@ -310,6 +311,7 @@ class CudaOps:
         self.tables = attention.BlockTables(d[2 * m :], d[:m], d[m : 2 * m], seq_of)
         self.one_sequence = rows == 1
         self.kept_rows = 1 if self.one_sequence else n
+        self.pool.recent_rows = min(n, RECENT_QUERIES) if self.one_sequence and n > 1 else 0
 
     def keep_pools(self, n: int) -> None:
         """Keep the activation pools (and, for n > 1, fixed input buffers) of n-token forwards from now on."""
@@ -537,8 +539,7 @@ class CudaOps:
             attention.rope_and_store(q, k, v, self.positions, self.slots, rotary, pool.k[layer], pool.v[layer],
                                      q_rot, pool.last_q[: self.kept_rows, layer], stream=s)
             q = q_rot
-            if self.one_sequence:
-                pool.recent_rows = min(n, RECENT_QUERIES)
+            if pool.recent_rows:
                 pool.recent_q[layer, : pool.recent_rows].copy_to_device(q[n - pool.recent_rows :], stream=s)
         parts = attention.partials(n, spec.n_head, spec.n_kv_head, spec.head_dim, pool.size, self._alloc)
         out = self._empty(n, spec.n_head * spec.head_dim)
@@ -754,11 +755,15 @@ class CudaBackend(RunAhead):
         return q.reshape(self.spec.n_layer, self.spec.n_head, self.spec.head_dim)
 
     def recent_queries(self) -> np.ndarray:
-        """[rows, n_layer, n_head, head_dim]: the last tokens of the latest forward of several tokens (a decode step's
-        one query is `last_queries`)."""
-        q = self.pool.recent_q.copy_to_host(stream=self.stream)[:, : self.pool.recent_rows]
+        """[rows, n_layer, n_head, head_dim]: the last RECENT_QUERIES rows of the latest forward, as the CPU backend's
+        (of one token, or of decode rows: the rows last_q keeps; a one-token product writes no others)."""
+        rows = self.pool.recent_rows
+        if rows:
+            q = self.pool.recent_q.copy_to_host(stream=self.stream)[:, :rows].transpose(1, 0, 2)
+        else:
+            q = self.pool.last_q[: self.ops.kept_rows].copy_to_host(stream=self.stream)[-RECENT_QUERIES:]
         self.stream.synchronize()
-        return q.reshape(self.spec.n_layer, -1, self.spec.n_head, self.spec.head_dim).transpose(1, 0, 2, 3)
+        return q.reshape(len(q), self.spec.n_layer, self.spec.n_head, self.spec.head_dim)
 
 
 class TokenReadback(NamedTuple):

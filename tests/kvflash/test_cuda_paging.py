@@ -193,6 +193,32 @@ def test_attention_captures_the_latest_query_on_the_device(tmp_path, monkeypatch
         assert np.max(np.abs(recent - ref)) <= 1e-3 * np.max(np.abs(ref))
 
 
+@needs_kernels
+def test_recent_queries_after_a_one_token_forward_are_its_query(model, monkeypatch):
+    """A prompt whose last piece is one token (its tail split at a chunk boundary, or a short turn in small steps)
+    ranks chunks against that token's query, as on the CPU: not against the rows of the forward before it, which
+    a one-token product (rotating q itself) leaves behind."""
+    from lucekv.backends.cpu import CpuBackend
+    from lucekv.kernels.cuda import attention
+
+    g = open_gguf(model)
+    spec = ModelSpec.from_gguf(g)
+    backend, cpu = cuda_backend(model, "f32", 512), CpuBackend(g, spec, "f32", 512)
+    monkeypatch.setattr(attention, "attend", lambda *args, **kw: None)  # minutes in the simulator; not this test's
+    x = np.random.default_rng(7).standard_normal((4, spec.n_embd)).astype(np.float32)
+    for rows in (slice(0, 3), slice(3, 4)):  # a piece of three tokens, then one
+        slots = np.arange(rows.start, rows.stop, dtype=np.int32)
+        backend.pool.assign(slots, slots)
+        backend.ops.begin_step(slots, slots, slots)
+        backend.ops.attention(1, cuda.to_device(x[rows]), backend.weights.layers[1], slots, slots, 0)
+        cpu.pool.assign(slots, slots)
+        cpu.ops.begin_step(len(slots), None)
+        cpu.ops.attention(1, x[rows], cpu.weights.layers[1], slots, slots, 0)
+    got, ref = backend.recent_queries()[:, 1], cpu.recent_queries()[:, 1]
+    assert got.shape == ref.shape == (1, spec.n_head, spec.head_dim)
+    assert np.max(np.abs(got - ref)) <= 1e-3 * np.max(np.abs(ref))
+
+
 # ---- --kv-pool auto ----------------------------------------------------------------------------------------
 
 
