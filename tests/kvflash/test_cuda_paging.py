@@ -21,7 +21,7 @@ import lucekv
 from lucekv.engine.engine import auto_pool_tokens, kv_room_tokens
 from lucekv.engine.sampling import SamplingParams
 from lucekv.errors import ConfigError
-from lucekv.kernels.cuda import available, cuda
+from lucekv.kernels.cuda import SIMULATOR, available, cuda
 from lucekv.kvflash.host_store import MemoryHostStore
 from lucekv.kvflash.pager import CHUNK_TOKENS, PageIn, PageOut, min_pool_tokens
 from lucekv.kvflash.sequence import PagedSequence
@@ -275,21 +275,30 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(got.astype(np.float64) - ref)) / np.max(np.abs(ref)))
 
 
+# The prompt the paged engines are compared on. Its chunks are ranked by scores from each backend's own arithmetic
+# (CUDA's prefill products take float16 operands: a chunk's quest score here moves by up to 1.3e-3, measured with the
+# CPU engine's products given float16 operands), so the prompt recall must not meet a near-tie: seed 3's second
+# recall round kept chunk 18 over chunk 11 by 1.1e-4, and the CUDA engine kept 11 (its first token 343, the CPU's
+# 174; the CPU engine with float16 operands gave 343 too). This one's recall keeps and drops chunks by 1.9e-2 at
+# least (checked on the CPU by test_the_compared_prompt_recalls_chunks_by_a_margin).
+COMPARED_PROMPT = 1500, 1  # tokens, seed
+RECALL_MARGIN = 1e-2  # between the kept and the dropped chunks' scores: 4x what both scores' moves add up to
+
+
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("policy", ["lru", "quest"])
 def test_paged_cuda_engine_matches_the_paged_cpu_engine(model, policy):
-    ids = prompt(1500, seed=3)
+    ids = prompt(*COMPARED_PROMPT)
     engines = [lucekv.load(model, backend=b, kv_dtype="f32", kv_pool=512, kv_policy=policy, kv_tau=8)
                for b in ("cpu", "cuda")]
     # the same prefill batches, so the same evictions between them
     engines[1].backend.prefill_chunk = engines[0].backend.prefill_chunk
     (cpu_tokens, cpu_lp), (gpu_tokens, gpu_lp) = (greedy(e, ids, n=40) for e in engines)
     if policy == "quest":
-        # Reselects every 8 tokens rank chunks by scores computed from each backend's own float arithmetic (the
-        # CUDA matvec's split-int8 x differs by ~3e-5): a near-tie between two chunks may flip late in the run
-        # and the two residencies part (measured on an H100: at token 38 of 40). The first 32 tokens, over
-        # four reselects, must agree.
+        # A reselect during decode ranks chunks by scores as well: a near-tie between two chunks may flip late in
+        # the run and the two residencies part (measured on an H100 at token 38 of 40, before the prompt recall).
+        # The first 32 tokens must agree.
         cpu_tokens, gpu_tokens, cpu_lp, gpu_lp = cpu_tokens[:32], gpu_tokens[:32], cpu_lp[:32], gpu_lp[:32]
     assert gpu_tokens == cpu_tokens
     np.testing.assert_allclose(gpu_lp, cpu_lp, rtol=0, atol=F16_PREFILL)
@@ -299,6 +308,30 @@ def test_paged_cuda_engine_matches_the_paged_cpu_engine(model, policy):
         assert gpu_usage == cpu_usage
     cpu_logits, gpu_logits = (e.score(ids[:900]) for e in engines)
     assert rel_err(gpu_logits, cpu_logits) <= F16_PREFILL
+
+
+@pytest.mark.skipif(SIMULATOR, reason="a CPU engine's test: the parent process runs it")
+def test_the_compared_prompt_recalls_chunks_by_a_margin(model, monkeypatch):
+    """The quest case above expects both backends to recall the same chunks for COMPARED_PROMPT: the chunks each
+    recall round keeps must outscore those it drops by more than the backends' arithmetic moves the scores. A change
+    of the scorer or of the recall that leaves the prompt on a near-tie fails here, on the CPU."""
+    from lucekv.kvflash import policy
+
+    margins = []
+    reselect = policy.reselect
+
+    def measured(pager, scores):
+        protected = pager.protected_mask()
+        ranked = np.sort(scores[~protected])[::-1]
+        budget = pager.n_blocks - int(protected.sum())
+        margins.append(ranked[budget - 1] - ranked[budget])
+        return reselect(pager, scores)
+
+    monkeypatch.setattr(policy, "reselect", measured)
+    engine = lucekv.load(model, backend="cpu", kv_dtype="f32", kv_pool=512, kv_policy="quest", kv_tau=8)
+    greedy(engine, prompt(*COMPARED_PROMPT), n=1)  # the prompt and its recall rounds: no decode reselect yet
+    assert engine.paged.usage().page_ins > 0 and len(margins) == 2  # a recall, and a second round after it
+    assert min(margins) > RECALL_MARGIN, margins
 
 
 @gpu
