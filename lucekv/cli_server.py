@@ -214,6 +214,7 @@ def run_generate(args: argparse.Namespace) -> int:
         return 1
     _end_terminal_line()
     u = chunk.usage
+    reused = f", {u.cached_tokens} prompt tokens reused" if u.cached_tokens else ""
     spec = ""
     if u.HasField("speculation"):
         s = u.speculation
@@ -221,7 +222,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(
         f"[{FINISH_REASON_NAMES[chunk.finish_reason]}: {u.prompt_tokens} prompt + {u.completion_tokens} "
         f"completion tokens, first token {u.time_to_first_token_ms:.0f} ms, "
-        f"{u.decode_tokens_per_second:.1f} tok/s{spec}]",
+        f"{u.decode_tokens_per_second:.1f} tok/s{reused}{spec}]",
         file=sys.stderr,
     )
     return 0

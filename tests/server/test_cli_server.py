@@ -125,6 +125,10 @@ def test_session_commands_round_trip_a_session_through_a_file(server, tmp_path, 
     blob = tmp_path / "chat.lkvs"
     assert run_cli("generate", "Hello there", "--session", "cli-chat", "--server", server.address,
                    "--max-tokens", "4") == 0
+    assert "reused" not in capsys.readouterr().err
+    assert run_cli("generate", "Hello there, again", "--session", "cli-chat", "--server", server.address,
+                   "--max-tokens", "4") == 0
+    assert re.search(r"tok/s, \d+ prompt tokens reused", capsys.readouterr().err)
     assert run_cli("snapshot", "cli-chat", "-o", str(blob), "--server", server.address) == 0
     assert run_cli("restore", str(blob), "--session", "cli-copy", "--server", server.address) == 0
     assert run_cli("sessions", "--server", server.address) == 0
