@@ -85,8 +85,9 @@ class LuceKVServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams the completion of one prompt. Requests run one at a time, first in first out; cancelling the
-        call or letting its deadline pass stops the generation within one decode step.
+        """Streams the completion of one prompt. Concurrent calls share the engine's steps (continuous batching, up to
+        ServerInfo.max_batch sequences); the others wait first in, first out. Cancelling the call or letting its
+        deadline pass stops the generation within one step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
