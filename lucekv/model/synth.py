@@ -249,7 +249,7 @@ def write_upcycled_gguf(path: str | Path, dense: str | Path, *, n_expert: int = 
         raise ValueError(f"n_expert_used {n_expert_used} is not in 1..{n_expert}")
     writer = GGUFWriter(path, arch)
     for name, field in reader.fields.items():
-        if not name.startswith("GGUF.") and name != "general.architecture":
+        if not name.startswith("GGUF.") and name not in ("general.architecture", "general.name"):
             sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
             writer.add_key_value(name, field.contents(), field.types[0], sub)
     writer.add_name(f"{reader.fields['general.name'].contents()} upcycled {n_expert}x top-{n_expert_used}"
