@@ -95,18 +95,11 @@ class DraftReader:
         return self._queries, self._keys[:, : self._sealed], rest
 
 
-class DraftScorer:
-    """A Scorer (lucekv.kvflash.policy) that reads the sequence's tokens through a drafter. Its state is the steps
-    its reader took (a restored session reads them again)."""
+class WithoutAttention:
+    """A scorer's part for the target's attention when it reads none of it: sealed keys, decode queries and a new
+    prompt's queries change nothing (the lru and draft scorers)."""
 
-    name = "draft"
-    window = 0  # the target's queries are not used
-
-    def __init__(self, reader: DraftReader, history: Callable[[], Sequence[int]]):
-        self.reader = reader
-        self.history = history  # the sequence's tokens so far
-        self.steps: list[int] = []
-        self._last: tuple[int, np.ndarray] | None = None  # (steps taken, their scores): a prompt's second round
+    window = 0  # recent queries it ranks against: none
 
     def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None:
         pass
@@ -116,6 +109,19 @@ class DraftScorer:
 
     def restart(self, queries: np.ndarray) -> None:
         pass
+
+
+class DraftScorer(WithoutAttention):
+    """A Scorer (lucekv.kvflash.policy) that reads the sequence's tokens through a drafter. Its state is the steps
+    its reader took (a restored session reads them again)."""
+
+    name = "draft"
+
+    def __init__(self, reader: DraftReader, history: Callable[[], Sequence[int]]):
+        self.reader = reader
+        self.history = history  # the sequence's tokens so far
+        self.steps: list[int] = []
+        self._last: tuple[int, np.ndarray] | None = None  # (steps taken, their scores): a prompt's second round
 
     def truncate(self, n_tokens: int) -> None:
         """The sequence was cut to n_tokens: steps past it read tokens that are gone."""

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lucekv.errors import ConfigError
-from lucekv.kvflash.draft import DraftReader, DraftScorer
+from lucekv.kvflash.draft import DraftReader, DraftScorer, WithoutAttention
 from lucekv.kvflash.pager import UNSCORED, Move, Pager, scores_from_text, scores_text
 
 POLICIES = ("lru", "quest", "meankey", "draft")
@@ -81,20 +81,10 @@ class _ScoresNow:
         pass
 
 
-class LruScorer(_ScoresNow):
+class LruScorer(_ScoresNow, WithoutAttention):
     """Least recently written or recalled goes first."""
 
     name = "lru"
-    window = 0  # recent queries it ranks against: none
-
-    def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None:
-        pass
-
-    def observe(self, query: np.ndarray) -> None:
-        pass
-
-    def restart(self, queries: np.ndarray) -> None:
-        pass
 
     def score_inputs(self, pager: Pager, queries: np.ndarray | None = None) -> np.ndarray:
         return pager.last_use[: pager.n_chunks].astype(np.float64)
