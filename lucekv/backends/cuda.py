@@ -76,9 +76,16 @@ class CudaKVPool(SlotMap):
         self.last_q = cuda.to_device(np.zeros((max_rows, spec.n_layer, spec.n_head * spec.head_dim), np.float32),
                                      stream=stream)
         # and of the last RECENT_QUERIES tokens of the latest forward of several tokens of one sequence (a prompt's
-        # tail); recent_rows: how many it holds, 0 after a forward of one token or of decode rows (last_q has those)
+        # tail); recent_rows: how many it holds, 0 after a forward of one token or of decode rows (last_q has those),
+        # the first recent_padding of them a padded verify block's padding rows
         self.recent_q = device_zeros((spec.n_layer, RECENT_QUERIES, spec.n_head * spec.head_dim), np.float32, stream)
         self.recent_rows = 0
+        self.recent_padding = 0
+
+    def padded_by(self, real: int) -> None:
+        """The latest forward's rows (CudaOps.set_tables) were padding but for the last `real` (a padded verify
+        block): recent_queries gives the real ones only."""
+        self.recent_padding = max(0, self.recent_rows - real)
 
     def truncate(self, n: int) -> None:
         super().truncate(n)
@@ -165,6 +172,11 @@ class CudaKVPool(SlotMap):
 MAX_STACK = 3  # matrices one product fills (an Epilogue's outputs)
 ROUTE_COUNTERS = 512  # tokens the MoE router's counters cover at first (a prefill chunk's)
 MAX_VERIFY = 65  # widths of verify forwards that replay a captured graph (speculative rounds' drafts + 1)
+VERIFY_STEP = 4  # verify blocks are padded to a multiple of this: graphs of widths 4, 8, .., 68 replay them
+# products of n > 1 tokens with n x rows up to this run as matvec rows (CudaOps.as_matvec_rows): estimated from the
+# kernels' shapes (a matmul step ~0.5 us, matvec rows at ~2 TB/s, ~0.6 bytes a weight: they break even near 50K);
+# qwen2.5-0.5b: every layer product up to 28 tokens (its gate/up, 9728 rows, to 3); an 8B: q/o/down up to 8 tokens
+MATVEC_TOKEN_ROWS = 32768
 # a grid with this many warps per SM or more fills the GPU (an 8B model's products and attention hold 9.7 to 15.5,
 # the 0.5B's 1.7 to 8.5): see overlap_kernel_launches
 BUSY_WARPS_PER_SM = 9
@@ -251,6 +263,7 @@ class CudaOps:
         self.tables: attention.BlockTables | None = None
         self.one_sequence = True  # the latest forward's tokens are one sequence's (else decode rows)
         self.kept_rows = 1  # rows of the latest forward whose queries pool.last_q keeps
+        self.matvec_token_rows = MATVEC_TOKEN_ROWS  # see as_matvec_rows (0: every product of n > 1 tokens a matmul)
 
     def begin_step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, mark: bool = True,
                    tables: Sequence[np.ndarray] | None = None) -> None:
@@ -312,6 +325,7 @@ class CudaOps:
         self.one_sequence = rows == 1
         self.kept_rows = 1 if self.one_sequence else n
         self.pool.recent_rows = min(n, RECENT_QUERIES) if self.one_sequence and n > 1 else 0
+        self.pool.recent_padding = 0
 
     def keep_pools(self, n: int) -> None:
         """Keep the activation pools (and, for n > 1, fixed input buffers) of n-token forwards from now on."""
@@ -505,12 +519,24 @@ class CudaOps:
 
     def _products(self, products: list[tuple[DeviceMatrix, Epilogue | AttentionInputs]], x, norm) -> None:
         """Each (W, destination) of x: for one token the decode matvecs (two matrices to a launch), normalizing x
-        themselves when `norm` is given; for more, tensor-core matmuls (the caller has normalized x)."""
-        if x.shape[0] == 1:
-            matvecs(products, x, self.stream, norm=None if norm is None else (norm, self.spec.rms_eps))
-        else:
-            for w, ep in products:
+        themselves when `norm` is given; for more, tensor-core matmuls (the caller has normalized x), but for a few
+        tokens of a small matrix the matvecs with a grid row per token (`as_matvec_rows`)."""
+        n = x.shape[0]
+        rows = [(w, ep) for w, ep in products if n == 1 or self.as_matvec_rows(w, n)]
+        if rows:
+            matvecs(rows, x, self.stream, norm=None if norm is None else (norm, self.spec.rms_eps))
+        for w, ep in products:
+            if n > 1 and not self.as_matvec_rows(w, n):
                 matmul(w, x, ep, stream=self.stream)
+
+    def as_matvec_rows(self, w: DeviceMatrix, n: int) -> bool:
+        """Whether a product of n > 1 tokens runs as matvec rows (n x its rows within `matvec_token_rows`). A
+        tensor-core matmul block computes 128 rows x 64 tokens walking every column, so a product of few tokens and
+        few rows is a fraction of a wave of blocks whose time is that walk's, whatever n (qwen2.5-0.5b's down
+        projection: 7 blocks of 152 steps, for 2 tokens as for 64); the matvec spreads one token's rows over
+        a wave of small blocks and adds a grid row per token (the weights of the rows after the first come from L2),
+        so its time grows with n x rows. An output head (150K rows) stays a matmul: it reads its weights once."""
+        return n * w.rows <= self.matvec_token_rows
 
     def rmsnorm(self, x, w, groups: int = 1):
         out = self._empty(*x.shape)
@@ -613,21 +639,25 @@ class CudaBackend(RunAhead):
         sequence's blocks in logical order, one for all the tokens or one per token (decode rows: the logits of every
         row); None: a sequence alone in the pool (see CudaOps.set_tables)."""
         tokens = np.asarray(tokens)
+        n = len(tokens)
+        rows = tables is not None and len(tables) == n > 1
+        graph = None if rows else self._graph_for(n, all_logits)
         self._chained = False
         self.pool.assign(slots, positions)
-        rows = tables is not None and len(tables) == len(tokens) > 1
-        graph = None if rows else self._graph_for(len(tokens), all_logits)
+        if graph is not None and graph.n_tokens > n:  # a verify block padded to its graph's width
+            tokens, positions, slots = self._padded(graph.n_tokens, tokens, positions, slots, first=True)
         replay = graph is not None and graph.ready
         self.ops.begin_step(tokens, positions, slots, mark=not replay, tables=tables)
+        self.pool.padded_by(n)
         if replay:
-            return graph.replay()
+            return graph.replay(n)
         with cuda.defer_cleanup():  # numba frees device memory synchronously: not between a forward's launches
             logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits or rows)
         if graph is not None:  # kernels are compiled and loaded now: capture the same forward for the next ones
             graph.capture(tokens, positions, slots)
         out = logits.copy_to_host(stream=self.stream)
         self.stream.synchronize()
-        return out
+        return out[len(out) - n :] if all_logits else out
 
     def _graph_for(self, n: int, all_logits: bool) -> ForwardGraph | None:
         """The graph that runs an n-token forward of one sequence, if any (one token's logits are all its logits)."""
@@ -639,29 +669,76 @@ class CudaBackend(RunAhead):
         return graph if graph is not None and n == graph.n_tokens else None
 
     def _verify_graph(self, n: int) -> RowsGraph | None:
+        """The graph of verify blocks of n tokens: that of their bucket (`verify_bucket`), made on first use."""
         if self.verify_graphs is None or not 1 < n <= MAX_VERIFY:
             return None
-        if n not in self.verify_graphs:
-            self.verify_graphs[n] = RowsGraph(self, n)
-        return self.verify_graphs[n]
+        b = verify_bucket(n)
+        if b not in self.verify_graphs:
+            self.verify_graphs[b] = RowsGraph(self, b)
+        return self.verify_graphs[b]
+
+    def _padded(self, width: int, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, first: bool = False
+                ) -> tuple:
+        """The inputs padded to `width` rows, the padding rows after the real ones (decode rows) or, `first`, before
+        them (one sequence's verify block: its last row stays the last, whose query pool.last_q keeps). A padding
+        row, at position -1, sees no slot and writes the pool's scratch block, which keeps -1 (free, on the host
+        as on the device): whoever reads it sees nothing there. A row's numbers never depend on the other rows',
+        so the real rows get what they get unpadded."""
+        pad = width - len(tokens)
+        padding = (np.zeros(pad, np.int32), np.full(pad, -1, np.int32),
+                   self.pool.scratch_slot + np.arange(pad, dtype=np.int32) % CHUNK_TOKENS)
+        return tuple(np.concatenate([p, np.asarray(x, np.int32)] if first else [np.asarray(x, np.int32), p])
+                     for x, p in zip((tokens, positions, slots), padding, strict=True))
 
     def forward_argmax(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                        tables: Sequence[np.ndarray] | None = None) -> np.ndarray:
         """The greedy token after each of `tokens` (int32 [n]) of one sequence (tables: its blocks, see `forward`),
         each row's argmax taken on the device: a speculative round's verify forward, of which only n token ids come
-        back. Widths up to MAX_VERIFY replay a graph (after one eager run that captures it); one token is a plain
-        decode step."""
+        back. Widths up to MAX_VERIFY replay the graph of their bucket, padded to its width (captured at its first
+        use); one token is a plain decode step."""
         n = len(tokens)
         if n == 1:
             self.decode_ahead(int(positions[0]), int(slots[0]), int(tokens[0]), None if tables is None else tables[0])
             return np.array([self.next_token()], np.int32)
         self._chained = False
-        self.pool.assign(slots, positions)
         graph = self._verify_graph(n)
-        replay = graph is not None and graph.ready
-        self.ops.begin_step(tokens, positions, slots, mark=not replay, tables=tables)
-        if replay:
-            return graph.replay_rows(n, [])[0]
+        if graph is None:
+            return self._eager_argmax(tokens, positions, slots, tables)
+        return self._verify_rows(graph, tokens, positions, slots, tables)
+
+    def _verify_rows(self, graph: RowsGraph, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                     tables: Sequence[np.ndarray] | None) -> np.ndarray:
+        """forward_argmax through the graph of its bucket, padded to its width (`_padded`, padding first)."""
+        n, width = len(tokens), graph.n_tokens
+        self.pool.assign(slots, positions)
+        tokens, positions, slots = self._padded(width, tokens, positions, slots, first=True)
+        self.ops.begin_step(tokens, positions, slots, mark=not graph.ready, tables=tables)
+        self.pool.padded_by(n)
+        if not graph.ready:
+            with cuda.defer_cleanup():
+                forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits=True)
+            graph.capture(tokens, positions, slots)  # and from now on replayed, this first time too
+        return graph.replay_rows(n, [], first=width - n)[0]
+
+    def prepare_verify(self, width: int) -> None:
+        """Capture the graphs of verify blocks of up to `width` tokens now, each from a forward of padding rows only
+        (`_padded`: they see nothing and write the scratch block), so that no speculative round pays a capture
+        (tens of milliseconds of launches) and the gate only ever times replays."""
+        if self.verify_graphs is None:
+            return
+        none = np.zeros(0, np.int32)
+        for b in sorted({verify_bucket(w) for w in range(2, min(width, MAX_VERIFY) + 1)}):
+            graph = self._verify_graph(b)
+            if not graph.ready:
+                self._chained = False
+                self._verify_rows(graph, none, none, none, tables=[none])
+
+    def _eager_argmax(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                      tables: Sequence[np.ndarray] | None) -> np.ndarray:
+        """forward_argmax without a graph (the simulator, or wider than MAX_VERIFY)."""
+        n = len(tokens)
+        self.pool.assign(slots, positions)
+        self.ops.begin_step(tokens, positions, slots, tables=tables)
         if n not in self._argmax_scratch:
             self._argmax_scratch[n] = (cuda.device_array(n, np.int32, stream=self.stream),
                                        sample.argmax_scratch(n, stream=self.stream))
@@ -669,8 +746,6 @@ class CudaBackend(RunAhead):
         with cuda.defer_cleanup():
             logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits=True)
             sample.argmax(logits, self.spec.vocab_size, out, scratch, stream=self.stream)
-        if graph is not None:
-            graph.capture(tokens, positions, slots)
         tokens_out = out.copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return tokens_out
@@ -680,21 +755,18 @@ class CudaBackend(RunAhead):
         """One token of each of several sequences in one forward (tables: each one's blocks in logical order): the
         greedy token of every row, int32 [n] (the argmax taken on the device), and the logits [len(sampled), vocab]
         of the rows listed in `sampled`. The products read each weight once for all rows. With graphs, the rows are
-        padded to a bucket (a power of two) whose captured graph replays them: the padding rows write the pool's
-        scratch block and read nothing."""
+        padded to a bucket (a power of two) whose captured graph replays them (`_padded`: each padding row a
+        sequence of no blocks)."""
         n = len(tokens)
         if n == 1 or not self._graphs:
             logits = self.forward(tokens, positions, slots, tables=tables)
             return np.argmax(logits[:, : self.spec.vocab_size], axis=1).astype(np.int32), logits[list(sampled)]
         b = row_bucket(n)
-        pad = b - n
-        tokens = np.concatenate([tokens, np.zeros(pad, np.int32)])
-        positions = np.concatenate([positions, np.zeros(pad, np.int32)])
-        slots = np.concatenate([slots, self.pool.scratch_slot + np.arange(pad, dtype=np.int32) % CHUNK_TOKENS])
-        tables = [*tables, *(np.zeros(0, np.int32) for _ in range(pad))]
-        graph = self.row_graphs.get(b) or self.row_graphs.setdefault(b, RowsGraph(self, b))
         self._chained = False
         self.pool.assign(slots, positions)
+        tokens, positions, slots = self._padded(b, tokens, positions, slots)
+        tables = [*tables, *(np.zeros(0, np.int32) for _ in range(b - n))]
+        graph = self.row_graphs.get(b) or self.row_graphs.setdefault(b, RowsGraph(self, b))
         self.ops.begin_step(tokens, positions, slots, mark=not graph.ready, tables=tables)
         if not graph.ready:
             with cuda.defer_cleanup():
@@ -756,10 +828,12 @@ class CudaBackend(RunAhead):
 
     def recent_queries(self) -> np.ndarray:
         """[rows, n_layer, n_head, head_dim]: the last RECENT_QUERIES rows of the latest forward, as the CPU backend's
-        (of one token, or of decode rows: the rows last_q keeps; a one-token product writes no others)."""
+        (of one token, or of decode rows: the rows last_q keeps; a one-token product writes no others; of a padded
+        verify block, its real rows')."""
         rows = self.pool.recent_rows
         if rows:
-            q = self.pool.recent_q.copy_to_host(stream=self.stream)[:, :rows].transpose(1, 0, 2)
+            q = self.pool.recent_q.copy_to_host(stream=self.stream)[:, self.pool.recent_padding : rows]
+            q = q.transpose(1, 0, 2)
         else:
             q = self.pool.last_q[: self.ops.kept_rows].copy_to_host(stream=self.stream)[-RECENT_QUERIES:]
         self.stream.synchronize()
@@ -814,17 +888,15 @@ class ForwardGraph:
         """Enqueue the captured forward (inputs already in the fixed buffers) on the backend's stream."""
         launch_graph(self._exec, self.backend.stream)
 
-    def replay(self) -> np.ndarray:
-        """Run the captured forward; its logits on the host, through pinned memory (a pageable copy of a 150K-token
-        vocabulary's logits costs more than the copy out of it)."""
-        from cuda.bindings import driver
-
+    def replay(self, n: int) -> np.ndarray:
+        """Run the captured forward; its logits on the host (with all the rows' logits, of the last n: a padded
+        verify block's real rows), through pinned memory (a pageable copy of a 150K-token vocabulary's logits costs
+        more than the copy out of it)."""
         self.launch()
-        handle = driver.CUstream(int(self.backend.stream.handle))
-        _check(driver.cuMemcpyDtoHAsync(self._host_logits.ctypes.data, _device_pointer(self.logits),
-                                        self._host_logits.nbytes, handle))
-        _check(driver.cuStreamSynchronize(handle))
-        return self._host_logits.copy()
+        stream = self.backend.stream
+        copy_to_host_async(self._host_logits, self.logits, stream)
+        synchronize(stream)
+        return self._host_logits[len(self._host_logits) - n :].copy() if self.all_logits else self._host_logits.copy()
 
 
 class DecodeGraph(ForwardGraph):
@@ -883,27 +955,27 @@ class RowsGraph(ForwardGraph):
         b = self.backend
         sample.argmax(self.logits, b.spec.vocab_size, self._tokens_dev, self._argmax_scratch, stream=b.stream)
 
-    def replay_rows(self, n: int, sampled: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Run the rows: the greedy tokens of the first n rows, and the logits of the rows in `sampled` (only those
-        rows cross to the host)."""
-        from cuda.bindings import driver
-
+    def replay_rows(self, n: int, sampled: Sequence[int], first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Run the rows: the greedy tokens of n rows from row `first`, and the logits of the rows in `sampled`
+        (only those rows cross to the host)."""
         self.launch()
-        handle = driver.CUstream(int(self.backend.stream.handle))
-        _check(driver.cuMemcpyDtoHAsync(self._tokens_host.ctypes.data, _device_pointer(self._tokens_dev),
-                                        self._tokens_host.nbytes, handle))
-        row_bytes = self._host_logits.strides[0]
+        stream = self.backend.stream
+        copy_to_host_async(self._tokens_host, self._tokens_dev, stream)
         for i in sampled:
-            _check(driver.cuMemcpyDtoHAsync(self._host_logits[i].ctypes.data,
-                                            driver.CUdeviceptr(int(_device_pointer(self.logits)) + i * row_bytes),
-                                            row_bytes, handle))
-        _check(driver.cuStreamSynchronize(handle))
-        return self._tokens_host[:n].copy(), self._host_logits[list(sampled)].copy()
+            copy_to_host_async(self._host_logits[i], self.logits[i], stream)
+        synchronize(stream)
+        return self._tokens_host[first : first + n].copy(), self._host_logits[list(sampled)].copy()
 
 
 def row_bucket(rows: int) -> int:
     """The batch size a decode rows' graph is captured for: rows rounded up to a power of two."""
     return 1 << (rows - 1).bit_length()
+
+
+def verify_bucket(width: int) -> int:
+    """The width a verify block's graph is captured for: rounded up to a multiple of VERIFY_STEP (a few graphs
+    for every draft length, and a padding row costs little: CudaOps.as_matvec_rows)."""
+    return -(-width // VERIFY_STEP) * VERIFY_STEP
 
 
 def capture_graph(stream, record: Callable[[], None]) -> tuple[object, int]:
@@ -991,6 +1063,28 @@ def copy_to_device_async(dst, src: np.ndarray, stream) -> None:
 
     _check(driver.cuMemcpyHtoDAsync(_device_pointer(dst), src.ctypes.data, src.nbytes,
                                     driver.CUstream(int(stream.handle))))
+
+
+def copy_to_host_async(dst: np.ndarray, src, stream) -> None:
+    """Device array src into pinned host array dst (contiguous, of src's size), enqueued on `stream` by one driver
+    call; read dst after `synchronize(stream)`."""
+    if SIMULATOR:
+        src.copy_to_host(dst, stream=stream)
+        return
+    from cuda.bindings import driver
+
+    _check(driver.cuMemcpyDtoHAsync(dst.ctypes.data, _device_pointer(src), dst.nbytes,
+                                    driver.CUstream(int(stream.handle))))
+
+
+def synchronize(stream) -> None:
+    """Wait for everything enqueued on `stream` (one driver call: numba's synchronize costs more host time)."""
+    if SIMULATOR:
+        stream.synchronize()
+        return
+    from cuda.bindings import driver
+
+    _check(driver.cuStreamSynchronize(driver.CUstream(int(stream.handle))))
 
 
 def _device_pointer(a):

@@ -37,4 +37,4 @@ class SlotMap:
 
     def assign(self, slots: np.ndarray, positions: np.ndarray) -> None:
         self.slot_pos[slots] = positions
-        self.high_water = max(self.high_water, int(slots.max()) + 1)
+        self.high_water = max(self.high_water, int(slots.max(initial=-1)) + 1)
