@@ -15,8 +15,9 @@
 #                                      .data/niah-corpus.json (lucekv bench niah-corpus -o .data/niah-corpus.json;
 #                                      git-ignored, ~8 MB) carried
 #   bash bench/gpu_session.sh spec [WORKLOADS] [qwen15|qwen05]  lucekv bench spec: qwen2.5-coder-1.5b target, 0.5b draft
-#                                      (or the 0.5b alone: suffix and auto), greedy,
-#                                      20 prompts per workload (default code,edit,chat; ~2-3 min each), needs both
+#                                      (or the 0.5b alone: suffix and auto), greedy, verify forward ms by width
+#                                      (matvec rows vs all matmul) and the kernels of a 17-token verify forward,
+#                                      SPEC_N (20) prompts per workload (default code,edit,chat; ~2-3 min each), needs both
 #                                      models' pieces (.models/qwen15.part*, .models/qwen05.part*) and
 #                                      bench/prompts/spec.json (`lucekv bench spec-prompts -o bench/prompts/spec.json`)
 #   bash bench/gpu_session.sh depth    decode tok/s at 4K..128K context, 8B shape, pool 4096 vs full cache vs
@@ -101,9 +102,14 @@ spec)
   Q15=/tmp/qwen2.5-coder-1.5b.gguf Q05=/tmp/qwen2.5-coder-0.5b.gguf W=${2:-code,edit,chat}
   if [ "${3:-qwen15}" = qwen05 ]; then T=$Q05 MODES=suffix,auto DRAFT=; else T=$Q15 MODES=suffix,auto,draft DRAFT="--draft-model $Q05"; fi
   [ -f $T ] && [ -f $Q05 ] && [ -f bench/prompts/spec.json ] || { echo "spec: needs $T, $Q05 and bench/prompts/spec.json"; exit 1; }
+  # (the JSON's verify_forward_ms: a verify forward's ms by width, products of few tokens as matvec rows vs all
+  # tensor-core matmuls; each mode's round_ms / verify_ms / host_ms_per_round against plain decoding's step_ms)
   python3 -m lucekv.cli bench spec --model $T $DRAFT --backend cuda --prompts bench/prompts/spec.json \
-    --workloads "$W" --modes $MODES --n 20 --max-tokens 256 \
+    --workloads "$W" --modes $MODES --n ${SPEC_N:-20} --max-tokens 256 \
     --json "$OUT/spec-$(basename $T .gguf)-${W//,/-}.json" 2>&1 | grep -v -i warn | tail -25
+  # where a full-width verify forward's time goes after 512 tokens (max_draft 16: 17 tokens, the graph of 20)
+  python3 -m lucekv.bench.kernel_profile $T --pool 4096 --verify 17 \
+    --json "$OUT/kernel-profile-verify17-$(basename $T .gguf).json" 2>&1 | grep -v -i warn | head -30
   ;;
 profile)
   python3 -m lucekv.bench.matvec_speed --json "$OUT/matvec-speed.json" 2>&1 | grep -v -i warning

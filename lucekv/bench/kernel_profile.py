@@ -1,17 +1,18 @@
-"""Per-kernel GPU time of one CUDA decode step, measured inside the captured graph (no launch overhead), or of
-one prefill forward.
+"""Per-kernel GPU time of one CUDA decode step or verify forward, measured inside the captured graph (no launch
+overhead), or of one prefill forward.
 
     python -m lucekv.bench.kernel_profile MODEL.gguf [--pool 131072] [--prompt 512] [--replays 20] [--prefill]
-                                         [--json OUT]
+                                         [--verify N] [--json OUT]
 
 After a prompt of `--prompt` tokens the one-token step is captured twice: as DecodeGraph captures it, and
 once more with a CUDA event recorded before every kernel launch and after the last (event nodes between
 the kernel nodes). Replaying the second gives each kernel's time at its place in the step (its run plus
 the gap to the next node); replaying the first gives the step's real time, so the table shows what the
-event nodes add. `--prefill` times the `--prompt`-token forward instead, run eagerly with an event recorded
-before every launch (its kernels are long enough that the host stays ahead). Launches are labelled with
-the CudaOps op that made them (linears with their matrix shape and kind, and GB/s of the weight bytes they
-read) and grouped by (op, kernel).
+event nodes add. `--verify N` does the same for a speculative round's verify forward of N tokens (the graph of its
+bucket, RowsGraph: all rows' logits and argmax). `--prefill` times the `--prompt`-token forward instead, run eagerly
+with an event recorded before every launch (its kernels are long enough that the host stays ahead). Launches are
+labelled with the CudaOps op that made them (linears with their matrix shape and kind, and GB/s of the weight bytes
+they read) and grouped by (op, kernel).
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from lucekv.backends.cuda import CudaBackend, CudaOps, DecodeGraph, _check
+from lucekv.backends.cuda import CudaBackend, CudaOps, DecodeGraph, RowsGraph, _check, verify_bucket
 from lucekv.bench.matvec_speed import device_name
 from lucekv.kernels.cuda import cuda, sample
 from lucekv.kernels.cuda.packed import DeviceMatrix
+from lucekv.kvflash.pager import CHUNK_TOKENS
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
 
@@ -105,7 +107,7 @@ def _weight_bytes(w: DeviceMatrix) -> int:
     return w.nbytes
 
 
-def replay_ms(graph: DecodeGraph, stream, replays: int) -> float:
+def replay_ms(graph, stream, replays: int) -> float:
     """Median GPU ms of one replay."""
     times = []
     for _ in range(replays):
@@ -118,7 +120,8 @@ def replay_ms(graph: DecodeGraph, stream, replays: int) -> float:
     return statistics.median(times)
 
 
-def profile(path: str, pool: int, n_prompt: int, replays: int) -> dict:
+def profile(path: str, pool: int, n_prompt: int, replays: int, verify: int = 1) -> dict:
+    """The decode step's kernels, or with verify > 1 those of a verify forward of that many tokens."""
     g = open_gguf(path)
     spec = ModelSpec.from_gguf(g)
     b = CudaBackend(g, spec, "f16", pool)
@@ -126,31 +129,42 @@ def profile(path: str, pool: int, n_prompt: int, replays: int) -> dict:
     prompt = rng.integers(3, spec.vocab_size, n_prompt).astype(np.int32)
     pos = np.arange(n_prompt, dtype=np.int32)
     logits = b.forward(prompt, pos, pos)
-    for i in range(2):  # the first step runs eagerly and captures b.graph, the second replays it
-        p = np.array([n_prompt + i], np.int32)
-        logits = b.forward(np.array([np.argmax(logits[-1])], np.int32), p, p)
+    if verify == 1:
+        for i in range(2):  # the first step runs eagerly and captures b.graph, the second replays it
+            p = np.array([n_prompt + i], np.int32)
+            logits = b.forward(np.array([np.argmax(logits[-1])], np.int32), p, p)
+        graph, timed = b.graph, DecodeGraph(b)
+        inputs, tables = (np.array([1], np.int32), *[np.array([n_prompt + 2], np.int32)] * 2), None
+    else:  # a verify block after the prompt: its bucket's graph (captured at its first use) replayed
+        p = np.arange(n_prompt, n_prompt + verify, dtype=np.int32)
+        block = rng.integers(3, spec.vocab_size, verify).astype(np.int32)
+        tables = [np.arange(-(-(n_prompt + verify) // CHUNK_TOKENS), dtype=np.int32)]  # slot = position
+        for _ in range(2):
+            b.forward_argmax(block, p, p, tables=tables)
+        graph = b.verify_graphs[verify_bucket(verify)]
+        timed = RowsGraph(b, graph.n_tokens)
+        inputs = b._padded(graph.n_tokens, block, p, p, first=True)
     b.stream.synchronize()
-    step_ms = replay_ms(b.graph, b.stream, replays)
+    step_ms = replay_ms(graph, b.stream, replays)
 
     recorder = LaunchRecorder(b.stream)
-    timed = DecodeGraph(b)
     real_argmax = sample.argmax
 
     def argmax_with_end_mark(*args, **kwargs):  # the step's last launch
         real_argmax(*args, **kwargs)
         recorder.mark("end", "", 0)
 
-    p = np.array([n_prompt + 2], np.int32)
     with recorder.patched():
         sample.argmax = argmax_with_end_mark
         recorder.active = True
         try:
-            timed.capture(np.array([1], np.int32), p, p)
+            timed.capture(*inputs)
         finally:
             recorder.active = False
             sample.argmax = real_argmax
-    b.pool.assign(p, p)
-    b.ops.begin_step(np.array([1], np.int32), p, p)
+    tokens, positions, slots = inputs
+    b.pool.assign(slots, positions)
+    b.ops.begin_step(tokens, positions, slots, tables=tables)
     per_launch: list[list[float]] = [[] for _ in recorder.marks[:-1]]
     timed_ms = []
     for _ in range(replays):
@@ -163,8 +177,9 @@ def profile(path: str, pool: int, n_prompt: int, replays: int) -> dict:
 
     rows = kernel_rows(recorder.marks[:-1], per_launch)
     return {"bench": "kernel_profile", "device": device_name(cuda.get_current_device()), "model": Path(path).name,
-            "pool": pool, "prompt_tokens": n_prompt, "replays": replays, "kernels_per_step": len(per_launch),
-            "graph_step_ms": step_ms, "timed_step_ms": statistics.median(timed_ms),
+            "pool": pool, "prompt_tokens": n_prompt, "tokens": verify, "graph_width": graph.n_tokens,
+            "replays": replays, "kernels_per_step": len(per_launch), "graph_step_ms": step_ms,
+            "timed_step_ms": statistics.median(timed_ms),
             "sum_of_kernels_ms": sum(r["total_us"] for r in rows) / 1000, "kernels": rows}
 
 
@@ -218,8 +233,9 @@ def kernel_rows(marks: list[tuple[str, str, int]], per_launch: list[list[float]]
 
 def print_table(r: dict) -> None:
     if r["bench"] == "kernel_profile":
+        what = "graph step" if r["tokens"] == 1 else f"verify forward of {r['tokens']} (graph of {r['graph_width']})"
         print(f"{r['device']}, {r['model']}, pool {r['pool']}, after {r['prompt_tokens']} tokens: "
-              f"graph step {r['graph_step_ms']:.3f} ms; with event nodes {r['timed_step_ms']:.3f} ms, "
+              f"{what} {r['graph_step_ms']:.3f} ms; with event nodes {r['timed_step_ms']:.3f} ms, "
               f"{r['kernels_per_step']} kernels")
     else:
         print(f"{r['device']}, {r['model']}, pool {r['pool']}, {r['prompt_tokens']}-token forward: "
@@ -239,9 +255,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--prefill", action="store_true", help="time the prompt's forward instead of a decode step")
+    ap.add_argument("--verify", type=int, default=1, help="time a verify forward of this many tokens instead")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    r = (profile_prefill if a.prefill else profile)(a.model, a.pool, a.prompt, a.replays)
+    if a.prefill:
+        r = profile_prefill(a.model, a.pool, a.prompt, a.replays)
+    else:
+        r = profile(a.model, a.pool, a.prompt, a.replays, a.verify)
     print_table(r)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,12 @@ mode against plain decoding in the same run, greedy.
 gets the JSON, `--prompts FILE`). For each prompt the modes run one after another on one engine (the prompt's
 prefill is computed once and reused), so the machine's drift hits every mode alike. Per workload and mode:
 tau (tokens per round, its bonus included), decode tok/s over all prompts, speedup over plain decoding, the
-number of outputs identical to plain decoding's, and for auto the gate's choices. The server-wide index of
-recent outputs is off here: it would hold plain decoding's answer to the same prompt.
+number of outputs identical to plain decoding's, and for auto the gate's choices; where a round's time goes: its
+wall ms, of which the verify forward (the device's work and the backend's host part), the rest the host's
+bookkeeping (drafter, accept, output, scheduler), against plain decoding's ms per token. Before the workloads, the
+cost of one verify forward of each width after 1024 tokens (`verify_costs`; width 1: a plain step waited for), on
+CUDA both with the products of a few tokens as matvec rows and as tensor-core matmuls (`CudaOps.as_matvec_rows`).
+The server-wide index of recent outputs is off here: it would hold plain decoding's answer to the same prompt.
 """
 
 from __future__ import annotations
@@ -19,17 +23,22 @@ from __future__ import annotations
 import ast
 import gzip
 import json
+import statistics
 import sys
 import sysconfig
 import time
 from pathlib import Path
 
+import numpy as np
+
 import lucekv
 from lucekv.bench.decode import file_sha256, git_commit, machine, report
 from lucekv.engine.sampling import SamplingParams
+from lucekv.kvflash.sequence import PagedSequence
 from lucekv.spec.config import SpecConfig
 
 WORKLOADS = ("code", "edit", "chat")
+VERIFY_CONTEXT = 1024  # tokens before the verify forwards `verify_costs` times (the edit prompts hold 600-2000)
 EDIT_CHARS = (2_000, 7_000)  # standard-library files of this size: ~600-2000 tokens
 CHAT_CHARS = (32, 1_500)
 
@@ -113,7 +122,7 @@ def generate(engine: lucekv.Engine, prompt, mode: str, max_tokens: int) -> dict:
     r = {"tokens": tokens, "decode_tokens": len(tokens) - 1, "decode_s": decode_s}
     if s := u.speculation:
         r.update(rounds=s.rounds, drafted=s.drafted, accepted=s.accepted, plain_steps=s.plain_steps,
-                 gate=[list(d) for d in s.gate_decisions])
+                 gate=[list(d) for d in s.gate_decisions], round_s=s.round_seconds, verify_s=s.verify_seconds)
     return r
 
 
@@ -127,12 +136,18 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
         m = {"decode_tok_s": round(tok_s, 2), "speedup": round(tok_s / base, 3),
              "identical_to_off": sum(r["tokens"] == o["tokens"] for r, o in zip(rs, off, strict=True)),
              "prompts": len(rs)}
-        if mode != "off":
+        if mode == "off":
+            m["step_ms"] = round(1e3 * sum(r["decode_s"] for r in rs) / sum(r["decode_tokens"] for r in rs), 3)
+        else:
             rounds, accepted = sum(r["rounds"] for r in rs), sum(r["accepted"] for r in rs)
             drafted = sum(r["drafted"] for r in rs)
             m.update(tau=round((rounds + accepted) / rounds, 3) if rounds else None, rounds=rounds, drafted=drafted,
                      accepted=accepted, acceptance=round(accepted / drafted, 3) if drafted else None,
                      plain_steps=sum(r["plain_steps"] for r in rs))
+            if rounds:  # a round's wall ms: the verify forward's, and the host's bookkeeping around it
+                round_ms, verify_ms = (1e3 * sum(r[k] for r in rs) / rounds for k in ("round_s", "verify_s"))
+                m.update(round_ms=round(round_ms, 3), verify_ms=round(verify_ms, 3),
+                         host_ms_per_round=round(round_ms - verify_ms, 3), width=round(1 + drafted / rounds, 2))
         if mode == "auto":
             m["gate"] = {"turns_speculating_at_end": sum(bool(r["gate"]) and r["gate"][-1][1] for r in rs),
                          "switches_on": sum(on for r in rs for _, on in r["gate"]),
@@ -152,16 +167,18 @@ def run(args, engine_options: dict) -> dict:
     path = resolve_model(args.model)
     draft = resolve_model(args.draft_model) if args.draft_model else None
     spec = SpecConfig(mode="off", shared_outputs=False, draft_model=draft, max_draft=args.max_draft)
-    engine = lucekv.load(path, **engine_options, speculation=spec)
+    engine = lucekv.load(path, **engine_options, speculation=spec)  # (CUDA graphs of every verify width captured)
     warm = prompts["workloads"]["code"][0]
-    for mode in modes:  # numba compiles, CUDA graphs of the verify widths are captured: not in the figures
+    for mode in modes:  # numba compiles: not in the figures
         generate(engine, warm, mode, 16)
+    costs = route_costs(engine, sorted({1, 2, 4, 8, 16, args.max_draft + 1} & set(range(1, args.max_draft + 2))))
+    _progress(f"verify forward ms by width after {VERIFY_CONTEXT} tokens: {json.dumps(costs)}")
     result = {
         "bench": "spec", "commit": git_commit(), "machine": machine(), "device": _device(engine),
         "model": _model(engine, path), "draft_model": _model(None, draft) if draft else None,
         "backend": engine.info.backend, "engine_options": {k: str(v) for k, v in engine_options.items()},
         "command": "lucekv " + " ".join(sys.argv[1:]), "max_tokens": args.max_tokens, "max_draft": args.max_draft,
-        "sources": prompts["sources"], "workloads": {},
+        "sources": prompts["sources"], "verify_forward_ms": costs, "workloads": {},
     }
     for w in workloads:
         runs: dict[str, list[dict]] = {m: [] for m in modes}
@@ -175,6 +192,53 @@ def run(args, engine_options: dict) -> dict:
         result["workloads"][w]["seconds"] = round(time.perf_counter() - t0, 1)
         _progress(json.dumps({w: result["workloads"][w]}))
     return result
+
+
+def verify_costs(engine: lucekv.Engine, widths: list[int], repeats: int = 10) -> dict[int, float]:
+    """Median ms of one greedy verify forward of each width (the backend's call as a round makes it, its argmax
+    taken on the device and waited for; width 1: a plain decode step) on a sequence of VERIFY_CONTEXT tokens of its
+    own, which is freed afterwards."""
+    b, spec = engine.backend, engine.spec
+    seq = PagedSequence(b, engine.blocks, None, n_layer=spec.n_layer, n_kv_head=spec.n_kv_head,
+                        head_dim=spec.head_dim, dtype=b.pool.dtype, policy="lru", tau=64, window=spec.sliding_window)
+    ids = np.random.default_rng(0).integers(0, spec.vocab_size, VERIFY_CONTEXT + max(widths)).astype(np.int32)
+    out = {}
+    try:
+        for start in range(0, VERIFY_CONTEXT, b.prefill_chunk):
+            n = min(b.prefill_chunk, VERIFY_CONTEXT - start)
+            b.forward(ids[start : start + n], np.arange(start, start + n, dtype=np.int32), seq.alloc(start, n),
+                      tables=[seq.table()])
+            seq.after_forward(0)
+        for w in widths:
+            positions = np.arange(VERIFY_CONTEXT, VERIFY_CONTEXT + w, dtype=np.int32)
+            slots = seq.alloc(VERIFY_CONTEXT, w)
+            times = []
+            for _ in range(repeats + 1):  # the first one may compile
+                t0 = time.perf_counter()
+                b.forward_argmax(ids[VERIFY_CONTEXT : VERIFY_CONTEXT + w], positions, slots, tables=[seq.table()])
+                times.append(time.perf_counter() - t0)
+            out[w] = round(1e3 * statistics.median(times[1:]), 3)
+    finally:
+        seq.truncate(0)
+    return out
+
+
+def route_costs(engine: lucekv.Engine, widths: list[int]) -> dict[str, dict[int, float]]:
+    """`verify_costs` as the engine runs them, and on CUDA also with every product of several tokens a tensor-core
+    matmul (the route before CudaOps.as_matvec_rows): their graphs captured again for it, then back."""
+    costs = {"as_run": verify_costs(engine, widths)}
+    b = engine.backend
+    ops = getattr(b, "ops", None)
+    if getattr(b, "verify_graphs", None) is None or not hasattr(ops, "matvec_token_rows"):
+        return costs
+    kept = ops.matvec_token_rows
+    for limit in (0, kept):
+        ops.matvec_token_rows = limit
+        b.verify_graphs.clear()
+        b.prepare_verify(max(widths))
+        if limit == 0:
+            costs["all_matmul"] = verify_costs(engine, widths)
+    return costs
 
 
 def _model(engine, path: Path) -> dict:

@@ -51,6 +51,8 @@ class SpecUsage:
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of them, accepted (each round also emits one token of the target's own)
     plain_steps: int = 0  # steps decoded without a round
+    round_seconds: float = 0.0  # wall time of the rounds, each from the end of the step before (the gate's measure)
+    verify_seconds: float = 0.0  # of it, in the target's verify forwards (the device's work and the backend's)
     gate_decisions: list[tuple[int, bool]] = field(default_factory=list)  # (output tokens so far, speculating)
 
 
@@ -83,21 +85,24 @@ class Speculator:
         sample-and-match where its drafts are deterministic."""
         draft = self.drafter.propose(self.max_draft_for(budget))
         inputs = [last, *draft.tokens]
+        u = self.usage
+        t_verify = time.perf_counter()
+        verified = target.verify_greedy(inputs, position) if host is None else target.verify_logits(inputs, position)
+        u.verify_seconds += time.perf_counter() - t_verify
         logits = None
         if host is None:
-            tokens = accept_greedy(draft, target.verify_greedy(inputs, position))
+            tokens = accept_greedy(draft, verified)
         else:
-            logits = target.verify_logits(inputs, position)
             accept = accept_sampled if draft.probs is None else accept_rejection
-            tokens = accept(draft, host(logits))
-            logits = logits[: len(tokens)]
+            tokens = accept(draft, host(verified))
+            logits = verified[: len(tokens)]
         target.keep(position + len(tokens))  # `last` and the accepted drafts
         self.drafter.accept(tokens)
-        u = self.usage
         u.rounds += 1
         u.drafted += len(draft)
         u.accepted += len(tokens) - 1
         seconds = self._lap()
+        u.round_seconds += seconds
         if self.gate is not None:
             self.gate.real_round(seconds, len(inputs), len(tokens), position, at)
         return Block(tokens, logits)
