@@ -138,10 +138,13 @@ class SuffixIndex:
         self.tokens.append(t)
         if i + 1 >= len(self._prefix):
             self._prefix = np.concatenate([self._prefix, np.zeros(len(self._prefix), np.uint64)])
-        self._prefix[i + 1] = (int(self._prefix[i]) * BASE + t + 1) & MASK
+        # the prefix hashes the n-grams need, as Python ints in one read (numpy scalars cost ~0.1 us each)
+        lo = max(0, i - self.ngrams[0])
+        prefix = self._prefix[lo : i + 1].tolist()
+        self._prefix[i + 1] = (prefix[-1] * BASE + t + 1) & MASK
         for n in self.ngrams:  # the n-gram just before t is now followed (by t, at index i)
             if i >= n:
-                self._tables[n].put(self._window_hash(i - n, i), i)
+                self._tables[n].put((prefix[-1] - prefix[i - n - lo] * self._pow[n]) & MASK, i)
 
     def _extend_bulk(self, tokens: Sequence[int]) -> None:
         t = np.asarray(tokens, np.int64).astype(np.uint64) + np.uint64(1)
