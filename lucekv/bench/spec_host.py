@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = instant_engine(resolve_model(a.model), n_ctx=8192)
     # the machine's load: the figures are thread CPU time, but a busy machine's caches and clocks still shift them
     result = {"bench": "spec_host", "commit": git_commit(), "machine": machine(),
-              "load_avg_1_5_15_min_at_start": list(os.getloadavg()), "command": " ".join(sys.argv),
+              "load_avg_1_5_15_min_at_start": list(os.getloadavg()),
+              "command": " ".join(["python -m lucekv.bench.spec_host", *sys.argv[1:]]),
               "model": engine.info.model_name, "max_tokens": a.max_tokens, "repeats": a.repeats, "runs": {}}
     for kind in ("edit", "novel"):
         for mode in ("off", "suffix", "auto"):
