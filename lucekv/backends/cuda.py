@@ -628,7 +628,7 @@ class CudaBackend(RunAhead):
         # full prefill chunks (a long prompt's all but last) replay a graph too: as ~200 launches, numba's host time
         # per launch made a small model's prefill host-bound (0.5B shape, H200: ~180 us per launch, 36 of 42 ms)
         self.prefill_graph = ForwardGraph(self, self.prefill_chunk) if self._graphs else None
-        # speculative verify forwards of each width up to MAX_VERIFY tokens, captured on first use
+        # speculative verify forwards up to MAX_VERIFY tokens, by bucket (verify_bucket; prepare_verify captures them)
         self.verify_graphs: dict[int, RowsGraph] | None = {} if self._graphs else None
         self._argmax_scratch: dict[int, tuple] = {}  # eager verify forwards' argmax buffers, by width
         self.row_graphs: dict[int, RowsGraph] = {}  # batch size bucket -> its decode rows' graph, made on first use
@@ -939,8 +939,8 @@ class DecodeGraph(ForwardGraph):
 class RowsGraph(ForwardGraph):
     """A forward of `rows` tokens with every row's logits, ending with the argmax of every row: decode rows, one token
     of each of `rows` sequences (their block tables in CudaOps' fixed buffers; one graph per batch size bucket), or a
-    speculative round's verify block of one sequence (one graph per width). `replay` brings all the logits to the
-    host, `replay_rows` the tokens and the logits of the rows asked for."""
+    speculative round's verify block of one sequence (one graph per bucket of widths, padded). `replay` brings all
+    the logits to the host, `replay_rows` the tokens and the logits of the rows asked for."""
 
     def __init__(self, backend: CudaBackend, rows: int):
         super().__init__(backend, rows, all_logits=True)
