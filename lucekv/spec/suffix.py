@@ -36,6 +36,7 @@ class _Table:
         self.keys = np.empty(0, np.uint64)
         self.starts = np.empty(0, np.int64)
         self.recent: dict[int, int] = {}
+        self._limit = _COMPACT_MIN  # recent entries past this merge into the arrays
 
     def get(self, h: int) -> int | None:
         start = self.recent.get(h)
@@ -48,7 +49,7 @@ class _Table:
 
     def put(self, h: int, start: int) -> None:
         self.recent[h] = start  # starts only grow: the latest occurrence wins
-        if len(self.recent) > max(_COMPACT_MIN, len(self.keys) // 2):
+        if len(self.recent) > self._limit:
             self.put_many(np.empty(0, np.uint64), np.empty(0, np.int64))
 
     def put_many(self, hashes: np.ndarray, starts: np.ndarray) -> None:
@@ -63,6 +64,7 @@ class _Table:
         last[:-1] = keys[1:] != keys[:-1]
         self.keys, self.starts = keys[last], starts[last]
         self.recent = {}
+        self._limit = max(_COMPACT_MIN, len(self.keys) // 2)
 
     @property
     def nbytes(self) -> int:
@@ -141,10 +143,12 @@ class SuffixIndex:
         # the prefix hashes the n-grams need, as Python ints in one read (numpy scalars cost ~0.1 us each)
         lo = max(0, i - self.ngrams[0])
         prefix = self._prefix[lo : i + 1].tolist()
-        self._prefix[i + 1] = (prefix[-1] * BASE + t + 1) & MASK
+        last = prefix[-1]
+        self._prefix[i + 1] = (last * BASE + t + 1) & MASK
+        tables, pows = self._tables, self._pow
         for n in self.ngrams:  # the n-gram just before t is now followed (by t, at index i)
             if i >= n:
-                self._tables[n].put((prefix[-1] - prefix[i - n - lo] * self._pow[n]) & MASK, i)
+                tables[n].put((last - prefix[i - n - lo] * pows[n]) & MASK, i)
 
     def _extend_bulk(self, tokens: Sequence[int]) -> None:
         t = np.asarray(tokens, np.int64).astype(np.uint64) + np.uint64(1)
