@@ -65,6 +65,7 @@ class CpuOps:
         self._layer_rope = [spec.layer_rope(i) for i in range(spec.n_layer)]
         self._slots = np.zeros(0, np.intp)  # the slots the forward's tokens attend over, one run per sequence
         self._offsets: np.ndarray | None = None  # decode rows: token t reads run offsets[t] .. offsets[t + 1]
+        self.runs = np.zeros((0, 2), np.int64)  # [n_tokens, 2]: token t reads _slots[runs[t, 0]:runs[t, 1]]
         # post-RoPE queries [n_tokens, n_head, head_dim] of each layer's latest forward, for relevance scorers (a decode
         # row's, or a prompt's last RECENT_QUERIES)
         self.queries = [np.zeros((1, spec.n_head, spec.head_dim), np.float32) for _ in range(spec.n_layer)]
@@ -81,6 +82,8 @@ class CpuOps:
                              "one token of each")
         self._slots = np.concatenate(runs).astype(np.intp)
         self._offsets = np.cumsum([0] + [len(r) for r in runs]) if n_tokens == len(runs) else None
+        self.runs = (np.stack([self._offsets[:-1], self._offsets[1:]], axis=1) if self._offsets is not None
+                     else np.tile([0, len(self._slots)], (n_tokens, 1)))
 
     @property
     def attended(self) -> np.ndarray:
@@ -255,8 +258,8 @@ class CpuBackend(RunAhead):
         self.weights: Weights = load_weights(g, spec, self.ops)
         embed_scale = float(np.sqrt(spec.n_embd)) if spec.arch.embed_scale else 1.0
         # decode as one numba call per thread, for dense models (an MoE layer's one-token step goes op by op)
-        self.decode_step = DecodeStep(spec, self.weights, lambda tok: self.ops.embed(
-            self.weights.token_embd, np.array([tok]), embed_scale), self.pool, self.workers
+        self.decode_step = DecodeStep(spec, self.weights, lambda tokens: self.ops.embed(
+            self.weights.token_embd, tokens, embed_scale), self.pool, self.workers
         ) if all(lw.moe is None for lw in self.weights.layers) else None
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, all_logits: bool = False,
@@ -266,16 +269,16 @@ class CpuBackend(RunAhead):
         every row); None: a sequence alone in the pool (see CpuOps.begin_step)."""
         self.pool.assign(slots, positions)
         self.ops.begin_step(len(tokens), tables)
-        # One token of a sequence alone in the pool: the whole step in one numba call per thread. Not (yet) where a
-        # block table is given (every engine forward): its products take int16 inputs, so its logits differ from the
-        # op-by-op path's by ~1e-5, and the engine promises decode rows, solo decode and speculative verify the same
-        # numbers bit for bit.
-        if len(tokens) == 1 and tables is None and self.decode_step is not None:
-            logits, queries = self.decode_step(int(tokens[0]), int(positions[0]), int(slots[0]), self.ops.attended)
-            self.ops.queries = list(queries[:, None])
+        every = all_logits or (tables is not None and len(tables) == len(tokens))  # verify blocks, decode rows
+        # Decode (one token alone, decode rows, a verify block's tokens): the decode step, each token a row of its own
+        # whose numbers do not depend on the others, so the three give the same logits bit for bit. Prefill (the
+        # last logits only) goes op by op: its products are tiles of dequantized weights through BLAS.
+        if self.decode_step is not None and (every or len(tokens) == 1):
+            logits, queries = self.decode_step(np.asarray(tokens), positions, slots, self.ops.attended, self.ops.runs,
+                                               len(tokens) if every else 1)
+            self.ops.queries = list(queries)
             return logits
-        rows = tables is not None and len(tables) == len(tokens)
-        return forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, all_logits or rows)
+        return forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, every)
 
     def forward_argmax(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                        tables: Sequence[np.ndarray] | None = None) -> np.ndarray:

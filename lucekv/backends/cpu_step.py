@@ -72,11 +72,14 @@ class Arenas:
 
 
 class DecodeStep:
-    """One token through the model: `step(token, position, slot, attended) -> (logits [1, vocab], post-RoPE queries
-    [n_layer, n_head, head_dim])`, K/V written to the pool's `slot`, attention over the pool slots `attended` (the
-    sequence's, in logical order). Threads: numba's thread count (NUMBA_NUM_THREADS) at the call."""
+    """Tokens through the model, each on its own (a row): `step(tokens, positions, slots, attended, runs, n_logits)
+    -> (logits [n_logits, vocab] of the last rows, post-RoPE queries [n_layer, n_rows, n_head, head_dim])`. Row r
+    writes its K/V to the pool's slots[r] and attends over the pool slots attended[runs[r, 0]:runs[r, 1]] (its
+    sequence's, in logical order): rows may be one token of each of several sequences, or tokens of one sequence
+    (each sees those before it by the position rule). A row's numbers are the same in any batch of rows. Threads:
+    numba's thread count (NUMBA_NUM_THREADS) at the call."""
 
-    def __init__(self, spec: ModelSpec, weights: Weights, embed: Callable[[int], np.ndarray], pool,
+    def __init__(self, spec: ModelSpec, weights: Weights, embed: Callable[[np.ndarray], np.ndarray], pool,
                  workers: Workers):
         self.spec, self.pool, self.embed, self.workers = spec, pool, embed, workers
         a = Arenas(weights)
@@ -103,8 +106,7 @@ class DecodeStep:
         self.n_out = weights.output.rows
         self.width = max(spec.n_embd, spec.n_head * spec.head_dim, spec.n_kv_head * spec.head_dim,
                          *(lw.gate_up[0].rows for lw in weights.layers))
-        self.shared = np.zeros((7, self.width), np.float32)
-        self._scratch_threads = 0
+        self._sized = (0, 0)  # (threads, rows) the scratch holds
 
     def _rope_row(self, inv_freq: np.ndarray) -> int:
         for i, f in enumerate(self.inv_freqs):
@@ -113,34 +115,38 @@ class DecodeStep:
         self.inv_freqs.append(inv_freq)
         return len(self.inv_freqs) - 1
 
-    def _scratch(self, n: int) -> None:
-        if n != self._scratch_threads:  # sized once per thread count; np.empty maps pages as they are touched
+    def _scratch(self, n: int, rows: int) -> None:
+        if n != self._sized[0] or rows > self._sized[1]:  # grows with the rows; np.empty maps pages as touched
+            rows = max(rows, self._sized[1])
             pool, hd = self.pool, self.spec.head_dim
-            self.private = np.zeros((n, k.PRIVATE_ROWS, self.width), np.float32)
-            self.private_q = np.zeros((n, self.width), np.int16)
+            self.shared = np.zeros((7, rows * self.width), np.float32)
+            self.private = np.zeros((n, k.PRIVATE_ROWS, rows * self.width), np.float32)
+            self.private_q = np.zeros((n, rows * self.width), np.int16)
             self.scores = np.empty((n, pool.size), np.float32)
             self.kv_rows = np.empty((n, 2, pool.size, hd), np.float32)
-            self._scratch_threads = n
+            self._sized = (n, rows)
 
-    def __call__(self, token: int, position: int, slot: int, attended: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        n = numba.get_num_threads()
-        self._scratch(n)
-        x = self.embed(token).astype(np.float32).reshape(-1)
-        ang = np.float64(position) * np.stack(self.inv_freqs)  # as CpuOps._rope computes them
-        rope_cs = np.ascontiguousarray(np.stack([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32))
-        logits = np.empty(self.n_out, np.float32)
-        queries = np.empty((self.spec.n_layer, self.spec.n_head, self.spec.head_dim), np.float32)
+    def __call__(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, attended: np.ndarray,
+                 runs: np.ndarray, n_logits: int) -> tuple[np.ndarray, np.ndarray]:
+        n, n_rows = numba.get_num_threads(), len(tokens)
+        self._scratch(n, n_rows)
+        x = np.ascontiguousarray(self.embed(tokens), np.float32)
+        ang = np.asarray(positions, np.float64)[:, None, None] * np.stack(self.inv_freqs)  # as CpuOps._rope
+        rope_cs = np.ascontiguousarray(np.stack([np.cos(ang), np.sin(ang)], axis=2).astype(np.float32))
+        logits = np.empty((n_logits, self.n_out), np.float32)
+        queries = np.empty((self.spec.n_layer, n_rows, self.spec.n_head, self.spec.head_dim), np.float32)
         attended = np.ascontiguousarray(attended, np.intp)
         kp, vp = self.pool.k_all, self.pool.v_all
         if kp.dtype == np.float16:
             kp, vp = kp.view(np.uint16), vp.view(np.uint16)
         a = self.arenas
         args = (a.codes, a.scales, a.table, self.vecs, self.layers, self.attn_scales, self.dims, self.eps, rope_cs,
-                kp, vp, attended, self.pool.slot_pos[attended], position, slot, x, self.shared, self.private,
+                kp, vp, attended, self.pool.slot_pos[attended], np.ascontiguousarray(runs, np.int64),
+                np.asarray(positions, np.int64), np.asarray(slots, np.int64), x, self.shared, self.private,
                 self.private_q, self.scores, self.kv_rows, logits, queries)
         work = np.zeros(2 * k.step_phases(self.spec.n_layer), np.int64)
         self.workers.run(n, lambda t: k.decode_step(t, work, *args))
-        return logits[None, :], queries
+        return logits, queries
 
 
 class Workers:

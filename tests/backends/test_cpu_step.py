@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as Q
 
 import lucekv
 from lucekv.kernels.cpu.step import round_to_f16
+from lucekv.kvflash.pager import CHUNK_TOKENS
 from lucekv.model.decoder import forward
 from lucekv.model.synth import write_synthetic_gguf
 
@@ -46,6 +47,44 @@ def test_decode_step_equals_op_by_op_forward(arch, qtype, overrides, kv_dtype, t
         # float32: measured 4.3e-5 apart (qwen2), 1e-5 elsewhere
         assert err <= 2e-4, f"{arch} {kv_dtype} {threads} threads: {err:.2e}"
         assert np.abs(backend.last_queries() - ref_q).max() <= 1e-4 * np.abs(ref_q).max()
+
+
+@pytest.mark.parametrize("arch,qtype,overrides", CASES[:2], ids=[c[0] for c in CASES[:2]])
+def test_verify_block_equals_its_tokens_one_at_a_time(arch, qtype, overrides, tmp_path):
+    """A verify block (one sequence's tokens, every logit) is decode-step rows: row i gives what token i gives alone
+    after the tokens before it, bit for bit, on any thread count; and it stays within the step's bound of the
+    op-by-op forward. The sequence's blocks are scattered, as the engine's are."""
+    dims = K_DIMS if Q.Q6_K in overrides.values() else {}
+    path = write_synthetic_gguf(tmp_path / f"{arch}.gguf", arch, qtype=qtype, qtype_overrides=overrides, n_layer=2,
+                                sliding_window=8, **dims)
+    backend = lucekv.load(path, backend="cpu", kv_dtype="f16").backend
+    table = np.array([3, 1], np.int32)  # logical blocks 0, 1 in pool blocks 3, 1
+    ids = np.arange(5, 5 + CHUNK_TOKENS + 6, dtype=np.int32)  # the block crosses into the second chunk
+    pos = np.arange(len(ids), dtype=np.int32)
+    slots = table[pos // CHUNK_TOKENS] * CHUNK_TOKENS + pos % CHUNK_TOKENS
+    start = CHUNK_TOKENS - 3
+    backend.forward(ids[:start], pos[:start], slots[:start], tables=[table[:1]])  # the prompt (op by op)
+    block = ids[start:], pos[start:], slots[start:]
+    for threads in (1, 2):
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            backend.pool.truncate(start)
+            got = backend.forward(*block, all_logits=True, tables=[table])
+            greedy = backend.forward_argmax(*block, tables=[table])
+            queries = backend.last_queries()
+            backend.pool.truncate(start)
+            alone = [backend.forward(ids[p:p + 1], pos[p:p + 1], slots[p:p + 1], tables=[table[:p // CHUNK_TOKENS + 1]])
+                     for p in range(start, len(ids))]
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        assert np.array_equal(got, np.concatenate(alone)), f"{threads} threads"
+        assert np.array_equal(greedy, np.argmax(got, axis=1))
+        assert np.array_equal(queries, backend.last_queries())
+    backend.pool.truncate(start)
+    backend.pool.assign(block[2], block[1])
+    backend.ops.begin_step(len(block[0]), [table])
+    ref = forward(backend.spec, backend.weights, backend.ops, *block, all_logits=True)
+    assert np.abs(got - ref).max() <= 2e-4 * np.abs(ref).max()  # the bound of test_decode_step_equals_op_by_op
 
 
 def test_prefill_with_fewer_kv_heads_than_threads(tmp_path):

@@ -188,9 +188,9 @@ def test_q8_rows_with_int16_x_match_float64(qtype):
     xq, xd = np.empty(cols, np.int16), np.empty(cols // 32, np.float32)
     quantize_x16(x, xq, xd)
     assert np.all(np.abs(xd.repeat(32) * xq - x) <= xd.repeat(32) / 2 * (1 + 1e-6))
-    out = np.empty(rows, np.float32)
-    _q8_rows_x16(m.codes, m.scale, m.bias, xq, xd, _block_sums(x[None], 32)[0], out, 0, rows)
-    assert_close_to_float64(out[None, :], w, x[None, :])
+    out = np.empty((1, rows), np.float32)
+    _q8_rows_x16(m.codes, m.scale, m.bias, xq[None], xd[None], _block_sums(x[None], 32), out, 0, rows)
+    assert_close_to_float64(out, w, x[None, :])
 
 
 def test_shape_errors_are_refused():

@@ -80,13 +80,19 @@ def matmul_rows(m: PackedMatrix, xs: np.ndarray, out: np.ndarray, r0: int, r1: i
 def _block_sums(xs, block):
     """[n, cols // block]: each row's sums over blocks of `block` columns."""
     sums = np.empty((xs.shape[0], xs.shape[1] // block), np.float32)
+    block_sums(xs, block, sums)
+    return sums
+
+
+@njit(cache=True, nogil=True)
+def block_sums(xs, block, sums):
+    """sums [n, cols // block] = each row's sums over blocks of `block` columns."""
     for t in range(xs.shape[0]):
         for b in range(sums.shape[1]):
             s = np.float32(0)
             for j in range(block):
                 s += xs[t, b * block + j]
             sums[t, b] = s
-    return sums
 
 
 @njit(cache=True)
@@ -224,9 +230,10 @@ def quantize_x16(x, xq, xd):
 
 @njit(cache=True, nogil=True)
 def _q8_rows_x16(codes, scale, bias, xq, xd, xsum, out, r0, r1):
-    """_q8_rows for 32-blocks with x as int16 (quantize_x16): lane j of a block sums the integer products of
-    elements j and j + 16, converted to float once per block (40% faster than converting every code). Blocks go
-    in pairs, one accumulator update for both (13% faster again); an odd last block alone."""
+    """_q8_rows for 32-blocks with each row of x as int16 (quantize_x16: xq [n, cols], xd [n, cols // 32]): lane j
+    of a block sums the integer products of elements j and j + 16, converted to float once per block (40% faster
+    than converting every code). Blocks go in pairs, one accumulator update for both (13% faster again); an odd
+    last block alone."""
     acc = np.empty((ROW_GROUP, LANES), np.float32)
     s0 = np.empty(ROW_GROUP, np.float32)  # two arrays: one 2-D array of both vectorizes 10% worse
     s1 = np.empty(ROW_GROUP, np.float32)
@@ -237,38 +244,39 @@ def _q8_rows_x16(codes, scale, bias, xq, xd, xsum, out, r0, r1):
         first = r0 + g * ROW_GROUP
         ahead = (first + PREFETCH_GROUPS * ROW_GROUP) * codes.shape[1]
         touched |= _touch_lines(flat, ahead, ahead + ROW_GROUP * codes.shape[1])
-        acc[:] = 0
-        for pair in range(n_blocks // 2):
-            b = 2 * pair
-            for i in range(ROW_GROUP):
-                s0[i] = scale[min(first + i, r1 - 1), b] * xd[b]
-                s1[i] = scale[min(first + i, r1 - 1), b + 1] * xd[b + 1]
-            k0 = b * 2 * LANES
-            k1 = k0 + 2 * LANES
-            for j in range(LANES):
-                x0 = np.int32(xq[k0 + j])
-                x1 = np.int32(xq[k0 + LANES + j])
-                y0 = np.int32(xq[k1 + j])
-                y1 = np.int32(xq[k1 + LANES + j])
+        for t in range(xq.shape[0]):
+            acc[:] = 0
+            for pair in range(n_blocks // 2):
+                b = 2 * pair
                 for i in range(ROW_GROUP):
-                    r = min(first + i, r1 - 1)
-                    p = np.int32(np.int32(codes[r, k0 + j]) * x0 + np.int32(codes[r, k0 + LANES + j]) * x1)
-                    q = np.int32(np.int32(codes[r, k1 + j]) * y0 + np.int32(codes[r, k1 + LANES + j]) * y1)
-                    acc[i, j] += s0[i] * np.float32(p) + s1[i] * np.float32(q)
-        for b in range(n_blocks - n_blocks % 2, n_blocks):
-            for i in range(ROW_GROUP):
-                s0[i] = scale[min(first + i, r1 - 1), b] * xd[b]
-            k0 = b * 2 * LANES
-            for j in range(LANES):
-                x0 = np.int32(xq[k0 + j])
-                x1 = np.int32(xq[k0 + LANES + j])
+                    s0[i] = scale[min(first + i, r1 - 1), b] * xd[t, b]
+                    s1[i] = scale[min(first + i, r1 - 1), b + 1] * xd[t, b + 1]
+                k0 = b * 2 * LANES
+                k1 = k0 + 2 * LANES
+                for j in range(LANES):
+                    x0 = np.int32(xq[t, k0 + j])
+                    x1 = np.int32(xq[t, k0 + LANES + j])
+                    y0 = np.int32(xq[t, k1 + j])
+                    y1 = np.int32(xq[t, k1 + LANES + j])
+                    for i in range(ROW_GROUP):
+                        r = min(first + i, r1 - 1)
+                        p = np.int32(np.int32(codes[r, k0 + j]) * x0 + np.int32(codes[r, k0 + LANES + j]) * x1)
+                        q = np.int32(np.int32(codes[r, k1 + j]) * y0 + np.int32(codes[r, k1 + LANES + j]) * y1)
+                        acc[i, j] += s0[i] * np.float32(p) + s1[i] * np.float32(q)
+            for b in range(n_blocks - n_blocks % 2, n_blocks):
                 for i in range(ROW_GROUP):
-                    r = min(first + i, r1 - 1)
-                    p = np.int32(np.int32(codes[r, k0 + j]) * x0 + np.int32(codes[r, k0 + LANES + j]) * x1)
-                    acc[i, j] += s0[i] * np.float32(p)
-        for i in range(ROW_GROUP):
-            r = min(first + i, r1 - 1)
-            out[r] = _lane_sum(acc[i]) + _row_bias(bias, r, xsum)
+                    s0[i] = scale[min(first + i, r1 - 1), b] * xd[t, b]
+                k0 = b * 2 * LANES
+                for j in range(LANES):
+                    x0 = np.int32(xq[t, k0 + j])
+                    x1 = np.int32(xq[t, k0 + LANES + j])
+                    for i in range(ROW_GROUP):
+                        r = min(first + i, r1 - 1)
+                        p = np.int32(np.int32(codes[r, k0 + j]) * x0 + np.int32(codes[r, k0 + LANES + j]) * x1)
+                        acc[i, j] += s0[i] * np.float32(p)
+            for i in range(ROW_GROUP):
+                r = min(first + i, r1 - 1)
+                out[t, r] = _lane_sum(acc[i]) + _row_bias(bias, r, xsum[t])
     return touched
 
 

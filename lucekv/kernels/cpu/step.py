@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from lucekv.kernels.cpu.matvec import LANES, _block_sums, _f32_rows, _q4_rows, _q8_rows, _q8_rows_x16, quantize_x16
+from lucekv.kernels.cpu.matvec import LANES, _f32_rows, _q4_rows, _q8_rows, _q8_rows_x16, block_sums, quantize_x16
 from lucekv.kernels.cpu.sync import atomic_add, atomic_load, wait_at_least
 
 # matrix table columns (`mats`)
@@ -49,16 +49,23 @@ GELU_C = np.float32(np.sqrt(2.0 / np.pi))
 
 @njit(cache=True, nogil=True)
 def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, eps, rope_cs, k_pool, v_pool,
-                attended, attended_pos, pos, slot, x, shared, private, private_q, scores, kv_rows, logits, last_q):
-    """Thread t's part: x (float32 [n_embd], the embedded token, shared) through every layer, K/V of `pos` into
-    pool `slot` of each layer, attention over the pool slots `attended` (their positions `attended_pos`, in the
-    order given), logits into `logits`, post-RoPE q of each layer into last_q. Any number of threads
-    may call this at once with the same arguments but t (a distinct row of private/private_q/scores/kv_rows),
-    `work` zeros (int64 [2 * step_phases(...)]) at the start."""
+                attended, attended_pos, runs, positions, slots, x, shared, private, private_q, scores, kv_rows,
+                logits, last_q):
+    """Thread t's part: the rows of x (float32 [n_rows, n_embd], embedded tokens, shared) through every layer. Row r
+    is the token at positions[r]: its K/V go into pool slot slots[r] of each layer, it attends over the pool slots
+    attended[runs[r, 0]:runs[r, 1]] (their positions attended_pos[...], in the order given); the logits of the last
+    logits.shape[0] rows go into `logits`, the post-RoPE q of every row into last_q [n_layer, n_rows, n_head, hd].
+    A row's numbers are a function of its own token, position and slots: the same in any batch of rows, whichever
+    thread computes what. Any number of threads may call this at once with the same arguments but t (a distinct
+    row of private/private_q/scores/kv_rows), `work` zeros (int64 [2 * step_phases(...)]) at the start."""
     n_head, n_kv, hd = dims[N_HEAD], dims[N_KV_HEAD], dims[HEAD_DIM]
-    d = dims[N_EMBD]
-    n_slots = attended.shape[0]
-    h, mine, xq = private[t, P_H], private[t], private_q[t]
+    d, n_rows = dims[N_EMBD], x.shape[0]
+    group = n_head // n_kv
+    mine, xq = private[t], private_q[t]
+    h = _rows(mine[P_H], n_rows, d)
+    q_all, k_all = _rows(shared[S_Q], n_rows, n_head * hd), _rows(shared[S_K], n_rows, n_kv * hd)
+    v_all, attn = _rows(shared[S_V], n_rows, n_kv * hd), _rows(shared[S_ATTN], n_rows, n_head * hd)
+    y = _rows(shared[S_Y], n_rows, d)
     sink = np.uint8(0)  # q8 products' prefetch loads, kept alive by storing their OR
     phase = 0
     for layer in range(layers.shape[0]):
@@ -66,99 +73,108 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
         # q, k, v of the attention norm of x
         n = _chunks(mats, lt[WQ]) + _chunks(mats, lt[WK]) + _chunks(mats, lt[WV])
         if _open(work, phase, n):
-            _rmsnorm(x, vecs, lt[ATTN_NORM], h[:d], eps)
-            _prepare(h[:d], mine, xq)
+            for r in range(n_rows):
+                _rmsnorm(x[r], vecs, lt[ATTN_NORM], h[r], eps)
+            _prepare(h, mine, xq)
             c = _claim(work, phase)
             while c < n:
                 j = 0  # which of q, k, v chunk c belongs to
                 while c >= _chunks(mats, lt[WQ + j]):
                     c -= _chunks(mats, lt[WQ + j])
                     j += 1
-                sink |= _product(codes, scales, mats, lt[WQ + j], h[:d], mine, xq, shared[S_Q + j], vecs,
-                                 lt[Q_BIAS + j], c * CHUNK_ROWS)
+                m = lt[WQ + j]
+                sink |= _product(codes, scales, mats, m, h, mine, xq, _rows(shared[S_Q + j], n_rows, mats[m, ROWS]),
+                                 vecs, lt[Q_BIAS + j], c * CHUNK_ROWS)
                 c = _done_claim(work, phase)
         phase = _wait(work, phase, n)
-        # per kv head: k norm, RoPE, K and V into the pool
-        cs = rope_cs[lt[ROPE]]
+        # per row and kv head: k norm, RoPE, K and V into the pool
         c = _claim(work, phase)
-        while c < n_kv:
-            k = shared[S_K, c * hd:(c + 1) * hd]
+        while c < n_rows * n_kv:
+            r, kvh = c // n_kv, c % n_kv
+            k = k_all[r, kvh * hd:(kvh + 1) * hd]
             if lt[K_NORM] >= 0:
                 _rmsnorm(k, vecs, lt[K_NORM], k, eps)
-            _rope(k, cs, dims[ROPE_DIM], dims[NEOX])
-            _store_kv(k, k_pool[layer, slot, c], private[t, P_KBITS])
-            _store_kv(shared[S_V, c * hd:(c + 1) * hd], v_pool[layer, slot, c], private[t, P_KBITS])
+            _rope(k, rope_cs[r, lt[ROPE]], dims[ROPE_DIM], dims[NEOX])
+            _store_kv(k, k_pool[layer, slots[r], kvh], mine[P_KBITS])
+            _store_kv(v_all[r, kvh * hd:(kvh + 1) * hd], v_pool[layer, slots[r], kvh], mine[P_KBITS])
             c = _done_claim(work, phase)
-        phase = _wait(work, phase, n_kv)
-        # per q head: q norm, RoPE, attention over the pool
-        loaded = -1
+        phase = _wait(work, phase, n_rows * n_kv)
+        # per row and q head: q norm, RoPE, attention over the row's slots. Tasks in kv-head order, so that a thread
+        # taking the next one mostly finds the kv head's rows already gathered and widened (rows of one sequence
+        # read the same slots)
+        loaded_kvh, loaded_at, loaded_stop = -1, -1, -1
         c = _claim(work, phase)
-        while c < n_head:
-            q = shared[S_Q, c * hd:(c + 1) * hd]
+        while c < n_rows * n_head:
+            kvh, rest = c // (n_rows * group), c % (n_rows * group)
+            r, head = rest // group, kvh * group + rest % group
+            q = q_all[r, head * hd:(head + 1) * hd]
             if lt[Q_NORM] >= 0:
                 _rmsnorm(q, vecs, lt[Q_NORM], q, eps)
-            _rope(q, cs, dims[ROPE_DIM], dims[NEOX])
-            last_q[layer, c, :] = q
-            kvh = c // (n_head // n_kv)
-            if kvh != loaded:  # a kv head's rows gathered and widened once for the q heads of its group
-                widen_rows(k_pool[layer], attended, kvh, kv_rows[t, 0, :n_slots])
-                widen_rows(v_pool[layer], attended, kvh, kv_rows[t, 1, :n_slots])
-                loaded = kvh
-            _attend(q, kv_rows[t, 0, :n_slots], kv_rows[t, 1, :n_slots], attended_pos, pos, lt[WINDOW],
-                    attn_scales[layer], scores[t, :n_slots], shared[S_ATTN, c * hd:(c + 1) * hd])
+            _rope(q, rope_cs[r, lt[ROPE]], dims[ROPE_DIM], dims[NEOX])
+            last_q[layer, r, head, :] = q
+            at, stop = runs[r, 0], runs[r, 1]
+            n_slots = stop - at
+            if kvh != loaded_kvh or at != loaded_at or stop != loaded_stop:
+                widen_rows(k_pool[layer], attended[at:stop], kvh, kv_rows[t, 0, :n_slots])
+                widen_rows(v_pool[layer], attended[at:stop], kvh, kv_rows[t, 1, :n_slots])
+                loaded_kvh, loaded_at, loaded_stop = kvh, at, stop
+            _attend(q, kv_rows[t, 0, :n_slots], kv_rows[t, 1, :n_slots], attended_pos[at:stop], positions[r],
+                    lt[WINDOW], attn_scales[layer], scores[t, :n_slots], attn[r, head * hd:(head + 1) * hd])
             c = _done_claim(work, phase)
-        phase = _wait(work, phase, n_head)
+        phase = _wait(work, phase, n_rows * n_head)
         # x += [post-norm of] W_o attn
-        attn = shared[S_ATTN, :n_head * hd]
         n = _chunks(mats, lt[WO])
         if _open(work, phase, n):
             _prepare(attn, mine, xq)
             c = _claim(work, phase)
             while c < n:
-                sink |= _product(codes, scales, mats, lt[WO], attn, mine, xq, shared[S_Y], vecs, -1, c * CHUNK_ROWS)
+                sink |= _product(codes, scales, mats, lt[WO], attn, mine, xq, y, vecs, -1, c * CHUNK_ROWS)
                 if lt[POST_ATTN_NORM] < 0:
-                    _add_rows(x, shared[S_Y], c * CHUNK_ROWS, d)
+                    _add_rows(x, y, c * CHUNK_ROWS)
                 c = _done_claim(work, phase)
         phase = _wait(work, phase, n)
-        phase = _post_norm_add(work, phase, x, shared[S_Y, :d], vecs, lt[POST_ATTN_NORM], eps)
+        phase = _post_norm_add(work, phase, x, y, vecs, lt[POST_ATTN_NORM], eps)
         # act(W_gate h) * (W_up h), h the FFN norm of x
         n_ff = mats[lt[WGATE], ROWS]
+        gate, up = _rows(shared[S_GATE], n_rows, n_ff), _rows(shared[S_UP], n_rows, n_ff)
         n = _chunks(mats, lt[WGATE])
         if _open(work, phase, n):
-            _rmsnorm(x, vecs, lt[FFN_NORM], h[:d], eps)
-            _prepare(h[:d], mine, xq)
+            for r in range(n_rows):
+                _rmsnorm(x[r], vecs, lt[FFN_NORM], h[r], eps)
+            _prepare(h, mine, xq)
             c = _claim(work, phase)
             while c < n:
-                sink |= _product(codes, scales, mats, lt[WGATE], h[:d], mine, xq, shared[S_GATE], vecs, -1,
-                                 c * CHUNK_ROWS)
-                sink |= _product(codes, scales, mats, lt[WUP], h[:d], mine, xq, shared[S_UP], vecs, -1,
-                                 c * CHUNK_ROWS)
-                _gated_act(shared[S_GATE], shared[S_UP], c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, n_ff), dims[GELU])
+                sink |= _product(codes, scales, mats, lt[WGATE], h, mine, xq, gate, vecs, -1, c * CHUNK_ROWS)
+                sink |= _product(codes, scales, mats, lt[WUP], h, mine, xq, up, vecs, -1, c * CHUNK_ROWS)
+                for r in range(n_rows):
+                    _gated_act(gate[r], up[r], c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, n_ff), dims[GELU])
                 c = _done_claim(work, phase)
         phase = _wait(work, phase, n)
         # x += [post-norm of] W_down of that
-        ff = shared[S_GATE, :n_ff]
         n = _chunks(mats, lt[WDOWN])
         if _open(work, phase, n):
-            _prepare(ff, mine, xq)
+            _prepare(gate, mine, xq)
             c = _claim(work, phase)
             while c < n:
-                sink |= _product(codes, scales, mats, lt[WDOWN], ff, mine, xq, shared[S_Y], vecs, -1,
-                                 c * CHUNK_ROWS)
+                sink |= _product(codes, scales, mats, lt[WDOWN], gate, mine, xq, y, vecs, -1, c * CHUNK_ROWS)
                 if lt[POST_FFN_NORM] < 0:
-                    _add_rows(x, shared[S_Y], c * CHUNK_ROWS, d)
+                    _add_rows(x, y, c * CHUNK_ROWS)
                 c = _done_claim(work, phase)
         phase = _wait(work, phase, n)
-        phase = _post_norm_add(work, phase, x, shared[S_Y, :d], vecs, lt[POST_FFN_NORM], eps)
+        phase = _post_norm_add(work, phase, x, y, vecs, lt[POST_FFN_NORM], eps)
+    # the logits of the last rows
     n = _chunks(mats, dims[OUTPUT])
+    n_out = logits.shape[0]
     if _open(work, phase, n):
-        _rmsnorm(x, vecs, dims[OUTPUT_NORM], h[:d], eps)
-        _prepare(h[:d], mine, xq)
+        h_out = _rows(mine[P_H], n_out, d)
+        for r in range(n_out):
+            _rmsnorm(x[n_rows - n_out + r], vecs, dims[OUTPUT_NORM], h_out[r], eps)
+        _prepare(h_out, mine, xq)
         c = _claim(work, phase)
         while c < n:
-            sink |= _product(codes, scales, mats, dims[OUTPUT], h[:d], mine, xq, logits, vecs, -1, c * CHUNK_ROWS)
+            sink |= _product(codes, scales, mats, dims[OUTPUT], h_out, mine, xq, logits, vecs, -1, c * CHUNK_ROWS)
             c = _done_claim(work, phase)
-    private[t, P_KBITS, 0] = sink
+    mine[P_KBITS, 0] = sink
     _wait(work, phase, n)
 
 
@@ -203,25 +219,36 @@ def _wait(work, phase, n):
 
 
 @njit(cache=True, nogil=True)
-def _add_rows(x, y, r0, d):
-    for r in range(r0, min(r0 + CHUNK_ROWS, d)):
-        x[r] += y[r]
+def _rows(buf, n, cols):
+    """The first n * cols floats (or codes) of a scratch row, as an [n, cols] array."""
+    return buf[:n * cols].reshape(n, cols)
+
+
+@njit(cache=True, nogil=True)
+def _add_rows(x, y, r0):
+    """x[:, r0:r0 + CHUNK_ROWS] += y[:, r0:...] (clipped to the width)."""
+    for t in range(x.shape[0]):
+        for r in range(r0, min(r0 + CHUNK_ROWS, x.shape[1])):
+            x[t, r] += y[t, r]
 
 
 @njit(cache=True, nogil=True)
 def _post_norm_add(work, phase, x, y, vecs, norm_at, eps):
-    """x += rmsnorm(y) by chunks of rows once y is whole (Gemma 3's post-norms); nothing without a norm."""
+    """x[t] += rmsnorm(y[t]) for every row t, by chunks of columns once y is whole (Gemma 3's post-norms); nothing
+    without a norm."""
     if norm_at < 0:
         return phase
-    n = (x.shape[0] + CHUNK_ROWS - 1) // CHUNK_ROWS
+    d = x.shape[1]
+    n = (d + CHUNK_ROWS - 1) // CHUNK_ROWS
     c = _claim(work, phase)
     while c < n:
-        ss = 0.0
-        for i in range(y.shape[0]):
-            ss += np.float64(y[i]) * np.float64(y[i])
-        inv = np.float32(1.0 / np.sqrt(np.float32(ss / y.shape[0]) + eps))
-        for r in range(c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, x.shape[0])):
-            x[r] += y[r] * inv * vecs[norm_at + r]
+        for t in range(x.shape[0]):
+            ss = 0.0
+            for i in range(d):
+                ss += np.float64(y[t, i]) * np.float64(y[t, i])
+            inv = np.float32(1.0 / np.sqrt(np.float32(ss / d) + eps))
+            for r in range(c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, d)):
+                x[t, r] += y[t, r] * inv * vecs[norm_at + r]
         c = _done_claim(work, phase)
     return _wait(work, phase, n)
 
@@ -239,34 +266,37 @@ def _rmsnorm(x, vecs, w_at, out, eps):
 
 
 @njit(cache=True, nogil=True)
-def _prepare(x, mine, xq):
-    """What the row kernels need of an input x besides x: q4's re-ordered halves, x's 16- and 32-block sums, and
-    x as int16 codes (xq) with their per-block scales (mine[P_XD])."""
-    n_blocks = x.shape[0] // (2 * LANES)
-    for b in range(n_blocks):
-        for j in range(LANES):
-            mine[P_XLO, b * LANES + j] = x[2 * b * LANES + j]
-            mine[P_XHI, b * LANES + j] = x[2 * b * LANES + LANES + j]
-    if x.shape[0] % LANES == 0:
-        mine[P_XS16, :x.shape[0] // 16] = _block_sums(x.reshape(1, x.shape[0]), 16)[0]
-    mine[P_XS32, :n_blocks] = _block_sums(x.reshape(1, x.shape[0]), 32)[0]
-    quantize_x16(x, xq, mine[P_XD])
+def _prepare(xs, mine, xq):
+    """What the row kernels need of inputs xs [n, cols] besides xs, per row: q4's re-ordered halves, 16- and
+    32-block sums, and the row as int16 codes (in xq) with their per-block scales (mine[P_XD])."""
+    n, cols = xs.shape
+    n_blocks = cols // (2 * LANES)
+    xlo, xhi = _rows(mine[P_XLO], n, n_blocks * LANES), _rows(mine[P_XHI], n, n_blocks * LANES)
+    xd = _rows(mine[P_XD], n, n_blocks)
+    for t in range(n):
+        for b in range(n_blocks):
+            for j in range(LANES):
+                xlo[t, b * LANES + j] = xs[t, 2 * b * LANES + j]
+                xhi[t, b * LANES + j] = xs[t, 2 * b * LANES + LANES + j]
+        quantize_x16(xs[t], xq[t * cols:(t + 1) * cols], xd[t])
+    if cols % LANES == 0:
+        block_sums(xs, 16, _rows(mine[P_XS16], n, cols // 16))
+    block_sums(xs, 32, _rows(mine[P_XS32], n, n_blocks))
 
 
 @njit(cache=True, nogil=True)
-def _product(codes, scales, mats, m, x, mine, xq, out, vecs, bias_at, r0):
-    """Rows r0..r0 + CHUNK_ROWS (or the last) of out = W_m x (+ the bias at vecs[bias_at:] where bias_at >= 0).
-    Returns the q8 kernels' prefetch OR (see matvec._touch_lines)."""
+def _product(codes, scales, mats, m, xs, mine, xq, out, vecs, bias_at, r0):
+    """Rows r0..r0 + CHUNK_ROWS (or the last) of out = xs W_m^T, xs [n, cols] and out [n, rows] (+ the bias at
+    vecs[bias_at:] where bias_at >= 0). Returns the q8 kernels' prefetch OR (see matvec._touch_lines)."""
     rows, cols = mats[m, ROWS], mats[m, COLS]
+    n = xs.shape[0]
     r1 = min(r0 + CHUNK_ROWS, rows)
     touched = np.uint8(0)
     at, cc = mats[m, CODES_AT], mats[m, CODE_COLS]
     kind = mats[m, KIND]
-    # matvec.py's row kernels take rows of x and of out (several tokens); here one of each
-    x1, out1 = x.reshape(1, x.shape[0]), out.reshape(1, out.shape[0])
     if kind == KIND_F32:
         w = codes[at:at + rows * cols * 4].view(np.float32).reshape(rows, cols)
-        _f32_rows(w, x1, out1, r0, r1)
+        _f32_rows(w, xs, out, r0, r1)
     else:
         nb = mats[m, BLOCKS]
         scale = scales[mats[m, SCALE_AT]:mats[m, SCALE_AT] + rows * nb].reshape(rows, nb)
@@ -274,17 +304,19 @@ def _product(codes, scales, mats, m, x, mine, xq, out, vecs, bias_at, r0):
         bias = scales[mats[m, BIAS_AT]:mats[m, BIAS_AT] + rows * bias_cols].reshape(rows, bias_cols)
         if kind == KIND_Q4:
             q4 = codes[at:at + rows * cc].reshape(rows, cc)
-            _q4_rows(q4, scale, bias, mine[P_XLO:P_XLO + 1], mine[P_XHI:P_XHI + 1], mine[P_XS32:P_XS32 + 1, :nb],
-                     out1, r0, r1)
+            _q4_rows(q4, scale, bias, _rows(mine[P_XLO], n, cc), _rows(mine[P_XHI], n, cc),
+                     _rows(mine[P_XS32], n, nb), out, r0, r1)
         else:
             q8 = codes[at:at + rows * cc].view(np.int8).reshape(rows, cc)
             if cols // nb == 32:
-                touched = _q8_rows_x16(q8, scale, bias, xq, mine[P_XD], mine[P_XS32, :nb], out, r0, r1)
+                touched = _q8_rows_x16(q8, scale, bias, _rows(xq, n, cols), _rows(mine[P_XD], n, nb),
+                                       _rows(mine[P_XS32], n, nb), out, r0, r1)
             else:
-                touched = _q8_rows(q8, scale, bias, x1, mine[P_XS16:P_XS16 + 1, :nb], out1, r0, r1)
+                touched = _q8_rows(q8, scale, bias, xs, _rows(mine[P_XS16], n, nb), out, r0, r1)
     if bias_at >= 0:
-        for r in range(r0, r1):
-            out[r] += vecs[bias_at + r]
+        for t in range(n):
+            for r in range(r0, r1):
+                out[t, r] += vecs[bias_at + r]
     return touched
 
 
