@@ -1,12 +1,13 @@
-"""A whole decode step (one token through every layer) as one numba call per thread.
+"""A whole decode step (tokens through every layer, each a row of its own) as one numba call per thread.
 
 The model's matrices live in one flat byte arena (`codes`) and one float32 arena (`scales`), described by a table
 (`mats`, one row per matrix); norms and biases in a third arena (`vecs`); each layer is a row of `layers` naming
 its matrices and vectors. `decode_step` runs on every thread of the step at once: each op's work (rows of a
 product in chunks, attention's heads) goes to whichever thread takes it next, and a thread waits at the end of
 an op only for chunks still in flight (6 ops a layer, 8 with post-norms). The products are matvec.py's row
-kernels (32-block int8 codes with x as int16, `_q8_rows_x16`). Nothing here allocates per token: scratch comes
-in from the caller.
+kernels (32-block int8 codes with x as int16, `_q8_rows_x16`), every row of x through a row group's codes while
+they are in cache; each row's arithmetic is its own (its own int16 scales, its own attention), so a row gives the
+same numbers in any batch. Nothing here allocates per token: scratch comes in from the caller.
 
 numba's on-disk cache keys a function on its own file only: after editing matvec.py or sync.py, delete
 lucekv/kernels/cpu/__pycache__/step.* (a fresh checkout compiles everything anew).
