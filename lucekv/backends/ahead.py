@@ -27,7 +27,7 @@ class RunAhead:
         if token is None:
             token = self._ahead_last
         one = np.array([token], np.int32), np.array([position], np.int32), np.array([slot], np.int32)
-        logits = self.forward(*one, tables=None if table is None else [table])
+        logits = self.forward(*one, all_logits=True, tables=None if table is None else [table])  # a decode step
         self._ahead_last = int(np.argmax(logits[-1][: self.spec.vocab_size]))
         self._ahead.append(self._ahead_last)
 

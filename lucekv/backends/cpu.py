@@ -280,19 +280,22 @@ class CpuBackend(RunAhead):
                 tables: Sequence[np.ndarray] | None = None) -> np.ndarray:
         """Logits [1 or n, vocab] float32 for `tokens` at `positions`, their K/V written to `slots`. tables: each
         sequence's blocks in logical order, one for all the tokens or one per token (decode rows: the logits of
-        every row); None: a sequence alone in the pool (see CpuOps.begin_step)."""
+        every row); None: a sequence alone in the pool (see CpuOps.begin_step).
+
+        all_logits (every token's logits: a decode step, alone or in rows, or a verify block) takes the decode step,
+        each token a row whose numbers do not depend on the others, so the three give the same logits bit for bit.
+        A prompt piece (the last logits only) goes op by op, its products dequantized tiles through BLAS, whatever
+        its length: its K/V must not depend on how the scheduler cut the prompt into pieces (the step is ~1e-5 off
+        that path). One token without a table (a draft model's step, the profilers) takes the step too."""
         self.pool.assign(slots, positions)
         self.ops.begin_step(len(tokens), tables)
-        every = all_logits or (tables is not None and len(tables) == len(tokens))  # verify blocks, decode rows
-        # Decode (one token alone, decode rows, a verify block's tokens): the decode step, each token a row of its own
-        # whose numbers do not depend on the others, so the three give the same logits bit for bit. Prefill (the
-        # last logits only) goes op by op: its products are tiles of dequantized weights through BLAS.
-        if self.decode_step is not None and (every or len(tokens) == 1):
+        if self.decode_step is not None and (all_logits or (tables is None and len(tokens) == 1)):
             logits, queries = self.decode_step(np.asarray(tokens), positions, slots, self.ops.attended, self.ops.runs,
-                                               len(tokens) if every else 1)
+                                               len(tokens) if all_logits else 1)
             self.ops.queries = list(queries)
             return logits
-        return forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, every)
+        rows = tables is not None and len(tables) == len(tokens)
+        return forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, all_logits or rows)
 
     def forward_argmax(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                        tables: Sequence[np.ndarray] | None = None) -> np.ndarray:
@@ -308,7 +311,7 @@ class CpuBackend(RunAhead):
                     sampled: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """One token of each of several sequences (tables: each one's blocks in logical order): the greedy token of
         every row, int32 [n], and the logits [len(sampled), vocab] of the rows listed in `sampled`."""
-        logits = self.forward(tokens, positions, slots, tables=tables)
+        logits = self.forward(tokens, positions, slots, all_logits=True, tables=tables)
         return np.argmax(logits[:, : self.spec.vocab_size], axis=1).astype(np.int32), logits[list(sampled)]
 
     # ---- KVFlash: the pager decides, the backend moves bytes (lucekv.kvflash.sequence.PoolBackend) ----

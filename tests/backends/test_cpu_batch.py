@@ -79,10 +79,12 @@ def test_decode_rows_give_each_sequence_its_own_logits_exactly(backend):
     tokens = rng.integers(0, 512, 3).astype(np.int32)
     pos = np.array(lengths, np.int32)
     row_slots = np.array([slots(t, p) for t, p in zip(tables, pos, strict=True)], np.int32)
-    batched = backend.forward(tokens, pos, row_slots, tables=tables)
+    greedy, batched = backend.decode_rows(tokens, pos, row_slots, tables, sampled=[0, 1, 2])
     assert batched.shape == (3, backend.spec.vocab_size)
-    for i in range(3):
-        alone = backend.forward(tokens[i : i + 1], pos[i : i + 1], row_slots[i : i + 1], tables=[tables[i]])
+    assert np.array_equal(greedy, np.argmax(batched, axis=1))
+    for i in range(3):  # a decode step alone, as decode_ahead takes it
+        alone = backend.forward(tokens[i : i + 1], pos[i : i + 1], row_slots[i : i + 1], all_logits=True,
+                                tables=[tables[i]])
         assert np.array_equal(alone[0], batched[i]), f"row {i}"
     # and a sequence in scattered blocks computes what it computes alone in a pool of its own, slot = position
     g = open_gguf(path)

@@ -73,8 +73,8 @@ def test_verify_block_equals_its_tokens_one_at_a_time(arch, qtype, overrides, tm
             greedy = backend.forward_argmax(*block, tables=[table])
             queries = backend.last_queries()
             backend.pool.truncate(start)
-            alone = [backend.forward(ids[p:p + 1], pos[p:p + 1], slots[p:p + 1], tables=[table[:p // CHUNK_TOKENS + 1]])
-                     for p in range(start, len(ids))]
+            alone = [backend.forward(ids[p:p + 1], pos[p:p + 1], slots[p:p + 1], all_logits=True,
+                                     tables=[table[:p // CHUNK_TOKENS + 1]]) for p in range(start, len(ids))]
         finally:
             numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
         assert np.array_equal(got, np.concatenate(alone)), f"{threads} threads"
@@ -85,6 +85,14 @@ def test_verify_block_equals_its_tokens_one_at_a_time(arch, qtype, overrides, tm
     backend.ops.begin_step(len(block[0]), [table])
     ref = forward(backend.spec, backend.weights, backend.ops, *block, all_logits=True)
     assert np.abs(got - ref).max() <= 2e-4 * np.abs(ref).max()  # the bound of test_decode_step_equals_op_by_op
+    # a prompt piece of one token (the last logits only) goes op by op, as a longer piece does
+    one = ids[start:start + 1], pos[start:start + 1], slots[start:start + 1]
+    backend.pool.truncate(start)
+    piece = backend.forward(*one, tables=[table])
+    backend.pool.truncate(start)
+    backend.pool.assign(one[2], one[1])
+    backend.ops.begin_step(1, [table])
+    assert np.array_equal(piece, forward(backend.spec, backend.weights, backend.ops, *one))
 
 
 def test_prefill_with_fewer_kv_heads_than_threads(tmp_path):
