@@ -344,8 +344,10 @@ def test_a_cuda_pool_that_holds_everything_equals_the_unpaged_cuda_engine(model)
     tokens, lp = greedy(pooled, ids)
     assert tokens == full_tokens
     # attention splits the used slots by the pool's size and the step's query count, so the two pools sum in
-    # another order (measured on an H200: 1e-5 at most with 64-token prefill forwards on both sides)
-    np.testing.assert_allclose(lp, full_lp, rtol=0, atol=1e-4)
+    # another order: 4.8e-5 at most on an H100 with every product a matmul. The tiny model's 64-row products of up
+    # to 512 tokens run as matvec rows (CudaOps.as_matvec_rows), which quantize x to 8 bits per block, so such an
+    # order's last bits may round a code the other way: 1.7e-4 on an H100 at 48a6984 (tokens identical)
+    np.testing.assert_allclose(lp, full_lp, rtol=0, atol=5e-4)
     assert pooled.paged.usage().page_outs == 0
 
 
