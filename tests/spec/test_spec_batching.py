@@ -11,8 +11,8 @@ import lucekv
 from lucekv.engine.sampling import SamplingParams
 from lucekv.model.synth import write_synthetic_gguf
 from lucekv.spec.config import SpecConfig
-from lucekv.spec.drafter import Draft
 from tests.engine.test_batching import assert_pool_adds_up
+from tests.spec.test_spec_engine import OracleDrafter
 
 VOCAB = 512
 
@@ -30,34 +30,20 @@ def greedy(n, **kw):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
-class Oracle:
-    """Proposes a request's reference continuation (the one whose start is its prompt), 1 to 7 tokens, every third
-    proposal spoilt in its middle. One per request: `made` counts them."""
+class Oracle(OracleDrafter):
+    """An OracleDrafter of each request's own reference continuation (the one whose start is its prompt), 1 to 7
+    tokens. One per request: `made` counts them."""
 
     made = 0
 
     def __init__(self, references: list[list[int]]):
+        super().__init__([], longest=7)
         Oracle.made += 1
-        self.references, self.proposals = references, 0
-        self.name, self.cheap = "oracle", True
+        self.references = references
 
     def begin(self, tokens, params=None):
-        self.seq = list(tokens)
+        super().begin(tokens, params)
         self.reference = next((r for r in self.references if r[: len(tokens)] == self.seq), self.seq)
-
-    def propose(self, max_len):
-        self.proposals += 1
-        at = len(self.seq)
-        tokens = list(self.reference[at : at + min(max_len, 1 + self.proposals % 7)])
-        if tokens and self.proposals % 3 == 0:
-            tokens[len(tokens) // 2] = (tokens[len(tokens) // 2] + 1) % VOCAB
-        return Draft(tokens)
-
-    def accept(self, tokens):
-        self.seq += list(tokens)
-
-    def end(self):
-        pass
 
 
 HISTORY = prompt(200, 100)  # the first turn of session "s", run before the batch
