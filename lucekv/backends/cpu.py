@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mmap
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numba
@@ -83,6 +83,9 @@ class CpuOps:
         # post-RoPE queries [n_tokens, n_head, head_dim] of each layer's latest forward, for relevance scorers (a decode
         # row's, or a prompt's last RECENT_QUERIES)
         self.queries = [np.zeros((1, spec.n_head, spec.head_dim), np.float32) for _ in range(spec.n_layer)]
+        # called with (layer, expert ids [n_tokens, n_expert_used]) by every MoE layer of every forward (`lucekv spark
+        # trace` counts them); None: nothing is observed
+        self.routing_observer: Callable[[int, np.ndarray], None] | None = None
 
     def begin_step(self, n_tokens: int, tables: Sequence[np.ndarray] | None) -> None:
         """tables: the blocks of each sequence of the forward, in logical order: one (all tokens are its), or one per
@@ -231,6 +234,8 @@ class CpuOps:
         h = self.rmsnorm(x, norm)
         k = spec.n_expert_used
         ids, weights = route(self.linear(e.router, h), k, spec.arch.norm_topk)
+        if self.routing_observer is not None:
+            self.routing_observer(m.layer, ids)
         order, starts = group_by_expert(ids, spec.n_expert)
         outs = np.empty((len(h) * k, spec.n_embd), np.float32)  # row token * k + rank
         for expert in np.flatnonzero(np.diff(starts)):

