@@ -1,7 +1,8 @@
 """Routing traces: how many tokens each layer routed to each expert, on one model.
 
-Counts come from running a corpus (`lucekv spark trace`) or from served traffic; a placement is computed from
-them and checked against another trace (held-out traffic). A trace is saved with the model's fingerprint and
+Counts come from running text through the model (`lucekv spark trace`: the CPU backend's MoE op reports each layer's
+expert ids to `RoutingTrace.observe`); a placement is computed from them and checked against another trace (held-out
+text). A trace is saved with the model's fingerprint and
 never mixed with another model's. Pure bookkeeping: numpy and JSON only.
 """
 
