@@ -8,7 +8,7 @@ import json
 import re
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -87,10 +87,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     spec = ModelSpec.from_gguf(g)
     tokenizer = Tokenizer.from_metadata(g.metadata)
     max_tokens = min(args.max_tokens, spec.n_ctx)
-    backend = CpuBackend(g, spec, "f32", pool_size=-(-max_tokens // CHUNK_TOKENS) * CHUNK_TOKENS)
+    # the KV dtype served by default (f16), so that routing is what the engine's forwards route
+    backend = CpuBackend(g, spec, pool_size=-(-max_tokens // CHUNK_TOKENS) * CHUNK_TOKENS)
     trace = RoutingTrace.empty(g.fingerprint, spec.n_layer, spec.n_expert, spec.n_expert_used)
-    ids = (np.asarray(tokenizer.encode(text)[:max_tokens], np.int32) for _, text in documents)
-    record_trace(backend, ids, trace, [name for name, _ in documents])
+    record_trace(backend, [(name, np.asarray(tokenizer.encode(text)[:max_tokens], np.int32))
+                           for name, text in documents], trace)
     trace.save(args.output)
     share = trace.counts.max(axis=1) / np.maximum(trace.counts.sum(axis=1), 1)
     print(f"{trace.tokens} tokens of {len(documents)} documents, {trace.n_layer} layers x {trace.n_expert} experts, "
@@ -119,19 +120,20 @@ def read_documents(files: list[str], sharegpt: int) -> list[tuple[str, str]]:
     return documents
 
 
-def record_trace(backend: CpuBackend, documents: Iterable[np.ndarray], trace: RoutingTrace, names: list[str]) -> None:
-    """Count in `trace` the experts every MoE layer routes each token of each document to: prompt forwards of
-    backend.prefill_chunk tokens, each document a sequence alone in the CPU backend's pool. Progress on stderr."""
+def record_trace(backend: CpuBackend, documents: Sequence[tuple[str, np.ndarray]], trace: RoutingTrace) -> None:
+    """Count in `trace` the experts every MoE layer routes each token of each (name, token ids) document to: prompt
+    forwards of backend.prefill_chunk tokens, each document a sequence alone in the CPU backend's pool. Progress on
+    stderr."""
     backend.ops.routing_observer = trace.observe
     try:
-        for i, (name, ids) in enumerate(zip(names, documents, strict=True)):
+        for i, (name, ids) in enumerate(documents):
             start = time.perf_counter()
             backend.pool.clear()
             for done in range(0, len(ids), backend.prefill_chunk):
                 positions = np.arange(done, min(done + backend.prefill_chunk, len(ids)), dtype=np.int32)
                 backend.forward(ids[positions], positions, positions.astype(np.int64))
             seconds = time.perf_counter() - start
-            print(f"[{i + 1}/{len(names)}] {name}: {len(ids)} tokens, {len(ids) / max(seconds, 1e-9):.0f} tok/s",
+            print(f"[{i + 1}/{len(documents)}] {name}: {len(ids)} tokens, {len(ids) / max(seconds, 1e-9):.0f} tok/s",
                   file=sys.stderr)
     finally:
         backend.ops.routing_observer = None
