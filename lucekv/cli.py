@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -29,8 +30,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from lucekv.bench import decode, depth, niah, serve, sessions, spec
 
-    special = {"depth-plot": depth.main_plot, "serve-plot": serve.main_plot, "spec-plot": spec.main_plot,
-               "spec-prompts": spec.main_prompts, "niah-corpus": niah.main_corpus, "niah-plot": niah.main_plot}
+    plots = {"depth-plot": depth.plot, "serve-plot": serve.plot, "spec-plot": spec.plot, "niah-plot": niah.plot}
+    if args.bench in plots:  # a result JSON drawn again
+        plots[args.bench](json.loads(Path(args.result).read_text()), args.output)
+        return 0
+    special = {"spec-prompts": spec.main_prompts, "niah-corpus": niah.main_corpus}
     if args.bench in special:
         return special[args.bench](args)
     benches = {"decode": decode, "serve": serve, "niah": niah, "sessions": sessions, "depth": depth, "spec": spec}

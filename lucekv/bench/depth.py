@@ -480,7 +480,3 @@ def main(args) -> int:
         _try_plot(result, args.plot)
     return 0
 
-
-def main_plot(args) -> int:
-    plot(json.loads(Path(args.result).read_text()), args.output)
-    return 0

@@ -237,10 +237,6 @@ def main(args) -> int:
     return 0
 
 
-def main_plot(args) -> int:
-    plot(json.loads(Path(args.result).read_text()), args.output)
-    return 0
-
 
 def main_corpus(args) -> int:
     print(json.dumps(ruler.build_corpus(args.output), indent=1))

@@ -383,7 +383,3 @@ def main(args) -> int:
         plot(result, args.plot)
     return 0
 
-
-def main_plot(args) -> int:
-    plot(json.loads(Path(args.result).read_text()), args.output)
-    return 0

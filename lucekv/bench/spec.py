@@ -304,7 +304,3 @@ def main(args) -> int:
             _progress(f"no plot ({e}): install matplotlib and run `lucekv bench spec-plot RESULT.json -o PNG`")
     return 0
 
-
-def main_plot(args) -> int:
-    plot(json.loads(Path(args.result).read_text()), args.output)
-    return 0
