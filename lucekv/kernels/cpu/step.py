@@ -124,17 +124,8 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
             c = _done_claim(work, phase)
         phase = _wait(work, phase, n_rows * n_head)
         # x += [post-norm of] W_o attn
-        n = _chunks(mats, lt[WO])
-        if _open(work, phase, n):
-            _prepare(attn, mine, xq)
-            c = _claim(work, phase)
-            while c < n:
-                sink |= _product(codes, scales, mats, lt[WO], attn, mine, xq, y, vecs, -1, c * CHUNK_ROWS)
-                if lt[POST_ATTN_NORM] < 0:
-                    _add_rows(x, y, c * CHUNK_ROWS)
-                c = _done_claim(work, phase)
-        phase = _wait(work, phase, n)
-        phase = _post_norm_add(work, phase, x, y, vecs, lt[POST_ATTN_NORM], eps)
+        phase, sink = _residual_product(work, phase, codes, scales, mats, lt[WO], attn, mine, xq, x, y, vecs,
+                                        lt[POST_ATTN_NORM], eps, sink)
         # act(W_gate h) * (W_up h), h the FFN norm of x
         n_ff = mats[lt[WGATE], ROWS]
         gate, up = _rows(shared[S_GATE], n_rows, n_ff), _rows(shared[S_UP], n_rows, n_ff)
@@ -152,17 +143,8 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
                 c = _done_claim(work, phase)
         phase = _wait(work, phase, n)
         # x += [post-norm of] W_down of that
-        n = _chunks(mats, lt[WDOWN])
-        if _open(work, phase, n):
-            _prepare(gate, mine, xq)
-            c = _claim(work, phase)
-            while c < n:
-                sink |= _product(codes, scales, mats, lt[WDOWN], gate, mine, xq, y, vecs, -1, c * CHUNK_ROWS)
-                if lt[POST_FFN_NORM] < 0:
-                    _add_rows(x, y, c * CHUNK_ROWS)
-                c = _done_claim(work, phase)
-        phase = _wait(work, phase, n)
-        phase = _post_norm_add(work, phase, x, y, vecs, lt[POST_FFN_NORM], eps)
+        phase, sink = _residual_product(work, phase, codes, scales, mats, lt[WDOWN], gate, mine, xq, x, y, vecs,
+                                        lt[POST_FFN_NORM], eps, sink)
     # the logits of the last rows
     n = _chunks(mats, dims[OUTPUT])
     n_out = logits.shape[0]
@@ -231,6 +213,22 @@ def _add_rows(x, y, r0):
     for t in range(x.shape[0]):
         for r in range(r0, min(r0 + CHUNK_ROWS, x.shape[1])):
             x[t, r] += y[t, r]
+
+
+@njit(cache=True, nogil=True)
+def _residual_product(work, phase, codes, scales, mats, m, inputs, mine, xq, x, y, vecs, post_norm, eps, sink):
+    """x += [post-norm of] W_m inputs, W_m's chunks of rows claimed by the threads: (the phase after it, sink)."""
+    n = _chunks(mats, m)
+    if _open(work, phase, n):
+        _prepare(inputs, mine, xq)
+        c = _claim(work, phase)
+        while c < n:
+            sink |= _product(codes, scales, mats, m, inputs, mine, xq, y, vecs, -1, c * CHUNK_ROWS)
+            if post_norm < 0:
+                _add_rows(x, y, c * CHUNK_ROWS)
+            c = _done_claim(work, phase)
+    phase = _wait(work, phase, n)
+    return _post_norm_add(work, phase, x, y, vecs, post_norm, eps), sink
 
 
 @njit(cache=True, nogil=True)
