@@ -24,7 +24,7 @@ from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows
 MATMUL_TILE_ROWS = 256  # rows dequantized per BLAS call: 256 x 4864 float32 is 5 MB, stays in L3
 LANES = 16  # float32 accumulators per row: one AVX-512 vector
 ROW_GROUP = 4  # rows sharing one pass over x
-PREFETCH_GROUPS = 2  # q8: row groups ahead whose codes are touched while this one computes
+PREFETCH_GROUPS = 2  # row groups ahead whose codes are touched while this one computes
 CACHE_LINE = 64
 
 
@@ -141,21 +141,27 @@ def _matvec_q4(codes, scale, bias, xs, out, n_threads):
                 xlo[t, b * LANES + j] = xs[t, 2 * b * LANES + j]
                 xhi[t, b * LANES + j] = xs[t, 2 * b * LANES + LANES + j]
     xsum = _block_sums(xs, 2 * LANES)
+    touched = np.zeros(n_threads, np.uint8)  # returned, so that the prefetch loads are not dropped
     for th in prange(n_threads):
         r0, r1 = _thread_rows(th, n_threads, out.shape[1])
-        _q4_rows(codes, scale, bias, xlo, xhi, xsum, out, r0, r1)
+        touched[th] = _q4_rows(codes, scale, bias, xlo, xhi, xsum, out, r0, r1)
+    return touched.max()
 
 
 @njit(cache=True)
 def _q4_rows(codes, scale, bias, xlo, xhi, xsum, out, r0, r1):
     """Rows r0..r1 for every row of x (the group's codes stay in cache between them); a 32-block is 16 bytes: one
-    chunk of LANES bytes, two elements per byte."""
+    chunk of LANES bytes, two elements per byte. Returns the OR of its prefetch loads (_touch_lines), as _q8_rows."""
     low = np.uint8(15)
     shift = np.uint8(4)
     acc = np.empty((ROW_GROUP, LANES), np.float32)
     s = np.empty(ROW_GROUP, np.float32)
+    flat = codes.reshape(-1)
+    touched = np.uint8(0)
     for g in range((r1 - r0 + ROW_GROUP - 1) // ROW_GROUP):
         first = r0 + g * ROW_GROUP
+        ahead = (first + PREFETCH_GROUPS * ROW_GROUP) * codes.shape[1]  # rows are contiguous in flat
+        touched |= _touch_lines(flat, ahead, ahead + ROW_GROUP * codes.shape[1])
         for t in range(xlo.shape[0]):
             acc[:] = 0
             for b in range(scale.shape[1]):
@@ -173,6 +179,7 @@ def _q4_rows(codes, scale, bias, xlo, xhi, xsum, out, r0, r1):
             for i in range(ROW_GROUP):
                 r = min(first + i, r1 - 1)
                 out[t, r] = _lane_sum(acc[i]) + _row_bias(bias, r, xsum[t])
+    return touched
 
 
 @njit(parallel=True, fastmath=False, cache=True)

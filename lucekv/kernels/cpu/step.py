@@ -303,7 +303,7 @@ def _product(codes, scales, mats, m, xs, mine, xq, out, vecs, bias_at, r0):
         bias = scales[mats[m, BIAS_AT]:mats[m, BIAS_AT] + rows * bias_cols].reshape(rows, bias_cols)
         if kind == KIND_Q4:
             q4 = codes[at:at + rows * cc].reshape(rows, cc)
-            _q4_rows(q4, scale, bias, _rows(mine[P_XLO], n, cc), _rows(mine[P_XHI], n, cc),
+            touched = _q4_rows(q4, scale, bias, _rows(mine[P_XLO], n, cc), _rows(mine[P_XHI], n, cc),
                      _rows(mine[P_XS32], n, nb), out, r0, r1)
         else:
             q8 = codes[at:at + rows * cc].view(np.int8).reshape(rows, cc)
