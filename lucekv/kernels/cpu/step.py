@@ -74,9 +74,7 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
         # q, k, v of the attention norm of x
         n = _chunks(mats, lt[WQ]) + _chunks(mats, lt[WK]) + _chunks(mats, lt[WV])
         if _open(work, phase, n):
-            for r in range(n_rows):
-                _rmsnorm(x[r], vecs, lt[ATTN_NORM], h[r], eps)
-            _prepare(h, mine, xq)
+            _norm_and_prepare(x, vecs, lt[ATTN_NORM], h, mine, xq, eps)
             c = _claim(work, phase)
             while c < n:
                 j = 0  # which of q, k, v chunk c belongs to
@@ -131,9 +129,7 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
         gate, up = _rows(shared[S_GATE], n_rows, n_ff), _rows(shared[S_UP], n_rows, n_ff)
         n = _chunks(mats, lt[WGATE])
         if _open(work, phase, n):
-            for r in range(n_rows):
-                _rmsnorm(x[r], vecs, lt[FFN_NORM], h[r], eps)
-            _prepare(h, mine, xq)
+            _norm_and_prepare(x, vecs, lt[FFN_NORM], h, mine, xq, eps)
             c = _claim(work, phase)
             while c < n:
                 sink |= _product(codes, scales, mats, lt[WGATE], h, mine, xq, gate, vecs, -1, c * CHUNK_ROWS)
@@ -213,6 +209,14 @@ def _add_rows(x, y, r0):
     for t in range(x.shape[0]):
         for r in range(r0, min(r0 + CHUNK_ROWS, x.shape[1])):
             x[t, r] += y[t, r]
+
+
+@njit(cache=True, nogil=True)
+def _norm_and_prepare(x, vecs, norm_at, h, mine, xq, eps):
+    """h = each row of x RMS-normed by the vector at vecs[norm_at:], prepared for this thread's products."""
+    for r in range(x.shape[0]):
+        _rmsnorm(x[r], vecs, norm_at, h[r], eps)
+    _prepare(h, mine, xq)
 
 
 @njit(cache=True, nogil=True)
