@@ -57,11 +57,7 @@ class Job:
 
     def deliver(self, item: object) -> bool:
         """Called on the worker thread; False when the server's loop is gone and nobody is listening."""
-        try:
-            self._loop.call_soon_threadsafe(self._items.put_nowait, item)
-        except RuntimeError:
-            return False
-        return True
+        return deliver_all([(self, item)])
 
     def release_lease(self) -> None:
         """Give the session's lease back (once): before the caller hears the work is done, so that its next call
@@ -73,6 +69,21 @@ class Job:
             lease.release()
         except LucekvError as e:  # the lease then lapses by itself
             logger.warning("request %s: releasing the lease of session %s: %s", self.request_id, lease.session_id, e)
+
+
+def deliver_all(items: list[tuple[Job, object]]) -> bool:
+    """Called on the worker thread: each (job, item) onto its job's queue, in order, in one callback on the server's
+    loop (every job's); False when that loop is gone and nobody is listening."""
+    try:
+        items[0][0]._loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _put_all(items: list[tuple[Job, object]]) -> None:
+    for job, item in items:
+        job._items.put_nowait(item)
 
 
 class GenerationJob(Job):
@@ -261,19 +272,24 @@ class EngineWorker:
         self._running.append(job)
 
     def _hand_out(self) -> None:
-        """Each generation's new deltas to its call; those that ended leave (their last delta waits for `_finish`)."""
-        for job in list(self._running):
-            r = job.request
-            while r.out:
-                delta = r.out.popleft()
+        """Every generation's new deltas to its call, in one wake-up of the server's loop (one per delta would wake it
+        once per row of a step, each wake-up taking the GIL from this thread); those that ended leave (their last
+        delta waits for `_finish`)."""
+        deltas: list[tuple[Job, object]] = []
+        for job in self._running:
+            while job.request.out:
+                delta = job.request.out.popleft()
                 if delta.finish_reason:
                     job.held = delta
-                elif not job.deliver(delta):
-                    logger.info("request %s stopped: its call ended", job.request_id)
-                    self.engine.cancel(r)
-            if r.done:
-                self._running.remove(job)
-                self._finish(job)
+                else:
+                    deltas.append((job, delta))
+        if deltas and not deliver_all(deltas):
+            for job in {id(job): job for job, _ in deltas}.values():
+                logger.info("request %s stopped: its call ended", job.request_id)
+                self.engine.cancel(job.request)
+        for job in [job for job in self._running if job.request.done]:
+            self._running.remove(job)
+            self._finish(job)
 
     def _finish(self, job: GenerationJob) -> None:
         """The generation ended: a leased session is written back, then the session is idle and the lease given back,
