@@ -1,9 +1,12 @@
 """GPU timing of decode attention over the slot pool at Qwen3-8B heads (32 query, 8 KV, head_dim 128).
 
-    python -m lucekv.bench.attention_speed [--depths 512,4096,16384,65536,131072] [--kv-dtype f16] [--json OUT]
+    python -m lucekv.bench.attention_speed [--depths 512,4096,16384,65536,131072] [--kv-dtype f16]
+                                           [--queries 1] [--json OUT]
 
 One query attends over `depth` used slots (every slot visible), split + combine, timed as the decode step
-runs them: launches captured as one CUDA graph and replayed (`matvec_speed.graph_us`), each launch on the
+runs them. `--queries 1,8,20,64`: n queries of one sequence at its last n positions (a speculative verify block,
+a prompt piece), each through the split kernel and, where it serves them, the tensor-core one (flash), timed the
+same way: launches captured as one CUDA graph and replayed (`matvec_speed.graph_us`), each launch on the
 next of several pools when one pool fits twice in L2, as the 36 layers of a step each read their own.
 GB/s counts the K and V bytes the launch must read; ms/token is that time for the 36 layers.
 """
@@ -18,12 +21,13 @@ import numpy as np
 
 from lucekv.bench.matvec_speed import LAUNCHES, N_LAYER, copy_bandwidth, device_name, graph_us, write_json
 from lucekv.kernels.cuda import attention, cuda
+from lucekv.kernels.cuda.flash import serves as flash_serves
 
 N_HEAD, N_KV_HEAD, HEAD_DIM = 32, 8, 128
 
 
 def bench_depth(depth: int, dtype: np.dtype, rng: np.random.Generator, replays: int, l2_bytes: int,
-                stream) -> dict:
+                stream, n: int = 1, flash: bool = False) -> dict:
     kv_bytes = 2 * depth * N_KV_HEAD * HEAD_DIM * dtype.itemsize
     n_pools = min(N_LAYER, max(1, math.ceil(2 * l2_bytes / kv_bytes)))
     block = rng.standard_normal((min(depth, 4096), N_KV_HEAD, HEAD_DIM)).astype(dtype)
@@ -35,19 +39,20 @@ def bench_depth(depth: int, dtype: np.dtype, rng: np.random.Generator, replays: 
     slot_pos = cuda.to_device(np.arange(depth, dtype=np.int32), stream=stream)
     used = cuda.to_device(np.array([depth], np.int32), stream=stream)
     blocks = cuda.to_device(np.arange(-(-depth // attention.BLOCK), dtype=np.int32), stream=stream)
-    tables = attention.identity_tables(blocks, used, cuda.to_device(np.zeros(1, np.int32), stream=stream))
-    position = cuda.to_device(np.array([depth - 1], np.int32), stream=stream)
-    q = cuda.to_device(rng.standard_normal((1, N_HEAD * HEAD_DIM)).astype(np.float32), stream=stream)
-    parts = attention.partials(1, N_HEAD, N_KV_HEAD, HEAD_DIM, depth)
-    out = cuda.device_array((1, N_HEAD * HEAD_DIM), np.float32, stream=stream)
+    tables = attention.identity_tables(blocks, used, cuda.to_device(np.zeros(n, np.int32), stream=stream))
+    positions = cuda.to_device(np.arange(depth - n, depth, dtype=np.int32), stream=stream)
+    q = cuda.to_device(rng.standard_normal((n, N_HEAD * HEAD_DIM)).astype(np.float32), stream=stream)
+    parts = attention.partials(n, N_HEAD, N_KV_HEAD, HEAD_DIM, depth)
+    out = cuda.device_array((n, N_HEAD * HEAD_DIM), np.float32, stream=stream)
     scale = 1 / math.sqrt(HEAD_DIM)
 
     def launch(s, k):
-        attention.attend(q, pools[k][0], pools[k][1], slot_pos, tables, position, 0, scale, parts, out, stream=s)
+        attention.attend(q, pools[k][0], pools[k][1], slot_pos, tables, positions, 0, scale, parts, out, stream=s,
+                         one_sequence=flash)
 
     us = graph_us(stream, [lambda s, k=i % n_pools: launch(s, k) for i in range(LAUNCHES)], replays)
-    return {"depth": depth, "pools": n_pools, "kv_bytes": kv_bytes, "us": us, "gbps": kv_bytes / (us * 1e3),
-            "ms_per_token": us * N_LAYER / 1000}
+    return {"depth": depth, "queries": n, "kernel": "flash" if flash else "split", "pools": n_pools,
+            "kv_bytes": kv_bytes, "us": us, "gbps": kv_bytes / (us * 1e3), "ms_per_token": us * N_LAYER / 1000}
 
 
 def main() -> None:
@@ -55,6 +60,7 @@ def main() -> None:
     ap.add_argument("--depths", default="512,4096,16384,65536,131072")
     ap.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"])
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--queries", default="1", help="queries of one sequence per launch, comma-separated")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     dev = cuda.get_current_device()
@@ -62,14 +68,19 @@ def main() -> None:
     stream = cuda.stream()
     dtype = np.dtype(np.float16 if a.kv_dtype == "f16" else np.float32)
     rng = np.random.default_rng(0)
-    rows = [bench_depth(int(d), dtype, rng, a.replays, int(dev.L2_CACHE_SIZE), stream) for d in a.depths.split(",")]
+    l2 = int(dev.L2_CACHE_SIZE)
+    rows = [bench_depth(int(d), dtype, rng, a.replays, l2, stream, int(n), flash)
+            for n in a.queries.split(",") for d in a.depths.split(",")
+            for flash in ((False, True) if flash_serves(int(n), dtype, HEAD_DIM) else (False,))]
     result = {"device": name, "heads": [N_HEAD, N_KV_HEAD, HEAD_DIM], "kv_dtype": a.kv_dtype, "replays": a.replays,
               "copy_gbps": copy_bandwidth(stream), "depths": rows}
     print(f"{name}: decode attention, {N_HEAD} heads on {N_KV_HEAD} KV heads x {HEAD_DIM}, {a.kv_dtype} KV; "
           f"copy {result['copy_gbps']:.0f} GB/s (read + write)")
-    print(f"{'depth':>8s} {'K+V MB':>8s} {'µs/layer':>9s} {'GB/s':>7s} {'ms/token (36 layers)':>21s}")
+    print(f"{'queries':>7s} {'kernel':>6s} {'depth':>8s} {'K+V MB':>8s} {'µs/layer':>9s} {'GB/s':>7s} "
+          f"{'ms/step (36 layers)':>20s}")
     for r in rows:
-        print(f"{r['depth']:8d} {r['kv_bytes'] / 1e6:8.1f} {r['us']:9.2f} {r['gbps']:7.0f} {r['ms_per_token']:21.3f}")
+        print(f"{r['queries']:7d} {r['kernel']:>6s} {r['depth']:8d} {r['kv_bytes'] / 1e6:8.1f} {r['us']:9.2f} "
+              f"{r['gbps']:7.0f} {r['ms_per_token']:20.3f}")
     write_json(a.json, result)
 
 
