@@ -3,12 +3,12 @@
     python -m lucekv.bench.attention_speed [--depths 512,4096,16384,65536,131072] [--kv-dtype f16]
                                            [--queries 1] [--json OUT]
 
-One query attends over `depth` used slots (every slot visible), split + combine, timed as the decode step
-runs them. `--queries 1,8,20,64`: n queries of one sequence at its last n positions (a speculative verify block,
-a prompt piece), each through the split kernel and, where it serves them, the tensor-core one (flash), timed the
-same way: launches captured as one CUDA graph and replayed (`matvec_speed.graph_us`), each launch on the
-next of several pools when one pool fits twice in L2, as the 36 layers of a step each read their own.
-GB/s counts the K and V bytes the launch must read; ms/token is that time for the 36 layers.
+One query attends over `depth` used slots (every slot visible), split + combine, timed as the decode step runs
+them: launches captured as one CUDA graph and replayed (`matvec_speed.graph_us`), each launch on the next of
+several pools when one pool fits twice in L2, as the 36 layers of a step each read their own. GB/s counts the K
+and V bytes the launch must read; ms/step is that time for the 36 layers. `--queries 1,8,20,64`: n queries of one
+sequence at its last n positions (a speculative verify block, a prompt piece), each through the split kernel and
+the tensor-core one (flash), timed the same way.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from lucekv.bench.matvec_speed import LAUNCHES, N_LAYER, copy_bandwidth, device_name, graph_us, write_json
-from lucekv.kernels.cuda import attention, cuda
-from lucekv.kernels.cuda.flash import serves as flash_serves
+from lucekv.kernels.cuda import attention, cuda, flash
 
 N_HEAD, N_KV_HEAD, HEAD_DIM = 32, 8, 128
 
 
 def bench_depth(depth: int, dtype: np.dtype, rng: np.random.Generator, replays: int, l2_bytes: int,
-                stream, n: int = 1, flash: bool = False) -> dict:
+                stream, n: int = 1, tensor_cores: bool = False) -> dict:
     kv_bytes = 2 * depth * N_KV_HEAD * HEAD_DIM * dtype.itemsize
     n_pools = min(N_LAYER, max(1, math.ceil(2 * l2_bytes / kv_bytes)))
     block = rng.standard_normal((min(depth, 4096), N_KV_HEAD, HEAD_DIM)).astype(dtype)
@@ -47,11 +46,13 @@ def bench_depth(depth: int, dtype: np.dtype, rng: np.random.Generator, replays: 
     scale = 1 / math.sqrt(HEAD_DIM)
 
     def launch(s, k):
-        attention.attend(q, pools[k][0], pools[k][1], slot_pos, tables, positions, 0, scale, parts, out, stream=s,
-                         one_sequence=flash)
+        if tensor_cores:
+            flash.attend(q, pools[k][0], pools[k][1], slot_pos, tables, positions, 0, scale, out, stream=s)
+        else:
+            attention.attend(q, pools[k][0], pools[k][1], slot_pos, tables, positions, 0, scale, parts, out, stream=s)
 
     us = graph_us(stream, [lambda s, k=i % n_pools: launch(s, k) for i in range(LAUNCHES)], replays)
-    return {"depth": depth, "queries": n, "kernel": "flash" if flash else "split", "pools": n_pools,
+    return {"depth": depth, "queries": n, "kernel": "flash" if tensor_cores else "split", "pools": n_pools,
             "kv_bytes": kv_bytes, "us": us, "gbps": kv_bytes / (us * 1e3), "ms_per_token": us * N_LAYER / 1000}
 
 
@@ -69,9 +70,9 @@ def main() -> None:
     dtype = np.dtype(np.float16 if a.kv_dtype == "f16" else np.float32)
     rng = np.random.default_rng(0)
     l2 = int(dev.L2_CACHE_SIZE)
-    rows = [bench_depth(int(d), dtype, rng, a.replays, l2, stream, int(n), flash)
+    rows = [bench_depth(int(d), dtype, rng, a.replays, l2, stream, int(n), tensor_cores)
             for n in a.queries.split(",") for d in a.depths.split(",")
-            for flash in ((False, True) if flash_serves(int(n), dtype, HEAD_DIM) else (False,))]
+            for tensor_cores in ((False, True) if int(n) > 1 and flash.runs(dtype, HEAD_DIM) else (False,))]
     result = {"device": name, "heads": [N_HEAD, N_KV_HEAD, HEAD_DIM], "kv_dtype": a.kv_dtype, "replays": a.replays,
               "copy_gbps": copy_bandwidth(stream), "depths": rows}
     print(f"{name}: decode attention, {N_HEAD} heads on {N_KV_HEAD} KV heads x {HEAD_DIM}, {a.kv_dtype} KV; "

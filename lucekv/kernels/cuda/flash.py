@@ -46,15 +46,23 @@ WARPS = 4
 ROWS = 16 * WARPS  # (token, head) rows per block: one m16 tile per warp
 TILE = 64  # slots per K/V tile
 MAX_HEAD_DIM = 128  # the output accumulators: head_dim / 2 float32 registers per thread
-MIN_TOKENS = 16  # fewer queries: the per-query kernel is as fast (a block would hold mostly padding)
+# Fewer queries: the split kernel is faster. A block here walks every tile of its rows' sequence, and few queries
+# make few blocks (n_kv x rows / ROWS): H100, 8B heads, 20 queries take 42 / 276 / 1994 us split against
+# 114 / 763 / 5999 us here at 512 / 4K / 32K slots; at 64 queries the two meet (111 / 765 against 106 / 654 us)
+# (bench/results/h100-attention-queries.json). So verify blocks and decode rows take the split kernel.
+MIN_TOKENS = 64
 BLOCKS_PER_SM = 3  # resident blocks the registers are bounded for (see _kernel)
 LOW_HALF = np.uint32(0xFFFF)
 
 
 def serves(n_tokens: int, pool_dtype, head_dim: int) -> bool:
     """Whether `attend` takes these queries (else `attention.attend` does)."""
-    return (n_tokens >= MIN_TOKENS and np.dtype(pool_dtype) == np.float16 and head_dim % 16 == 0
-            and head_dim <= MAX_HEAD_DIM)
+    return n_tokens >= MIN_TOKENS and runs(pool_dtype, head_dim)
+
+
+def runs(pool_dtype, head_dim: int) -> bool:
+    """Whether `attend` can take queries over this pool at all."""
+    return np.dtype(pool_dtype) == np.float16 and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
 
 
 def attend(q, k_pool, v_pool, slot_pos, tables, positions, window: int, scale: float, out, stream=0) -> None:
