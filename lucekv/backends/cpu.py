@@ -312,6 +312,9 @@ class CpuBackend(RunAhead):
     def prepare_verify(self, width: int) -> None:
         """Verify forwards of up to `width` tokens need nothing prepared here (the CUDA backend captures graphs)."""
 
+    def prepare_prefill(self) -> None:
+        """Short prompt pieces need nothing prepared here (the CUDA backend captures graphs)."""
+
     def decode_rows(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: Sequence[np.ndarray],
                     sampled: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """One token of each of several sequences (tables: each one's blocks in logical order): the greedy token of

@@ -171,6 +171,12 @@ class CudaKVPool(SlotMap):
 
 MAX_STACK = 3  # matrices one product fills (an Epilogue's outputs)
 ROUTE_COUNTERS = 512  # tokens the MoE router's counters cover at first (a prefill chunk's)
+# prompt pieces (one sequence, last logits) shorter than prefill_chunk replay the graph of the first of these widths
+# that holds them, padded: powers of two up to 128, where a product reads its weights once whatever the rows (padding
+# nearly free), then steps of half the width (a piece pays at most 1.5x its rows); each width kept costs its
+# activations (CudaOps' pools), all of them together ~2x those of a full chunk
+PREFILL_WIDTHS = (16, 32, 64, 128, 192, 256, 384)
+PREPARED_PREFILL = 128  # the widths up to this are captured at engine start (`prepare_prefill`): a chat turn's
 MAX_VERIFY = 65  # widths of verify forwards that replay a captured graph (speculative rounds' drafts + 1)
 VERIFY_STEP = 4  # verify blocks are padded to a multiple of this: graphs of widths 4, 8, .., 68 replay them
 # products of n > 1 tokens with n x rows up to this run as matvec rows (CudaOps.as_matvec_rows): estimated from the
@@ -607,8 +613,8 @@ class CudaBackend(RunAhead):
                  use_graph: bool | None = None, max_rows: int = 1):
         """pool_size: KV slots (one block of them the backend's scratch); max_rows: the most sequences whose decode
         tokens share a forward (`decode_rows`). use_graph: replay decode steps, decode rows (one graph per batch
-        size bucket: 2, 4, 8...) and full prefill chunks from CUDA graphs; default: on a GPU (the simulator has
-        none)."""
+        size bucket: 2, 4, 8...) and prompt pieces (one graph per width bucket) from CUDA graphs; default: on a GPU
+        (the simulator has none)."""
         if why := attention.unsupported(spec.n_head, spec.n_kv_head, spec.head_dim):
             raise UnsupportedModelError(f"the CUDA backend cannot run {spec.name}: {why}")
         if spec.n_expert and (why := moe.unsupported(spec.n_expert, spec.n_expert_used)):
@@ -625,9 +631,10 @@ class CudaBackend(RunAhead):
         self.weights: Weights = load_weights(g, spec, self.ops)
         self._graphs = not SIMULATOR if use_graph is None else use_graph
         self.graph = DecodeGraph(self) if self._graphs else None
-        # full prefill chunks (a long prompt's all but last) replay a graph too: as ~200 launches, numba's host time
-        # per launch made a small model's prefill host-bound (0.5B shape, H200: ~180 us per launch, 36 of 42 ms)
-        self.prefill_graph = ForwardGraph(self, self.prefill_chunk) if self._graphs else None
+        # prompt pieces replay graphs too, by width (prefill_bucket: full chunks, and shorter pieces padded): as ~200
+        # launches, numba's host time per launch made a small model's prefill host-bound (0.5B shape, H200: ~180 us
+        # per launch, 36 of 42 ms); made on first use, the small ones by `prepare_prefill`
+        self.prefill_graphs: dict[int, ForwardGraph] | None = {} if self._graphs else None
         # speculative verify forwards up to MAX_VERIFY tokens, by bucket (verify_bucket; prepare_verify captures them)
         self.verify_graphs: dict[int, RowsGraph] | None = {} if self._graphs else None
         self._argmax_scratch: dict[int, tuple] = {}  # eager verify forwards' argmax buffers, by width
@@ -639,12 +646,18 @@ class CudaBackend(RunAhead):
         sequence's blocks in logical order, one for all the tokens or one per token (decode rows: the logits of every
         row); None: a sequence alone in the pool (see CudaOps.set_tables)."""
         tokens = np.asarray(tokens)
+        rows = tables is not None and len(tables) == len(tokens) > 1
+        graph = None if rows else self._graph_for(len(tokens), all_logits)
+        return self._forward(graph, tokens, positions, slots, all_logits, rows, tables)
+
+    def _forward(self, graph: ForwardGraph | None, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                 all_logits: bool, rows: bool, tables: Sequence[np.ndarray] | None) -> np.ndarray:
+        """`forward` through `graph` (None: eagerly), padded to its width (`_padded`, padding first: one sequence's
+        verify block or prompt piece, whose last row stays the last) and captured at its first use."""
         n = len(tokens)
-        rows = tables is not None and len(tables) == n > 1
-        graph = None if rows else self._graph_for(n, all_logits)
         self._chained = False
         self.pool.assign(slots, positions)
-        if graph is not None and graph.n_tokens > n:  # a verify block padded to its graph's width
+        if graph is not None and graph.n_tokens > n:
             tokens, positions, slots = self._padded(graph.n_tokens, tokens, positions, slots, first=True)
         replay = graph is not None and graph.ready
         self.ops.begin_step(tokens, positions, slots, mark=not replay, tables=tables)
@@ -665,8 +678,29 @@ class CudaBackend(RunAhead):
             return self.graph
         if all_logits:
             return self._verify_graph(n)
-        graph = self.prefill_graph
-        return graph if graph is not None and n == graph.n_tokens else None
+        return self._prefill_graph(n)
+
+    def _prefill_graph(self, n: int) -> ForwardGraph | None:
+        """The graph of prompt pieces of n tokens (last logits): that of their bucket (`prefill_bucket`), made on first
+        use."""
+        if self.prefill_graphs is None or n > self.prefill_chunk:
+            return None
+        b = prefill_bucket(n, self.prefill_chunk)
+        if b not in self.prefill_graphs:
+            self.prefill_graphs[b] = ForwardGraph(self, b)
+        return self.prefill_graphs[b]
+
+    def prepare_prefill(self, width: int = PREPARED_PREFILL) -> None:
+        """Capture the graphs of prompt pieces of up to `width` tokens now, each from a forward of padding rows only
+        (`_padded`: they see nothing and write the scratch block), so that a short prompt's first token never waits
+        for a capture (an eager forward and its recording: tens of milliseconds of launches)."""
+        if self.prefill_graphs is None:
+            return
+        none = np.zeros(0, np.int32)
+        for b in sorted({prefill_bucket(w, self.prefill_chunk) for w in PREFILL_WIDTHS if w <= width}):
+            graph = self._prefill_graph(b)
+            if not graph.ready:
+                self._forward(graph, none, none, none, False, False, tables=[none])
 
     def _verify_graph(self, n: int) -> RowsGraph | None:
         """The graph of verify blocks of n tokens: that of their bucket (`verify_bucket`), made on first use."""
@@ -680,10 +714,11 @@ class CudaBackend(RunAhead):
     def _padded(self, width: int, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, first: bool = False
                 ) -> tuple:
         """The inputs padded to `width` rows, the padding rows after the real ones (decode rows) or, `first`, before
-        them (one sequence's verify block: its last row stays the last, whose query pool.last_q keeps). A padding
-        row, at position -1, sees no slot and writes the pool's scratch block, which keeps -1 (free, on the host
-        as on the device): whoever reads it sees nothing there. A row's numbers never depend on the other rows',
-        so the real rows get what they get unpadded."""
+        them (one sequence's verify block or prompt piece: its last row stays the last, whose query pool.last_q
+        keeps). A padding row, at position -1, sees no slot and writes the pool's scratch block, which keeps -1 (free,
+        on the host as on the device): whoever reads it sees nothing there. A row's numbers never depend on the other
+        rows'; the width picks kernels (attention's splits, the tensor-core attention from 16 queries, matvec rows or
+        matmul), so the real rows get what they get unpadded within rounding."""
         pad = width - len(tokens)
         padding = (np.zeros(pad, np.int32), np.full(pad, -1, np.int32),
                    self.pool.scratch_slot + np.arange(pad, dtype=np.int32) % CHUNK_TOKENS)
@@ -970,6 +1005,12 @@ class RowsGraph(ForwardGraph):
 def row_bucket(rows: int) -> int:
     """The batch size a decode rows' graph is captured for: rows rounded up to a power of two."""
     return 1 << (rows - 1).bit_length()
+
+
+def prefill_bucket(n: int, chunk: int) -> int:
+    """The width a prompt piece of n <= chunk tokens replays the graph of: the first of PREFILL_WIDTHS below the
+    chunk that holds it, else the chunk's."""
+    return next((w for w in PREFILL_WIDTHS if n <= w < chunk), chunk)
 
 
 def verify_bucket(width: int) -> int:

@@ -82,6 +82,9 @@ class InstantBackend:
     def prepare_verify(self, width: int) -> None:
         pass
 
+    def prepare_prefill(self) -> None:
+        pass
+
     def execute(self, moves, host) -> None:
         if moves:
             raise RuntimeError("the instant backend holds whole contexts: nothing pages")

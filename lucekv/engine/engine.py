@@ -119,6 +119,7 @@ class Engine:
         self._drafter = self._load_drafter(kv_drafter, kv_dtype) if kv_pool and kv_policy == "draft" else None
         self.blocks: BlockPool = self.backend.pool.blocks  # the pool every sequence borrows from
         self.backend.prepare_verify(self.spec_config.max_draft + 1)  # any request may speculate
+        self.backend.prepare_prefill()  # a short prompt's first token never waits for a graph's capture
         step_tokens = step_tokens or self.backend.prefill_chunk
         self.scheduler = Scheduler(SchedulerConfig(max_batch, max_queue, step_tokens), self)
         self.layout = KVLayout(g.fingerprint, self.spec.arch.name, self.spec.n_layer, self.spec.n_kv_head,

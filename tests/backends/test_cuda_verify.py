@@ -211,6 +211,47 @@ def test_prepare_verify_and_padded_verify_forwards_leave_the_sequence_and_the_pa
     assert (slot_pos[2 * CHUNK_TOKENS :] == -1).all() and high_water == high_water0 == 2 * CHUNK_TOKENS
 
 
+@needs_kernels
+def test_short_prompt_pieces_replay_their_width_buckets_padded_and_leave_what_unpadded_forwards_leave(model,
+                                                                                                      stand_ins):
+    """Prompt pieces of 5, 20 and 3 tokens of one sequence: with graphs, the buckets of 16 (captured beforehand by
+    prepare_prefill from padding rows alone, then replayed twice) and 32 (captured at its first use), padding first.
+    The last logits, the scorers' queries (the last token's, the recent rows': the real ones only), K/V of the
+    sequence's blocks and the slot map equal the unpadded forwards'."""
+    table = [np.array([1, 0], np.int32)]
+    slots_of = (table[0][np.arange(100) // CHUNK_TOKENS] * CHUNK_TOKENS + np.arange(100) % CHUNK_TOKENS).astype(
+        np.int32)
+
+    def run(use_graph: bool) -> dict:
+        b = backend_of(model, use_graph)
+        b.prepare_prefill(16)
+        r = {"prepared": sorted(w for w, g in (b.prefill_graphs or {}).items() if g.ready), "pieces": []}
+        for start, n in ((0, 5), (5, 20), (25, 3)):
+            pos = np.arange(start, start + n, dtype=np.int32)
+            logits = b.forward(np.arange(7, 7 + n, dtype=np.int32), pos, slots_of[pos], tables=table)
+            r["pieces"].append((logits, b.last_queries(), b.recent_queries()))
+        r["graphs"] = sorted(b.prefill_graphs or {})
+        r["end"] = pool_state(b)
+        return r
+
+    plain, padded = run(False), run(True)
+    assert plain["prepared"] == [] and padded["prepared"] == [16] and padded["graphs"] == [16, 32]
+    for i, (got, ref) in enumerate(zip(padded["pieces"], plain["pieces"], strict=True)):
+        logits, last_q, recent = got
+        assert logits.shape == (1, VOCAB) and int(np.argmax(logits)) == expected([6 + (5, 20, 3)[i]],
+                                                                                [(4, 24, 27)[i]])[0]
+        for a, b, what in zip(got, ref, ("logits", "last_q", "recent"), strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"piece {i}: {what}")
+        assert len(recent) == (5, 20, 3)[i]
+    kv, slot_pos, d_slot_pos, high_water = padded["end"]
+    kv0, slot_pos0, _, high_water0 = plain["end"]
+    real = slice(0, 2 * CHUNK_TOKENS)
+    np.testing.assert_array_equal(kv[:, :, real], kv0[:, :, real])
+    np.testing.assert_array_equal(slot_pos, slot_pos0)
+    np.testing.assert_array_equal(d_slot_pos, slot_pos)
+    assert high_water == high_water0 == CHUNK_TOKENS + 28
+
+
 # ---- matvec rows -------------------------------------------------------------------------------------------------
 
 

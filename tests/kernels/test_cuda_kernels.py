@@ -619,32 +619,62 @@ def small_qwen2(tmp_path):
     return g, ModelSpec.from_gguf(g)
 
 
+def check_pieces_replay(g, spec, pieces: list[int], decode_steps: int = 8, pool: int = 320) -> set[int]:
+    """A prompt in pieces of these lengths, then greedy decode steps, on a backend with graphs: each piece replays
+    the graph of its width bucket, padded (padding rows first), captured at the bucket's first use. Each piece's
+    logits equal exactly those of an eager backend fed the same padded inputs (the replay is the eager forward),
+    and within F16_PREFILL those of an eager backend fed the piece alone (a width picks its kernels: the
+    tensor-core attention from 16 queries, matvec rows or matmul by tokens x rows, the attention's splits); the
+    decode steps after equal the padded eager backend's exactly (the same K/V). Returns the widths captured."""
+    from lucekv.backends.cuda import CudaBackend, prefill_bucket
+    from lucekv.kvflash.pager import CHUNK_TOKENS
+
+    eager, padded = (CudaBackend(g, spec, "f16", pool, use_graph=False) for _ in range(2))
+    graphed = CudaBackend(g, spec, "f16", pool, use_graph=True)
+    tokens = 3 + np.arange(sum(pieces), dtype=np.int32) % 97
+    # the sequence's blocks (slot = position), the same for all three: the padded backend's padding rows cover the
+    # scratch block, which would otherwise widen its attention's range (the high-water mark) and its rounding
+    table = [np.arange(-(-(len(tokens) + decode_steps) // CHUNK_TOKENS), dtype=np.int32)]
+    start = 0
+    for n in pieces:
+        pos = np.arange(start, start + n, dtype=np.int32)
+        width = prefill_bucket(n, graphed.prefill_chunk)
+        b = graphed.forward(tokens[pos], pos, pos, tables=table)
+        alone = eager.forward(tokens[pos], pos, pos, tables=table)
+        c = padded.forward(*padded._padded(width, tokens[pos], pos, pos, first=True), tables=table)
+        assert np.array_equal(b, c), f"piece of {n} at {start} (width {width})"
+        assert rel_err(b, alone) <= F16_PREFILL, f"piece of {n} at {start}"
+        start += n
+    for step in range(decode_steps):
+        tok, p = np.array([np.argmax(b[-1])], np.int32), np.array([start + step], np.int32)
+        b, c = graphed.forward(tok, p, p, tables=table), padded.forward(tok, p, p, tables=table)
+        assert np.array_equal(b, c), f"step {step}"
+    return {w for w, graph in graphed.prefill_graphs.items() if graph.ready}
+
+
+@gpu
+@needs_gpu
+def test_prompt_pieces_replay_the_graphs_of_their_width_buckets(tmp_path):
+    """Pieces of 5, 16, 40, 16 and 100 tokens: widths 16 (captured, then replayed padded and unpadded), 64, 128."""
+    g, spec = small_qwen2(tmp_path)
+    assert check_pieces_replay(g, spec, [5, 16, 40, 16, 100]) == {16, 64, 128}
+
+
 @gpu
 @needs_gpu
 def test_prefill_graph_replays_full_chunks(tmp_path, monkeypatch):
-    """A prompt of three full prefill chunks and a partial one: the first full chunk runs eagerly and is captured,
-    the next two replay it; every chunk's logits are the eager backend's exactly, as are a full chunk's logits of
-    every position (run eagerly: the graph keeps the last token's) and the decode steps after."""
+    """A prompt of three full prefill chunks and a partial one (padded to the chunk's width), through the chunk's
+    graph; a full chunk's logits of every position (run eagerly: the graph keeps the last token's) equal too."""
     from lucekv.backends.cuda import CudaBackend
 
     monkeypatch.setattr(CudaBackend, "prefill_chunk", 16)
     g, spec = small_qwen2(tmp_path)
+    assert check_pieces_replay(g, spec, [16, 16, 16, 5], pool=128) == {16}
     eager = CudaBackend(g, spec, "f16", 128, use_graph=False)
     graphed = CudaBackend(g, spec, "f16", 128, use_graph=True)
-    tokens = np.arange(3, 3 + 3 * 16 + 5, dtype=np.int32)
-    for start in range(0, len(tokens), 16):
-        pos = np.arange(start, min(start + 16, len(tokens)), dtype=np.int32)
-        a, b = eager.forward(tokens[pos], pos, pos), graphed.forward(tokens[pos], pos, pos)
-        assert np.array_equal(a, b), f"chunk at {start}"
-        assert graphed.prefill_graph.ready
     pos = np.arange(16, dtype=np.int32)
-    a, b = eager.forward(tokens[pos], pos, pos, all_logits=True), graphed.forward(tokens[pos], pos, pos, True)
+    a, b = eager.forward(pos + 3, pos, pos, all_logits=True), graphed.forward(pos + 3, pos, pos, True)
     assert a.shape == (16, spec.vocab_size) and np.array_equal(a, b)
-    for step in range(8):
-        p = np.array([len(tokens) + step], np.int32)
-        tok = np.array([np.argmax(a[-1])], np.int32)
-        a, b = eager.forward(tok, p, p), graphed.forward(tok, p, p)
-        assert np.array_equal(a, b), f"step {step}"
 
 
 @gpu

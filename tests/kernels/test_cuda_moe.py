@@ -15,7 +15,7 @@ from lucekv.model.gguf import open_gguf
 from lucekv.model.synth import write_synthetic_gguf
 from tests.kernels import moe_reference
 from tests.kernels.cuda_sim import needs_gpu, needs_kernels, run_in_simulator
-from tests.kernels.test_cuda_kernels import check_backend_matches_cpu, rel_err
+from tests.kernels.test_cuda_kernels import check_backend_matches_cpu, check_pieces_replay, rel_err
 
 
 @pytest.mark.skipif(available(), reason="kernels run directly in this process")
@@ -245,25 +245,13 @@ def test_upcycled_distinct_experts_on_cuda_equal_the_cpu_layer_by_layer_gpu(tmp_
 @pytest.mark.gpu
 @needs_gpu
 def test_moe_graphs_replay_the_eager_forwards_gpu(tmp_path, monkeypatch):
-    """qwen2moe (a shared expert beside 8 routed ones, top-3): full prefill chunks and decode steps replayed from
-    captured graphs give the eager backend's logits exactly, whatever the routing of each replay."""
+    """qwen2moe (a shared expert beside 8 routed ones, top-3): prompt pieces (full prefill chunks, a short piece
+    padded to the chunk's width: padding rows routed too) and decode steps replayed from captured graphs give the
+    eager backend's logits exactly, whatever the routing of each replay (check_pieces_replay)."""
     from lucekv.backends.cuda import CudaBackend
 
     monkeypatch.setattr(CudaBackend, "prefill_chunk", 16)
     g = open_gguf(write_synthetic_gguf(tmp_path / "m.gguf", "qwen2moe", qtype=Q.Q4_K, n_embd=256, n_head=4,
                                        n_kv_head=2, head_dim=64, n_ff=512, n_ff_expert=256, n_layer=3, n_expert=8,
                                        n_expert_used=3))
-    spec = ModelSpec.from_gguf(g)
-    eager = CudaBackend(g, spec, "f16", 256, use_graph=False)
-    graphed = CudaBackend(g, spec, "f16", 256, use_graph=True)
-    tokens = np.arange(3, 3 + 3 * 16 + 5, dtype=np.int32)
-    for start in range(0, len(tokens), 16):
-        pos = np.arange(start, min(start + 16, len(tokens)), dtype=np.int32)
-        a, b = eager.forward(tokens[pos], pos, pos), graphed.forward(tokens[pos], pos, pos)
-        assert np.array_equal(a, b), f"chunk at {start}"
-    for step in range(40):
-        tok = np.array([np.argmax(a[-1])], np.int32)
-        p = np.array([len(tokens) + step], np.int32)
-        a, b = eager.forward(tok, p, p), graphed.forward(tok, p, p)
-        assert np.array_equal(a, b), f"step {step}"
-    assert graphed.graph.ready and graphed.prefill_graph.ready
+    assert check_pieces_replay(g, ModelSpec.from_gguf(g), [16, 16, 16, 5], decode_steps=40, pool=256) == {16}
