@@ -248,7 +248,9 @@ class CudaOps:
         self._one = {name: self._one_dev[i:i + 1] for i, name in enumerate(("tokens", "positions", "slots"))}
         self.tokens = self.positions = self.slots = None
         self._kept: set[int] = set()  # token counts whose pools and input buffers stay (see keep_pools)
-        self._inputs: dict[int, tuple] = {}  # token count > 1 in _kept -> (pinned [3, n], device [3, n]) inputs
+        # token count > 1 in _kept -> its inputs' buffers, pinned [3, n] and device [3, n], and the device rows' views
+        # (tokens, positions, slots): made once, as a numba view costs tens of microseconds of host time
+        self._inputs: dict[int, tuple] = {}
         self._pools_by_tokens: dict[int, dict] = {}  # token count -> segment -> (shape, dtype) -> arrays
         self._pools: dict[object, dict[tuple, list]] = {}  # the current token count's
         self._pool: dict[tuple, list] = {}  # the current segment's
@@ -266,6 +268,9 @@ class CudaOps:
         self._tables_sent = np.zeros(0, np.int32)  # what the device buffer holds (its used prefix)
         self._seq_of_one = cuda.to_device(np.zeros(max(max_tokens, max_rows), np.int32), stream=stream)
         self._seq_of_rows = cuda.to_device(np.arange(max_rows, dtype=np.int32), stream=stream)
+        d = self._tables_dev
+        self._table_views = d[2 * max_rows :], d[:max_rows], d[max_rows : 2 * max_rows]  # flat, start, used
+        self._block_tables: dict[tuple[int, bool], attention.BlockTables] = {}  # (tokens, one sequence) -> views
         self.tables: attention.BlockTables | None = None
         self.one_sequence = True  # the latest forward's tokens are one sequence's (else decode rows)
         self.kept_rows = 1  # rows of the latest forward whose queries pool.last_q keeps
@@ -286,14 +291,14 @@ class CudaOps:
             self.upload_one(*(int(np.asarray(v).reshape(-1)[0]) for v in inputs.values()))
             for name in inputs:
                 setattr(self, name, self._one[name])
-        elif n in self._kept:  # a graph's inputs: fixed buffers
+        elif n in self._kept:  # a graph's inputs: fixed buffers, filled by one copy
             if n not in self._inputs:
-                self._inputs[n] = cuda.pinned_array((3, n), np.int32), cuda.device_array((3, n), np.int32,
-                                                                                         stream=self.stream)
-            host, device = self._inputs[n]
-            host[:] = tokens, positions, slots  # (the forward before this one has finished: the copy is free)
+                device = cuda.device_array((3, n), np.int32, stream=self.stream)
+                self._inputs[n] = cuda.pinned_array((3, n), np.int32), device, (device[0], device[1], device[2])
+            host, device, views = self._inputs[n]
+            host[0], host[1], host[2] = tokens, positions, slots  # (the forward before has finished: host is free)
             copy_to_device_async(device, host, self.stream)
-            self.tokens, self.positions, self.slots = device[0], device[1], device[2]
+            self.tokens, self.positions, self.slots = views
         else:
             for name, host in inputs.items():
                 setattr(self, name, cuda.to_device(np.ascontiguousarray(host, np.int32), stream=self.stream))
@@ -313,25 +318,30 @@ class CudaOps:
             raise ValueError(f"a forward of {n} tokens over {rows} sequences: one sequence's tokens, or one token of "
                              f"each of at most {self._max_rows}")
         m = self._max_rows
-        sent = np.zeros(2 * m, np.int32)
-        sent[:rows] = np.cumsum([0] + [len(t) for t in tables[:-1]])
+        lengths = [len(t) for t in tables]
+        sent = np.zeros(2 * m + sum(lengths), np.int32)
+        sent[1:rows] = np.cumsum(lengths[:-1])
         sent[m : m + rows] = used
-        sent = np.concatenate([sent, *tables]).astype(np.int32)
-        if not np.array_equal(sent, self._tables_sent):
+        np.concatenate(tables, out=sent[2 * m :], casting="unsafe")
+        if not np.array_equal(sent, self._tables_sent):  # (a sequence's table changes as it takes a block)
             self._tables_turn ^= 1
             host = self._tables_host[self._tables_turn, : len(sent)]
             host[:] = sent
-            copy_to_device_async(self._tables_dev[: len(sent)], host, self.stream)
+            copy_to_device_async(self._tables_dev, host, self.stream)
             self._tables_sent = sent
-        seq_of = self._seq_of_one[:n] if rows == 1 else self._seq_of_rows[:n]
-        if rows == 1 and n > len(self._seq_of_one):  # longer than any graph's forward: a buffer of its own
-            seq_of = cuda.to_device(np.zeros(n, np.int32), stream=self.stream)
-        d = self._tables_dev
-        self.tables = attention.BlockTables(d[2 * m :], d[:m], d[m : 2 * m], seq_of)
+        self.tables = self._block_tables.get((n, rows == 1)) or self._tables_of(n, rows == 1)
         self.one_sequence = rows == 1
         self.kept_rows = 1 if self.one_sequence else n
         self.pool.recent_rows = min(n, RECENT_QUERIES) if self.one_sequence and n > 1 else 0
         self.pool.recent_padding = 0
+
+    def _tables_of(self, n: int, one_sequence: bool) -> attention.BlockTables:
+        """The BlockTables of n-token forwards (of one sequence, or decode rows) over the fixed tables buffer, kept."""
+        if one_sequence and n > len(self._seq_of_one):  # longer than any graph's forward: a buffer of its own
+            return attention.BlockTables(*self._table_views, cuda.to_device(np.zeros(n, np.int32), stream=self.stream))
+        seq_of = self._seq_of_one[:n] if one_sequence else self._seq_of_rows[:n]
+        tables = self._block_tables[n, one_sequence] = attention.BlockTables(*self._table_views, seq_of)
+        return tables
 
     def keep_pools(self, n: int) -> None:
         """Keep the activation pools (and, for n > 1, fixed input buffers) of n-token forwards from now on."""
@@ -1094,11 +1104,12 @@ def _busy(node) -> bool | None:
 
 
 def copy_to_device_async(dst, src: np.ndarray, stream) -> None:
-    """Pinned host array src into device array dst, enqueued on `stream` by one driver call: numba's
+    """Pinned host array src into device array dst (its first len(src) rows), enqueued on `stream` by one driver
+    call: numba's
     copy_to_device spends ~0.2 ms of Python per call (measured on the H200 machine: most of a decode step's host
     time). src must stay unchanged until the stream has run the copy (every forward ends synchronized)."""
     if SIMULATOR:  # no driver there
-        dst.copy_to_device(src, stream=stream)
+        dst[: len(src)].copy_to_device(src, stream=stream)
         return
     from cuda.bindings import driver
 

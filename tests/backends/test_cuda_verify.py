@@ -1,4 +1,5 @@
-"""CUDA verify forwards padded to a bucket's width, and products of a few tokens as matvec rows.
+"""CUDA verify forwards and prompt pieces padded to a bucket's width, decode rows' tables, and products of a few
+tokens as matvec rows.
 
 A verify block of n tokens replays the graph of its bucket (`verify_bucket`), the padding rows first, at position
 -1, writing the pool's scratch block. Every kernel that reads positions or slots takes a padding row here next to
@@ -250,6 +251,70 @@ def test_short_prompt_pieces_replay_their_width_buckets_padded_and_leave_what_un
     np.testing.assert_array_equal(slot_pos, slot_pos0)
     np.testing.assert_array_equal(d_slot_pos, slot_pos)
     assert high_water == high_water0 == CHUNK_TOKENS + 28
+
+
+# ---- decode rows' block tables ----------------------------------------------------------------------------------
+
+
+def attention_reference(q, k, v, slot_pos, table, position, n_head) -> np.ndarray:
+    """float64 attention of one query [n_head * head_dim] over the slots of `table`'s blocks holding positions up to
+    `position`."""
+    slots = (table[:, None] * CHUNK_TOKENS + np.arange(CHUNK_TOKENS)).reshape(-1)
+    slots = slots[(slot_pos[slots] >= 0) & (slot_pos[slots] <= position)]
+    n_kv, d = k.shape[1:]
+    out = []
+    for h, qh in enumerate(q.reshape(n_head, d).astype(np.float64)):
+        scores = k[slots, h // (n_head // n_kv)] @ qh / np.sqrt(d)
+        w = np.exp(scores - scores.max())
+        out.append(w @ v[slots, h // (n_head // n_kv)] / w.sum())
+    return np.concatenate(out)
+
+
+@needs_kernels
+def test_decode_rows_read_their_own_blocks_after_a_table_change_through_the_same_buffers(model):
+    """Two decode rows over their own blocks, through the inputs and BlockTables of their width, at fixed addresses
+    (what a captured rows graph reads): after row 0 takes a new block (its table changes and goes up again, the
+    other row's not), the same buffers give each row attention over its own blocks as they are now."""
+    from lucekv.backends.cuda import CudaBackend
+    from lucekv.kernels.cuda import attention
+
+    g = open_gguf(model)
+    spec = ModelSpec.from_gguf(g)
+    b = CudaBackend(g, spec, "f32", 4 * CHUNK_TOKENS, use_graph=False, max_rows=2)
+    ops, pool = b.ops, b.pool
+    rng = np.random.default_rng(5)
+    k, v = (rng.standard_normal(pool.k[0].shape).astype(np.float32) for _ in range(2))
+    pool.k[0].copy_to_device(k)
+    pool.v[0].copy_to_device(v)
+    pool.assign(np.arange(63, dtype=np.int32), np.arange(63, dtype=np.int32))  # row 0: block 0, positions 0..62
+    pool.assign(CHUNK_TOKENS + np.arange(40, dtype=np.int32), np.arange(40, dtype=np.int32))  # row 1: block 1
+    pool.upload_slot_pos()
+    ops.keep_pools(2)  # the rows' width, as a rows graph keeps it
+    width = spec.n_head * spec.head_dim
+    first = None
+    for positions, tables in (([63, 40], [[0], [1]]), ([64, 41], [[0, 2], [1]])):  # row 0 enters block 2
+        tables = [np.array(t, np.int32) for t in tables]
+        positions = np.array(positions, np.int32)
+        slots = np.array([t[p // CHUNK_TOKENS] * CHUNK_TOKENS + p % CHUNK_TOKENS for t, p in zip(tables, positions,
+                                                                                              strict=True)], np.int32)
+        pool.assign(slots, positions)
+        ops.begin_step(np.zeros(2, np.int32), positions, slots, tables=tables)
+        first = first or (ops.tables, ops.positions)
+        assert ops.tables is first[0]  # the same device buffers, as a replay reads them
+        flat, start, used, seq_of = (a.copy_to_host() for a in first[0])
+        for row in range(2):  # what the kernels read: each row's own blocks
+            s = seq_of[row]
+            np.testing.assert_array_equal(flat[start[s] : start[s] + used[s] // CHUNK_TOKENS], tables[row])
+    width = spec.n_head * spec.head_dim
+    q = rng.standard_normal((2, width)).astype(np.float32)
+    out = cuda.device_array((2, width), np.float32)
+    attention.attend(cuda.to_device(q), pool.k[0], pool.v[0], pool.d_slot_pos, first[0], first[1], 0,
+                     1 / np.sqrt(spec.head_dim), attention.partials(2, spec.n_head, spec.n_kv_head, spec.head_dim,
+                                                                    pool.size), out)
+    got = out.copy_to_host()
+    for row in range(2):  # row 0 sees its new block's slot (position 64)
+        ref = attention_reference(q[row], k, v, pool.slot_pos, tables[row], positions[row], spec.n_head)
+        assert rel_err(got[row], ref) <= 1e-5, f"row {row} at position {positions[row]}"
 
 
 # ---- matvec rows -------------------------------------------------------------------------------------------------
