@@ -20,6 +20,9 @@
 #                                      SPEC_N (20) prompts per workload (default code,edit,chat; ~2-3 min each), needs both
 #                                      models' pieces (.models/qwen15.part*, .models/qwen05.part*) and
 #                                      bench/prompts/spec.json (`lucekv bench spec-prompts -o bench/prompts/spec.json`)
+#   bash bench/gpu_session.sh steps [smollm2|qwen05|8b]  lucekv bench steps in process: TTFT at 16..500 tokens,
+#                                      the decode step at 1..32 concurrent requests and the host time inside it,
+#                                      --gil-probe; peak GPU memory (~1-2 min; smollm2/qwen05 need their pieces)
 #   bash bench/gpu_session.sh depth    decode tok/s at 4K..128K context, 8B shape, pool 4096 vs full cache vs
 #                                      llama-bench (~5 min); `depth build` first builds llama-bench (~4 min, a call
 #                                      of its own: /tmp survives while the machine stays warm)
@@ -168,6 +171,20 @@ serve)
   python3 -m lucekv.cli bench serve --model $M --backend cuda --concurrency 1,4,16,64 --num-requests 96 \
     --max-output-tokens 256 --dataset .anchors/sharegpt.json $([ -x "$LS" ] && echo --llama-server "$LS") \
     --json "$OUT/serve-$NAME.json" 2>&1 >/dev/null | grep --line-buffered -v -i warning | tee "$OUT/serve-$NAME.log"
+  ;;
+steps)
+  # the engine's step in process: TTFT of 16..500-token prompts alone (prefill graphs by width), the decode step at
+  # C concurrent requests with the backend's host time in it, and whether the device waits let go of the GIL;
+  # smollm2 (default), qwen05 or 8b (the Qwen3-8B shape: its 512-wide activations, GPU memory), ~1-2 min each
+  case "${2:-smollm2}" in
+  smollm2) M=/tmp/smollm2-135m.gguf; NAME=smollm2-135m ;;
+  qwen05) M=/tmp/qwen2.5-coder-0.5b.gguf; NAME=qwen2.5-coder-0.5b ;;
+  8b) M=/tmp/qwen3-8b-shape.gguf; NAME=qwen3-8b-shape
+      [ -f $M ] || timeout 120 python3 .anchors/synth_gguf.py $M qwen3-8b-shape ;;
+  esac
+  peak_mib "$OUT/mem-steps-$NAME.txt" python3 -m lucekv.cli bench steps --model $M --backend cuda \
+    --concurrency 1,2,4,8,16,32 --gil-probe --json "$OUT/steps-$NAME.json" 2>&1 >/dev/null \
+    | grep --line-buffered -v -i warning | tee "$OUT/steps-$NAME.log"
   ;;
 depth)
   M8=/tmp/qwen3-8b-shape.gguf

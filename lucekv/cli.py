@@ -28,7 +28,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lucekv.bench import decode, depth, niah, serve, sessions, spec
+    from lucekv.bench import decode, depth, niah, serve, sessions, spec, steps
 
     plots = {"depth-plot": depth.plot, "serve-plot": serve.plot, "spec-plot": spec.plot, "niah-plot": niah.plot}
     if args.bench in plots:  # a result JSON drawn again
@@ -37,7 +37,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     special = {"spec-prompts": spec.main_prompts, "niah-corpus": niah.main_corpus}
     if args.bench in special:
         return special[args.bench](args)
-    benches = {"decode": decode, "serve": serve, "niah": niah, "sessions": sessions, "depth": depth, "spec": spec}
+    benches = {"decode": decode, "serve": serve, "niah": niah, "sessions": sessions, "depth": depth, "spec": spec,
+               "steps": steps}
     return benches[args.bench].main(args)
 
 
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(b)
     b.set_defaults(func=cmd_bench)
     add_serve_bench(bench_sub, DEFAULT_MODEL)
+    add_steps_bench(bench_sub, DEFAULT_MODEL)
     bench_sub.choices["decode"].add_argument(
         "--transformers", action="store_true",
         help="also run Hugging Face transformers on the same GGUF and prompts (needs the `ref` extra)")
@@ -148,6 +150,25 @@ def add_serve_bench(bench_sub: argparse._SubParsersAction, default_model: str) -
     plot.add_argument("result", help="the JSON written by `lucekv bench serve --json`")
     plot.add_argument("-o", "--output", required=True, help="PNG file to write")
     plot.set_defaults(func=cmd_bench)
+
+
+def add_steps_bench(bench_sub: argparse._SubParsersAction, default_model: str) -> None:
+    from lucekv.cli_server import add_engine_flags
+
+    steps = bench_sub.add_parser("steps", help="the engine's step in process (no gRPC): time to first token, the "
+                                 "decode step at C concurrent requests and the backend's host time in it; "
+                                 "--gil-probe: do the device waits let go of the GIL")
+    steps.add_argument("--model", default=default_model)
+    steps.add_argument("--concurrency", default="1,4,16", help="requests decoding together (default 1,4,16)")
+    steps.add_argument("--prompt-tokens", type=int, default=100, help="each request's prompt (default 100)")
+    steps.add_argument("--gen-tokens", type=int, default=128, help="tokens each request decodes (default 128)")
+    steps.add_argument("--ttft-tokens", default="16,100,300,500",
+                       help="prompt lengths whose time to first token alone is measured (default 16,100,300,500)")
+    steps.add_argument("--repeats", type=int, default=5, help="time-to-first-token runs per length (default 5)")
+    steps.add_argument("--gil-probe", action="store_true", help="CUDA: whether each device wait lets go of the GIL")
+    steps.add_argument("--json", help="also write the result here")
+    add_engine_flags(steps)
+    steps.set_defaults(func=cmd_bench)
 
 
 def add_depth_commands(bench_sub: argparse._SubParsersAction, default_model: str) -> None:
