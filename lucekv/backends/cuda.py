@@ -106,7 +106,7 @@ class CudaKVPool(SlotMap):
         for i in range(1, len(blocks) + 1):
             if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
                 lo, hi = blocks[start] * CHUNK_TOKENS, (blocks[i - 1] + 1) * CHUNK_TOKENS
-                self.d_slot_pos[lo:hi].copy_to_device(self.slot_pos[lo:hi], stream=self._stream)
+                copy_to_device_async(self.d_slot_pos, self.slot_pos[lo:hi], self._stream, at=lo)
                 start = i
 
     def upload_slot_pos(self) -> None:
@@ -992,9 +992,14 @@ class RowsGraph(ForwardGraph):
         self._tokens_dev = cuda.device_array(rows, np.int32, stream=backend.stream)
         self._tokens_host = cuda.pinned_array(rows, np.int32)
         self._argmax_scratch = sample.argmax_scratch(rows, stream=backend.stream)
+        self._row_logits: list = []  # each row's logits on the device (see capture)
         # compiled now: a capture only records launches
         sample.argmax(cuda.device_array((rows, 4), np.float32), 4, self._tokens_dev, self._argmax_scratch,
                       stream=backend.stream)
+
+    def capture(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
+        super().capture(tokens, positions, slots)
+        self._row_logits = [self.logits[i] for i in range(self.n_tokens)]  # views made once (numba's are slow)
 
     def _record_after(self) -> None:
         b = self.backend
@@ -1007,7 +1012,7 @@ class RowsGraph(ForwardGraph):
         stream = self.backend.stream
         copy_to_host_async(self._tokens_host, self._tokens_dev, stream)
         for i in sampled:
-            copy_to_host_async(self._host_logits[i], self.logits[i], stream)
+            copy_to_host_async(self._host_logits[i], self._row_logits[i], stream)
         synchronize(stream)
         return self._tokens_host[first : first + n].copy(), self._host_logits[list(sampled)].copy()
 
@@ -1103,18 +1108,18 @@ def _busy(node) -> bool | None:
     return warps >= BUSY_WARPS_PER_SM * cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
-def copy_to_device_async(dst, src: np.ndarray, stream) -> None:
-    """Pinned host array src into device array dst (its first len(src) rows), enqueued on `stream` by one driver
-    call: numba's
-    copy_to_device spends ~0.2 ms of Python per call (measured on the H200 machine: most of a decode step's host
-    time). src must stay unchanged until the stream has run the copy (every forward ends synchronized)."""
+def copy_to_device_async(dst, src: np.ndarray, stream, at: int = 0) -> None:
+    """Host array src into device array dst's rows from `at` (len(src) of them), enqueued on `stream` by one driver
+    call: numba's copy_to_device and its slicing of dst spend ~0.2 ms of Python per call (measured on the H200
+    machine: most of a decode step's host time). A pinned src must stay unchanged until the stream has run the copy
+    (every forward ends synchronized); a pageable one is staged before the call returns."""
     if SIMULATOR:  # no driver there
-        dst[: len(src)].copy_to_device(src, stream=stream)
+        dst[at : at + len(src)].copy_to_device(src, stream=stream)
         return
     from cuda.bindings import driver
 
-    _check(driver.cuMemcpyHtoDAsync(_device_pointer(dst), src.ctypes.data, src.nbytes,
-                                    driver.CUstream(int(stream.handle))))
+    _check(driver.cuMemcpyHtoDAsync(driver.CUdeviceptr(_address(dst) + at * dst.strides[0]), src.ctypes.data,
+                                    src.nbytes, driver.CUstream(int(stream.handle))))
 
 
 def copy_to_host_async(dst: np.ndarray, src, stream) -> None:
@@ -1142,7 +1147,11 @@ def synchronize(stream) -> None:
 def _device_pointer(a):
     from cuda.bindings import driver
 
-    return driver.CUdeviceptr(a.__cuda_array_interface__["data"][0])
+    return driver.CUdeviceptr(_address(a))
+
+
+def _address(a) -> int:
+    return a.__cuda_array_interface__["data"][0]
 
 
 def _check(result):

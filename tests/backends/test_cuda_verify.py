@@ -212,6 +212,16 @@ def test_prepare_verify_and_padded_verify_forwards_leave_the_sequence_and_the_pa
     assert (slot_pos[2 * CHUNK_TOKENS :] == -1).all() and high_water == high_water0 == 2 * CHUNK_TOKENS
 
 
+def test_prompt_piece_buckets_pad_little():
+    """Powers of two up to 128 tokens (a product reads its weights once whatever the rows), then at most 1.5x."""
+    from lucekv.backends.cuda import prefill_bucket
+
+    widths = [prefill_bucket(n, 512) for n in (2, 16, 17, 100, 129, 200, 257, 385, 512)]
+    assert widths == [16, 16, 32, 128, 192, 256, 384, 512, 512]
+    assert all(n <= prefill_bucket(n, 512) <= max(128, 1.5 * n) for n in range(2, 513))
+    assert prefill_bucket(5, 16) == 16  # a smaller chunk: its own width
+
+
 @needs_kernels
 def test_short_prompt_pieces_replay_their_width_buckets_padded_and_leave_what_unpadded_forwards_leave(model,
                                                                                                       stand_ins):
