@@ -343,6 +343,11 @@ class CudaOps:
         tables = self._block_tables[n, one_sequence] = attention.BlockTables(*self._table_views, seq_of)
         return tables
 
+    def pool_bytes(self) -> dict[int, int]:
+        """Device bytes of the activation pools held now, by token count (the kept ones', and the latest forward's)."""
+        return {n: sum(a.nbytes for segment in pools.values() for arrays in segment.values() for a in arrays)
+                for n, pools in self._pools_by_tokens.items()}
+
     def keep_pools(self, n: int) -> None:
         """Keep the activation pools (and, for n > 1, fixed input buffers) of n-token forwards from now on."""
         self._kept.add(n)

@@ -231,6 +231,8 @@ def run(model: str, concurrency: list[int], prompt_tokens: int, gen_tokens: int,
         result["steps"].append(steps_at(engine, c, prompt_tokens, gen_tokens, run0))
         run0 += 2 * c
         print(f"C={c}: {result['steps'][-1]}", file=sys.stderr)
+    if backend.name == "cuda":  # what the graphs' widths keep on the device
+        result["activation_pools_mib"] = {n: b / 2**20 for n, b in sorted(backend.ops.pool_bytes().items())}
     if probe:
         if backend.name != "cuda":
             raise SystemExit("--gil-probe needs the CUDA backend")

@@ -263,6 +263,24 @@ def test_short_prompt_pieces_replay_their_width_buckets_padded_and_leave_what_un
     assert high_water == high_water0 == CHUNK_TOKENS + 28
 
 
+@needs_kernels
+def test_activation_pools_of_kept_widths_stay_and_count(model):
+    """pool_bytes: the kept width's pools stay beside the latest forward's; another width replaces the latest."""
+    from lucekv.backends.cuda import CudaKVPool, CudaOps
+
+    spec = ModelSpec.from_gguf(open_gguf(model))
+    stream = cuda.stream()
+    ops = CudaOps(spec, CudaKVPool(spec, 2 * CHUNK_TOKENS, "f32", stream), stream, max_tokens=16)
+    ops.keep_pools(16)
+    w, none = cuda.to_device(np.ones(spec.n_embd, np.float32)), np.zeros(0, np.int32)
+    for n in (16, 3, 5):
+        ops.begin_step(np.zeros(n, np.int32), np.full(n, -1, np.int32), np.full(n, CHUNK_TOKENS, np.int32), mark=False,
+                       tables=[none])
+        x = ops.rmsnorm(cuda.to_device(np.ones((n, spec.n_embd), np.float32)), w)  # an array of the pools, and
+        ops.rmsnorm(x, w)  # a second
+    assert ops.pool_bytes() == {16: 2 * 16 * spec.n_embd * 4, 5: 2 * 5 * spec.n_embd * 4}
+
+
 # ---- decode rows' block tables ----------------------------------------------------------------------------------
 
 
