@@ -183,7 +183,7 @@ steps)
       [ -f $M ] || timeout 120 python3 .anchors/synth_gguf.py $M qwen3-8b-shape ;;
   esac
   peak_mib "$OUT/mem-steps-$NAME.txt" python3 -m lucekv.cli bench steps --model $M --backend cuda \
-    --concurrency 1,2,4,8,16,32 --gil-probe --json "$OUT/steps-$NAME.json" 2>&1 >/dev/null \
+    --concurrency 1,2,4,8,16,32 --gil-probe --contend --json "$OUT/steps-$NAME.json" 2>&1 >/dev/null \
     | grep --line-buffered -v -i warning | tee "$OUT/steps-$NAME.log"
   ;;
 depth)

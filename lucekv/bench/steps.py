@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import threading
@@ -103,8 +104,10 @@ def time_to_first_token(engine, tokens: int, repeats: int, first_run: int) -> di
             "median_ms": statistics.median(times[1:]) * 1e3, "runs_ms": [t * 1e3 for t in times[1:]]}
 
 
-def steps_at(engine, concurrency: int, prompt_tokens: int, gen_tokens: int, first_run: int) -> dict:
-    """C requests decoding together: the steps where all C decode, and the backend's calls in them, per step."""
+def steps_at(engine, concurrency: int, prompt_tokens: int, gen_tokens: int, first_run: int,
+             contend: bool = False) -> dict:
+    """C requests decoding together: the steps where all C decode, and the backend's calls in them, per step; with
+    `contend`, beside a thread running Python all along (as a server's gRPC thread may: `busy_thread`)."""
     tokenize = engine.tokenizer.encode
 
     def batch(run0: int, max_tokens: int) -> list:
@@ -116,7 +119,7 @@ def steps_at(engine, concurrency: int, prompt_tokens: int, gen_tokens: int, firs
     step_s: list[float] = []
     timer = CallTimes(call_targets(engine))
     inside, calls = dict.fromkeys(timer.seconds, 0.0), dict.fromkeys(timer.seconds, 0)
-    with timer:
+    with timer, busy_thread(contend):
         while not all(r.done for r in requests):
             steady = all(r.n_out >= 1 and not r.done for r in requests)
             before = timer.snapshot()
@@ -138,6 +141,31 @@ def steps_at(engine, concurrency: int, prompt_tokens: int, gen_tokens: int, firs
             "calls_per_step": {k: v / n for k, v in calls.items() if v}}
 
 
+@contextlib.contextmanager
+def busy_thread(on: bool = True):
+    """A second thread running Python (counting) while the block runs. Each time the engine thread lets go of the GIL
+    (any driver call through cuda.bindings does, a wait or not) this thread may take it, and the engine thread gets it
+    back only when this one is made to drop it: after the switch interval (sys.getswitchinterval(), 5 ms by
+    default). A step's time beside it, against alone, is what those hand-offs cost."""
+    count = [0]  # what it has counted: yielded
+    if not on:
+        yield count
+        return
+    stop = threading.Event()
+
+    def counter() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    thread = threading.Thread(target=counter, daemon=True)
+    thread.start()
+    try:
+        yield count
+    finally:
+        stop.set()
+        thread.join()
+
+
 def gil_probe(engine, busy_ms: float = 50.0) -> dict:
     """Whether each of the backend's device waits lets go of the GIL: see the module's docstring."""
     import numpy as np
@@ -153,12 +181,6 @@ def gil_probe(engine, busy_ms: float = 50.0) -> dict:
 
     stream = engine.backend.stream
     small = cuda.device_array(1024, np.float32, stream=stream)
-    count = [0]
-    stop = threading.Event()
-
-    def counter() -> None:
-        while not stop.is_set():
-            count[0] += 1
 
     def event_wait() -> None:
         e = ordering_event()
@@ -175,30 +197,27 @@ def gil_probe(engine, busy_ms: float = 50.0) -> dict:
     synchronize(stream)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-4)  # the counter takes a free GIL at once
-    thread = threading.Thread(target=counter, daemon=True)
-    thread.start()
     try:
-        c0, t0 = count[0], time.perf_counter()
-        time.sleep(busy_ms / 1e3)  # the GIL free: the counter's full rate
-        rate = (count[0] - c0) / (time.perf_counter() - t0)
-        result: dict = {"counter_per_s_gil_free": rate, "busy_ms": busy_ms, "waits": {}}
-        for name, wait in waits.items():
-            sleep_kernel[1, 1, stream](int(busy_ms * 1e3))
+        with busy_thread() as count:
             c0, t0 = count[0], time.perf_counter()
-            wait()
-            seconds = time.perf_counter() - t0
-            ran = (count[0] - c0) / (rate * seconds)
-            result["waits"][name] = {"wait_ms": seconds * 1e3, "counter_share": ran,
-                                     "lets_go_of_gil": bool(ran > 0.5)}
+            time.sleep(busy_ms / 1e3)  # the GIL free: the counter's full rate
+            rate = (count[0] - c0) / (time.perf_counter() - t0)
+            result: dict = {"counter_per_s_gil_free": rate, "busy_ms": busy_ms, "waits": {}}
+            for name, wait in waits.items():
+                sleep_kernel[1, 1, stream](int(busy_ms * 1e3))
+                c0, t0 = count[0], time.perf_counter()
+                wait()
+                seconds = time.perf_counter() - t0
+                ran = (count[0] - c0) / (rate * seconds)
+                result["waits"][name] = {"wait_ms": seconds * 1e3, "counter_share": ran,
+                                         "lets_go_of_gil": bool(ran > 0.5)}
     finally:
-        stop.set()
-        thread.join()
         sys.setswitchinterval(interval)
     return result
 
 
 def run(model: str, concurrency: list[int], prompt_tokens: int, gen_tokens: int, ttft_tokens: list[int],
-        repeats: int, engine_options: dict, probe: bool) -> dict:
+        repeats: int, engine_options: dict, probe: bool, contend: bool = False) -> dict:
     from lucekv.model.registry import resolve_model
 
     path = resolve_model(model)
@@ -228,9 +247,11 @@ def run(model: str, concurrency: list[int], prompt_tokens: int, gen_tokens: int,
         print(f"TTFT {n} tokens: {result['time_to_first_token'][-1]}", file=sys.stderr)
     result["steps"] = []
     for c in concurrency:
-        result["steps"].append(steps_at(engine, c, prompt_tokens, gen_tokens, run0))
-        run0 += 2 * c
-        print(f"C={c}: {result['steps'][-1]}", file=sys.stderr)
+        for beside in (False, True) if contend else (False,):
+            result["steps"].append({**steps_at(engine, c, prompt_tokens, gen_tokens, run0, beside),
+                                    "beside_busy_thread": beside})
+            run0 += 2 * c
+            print(f"C={c}: {result['steps'][-1]}", file=sys.stderr)
     if backend.name == "cuda":  # what the graphs' widths keep on the device
         result["activation_pools_mib"] = {n: b / 2**20 for n, b in sorted(backend.ops.pool_bytes().items())}
     if probe:
@@ -248,5 +269,5 @@ def main(args) -> int:
     options = engine_options(args)
     options["max_batch"] = max(options.get("max_batch") or 1, *concurrency)
     report(run(args.model, concurrency, args.prompt_tokens, args.gen_tokens, ttft, args.repeats, options,
-               args.gil_probe), args.json)
+               args.gil_probe, args.contend), args.json)
     return 0
