@@ -732,8 +732,8 @@ class CudaBackend(RunAhead):
         them (one sequence's verify block or prompt piece: its last row stays the last, whose query pool.last_q
         keeps). A padding row, at position -1, sees no slot and writes the pool's scratch block, which keeps -1 (free,
         on the host as on the device): whoever reads it sees nothing there. A row's numbers never depend on the other
-        rows'; the width picks kernels (attention's splits, the tensor-core attention from 16 queries, matvec rows or
-        matmul), so the real rows get what they get unpadded within rounding."""
+        rows'; the width picks kernels (attention's splits, the tensor-core attention from flash.MIN_TOKENS, matvec
+        rows or matmul), so the real rows get what they get unpadded within rounding."""
         pad = width - len(tokens)
         padding = (np.zeros(pad, np.int32), np.full(pad, -1, np.int32),
                    self.pool.scratch_slot + np.arange(pad, dtype=np.int32) % CHUNK_TOKENS)

@@ -624,7 +624,7 @@ def check_pieces_replay(g, spec, pieces: list[int], decode_steps: int = 8, pool:
     the graph of its width bucket, padded (padding rows first), captured at the bucket's first use. Each piece's
     logits equal exactly those of an eager backend fed the same padded inputs (the replay is the eager forward),
     and within F16_PREFILL those of an eager backend fed the piece alone (a width picks its kernels: the
-    tensor-core attention from 16 queries, matvec rows or matmul by tokens x rows, the attention's splits); the
+    tensor-core attention from flash.MIN_TOKENS queries, matvec rows or matmul by tokens x rows, the splits); the
     decode steps after equal the padded eager backend's exactly (the same K/V). Returns the widths captured."""
     from lucekv.backends.cuda import CudaBackend, prefill_bucket
     from lucekv.kvflash.pager import CHUNK_TOKENS
