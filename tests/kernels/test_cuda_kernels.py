@@ -688,7 +688,9 @@ def test_decode_graph_replays_the_eager_step(tmp_path):
     g, spec = small_qwen2(tmp_path)
     eager = CudaBackend(g, spec, "f16", 600, use_graph=False)
     graphed = CudaBackend(g, spec, "f16", 600, use_graph=True)
-    tokens = np.arange(3, 40, dtype=np.int32)
+    # a prompt of a prefill bucket's width: the graphed backend replays it unpadded, the kernels the eager one runs
+    # (a padded piece is not bit-identical: its width picks other products)
+    tokens = np.arange(3, 35, dtype=np.int32)
     pos = np.arange(len(tokens), dtype=np.int32)
     a, b = eager.forward(tokens, pos, pos), graphed.forward(tokens, pos, pos)
     assert np.array_equal(a, b)
