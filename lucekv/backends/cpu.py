@@ -168,7 +168,8 @@ class CpuOps:
         ms = np.mean(xs * xs, axis=-1, keepdims=True, dtype=np.float32)
         return (xs / np.sqrt(ms + np.float32(self.spec.rms_eps)) * w).reshape(x.shape).astype(np.float32, copy=False)
 
-    def _rope(self, x: np.ndarray, n_heads: int, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    def rope(self, x: np.ndarray, n_heads: int, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+        """x [n, n_heads * head_dim] rotated at `positions` (the spec's RoPE style)."""
         spec = self.spec
         rd = spec.rope_dim
         ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [n, rd/2]
@@ -189,8 +190,8 @@ class CpuOps:
                   window: int) -> np.ndarray:
         spec, pool, rope = self.spec, self.pool, self._layer_rope[layer]
         q, k, v = project_qkv(spec, self, x, lw)
-        q = self._rope(q, spec.n_head, positions, rope.inv_freq)
-        k = self._rope(k, spec.n_kv_head, positions, rope.inv_freq)
+        q = self.rope(q, spec.n_head, positions, rope.inv_freq)
+        k = self.rope(k, spec.n_kv_head, positions, rope.inv_freq)
         kp, vp = pool.k[layer], pool.v[layer]
         kp[slots] = k.reshape(len(k), spec.n_kv_head, spec.head_dim)
         vp[slots] = v.reshape(len(v), spec.n_kv_head, spec.head_dim)
@@ -209,6 +210,18 @@ class CpuOps:
                                                              sp, len(sp), positions, window, rope.attn_scale)
             self._split(spec.n_kv_head, heads)
         return out.reshape(len(q), -1)
+
+    def attend_all(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+        """Attention without a mask (a DFlash block, lucekv.spec.dflash): every query [n, n_head * hd] sees every
+        key and value [m, n_kv_head * hd]; grouped heads as the spec has them."""
+        spec = self.spec
+        group, hd = spec.n_head // spec.n_kv_head, spec.head_dim
+        qh = q.reshape(len(q), spec.n_kv_head, group, hd)
+        kh, vh = k.reshape(len(k), spec.n_kv_head, hd), v.reshape(len(v), spec.n_kv_head, hd)
+        scores = np.einsum("qhgd,khd->hgqk", qh, kh) * np.float32(scale)
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        out = np.einsum("hgqk,khd->qhgd", scores / scores.sum(axis=-1, keepdims=True), vh)
+        return np.ascontiguousarray(out.reshape(len(q), -1), np.float32)
 
     def gated_linear(self, x: np.ndarray, g: tuple[PackedMatrix, PackedMatrix], norm: np.ndarray) -> np.ndarray:
         return self._gated(self.rmsnorm(x, norm), *g)
@@ -261,6 +274,17 @@ class CpuOps:
         return x[idx]
 
 
+class CpuDraftOps(CpuOps):
+    """The ops of a DFlash drafter's forward (lucekv.spec.dflash): every product through BLAS tiles, one context row
+    too (the parallel matvec's launch costs more than a drafter's small products: 4 ms against 50 us for a 64x128
+    Q8_0 matrix on a busy 2-core machine)."""
+
+    def linear(self, w: PackedMatrix, x: np.ndarray, norm: np.ndarray | None = None,
+               residual: np.ndarray | None = None) -> np.ndarray:
+        y = self._matmul(w, x if norm is None else self.rmsnorm(x, norm))
+        return y if residual is None else residual + y
+
+
 class CpuBackend(RunAhead):
     name = "cpu"
     prefill_chunk = 256  # tokens per prefill forward: bounds the attention score matrix
@@ -280,6 +304,10 @@ class CpuBackend(RunAhead):
         self.decode_step = DecodeStep(spec, self.weights, lambda tokens: self.ops.embed(
             self.weights.token_embd, tokens, embed_scale), self.pool, self.workers
         ) if all(lw.moe is None for lw in self.weights.layers) else None
+        # target features for a DFlash drafter (lucekv.spec.dflash): while `capture_layers` names layers, each forward
+        # leaves their outputs in `captured` [n_tokens, len(capture_layers) * n_embd] (in that order); () costs nothing
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: np.ndarray | None = None
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, all_logits: bool = False,
                 tables: Sequence[np.ndarray] | None = None) -> np.ndarray:
@@ -294,13 +322,26 @@ class CpuBackend(RunAhead):
         that path). One token without a table (a draft model's step, the profilers) takes the step too."""
         self.pool.assign(slots, positions)
         self.ops.begin_step(len(tokens), tables)
+        capture = self.capture_layers
         if self.decode_step is not None and (all_logits or (tables is None and len(tokens) == 1)):
+            captured = capture_at = None
+            if capture:
+                captured = np.empty((len(capture), len(tokens), self.spec.n_embd), np.float32)
+                capture_at = np.full(self.spec.n_layer, -1, np.int64)
+                capture_at[list(capture)] = np.arange(len(capture))
             logits, queries = self.decode_step(np.asarray(tokens), positions, slots, self.ops.attended, self.ops.runs,
-                                               len(tokens) if all_logits else 1)
+                                               len(tokens) if all_logits else 1, capture_at, captured)
             self.ops.queries = list(queries)
+            if capture:
+                self.captured = np.concatenate(list(captured), axis=1)
             return logits
         rows = tables is not None and len(tables) == len(tokens)
-        return forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, all_logits or rows)
+        states: list[np.ndarray] = []
+        logits = forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, all_logits or rows,
+                         capture, states)
+        if capture:
+            self.captured = np.concatenate(states, axis=1)
+        return logits
 
     def forward_argmax(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                        tables: Sequence[np.ndarray] | None = None) -> np.ndarray:

@@ -77,7 +77,8 @@ class DecodeStep:
     writes its K/V to the pool's slots[r] and attends over the pool slots attended[runs[r, 0]:runs[r, 1]] (its
     sequence's, in logical order): rows may be one token of each of several sequences, or tokens of one sequence
     (each sees those before it by the position rule). A row's numbers are the same in any batch of rows. Threads:
-    numba's thread count (NUMBA_NUM_THREADS) at the call."""
+    numba's thread count (NUMBA_NUM_THREADS) at the call. capture_at [n_layer] (-1: none) / captured [n_capture,
+    n_rows, n_embd]: layer outputs handed out (see decode_step)."""
 
     def __init__(self, spec: ModelSpec, weights: Weights, embed: Callable[[np.ndarray], np.ndarray], pool,
                  workers: Workers):
@@ -107,6 +108,7 @@ class DecodeStep:
         self.width = max(spec.n_embd, spec.n_head * spec.head_dim, spec.n_kv_head * spec.head_dim,
                          *(lw.gate_up[0].rows for lw in weights.layers))
         self._sized = (0, 0)  # (threads, rows) the scratch holds
+        self._no_capture = np.full(spec.n_layer, -1, np.int64)
 
     def _rope_row(self, inv_freq: np.ndarray) -> int:
         for i, f in enumerate(self.inv_freqs):
@@ -127,11 +129,12 @@ class DecodeStep:
             self._sized = (n, rows)
 
     def __call__(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, attended: np.ndarray,
-                 runs: np.ndarray, n_logits: int) -> tuple[np.ndarray, np.ndarray]:
+                 runs: np.ndarray, n_logits: int, capture_at: np.ndarray | None = None,
+                 captured: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         n, n_rows = numba.get_num_threads(), len(tokens)
         self._scratch(n, n_rows)
         x = np.ascontiguousarray(self.embed(tokens), np.float32)
-        ang = np.asarray(positions, np.float64)[:, None, None] * np.stack(self.inv_freqs)  # as CpuOps._rope
+        ang = np.asarray(positions, np.float64)[:, None, None] * np.stack(self.inv_freqs)  # as CpuOps.rope
         rope_cs = np.ascontiguousarray(np.stack([np.cos(ang), np.sin(ang)], axis=2).astype(np.float32))
         logits = np.empty((n_logits, self.n_out), np.float32)
         queries = np.empty((self.spec.n_layer, n_rows, self.spec.n_head, self.spec.head_dim), np.float32)
@@ -143,7 +146,9 @@ class DecodeStep:
         args = (a.codes, a.scales, a.table, self.vecs, self.layers, self.attn_scales, self.dims, self.eps, rope_cs,
                 kp, vp, attended, self.pool.slot_pos[attended], np.ascontiguousarray(runs, np.int64),
                 np.asarray(positions, np.int64), np.asarray(slots, np.int64), x, self.shared, self.private,
-                self.private_q, self.scores, self.kv_rows, logits, queries)
+                self.private_q, self.scores, self.kv_rows, logits, queries,
+                self._no_capture if capture_at is None else capture_at,
+                np.zeros((0, 1, 1), np.float32) if captured is None else captured)
         work = np.zeros(2 * k.step_phases(self.spec.n_layer), np.int64)
         self.workers.run(n, lambda t: k.decode_step(t, work, *args))
         return logits, queries

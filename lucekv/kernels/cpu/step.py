@@ -51,11 +51,12 @@ GELU_C = np.float32(np.sqrt(2.0 / np.pi))
 @njit(cache=True, nogil=True)
 def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, eps, rope_cs, k_pool, v_pool,
                 attended, attended_pos, runs, positions, slots, x, shared, private, private_q, scores, kv_rows,
-                logits, last_q):
+                logits, last_q, capture_at, captured):
     """Thread t's part: the rows of x (float32 [n_rows, n_embd], embedded tokens, shared) through every layer. Row r
     is the token at positions[r]: its K/V go into pool slot slots[r] of each layer, it attends over the pool slots
     attended[runs[r, 0]:runs[r, 1]] (their positions attended_pos[...], in the order given); the logits of the last
-    logits.shape[0] rows go into `logits`, the post-RoPE q of every row into last_q [n_layer, n_rows, n_head, hd].
+    logits.shape[0] rows go into `logits`, the post-RoPE q of every row into last_q [n_layer, n_rows, n_head, hd],
+    and where capture_at[layer] = i >= 0 the layer's output rows into captured[i] ([n_capture, n_rows, n_embd]).
     A row's numbers are a function of its own token, position and slots: the same in any batch of rows, whichever
     thread computes what. Any number of threads may call this at once with the same arguments but t (a distinct
     row of private/private_q/scores/kv_rows), `work` zeros (int64 [2 * step_phases(...)]) at the start."""
@@ -141,6 +142,12 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
         # x += [post-norm of] W_down of that
         phase, sink = _residual_product(work, phase, codes, scales, mats, lt[WDOWN], gate, mine, xq, x, y, vecs,
                                         lt[POST_FFN_NORM], eps, sink)
+        if capture_at[layer] >= 0:  # the layer's output, copied before the next layer's residual changes x
+            c = _claim(work, phase)
+            while c < n_rows:
+                captured[capture_at[layer], c, :] = x[c]
+                c = _done_claim(work, phase)
+            phase = _wait(work, phase, n_rows)
     # the logits of the last rows
     n = _chunks(mats, dims[OUTPUT])
     n_out = logits.shape[0]
@@ -158,8 +165,9 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
 
 
 def step_phases(n_layer: int) -> int:
-    """Phases of a decode step (see decode_step): 8 a layer at most (two of them post-norms), then the output."""
-    return 8 * n_layer + 1
+    """Phases of a decode step (see decode_step): 9 a layer at most (two of them post-norms, one a capture), then the
+    output."""
+    return 9 * n_layer + 1
 
 
 # Work of a phase is handed out in chunks (rows of a product, heads) to whichever thread asks next: work[2p] counts
