@@ -117,12 +117,13 @@ def engine_options(args: argparse.Namespace) -> dict:
     """lucekv.load keyword arguments from the engine flags (and the speculation flags, where the command has them)."""
     options = {name: getattr(args, name) for name in ServeConfig().engine_options()}
     if hasattr(args, "spec"):
-        options["speculation"] = spec_config(args.spec, args.draft_model)
+        options["speculation"] = spec_config(args.spec, args.draft_model, args.dflash_drafter)
     return options
 
 
-def spec_config(mode: str, draft_model: str) -> SpecConfig:
-    return SpecConfig(mode=mode, draft_model=_model_file(draft_model) if draft_model else None)
+def spec_config(mode: str, draft_model: str, dflash_drafter: str = "") -> SpecConfig:
+    return SpecConfig(mode=mode, draft_model=_model_file(draft_model) if draft_model else None,
+                      dflash_drafter=Path(dflash_drafter) if dflash_drafter else None)
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -166,7 +167,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
             store = open_snapshot_store(config.snapshot_store, open_gguf(path).fingerprint,
                                         config.snapshot_ttl_seconds, config.lease_seconds)
-        engine = lucekv.load(path, **config.engine_options(), speculation=spec_config(config.spec, config.draft_model),
+        engine = lucekv.load(path, **config.engine_options(), speculation=spec_config(config.spec, config.draft_model,
+                                                                             config.dflash_drafter),
                              max_sessions=config.max_sessions,
                              session_host_bytes=int(config.session_memory_gib * 2**30), snapshot_store=store)
     except LucekvError as e:

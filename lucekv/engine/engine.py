@@ -51,6 +51,7 @@ from lucekv.snapshot.blob import (
 )
 from lucekv.snapshot.store import SnapshotStore, check_session_id
 from lucekv.spec.config import SpecConfig
+from lucekv.spec.dflash import DFlashDrafter, DFlashModel
 from lucekv.spec.draft_model import DraftModel, DraftModelDrafter, check_same_vocabulary
 from lucekv.spec.drafter import Drafter
 from lucekv.spec.gate import Gate, StepClock
@@ -142,6 +143,9 @@ class Engine:
         if self.spec_config.draft_model is not None:
             draft_model = self._draft_model(g, kv_dtype)
             self.drafters["draft"] = lambda: DraftModelDrafter(draft_model)
+        self._dflash = self._dflash_model() if self.spec_config.dflash_drafter is not None else None
+        if self._dflash is not None:
+            self.drafters["dflash"] = lambda: DFlashDrafter(self._dflash)
         for key in snapshot_store.keys() if snapshot_store is not None else ():
             self.sessions.put(Session(key, None, stored_bytes=snapshot_store.size(key)))
         self.info = EngineInfo(self.spec.name, self.spec.arch.name, g.fingerprint, self.n_ctx,
@@ -247,17 +251,22 @@ class Engine:
         speculator = None if mode == "off" or params.max_tokens == 0 else lambda: self._speculator(mode, session)
         r = Request(ids, params, session, self.tokenizer, self.spec.vocab_size, pin_prefix, self._piece,
                     0 if session.paged.holds_all else PROMPT_TAIL, speculator)
+        if speculator is not None and mode == "dflash":  # the session's drafter sees the target's features
+            r.capture = self._session_drafter(mode, session).take_features
         r.submitted = arrived or r.submitted
         return r
 
     def _speculator(self, mode: str, session: Session) -> Speculator:
         """A turn's speculation: its own gate (mode auto) and the session's drafter of that kind, kept across its turns
         (a suffix index, a draft model's K/V)."""
+        gate = Gate(self._step_clock) if mode == "auto" else None
+        return Speculator(mode, self._session_drafter(mode, session), gate, self.spec_config.max_draft)
+
+    def _session_drafter(self, mode: str, session: Session) -> Drafter:
         kind = "suffix" if mode == "auto" else mode
         if kind not in session.drafters:
             session.drafters[kind] = self.drafters[kind]()
-        gate = Gate(self._step_clock) if mode == "auto" else None
-        return Speculator(mode, session.drafters[kind], gate, self.spec_config.max_draft)
+        return session.drafters[kind]
 
     def _session_for(self, session_id: str, ids: list[int]) -> Session:
         """The session a new request runs in: the named one (created if new, loaded if stored), or for a request
@@ -400,10 +409,18 @@ class Engine:
         seq = r.session.paged
         slots = seq.alloc(start, len(ids))
         tokens, positions = np.asarray(ids, np.int32), np.arange(start, start + len(ids), dtype=np.int32)
-        if greedy:
-            out = self.backend.forward_argmax(tokens, positions, slots, tables=[seq.table()])
-        else:
-            out = self.backend.forward(tokens, positions, slots, all_logits, tables=[seq.table()])
+        if r.capture is not None:
+            self.backend.capture_layers = self._dflash.spec.target_layers
+        try:
+            if greedy:
+                out = self.backend.forward_argmax(tokens, positions, slots, tables=[seq.table()])
+            else:
+                out = self.backend.forward(tokens, positions, slots, all_logits, tables=[seq.table()])
+        finally:
+            if r.capture is not None:
+                self.backend.capture_layers = ()
+        if r.capture is not None:
+            r.capture(start, self.backend.captured)
         r.session.tokens.extend(ids)
         r.computed = max(r.computed, start + len(ids))
         seq.after_forward(decoded=decoded)
@@ -681,6 +698,16 @@ class Engine:
         backend, _ = _make_backend(self.backend.name, g, spec, kv_dtype, self.n_ctx, None, None, 1)
         return DraftModel(backend, self.spec.vocab_size)
 
+    def _dflash_model(self) -> DFlashModel:
+        """The DFlash drafter of SpecConfig, made for this target, with the target's embeddings and LM head. It runs
+        on the CPU backend's ops, beside a CPU target (the CUDA backend captures no features yet)."""
+        from lucekv.backends.cpu import CpuDraftOps
+
+        if self.backend.name != "cpu":
+            raise ConfigError(f"--dflash-drafter: the DFlash drafter runs with the CPU backend only for now (this "
+                              f"engine's is {self.backend.name})")
+        return DFlashModel(self.spec_config.dflash_drafter, self.spec, self.backend.weights, CpuDraftOps)
+
     def _load_drafter(self, model: str | Path | None, kv_dtype: str) -> DraftReader:
         """The draft policy's reader: the drafter on this engine's backend, holding the whole context (one sequence
         at a time: its pool holds one)."""
@@ -837,7 +864,9 @@ def _whole_chunks(n_tokens: int) -> int:
 class _RequestTarget:
     """A request's sequence as a speculative round's target (lucekv.spec.speculator.Target). With a budget, a verify
     block stops at a chunk boundary and goes on in a second forward: the next chunk takes a block (and a chunk is
-    evicted) only when a query has reached it, as in plain decoding."""
+    evicted) only when a query has reached it, as in plain decoding. Greedy, the second forward runs only when every
+    draft before the boundary stands: a rejected draft's query must not evict a chunk that the positions before it,
+    verified again next round, would still see in plain decoding."""
 
     def __init__(self, engine: Engine, r: Request):
         self._engine, self._r = engine, r
@@ -858,6 +887,8 @@ class _RequestTarget:
             pos = start + done
             n = min(len(tokens) - done, CHUNK_TOKENS - pos % CHUNK_TOKENS) if bounded else len(tokens) - done
             out.append(self._engine._forward(self._r, tokens[done : done + n], pos, decoded=n, **kw))
+            if kw.get("greedy") and done + n < len(tokens) and any(out[-1] != tokens[done + 1 : done + n + 1]):
+                break  # a draft of this piece is rejected: no query reaches the next chunk (no block, no eviction)
             done += n
         return out
 

@@ -35,6 +35,8 @@ class Request:
         self._prompt_tail = prompt_tail
         self._speculator = speculator
         self.spec: Speculator | None = None
+        # a DFlash turn's hook: capture(start, features) after each target forward of the sequence (lucekv.spec.dflash)
+        self.capture: Callable[[int, np.ndarray], None] | None = None
         self.sampler = Sampler(params, ids, vocab_size)
         self.output = OutputStream(tokenizer, params, ids[-1], tokenizer.eog_ids)
         self.reuse(session.tokens)

@@ -6,7 +6,8 @@ norms, biases and routers in F32, llama.cpp's tensor names and metadata keys, an
 BPE; SentencePiece-style for gemma3, as real Gemma files have) so that both lucekv and Hugging Face transformers can
 load the file. `write_upcycled_gguf` turns a real dense llama file into a Mixtral-style MoE, and
 `write_qwen3_30b_a3b_shape` writes the MoE speed model; both from the command line too:
-`python -m lucekv.model.synth {upcycle DENSE OUT [--distinct] | qwen3-30b-a3b OUT [--layers N]}`.
+`python -m lucekv.model.synth {upcycle DENSE OUT [--distinct] | qwen3-30b-a3b OUT [--layers N]}`; `write_dflash_gguf`
+writes a DFlash drafter for a target (`... dflash TARGET OUT [--layers 1,27] [--block 16] [--draft-layers 2]`).
 
 Block sizes: every matrix row (its input width) must be a multiple of the quant type's block, i.e. 32
 for Q4_0..Q8_0 and 256 for the K-quants. The defaults (n_embd=64, head_dim=16, n_ff=128) suit the
@@ -280,6 +281,67 @@ def write_upcycled_gguf(path: str | Path, dense: str | Path, *, n_expert: int = 
             std = 1.0 / (np.sqrt(n_embd) * np.sqrt(np.mean(norm * norm)))  # |norm(x)| ~ sqrt(n_embd) * rms(w)
             writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
                               (std * rng.standard_normal((n_expert, n_embd))).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def write_dflash_gguf(path: str | Path, target: str | Path, *, target_layers: list[int] | None = None,
+                      n_capture: int = 2, n_layer: int = 2, block_size: int = 16, n_ff: int | None = None,
+                      mask_token: int | None = None, qtype: GGMLQuantizationType = Q.Q8_0, seed: int = 0) -> Path:
+    """Write a DFlash drafter with random weights (seeded) shaped for the target GGUF at `target` (layout:
+    lucekv.spec.dflash): `n_layer` Qwen3 layers of the target's width and heads (FFN `n_ff`, default the target's),
+    reading the outputs of `target_layers` (default z-lab's spread of `n_capture` layers), blocks of `block_size`,
+    the mask token `mask_token` (default the vocabulary's last id). Matrices in `qtype`, norms in F32, as
+    `write_synthetic_gguf` makes them. With random weights its drafts are mostly rejected: it exists to prove the
+    machinery exact."""
+    from lucekv.spec.dflash import ARCH, default_target_layers
+
+    t = ModelSpec.from_gguf(open_gguf(target))
+    layers = list(target_layers) if target_layers is not None else default_target_layers(t.n_layer, n_capture)
+    if not layers or any(not 0 <= i < t.n_layer for i in layers) or len(set(layers)) != len(layers):
+        raise ValueError(f"target layers {layers} are not distinct layers of the target's {t.n_layer}: pass them")
+    n_ff = n_ff or t.n_ff
+    q_width, kv_width = t.n_head * t.head_dim, t.n_kv_head * t.head_dim
+    specs = [_TensorSpec("dflash.fc.weight", (t.n_embd, len(layers) * t.n_embd), "matrix"),
+             _TensorSpec("dflash.hidden_norm.weight", (t.n_embd,), "norm")]
+    for i in range(n_layer):
+        def mat(name: str, *shape: int, gain: float = 0.5, i=i) -> _TensorSpec:
+            return _TensorSpec(f"blk.{i}.{name}.weight", shape, "matrix", gain)
+
+        def norm(name: str, width: int, i=i) -> _TensorSpec:
+            return _TensorSpec(f"blk.{i}.{name}.weight", (width,), "norm")
+        specs += [norm("attn_norm", t.n_embd), mat("attn_q", q_width, t.n_embd, gain=1.0),
+                  mat("attn_k", kv_width, t.n_embd, gain=1.0), mat("attn_v", kv_width, t.n_embd),
+                  norm("attn_q_norm", t.head_dim), norm("attn_k_norm", t.head_dim),
+                  mat("attn_output", t.n_embd, q_width), norm("ffn_norm", t.n_embd), mat("ffn_gate", n_ff, t.n_embd),
+                  mat("ffn_up", n_ff, t.n_embd), mat("ffn_down", t.n_embd, n_ff)]
+    specs.append(_TensorSpec("output_norm.weight", (t.n_embd,), "norm"))
+    types = {s.name: _tensor_type(s, qtype, {}) for s in specs}
+    for s in specs:
+        _check_block_fit(s, types[s.name])
+    writer = GGUFWriter(path, ARCH)
+    writer.add_name(f"synthetic-dflash-for-{t.name}")
+    writer.add_context_length(t.n_ctx)
+    writer.add_embedding_length(t.n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(t.n_head)
+    writer.add_head_count_kv(t.n_kv_head)
+    writer.add_key_length(t.head_dim)
+    writer.add_value_length(t.head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(t.rope_base)
+    writer.add_vocab_size(t.vocab_size)
+    writer.add_uint32(f"{ARCH}.dflash.n_target_layers", len(layers))
+    writer.add_uint32(f"{ARCH}.dflash.block_size", block_size)
+    writer.add_uint32(f"{ARCH}.dflash.mask_token_id", t.vocab_size - 1 if mask_token is None else mask_token)
+    writer.add_array(f"{ARCH}.dflash.target_layer_ids", [int(i) for i in layers])
+    rng = np.random.default_rng(seed)
+    for s in specs:
+        writer.add_tensor(s.name, _random_tensor(s, types[s.name], rng), raw_dtype=types[s.name])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -696,11 +758,12 @@ def _pad_vocab(tok: _SynthTokenizer, vocab: int | None) -> _SynthTokenizer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m lucekv.model.synth qwen3-30b-a3b OUT [--layers N] | upcycle DENSE OUT [--distinct]"""
+    """python -m lucekv.model.synth qwen3-30b-a3b OUT [--layers N] | upcycle DENSE OUT [--distinct] | dflash TARGET
+    OUT [--layers L,..] [--block B] [--draft-layers N] [--seed S]"""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m lucekv.model.synth", description="write the MoE GGUFs of the "
-                                 "benchmarks and GPU checks")
+    ap = argparse.ArgumentParser(prog="python -m lucekv.model.synth", description="write the MoE and DFlash GGUFs "
+                                 "of the benchmarks and GPU checks")
     sub = ap.add_subparsers(dest="what", required=True)
     a3b = sub.add_parser("qwen3-30b-a3b", help="random weights, Qwen3-30B-A3B's shape, Q4_K_M mix")
     a3b.add_argument("out")
@@ -709,8 +772,19 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("dense")
     up.add_argument("out")
     up.add_argument("--distinct", action="store_true", help="distinct experts (see write_upcycled_gguf)")
+    df = sub.add_parser("dflash", help="a DFlash drafter with random weights shaped for a target GGUF")
+    df.add_argument("target")
+    df.add_argument("out")
+    df.add_argument("--layers", help="the target layers whose outputs it reads, e.g. 1,27 (default: 2, spread out)")
+    df.add_argument("--block", type=int, default=16, help="block size B (default 16)")
+    df.add_argument("--draft-layers", type=int, default=2, help="the drafter's own layers (default 2)")
+    df.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.what == "qwen3-30b-a3b":
+    if args.what == "dflash":
+        layers = [int(i) for i in args.layers.split(",")] if args.layers else None
+        print(write_dflash_gguf(args.out, args.target, target_layers=layers, n_layer=args.draft_layers,
+                                block_size=args.block, seed=args.seed))
+    elif args.what == "qwen3-30b-a3b":
         print(write_qwen3_30b_a3b_shape(args.out, args.layers))
     else:
         print(write_upcycled_gguf(args.out, args.dense, distinct=args.distinct))

@@ -76,11 +76,14 @@ class ServeConfig:
         optional_int, group="engine", metavar="TOKENS")
 
     spec: str = setting("auto", "speculative decoding, the mode of requests that leave it unset: auto lets a gate "
-                        "turn the suffix drafter on where it pays; suffix / draft always use that drafter; off "
-                        "decodes plainly. The output is the same either way", choices=MODES, group="spec")
+                        "turn the suffix drafter on where it pays; suffix / draft / dflash always use that drafter; "
+                        "off decodes plainly. The output is the same either way", choices=MODES, group="spec")
     draft_model: str = setting("", "a small model with the target's tokenizer for --spec draft (registry name, "
                                "fetched if missing, or .gguf path), e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b",
                                group="spec", metavar="NAME|PATH")
+    dflash_drafter: str = setting("", "a DFlash drafter GGUF made for the model, for --spec dflash (a synthetic one: "
+                                  "python -m lucekv.model.synth dflash; CPU backend only for now)", group="spec",
+                                  metavar="PATH")
 
     max_queue: int = setting(64, "Generate calls that may wait for a place in the batch; more get RESOURCE_EXHAUSTED",
                              int)

@@ -19,10 +19,12 @@ class SpecConfig:
     max_draft: int = MAX_DRAFT
     shared_outputs: bool = True  # the suffix drafter also matches the recent outputs of every session
     draft_model: Path | None = None  # a GGUF with the target's tokenizer, for mode "draft"
+    dflash_drafter: Path | None = None  # a DFlash drafter GGUF made for the target (lucekv.spec.dflash), mode "dflash"
 
     def available(self) -> tuple[str, ...]:
         """The modes a request may ask for."""
-        return tuple(m for m in MODES if m != "dflash" and (m != "draft" or self.draft_model is not None))
+        needs = {"draft": self.draft_model, "dflash": self.dflash_drafter}
+        return tuple(m for m in MODES if m not in needs or needs[m] is not None)
 
     def check(self) -> SpecConfig:
         if self.mode not in MODES:
@@ -46,4 +48,4 @@ class SpecConfig:
 
 def _needs(mode: str) -> str:
     return {"draft": "a draft model (--draft-model)",
-            "dflash": "a DFlash drafter, which lucekv does not implement yet"}[mode]
+            "dflash": "a DFlash drafter (--dflash-drafter)"}[mode]

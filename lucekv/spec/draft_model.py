@@ -80,11 +80,7 @@ class DraftModelDrafter:
         top-p and min-p; its own RNG), which verification's rejection rule needs."""
         self.seq = list(tokens)
         self._keep_common_prefix(0)
-        self._sampler = None
-        if params.temperature > 0:
-            q = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                               min_p=params.min_p, seed=None if params.seed is None else params.seed ^ DRAFT_SEED)
-            self._sampler = Sampler(q, [], self.vocab_size)
+        self._sampler = draft_sampler(params, self.vocab_size)
 
     def propose(self, max_len: int) -> Draft:
         if max_len <= 0 or not self.model.take(self):
@@ -139,6 +135,16 @@ class DraftModelDrafter:
         while n < len(self.held) and n < len(self.seq) - 1 and self.held[n] == self.seq[n]:
             n += 1
         del self.held[n:]
+
+
+def draft_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
+    """What a drafter draws its drafts with above temperature 0 (None: greedy drafts): the request's temperature,
+    top-k, top-p and min-p, and its own RNG."""
+    if params.temperature <= 0:
+        return None
+    q = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                       seed=None if params.seed is None else params.seed ^ DRAFT_SEED)
+    return Sampler(q, [], vocab_size)
 
 
 def check_same_vocabulary(target: dict, draft: dict, draft_name: str) -> None:

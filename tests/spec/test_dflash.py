@@ -1,0 +1,229 @@
+"""The DFlash block drafter: its forward against a float64 reference of the architecture, the target features the CPU
+backend captures, the loader's refusals, and greedy output with it equal to plain greedy."""
+
+import numpy as np
+import pytest
+from gguf.quants import dequantize
+
+import lucekv
+from lucekv.backends.cpu import CpuBackend, CpuDraftOps
+from lucekv.engine.sampling import SamplingParams
+from lucekv.errors import ConfigError
+from lucekv.model.arch import ModelSpec
+from lucekv.model.gguf import open_gguf
+from lucekv.model.synth import write_dflash_gguf, write_synthetic_gguf
+from lucekv.spec.config import SpecConfig
+from lucekv.spec.dflash import ContextKV, DFlashModel, DFlashSpec
+
+VOCAB = 512
+CAPTURE = [1, 3]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dflash")
+    target = write_synthetic_gguf(d / "target.gguf", "llama", n_layer=4, n_ctx=4096, vocab=VOCAB)
+    drafters = {b: write_dflash_gguf(d / f"dflash{b}.gguf", target, target_layers=CAPTURE, block_size=b, seed=b)
+                for b in (2, 5, 16)}
+    return target, drafters, d
+
+
+def backend(path):
+    g = open_gguf(path)
+    return CpuBackend(g, ModelSpec.from_gguf(g), "f32", 4096)
+
+
+# ---- the float64 reference of the architecture (lucekv.spec.dflash's docstring), from the GGUF tensors -------------
+
+def tensor(g, name):
+    t = g.tensors[name]
+    return np.asarray(dequantize(t.data, t.qtype), np.float64).reshape(t.shape)
+
+
+def rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope_neox(x, positions, base):
+    d = x.shape[-1]
+    inv = base ** (-np.arange(0, d, 2) / d)
+    ang = positions[:, None, None] * inv
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)], axis=-1)
+
+
+def reference_logits(drafter_path, target_path, features, ctx_positions, last, position):
+    g, t = open_gguf(drafter_path), open_gguf(target_path)
+    spec = DFlashSpec.from_gguf(g)
+    m = spec.model
+    eps, base, hd = m.rms_eps, m.rope_base, m.head_dim
+    c = rms(features @ tensor(g, "dflash.fc.weight").T, tensor(g, "dflash.hidden_norm.weight"), eps)
+    tokens = [last] + [spec.mask_token] * (spec.block_size - 1)
+    block_pos = np.arange(position, position + spec.block_size, dtype=np.float64)
+    x = tensor(t, "token_embd.weight")[tokens]
+    for i in range(m.n_layer):
+        w = {n: tensor(g, f"blk.{i}.{n}.weight") for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm",
+                                                         "attn_k_norm", "attn_output", "ffn_norm", "ffn_gate",
+                                                         "ffn_up", "ffn_down")}
+        h = rms(x, w["attn_norm"], eps)
+        q = rms((h @ w["attn_q"].T).reshape(len(h), m.n_head, hd), w["attn_q_norm"], eps)
+        k_in = np.concatenate([c, h])  # context features (not attention-normed), then the block
+        k = rms((k_in @ w["attn_k"].T).reshape(len(k_in), m.n_kv_head, hd), w["attn_k_norm"], eps)
+        v = (k_in @ w["attn_v"].T).reshape(len(k_in), m.n_kv_head, hd)
+        q = rope_neox(q, block_pos, base)
+        k = rope_neox(k, np.concatenate([ctx_positions, block_pos]), base)
+        group = m.n_head // m.n_kv_head
+        out = np.empty_like(q)
+        for head in range(m.n_head):  # no mask: every block query sees the whole context and the whole block
+            s = q[:, head] @ k[:, head // group].T / np.sqrt(hd)
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            out[:, head] = (p / p.sum(axis=1, keepdims=True)) @ v[:, head // group]
+        x = x + out.reshape(len(x), -1) @ w["attn_output"].T
+        h = rms(x, w["ffn_norm"], eps)
+        gate, up = h @ w["ffn_gate"].T, h @ w["ffn_up"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ w["ffn_down"].T
+    out = t.tensors.get("output.weight")
+    head = tensor(t, "output.weight" if out is not None else "token_embd.weight")
+    return rms(x[1:], tensor(g, "output_norm.weight"), eps) @ head.T
+
+
+@pytest.mark.parametrize("block", [2, 5, 16])
+def test_block_logits_equal_the_float64_reference(files, block):
+    """A context of 100 positions (past a 64-token chunk), committed in two pieces as rounds commit them."""
+    target, drafters, _ = files
+    b = backend(target)
+    model = DFlashModel(drafters[block], b.spec, b.weights, CpuDraftOps)
+    rng = np.random.default_rng(block)
+    features = rng.standard_normal((100, len(CAPTURE) * b.spec.n_embd))
+    positions = np.arange(100)
+    ctx = ContextKV(model.spec.model.n_layer, model.spec.model.n_kv_head * model.spec.model.head_dim)
+    for piece in (slice(0, 70), slice(70, 100)):
+        ctx.append(positions[piece], model.context_kv(features[piece], positions[piece]))
+    got = model.block_logits(ctx, 42, 100)
+    want = reference_logits(drafters[block], target, features, positions.astype(np.float64), 42, 100)
+    assert got.shape == (block - 1, VOCAB)
+    assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-4
+
+
+def test_the_backend_captures_each_layers_output_on_both_paths(files):
+    """The last layer's captured output, through the output norm and LM head, is the logits; the prefill path (op by
+    op) and the verify path (the fused decode step) capture the same features."""
+    target, _, _ = files
+    b = backend(target)
+    ids = np.random.default_rng(0).integers(0, VOCAB, 20).astype(np.int32)
+    pos = np.arange(20, dtype=np.int32)
+    b.capture_layers = (3, 1)
+    logits = b.forward(ids, pos, pos)  # a prompt piece: op by op
+    prefill = b.captured
+    assert prefill.shape == (20, 2 * b.spec.n_embd)
+    head = b.ops.linear(b.weights.output, prefill[-1:, :b.spec.n_embd], norm=b.weights.output_norm)
+    np.testing.assert_allclose(head, logits, rtol=0, atol=1e-5 * np.abs(logits).max())
+    verify = b.forward(ids, pos, pos, all_logits=True)
+    np.testing.assert_allclose(b.captured, prefill, rtol=0, atol=1e-3 * np.abs(prefill).max())
+    np.testing.assert_allclose(b.ops.linear(b.weights.output, b.captured[:, :b.spec.n_embd],
+                                            norm=b.weights.output_norm), verify, rtol=0,
+                               atol=1e-4 * np.abs(verify).max())
+    b.capture_layers = ()
+    b.captured = None
+    b.forward(ids, pos, pos, all_logits=True)
+    assert b.captured is None  # nothing captured while no drafter asks
+
+
+def test_a_drafter_made_for_another_target_is_refused(files):
+    target, drafters, d = files
+    wide = write_synthetic_gguf(d / "wide.gguf", "llama", n_layer=4, n_embd=128, n_ctx=4096, vocab=VOCAB)
+    other_vocab = write_synthetic_gguf(d / "vocab.gguf", "llama", n_layer=4, n_ctx=4096, vocab=VOCAB + 64)
+    shallow = write_synthetic_gguf(d / "shallow.gguf", "llama", n_layer=2, n_ctx=4096, vocab=VOCAB)
+    for path, message in ((wide, "embedding_length 64 is not the target's 128"),
+                          (other_vocab, "vocab_size 512 is not the target's 576"),
+                          (shallow, r"target_layer_ids \[3\] are not layers of the target")):
+        with pytest.raises(ConfigError, match=message):
+            lucekv.load(path, backend="cpu", speculation=SpecConfig(dflash_drafter=drafters[5]))
+
+
+def load(target, drafter, pool=None):
+    return lucekv.load(target, backend="cpu", kv_dtype="f32", kv_pool=pool, kv_policy="lru",
+                       speculation=SpecConfig(dflash_drafter=drafter))
+
+
+def greedy(engine, ids, mode, session_id="", n=60):
+    out = list(engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), session_id,
+                               speculation=mode))
+    return [t for d in out for t in d.token_ids], out[-1].usage
+
+
+@pytest.mark.parametrize("pool", [None, 512], ids=["whole context", "paged pool"])
+def test_greedy_with_the_dflash_drafter_equals_plain_greedy(files, pool):
+    """And the drafter's context K/V ends up exactly what the features of the whole sequence give: every position's
+    features arrived, at its position, and the rejected drafts' never did."""
+    target, drafters, _ = files
+    ids = np.random.default_rng(1).integers(10, 500, 600 if pool else 100).tolist()
+    plain, _ = greedy(load(target, drafters[5], pool), ids, "off")
+    engine = load(target, drafters[5], pool)
+    assert "dflash" in engine.info.spec_modes  # GetServerInfo lists it
+    spec, usage = greedy(engine, ids, "dflash", "s")
+    assert spec == plain
+    s = usage.speculation
+    assert s.drafter == "dflash" and s.rounds >= 10 and s.drafted >= 4 * (s.rounds - 4)
+    drafter = engine.sessions.get("s").drafters["dflash"]
+    drafter.propose(0)  # commits the last round's features
+    n = len(ids) + len(spec) - 1
+    assert list(drafter.ctx.positions[: drafter.ctx.n]) == list(range(n))
+    if pool is None:
+        b = engine.backend
+        b.capture_layers = CAPTURE
+        b.forward(np.array(ids + spec[:-1], np.int32), np.arange(n, dtype=np.int32),
+                  np.arange(n, dtype=np.int32) + 2048)  # slots past the session's
+        want = drafter.model.context_kv(b.captured, np.arange(n))
+        for layer, (k, _) in enumerate(want):
+            got = drafter.ctx.k[layer, :n]
+            assert np.max(np.abs(got - k)) < 1e-3 * np.max(np.abs(k))
+
+
+def test_a_sessions_next_turn_keeps_the_drafters_context(files):
+    target, drafters, _ = files
+    first, second = (np.random.default_rng(s).integers(10, 500, n).tolist() for s, n in ((2, 90), (3, 20)))
+    ref = load(target, drafters[16])
+    a, _ = greedy(ref, first, "off", "s", n=30)
+    b, _ = greedy(ref, first + a + second, "off", "s", n=30)
+    engine = load(target, drafters[16])
+    assert greedy(engine, first, "dflash", "s", n=30)[0] == a
+    assert greedy(engine, first + a + second, "dflash", "s", n=30)[0] == b
+    ctx = engine.sessions.get("s").drafters["dflash"].ctx
+    assert ctx.n >= len(first) + len(a) + len(second)
+
+
+def test_sampling_with_the_dflash_drafter_runs_the_rejection_rule(files):
+    target, drafters, _ = files
+    engine = load(target, drafters[5])
+    ids = np.random.default_rng(4).integers(10, 500, 30).tolist()
+    params = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=7)
+    out = list(engine.generate(ids, params, speculation="dflash"))
+    tokens = [t for d in out for t in d.token_ids]
+    assert len(tokens) == 40 and all(0 <= t < VOCAB for t in tokens)
+    s = out[-1].usage.speculation
+    assert s.rounds > 0 and s.drafted > 0
+
+
+# CI time (57 s whole context, 49 s paged, on the loaded 2-core machine): the synthetic pairs above cover the wiring
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", [None, 512], ids=["whole context", "paged pool"])
+def test_smollm2_with_a_synthetic_dflash_drafter_equals_plain_greedy(model_path, tmp_path, pool):
+    """128 tokens of smollm2 after a code prompt: its random drafter's blocks are rejected, every round verifies
+    the last token and 7 drafts, and the output stays plain greedy's (up to a near-tie, see assert_same_greedy)."""
+    from tests.spec.test_spec_real import assert_same_greedy
+    from tests.spec.test_spec_real import greedy as greedy_128
+
+    path = model_path("smollm2-135m")
+    drafter = write_dflash_gguf(tmp_path / "dflash.gguf", path, block_size=8, n_ff=512)
+    engine = lucekv.load(path, backend="cpu", kv_pool=pool, kv_policy="lru",
+                         speculation=SpecConfig(dflash_drafter=drafter))
+    _, plain_out = greedy_128(engine, "off", logprobs=True)
+    engine = lucekv.load(path, backend="cpu", kv_pool=pool, kv_policy="lru",
+                         speculation=SpecConfig(dflash_drafter=drafter))
+    spec, out = greedy_128(engine, "dflash")
+    assert_same_greedy(spec, plain_out)
+    usage = out[-1].usage
+    assert usage.speculation.rounds >= 64 and usage.speculation.drafted >= 7 * (usage.speculation.rounds - 8)
+    if pool:
+        assert usage.kv_paged_chunks > 0
