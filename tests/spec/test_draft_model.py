@@ -93,13 +93,16 @@ def chi2_bound(df: int, z: float = 3.09) -> float:
 
 @pytest.mark.slow  # 400 generations; the rejection rule itself is tested fast in test_verify.py
 def test_sampling_with_a_draft_model_keeps_the_targets_distribution(models):
-    """Token 2 of many seeded generations at temperature 0.5 comes out of a round (a draft from another model,
+    check_rounds_keep_the_distribution(load(models[0], models[1]), "draft")
+
+
+def check_rounds_keep_the_distribution(engine, mode: str, n: int = 400) -> None:
+    """Token 2 of many seeded generations at temperature 0.5 comes out of a round (a draft of the drafter's,
     accepted by p/q or replaced from the residual): its frequencies against the exact marginal
     sum_t1 p(t1) p(t2 | t1) computed from the target's logits, chi-square at p = 0.001."""
     from lucekv.engine.sampling import Sampler
 
-    ids, n = prompt(12, seed=5), 400
-    engine = load(models[0], models[1])
+    ids = prompt(12, seed=5)
     params = SamplingParams(temperature=0.5, max_tokens=3, ignore_eos=True)
     first = Sampler(params, ids, engine.spec.vocab_size).distribution(engine.score(ids)[-1])
     marginal = np.zeros(engine.spec.vocab_size)
@@ -110,7 +113,7 @@ def test_sampling_with_a_draft_model_keeps_the_targets_distribution(models):
     rounds = rejected = 0
     for seed in range(n):
         out = list(engine.generate(ids, SamplingParams(temperature=0.5, max_tokens=3, ignore_eos=True, seed=seed),
-                                   speculation="draft"))
+                                   speculation=mode))
         counts[[t for d in out for t in d.token_ids][1]] += 1
         s = out[-1].usage.speculation
         rounds, rejected = rounds + s.rounds, rejected + s.drafted - s.accepted
