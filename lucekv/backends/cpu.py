@@ -336,11 +336,11 @@ class CpuBackend(RunAhead):
                 self.captured = np.concatenate(list(captured), axis=1)
             return logits
         rows = tables is not None and len(tables) == len(tokens)
-        states: list[np.ndarray] = []
+        states: dict[int, np.ndarray] = {}  # (the CPU's ops make new arrays: x is never changed in place)
         logits = forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, all_logits or rows,
-                         capture, states)
+                         states.__setitem__ if capture else None)
         if capture:
-            self.captured = np.concatenate(states, axis=1)
+            self.captured = np.concatenate([states[i] for i in capture], axis=1)
         return logits
 
     def forward_argmax(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,

@@ -654,6 +654,11 @@ class CudaBackend(RunAhead):
         self.verify_graphs: dict[int, RowsGraph] | None = {} if self._graphs else None
         self._argmax_scratch: dict[int, tuple] = {}  # eager verify forwards' argmax buffers, by width
         self.row_graphs: dict[int, RowsGraph] = {}  # batch size bucket -> its decode rows' graph, made on first use
+        # target features for a DFlash drafter (lucekv.spec.dflash), as the CPU backend's: while `capture_layers`
+        # names layers, a forward runs without graphs and leaves their outputs, copied to the host as each layer
+        # makes them, in `captured` [n_tokens, len(capture_layers) * n_embd]
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: np.ndarray | None = None
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, all_logits: bool = False,
                 tables: Sequence[np.ndarray] | None = None) -> np.ndarray:
@@ -662,7 +667,7 @@ class CudaBackend(RunAhead):
         row); None: a sequence alone in the pool (see CudaOps.set_tables)."""
         tokens = np.asarray(tokens)
         rows = tables is not None and len(tables) == len(tokens) > 1
-        graph = None if rows else self._graph_for(len(tokens), all_logits)
+        graph = None if rows or self.capture_layers else self._graph_for(len(tokens), all_logits)
         return self._forward(graph, tokens, positions, slots, all_logits, rows, tables)
 
     def _forward(self, graph: ForwardGraph | None, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
@@ -679,8 +684,7 @@ class CudaBackend(RunAhead):
         self.pool.padded_by(n)
         if replay:
             return graph.replay(n)
-        with cuda.defer_cleanup():  # numba frees device memory synchronously: not between a forward's launches
-            logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits or rows)
+        logits = self._forward_eager(tokens, positions, slots, all_logits or rows)
         if graph is not None:  # kernels are compiled and loaded now: capture the same forward for the next ones
             graph.capture(tokens, positions, slots)
         out = logits.copy_to_host(stream=self.stream)
@@ -747,11 +751,11 @@ class CudaBackend(RunAhead):
         back. Widths up to MAX_VERIFY replay the graph of their bucket, padded to its width (captured at its first
         use); one token is a plain decode step."""
         n = len(tokens)
-        if n == 1:
+        if n == 1 and not self.capture_layers:
             self.decode_ahead(int(positions[0]), int(slots[0]), int(tokens[0]), None if tables is None else tables[0])
             return np.array([self.next_token()], np.int32)
         self._chained = False
-        graph = self._verify_graph(n)
+        graph = None if self.capture_layers else self._verify_graph(n)
         if graph is None:
             return self._eager_argmax(tokens, positions, slots, tables)
         return self._verify_rows(graph, tokens, positions, slots, tables)
@@ -785,7 +789,7 @@ class CudaBackend(RunAhead):
 
     def _eager_argmax(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                       tables: Sequence[np.ndarray] | None) -> np.ndarray:
-        """forward_argmax without a graph (the simulator, or wider than MAX_VERIFY)."""
+        """forward_argmax without a graph (the simulator, wider than MAX_VERIFY, or capturing features)."""
         n = len(tokens)
         self.pool.assign(slots, positions)
         self.ops.begin_step(tokens, positions, slots, tables=tables)
@@ -793,12 +797,27 @@ class CudaBackend(RunAhead):
             self._argmax_scratch[n] = (cuda.device_array(n, np.int32, stream=self.stream),
                                        sample.argmax_scratch(n, stream=self.stream))
         out, scratch = self._argmax_scratch[n]
-        with cuda.defer_cleanup():
-            logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits=True)
-            sample.argmax(logits, self.spec.vocab_size, out, scratch, stream=self.stream)
+        logits = self._forward_eager(tokens, positions, slots, all_logits=True)
+        sample.argmax(logits, self.spec.vocab_size, out, scratch, stream=self.stream)
         tokens_out = out.copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return tokens_out
+
+    def _forward_eager(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, all_logits: bool):
+        """The decoder's forward, launch by launch (logits on the device), and the outputs of `capture_layers`
+        copied to the host as they are made (the activation buffers are reused two layers on)."""
+        states: dict[int, np.ndarray] = {}
+
+        def keep(layer: int, x) -> None:
+            if layer in self.capture_layers:
+                states[layer] = x.copy_to_host(stream=self.stream)
+        with cuda.defer_cleanup():  # numba frees device memory synchronously: not between a forward's launches
+            logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits,
+                             keep if self.capture_layers else None)
+        if self.capture_layers:
+            self.stream.synchronize()
+            self.captured = np.concatenate([states[i] for i in self.capture_layers], axis=1)
+        return logits
 
     def decode_rows(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: Sequence[np.ndarray],
                     sampled: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

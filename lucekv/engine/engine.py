@@ -143,7 +143,7 @@ class Engine:
         if self.spec_config.draft_model is not None:
             draft_model = self._draft_model(g, kv_dtype)
             self.drafters["draft"] = lambda: DraftModelDrafter(draft_model)
-        self._dflash = self._dflash_model() if self.spec_config.dflash_drafter is not None else None
+        self._dflash = self._dflash_model(g) if self.spec_config.dflash_drafter is not None else None
         if self._dflash is not None:
             self.drafters["dflash"] = lambda: DFlashDrafter(self._dflash)
         for key in snapshot_store.keys() if snapshot_store is not None else ():
@@ -698,15 +698,13 @@ class Engine:
         backend, _ = _make_backend(self.backend.name, g, spec, kv_dtype, self.n_ctx, None, None, 1)
         return DraftModel(backend, self.spec.vocab_size)
 
-    def _dflash_model(self) -> DFlashModel:
+    def _dflash_model(self, target) -> DFlashModel:
         """The DFlash drafter of SpecConfig, made for this target, with the target's embeddings and LM head. It runs
-        on the CPU backend's ops, beside a CPU target (the CUDA backend captures no features yet)."""
+        on the CPU backend's ops (beside a CUDA target too: that one's verify forwards then run without graphs)."""
         from lucekv.backends.cpu import CpuDraftOps
 
-        if self.backend.name != "cpu":
-            raise ConfigError(f"--dflash-drafter: the DFlash drafter runs with the CPU backend only for now (this "
-                              f"engine's is {self.backend.name})")
-        return DFlashModel(self.spec_config.dflash_drafter, self.spec, self.backend.weights, CpuDraftOps)
+        shared = self.backend.weights if self.backend.name == "cpu" else None
+        return DFlashModel(self.spec_config.dflash_drafter, self.spec, target, shared, CpuDraftOps)
 
     def _load_drafter(self, model: str | Path | None, kv_dtype: str) -> DraftReader:
         """The draft policy's reader: the drafter on this engine's backend, holding the whole context (one sequence

@@ -6,7 +6,7 @@ pool and the kernels. This mirrors ggml's backend boundary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -146,12 +146,11 @@ def _moe_weights(g: GGUFFile, spec: ModelSpec, ops: Ops, layer: int) -> MoeWeigh
 
 
 def forward(spec: ModelSpec, w: Weights, ops: Ops, tokens: np.ndarray, positions: np.ndarray,
-            slots: np.ndarray, all_logits: bool = False, capture: Sequence[int] = (),
-            captured: list[Act] | None = None) -> Act:
-    """Run `tokens` at `positions`, writing their K/V to pool `slots`; logits of the last token (or all). The output
-    of each layer in `capture` (the residual stream after it) is appended to `captured`, in capture's order."""
+            slots: np.ndarray, all_logits: bool = False, capture: Callable[[int, Act], None] | None = None) -> Act:
+    """Run `tokens` at `positions`, writing their K/V to pool `slots`; logits of the last token (or all). capture(i,
+    x) sees each layer's output (the residual stream after layer i) as it is made (a backend that reuses its
+    activation buffers copies what it keeps)."""
     x = ops.embed(w.token_embd, tokens, float(np.sqrt(spec.n_embd)) if spec.arch.embed_scale else 1.0)
-    states = {}
     for i, lw in enumerate(w.layers):
         attn = ops.attention(i, x, lw, positions, slots, spec.window(i))
         x = _add_branch(ops, x, lw.wo, attn, lw.post_attn_norm)
@@ -159,10 +158,8 @@ def forward(spec: ModelSpec, w: Weights, ops: Ops, tokens: np.ndarray, positions
             x = _add_branch(ops, x, lw.w_down, ops.gated_linear(x, lw.gate_up, norm=lw.ffn_norm), lw.post_ffn_norm)
         else:
             x = ops.moe_ffn(x, lw.moe, norm=lw.ffn_norm)
-        if i in capture:
-            states[i] = x
-    if capture:
-        captured.extend(states[i] for i in capture)
+        if capture is not None:
+            capture(i, x)
     if not all_logits:
         x = ops.rows(x, slice(-1, None))
     return ops.linear(w.output, x, norm=w.output_norm)

@@ -82,8 +82,8 @@ class ServeConfig:
                                "fetched if missing, or .gguf path), e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b",
                                group="spec", metavar="NAME|PATH")
     dflash_drafter: str = setting("", "a DFlash drafter GGUF made for the model, for --spec dflash (a synthetic one: "
-                                  "python -m lucekv.model.synth dflash; CPU backend only for now)", group="spec",
-                                  metavar="PATH")
+                                  "python -m lucekv.model.synth dflash). It runs on the CPU; a CUDA model's dflash "
+                                  "turns run without graphs for now", group="spec", metavar="PATH")
 
     max_queue: int = setting(64, "Generate calls that may wait for a place in the batch; more get RESOURCE_EXHAUSTED",
                              int)

@@ -181,15 +181,21 @@ class ContextKV:
 
 
 class DFlashModel:
-    """A drafter's weights on a backend's ops (the CPU's), with the target's embedding table and LM head."""
+    """A drafter's weights on a backend's ops (the CPU's), with the target's embedding table and LM head: those of
+    `target_weights` where they are on the same ops (a CPU target), else read from the target's GGUF."""
 
-    def __init__(self, path: Path, target: ModelSpec, target_weights: Weights, ops_class):
+    def __init__(self, path: Path, target: ModelSpec, target_gguf: GGUFFile, target_weights: Weights | None,
+                 ops_class):
         g = open_gguf(path)
         self.spec = DFlashSpec.from_gguf(g)
         self.spec.check_target(target, str(path))
         m = self.spec.model
         self.ops = ops_class(m, None)  # no pool: the drafter's K/V lives in each drafter's ContextKV
         self.weights = load_weights(g, self.spec, target.n_embd, self.ops)
+        if target_weights is None:
+            embd = self.ops.matrix(target_gguf.tensor("token_embd.weight"))
+            output = target_gguf.optional_tensor("output.weight")
+            target_weights = Weights(embd, None, embd if output is None else self.ops.matrix(output), [])
         self.target_embd, self.target_output = target_weights.token_embd, target_weights.output
         self.embed_scale = float(np.sqrt(target.n_embd)) if target.arch.embed_scale else 1.0
         self.vocab_size = target.vocab_size

@@ -92,7 +92,7 @@ def test_block_logits_equal_the_float64_reference(files, block):
     """A context of 100 positions (past a 64-token chunk), committed in two pieces as rounds commit them."""
     target, drafters, _ = files
     b = backend(target)
-    model = DFlashModel(drafters[block], b.spec, b.weights, CpuDraftOps)
+    model = DFlashModel(drafters[block], b.spec, None, b.weights, CpuDraftOps)
     rng = np.random.default_rng(block)
     features = rng.standard_normal((100, len(CAPTURE) * b.spec.n_embd))
     positions = np.arange(100)
@@ -103,6 +103,9 @@ def test_block_logits_equal_the_float64_reference(files, block):
     want = reference_logits(drafters[block], target, features, positions.astype(np.float64), 42, 100)
     assert got.shape == (block - 1, VOCAB)
     assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-4
+    # beside a target on another backend it reads the target's embeddings and LM head from the GGUF: the same numbers
+    apart = DFlashModel(drafters[block], b.spec, open_gguf(target), None, CpuDraftOps)
+    np.testing.assert_array_equal(apart.block_logits(ctx, 42, 100), got)
 
 
 def test_the_backend_captures_each_layers_output_on_both_paths(files):

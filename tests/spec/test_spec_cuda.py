@@ -131,3 +131,64 @@ def test_speculating_requests_batched_on_the_gpu_decode_what_the_cpu_does(model)
     usage = [r.out[-1].usage.speculation for r in requests]
     assert usage[0].rounds > 0 and usage[2].rounds > 0 and usage[1] is None
     assert engine.backend.verify_graphs and engine.backend.row_graphs
+
+
+@needs_kernels
+def test_captured_features_are_the_layers_outputs_copied_as_made(model, monkeypatch):
+    """A DFlash drafter's features on CUDA: while capture_layers names layers, forwards run eagerly (a one-token
+    verify too, not the decode graph) and each named layer's output is copied to the host when the decoder hands it
+    out (its buffer is reused two layers on: here the fake decoder overwrites it at once), in capture_layers'
+    order."""
+    import lucekv.backends.cuda as cuda_module
+
+    backend = cuda_backend(model, use_graph=False)
+    d = backend.spec.n_embd
+
+    def fake_forward(spec, weights, ops, tokens, positions, slots, all_logits, capture=None):
+        buffer = cuda.to_device(np.zeros((len(tokens), d), np.float32))
+        for layer in range(spec.n_layer):
+            buffer.copy_to_device(np.full((len(tokens), d), layer + 1, np.float32))
+            if capture is not None:
+                capture(layer, buffer)
+        return cuda.to_device(np.eye(len(tokens), VOCAB, dtype=np.float32))
+
+    monkeypatch.setattr(cuda_module, "forward", fake_forward)
+    monkeypatch.setattr(backend, "decode_ahead", lambda *a, **kw: pytest.fail("the decode graph ran"))
+    backend.capture_layers = (1, 0)
+    for n in (1, 3):
+        slots = np.arange(n, dtype=np.int32)
+        assert backend.forward_argmax(np.arange(n, dtype=np.int32), slots, slots).tolist() == list(range(n))
+        assert backend.captured.shape == (n, 2 * d)
+        assert (backend.captured[:, :d] == 2).all() and (backend.captured[:, d:] == 1).all()
+    backend.forward(np.arange(4, dtype=np.int32), np.arange(4, dtype=np.int32), np.arange(4, dtype=np.int32))
+    assert backend.captured.shape == (4, 2 * d)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("pool", [None, 512], ids=["whole", "paged"])
+def test_greedy_with_a_dflash_drafter_beside_a_gpu_target_equals_plain_greedy(model, tmp_path, pool):
+    """The target on CUDA (its features captured eagerly), the drafter on the CPU: plain greedy's tokens, and the
+    CUDA features equal the CPU backend's."""
+    from lucekv.model.synth import write_dflash_gguf
+    from lucekv.spec.config import SpecConfig
+
+    drafter = write_dflash_gguf(tmp_path / "dflash.gguf", model, target_layers=[0, 1], block_size=8)
+    ids = np.random.default_rng(7).integers(10, 500, 700).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+
+    def run(mode, backend="cuda"):
+        engine = lucekv.load(model, backend=backend, kv_dtype="f32", kv_pool=pool, kv_policy="lru",
+                             speculation=SpecConfig(dflash_drafter=drafter))
+        out = list(engine.generate(ids, params, speculation=mode))
+        return [t for d in out for t in d.token_ids], out[-1].usage, engine
+
+    plain, _, _ = run("off")
+    spec, usage, engine = run("dflash")
+    assert spec == plain
+    assert usage.speculation.rounds >= 20
+    cpu = run("off", "cpu")[2].backend
+    for b in (engine.backend, cpu):
+        b.capture_layers = (0, 1)
+        b.forward(np.array(ids[:40], np.int32), np.arange(40, dtype=np.int32), np.arange(40, dtype=np.int32) + 1024)
+    assert np.max(np.abs(engine.backend.captured - cpu.captured)) < 1e-3 * np.max(np.abs(cpu.captured))
