@@ -182,10 +182,9 @@ def test_greedy_with_the_dflash_drafter_equals_plain_greedy(files, pool):
     n = len(ids) + len(spec) - 1
     assert list(drafter.ctx.positions[: drafter.ctx.n]) == list(range(n))
     if pool is None:
-        b = engine.backend
-        b.capture_layers = CAPTURE
-        b.forward(np.array(ids + spec[:-1], np.int32), np.arange(n, dtype=np.int32),
-                  np.arange(n, dtype=np.int32) + 2048)  # slots past the session's
+        b = backend(target)  # a fresh pool: the whole sequence in one forward
+        b.capture_layers = tuple(CAPTURE)
+        b.forward(np.array(ids + spec[:-1], np.int32), np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32))
         want = drafter.model.context_kv(b.captured, np.arange(n))
         for layer, (k, _) in enumerate(want):
             got = drafter.ctx.k[layer, :n]
