@@ -409,17 +409,16 @@ class Engine:
         seq = r.session.paged
         slots = seq.alloc(start, len(ids))
         tokens, positions = np.asarray(ids, np.int32), np.arange(start, start + len(ids), dtype=np.int32)
-        if r.capture is not None:
-            self.backend.capture_layers = self._dflash.spec.target_layers
+        capture = self._dflash.spec.target_layers if r.capture is not None else ()
+        self.backend.capture_layers = capture  # the target features of a dflash turn's forwards
         try:
             if greedy:
                 out = self.backend.forward_argmax(tokens, positions, slots, tables=[seq.table()])
             else:
                 out = self.backend.forward(tokens, positions, slots, all_logits, tables=[seq.table()])
         finally:
-            if r.capture is not None:
-                self.backend.capture_layers = ()
-        if r.capture is not None:
+            self.backend.capture_layers = ()
+        if capture:
             r.capture(start, self.backend.captured)
         r.session.tokens.extend(ids)
         r.computed = max(r.computed, start + len(ids))
