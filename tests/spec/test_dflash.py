@@ -12,6 +12,7 @@ from lucekv.errors import ConfigError
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
 from lucekv.model.synth import write_dflash_gguf, write_synthetic_gguf
+from lucekv.snapshot.blob import read_snapshot, write_snapshot
 from lucekv.spec.config import SpecConfig
 from lucekv.spec.dflash import ContextKV, DFlashModel, DFlashSpec
 
@@ -191,7 +192,9 @@ def test_greedy_with_the_dflash_drafter_equals_plain_greedy(files, pool):
             assert np.max(np.abs(got - k)) < 1e-3 * np.max(np.abs(k))
 
 
-def test_a_sessions_next_turn_keeps_the_drafters_context(files):
+def test_a_sessions_next_turn_keeps_the_drafters_context_and_a_restored_one_drafts_without_it(files):
+    """A restored session's drafter never saw the first turn's features: it drafts from what it sees from then on
+    (the positions of the new prompt's piece), and the output is still plain greedy's."""
     target, drafters, _ = files
     first, second = (np.random.default_rng(s).integers(10, 500, n).tolist() for s, n in ((2, 90), (3, 20)))
     ref = load(target, drafters[16])
@@ -199,9 +202,32 @@ def test_a_sessions_next_turn_keeps_the_drafters_context(files):
     b, _ = greedy(ref, first + a + second, "off", "s", n=30)
     engine = load(target, drafters[16])
     assert greedy(engine, first, "dflash", "s", n=30)[0] == a
+    header, chunks = engine.snapshot("s")
     assert greedy(engine, first + a + second, "dflash", "s", n=30)[0] == b
     ctx = engine.sessions.get("s").drafters["dflash"].ctx
     assert ctx.n >= len(first) + len(a) + len(second)
+    other = load(target, drafters[16])
+    other.restore(read_snapshot(write_snapshot(header, chunks.__getitem__), other.layout, max_tokens=other.n_ctx,
+                                vocab_size=VOCAB), "s")
+    assert greedy(other, first + a + second, "dflash", "s", n=30)[0] == b
+    ctx = other.sessions.get("s").drafters["dflash"].ctx
+    assert ctx.positions[0] == len(first) + len(a) - 1  # the first position the restored session computed
+
+
+def test_dflash_turns_batched_with_other_requests_get_what_they_get_alone(files):
+    """Features are captured per forward of a dflash turn only: rounds, prompt pieces and other sequences' decode
+    rows share steps (the backend's capture is set and reset around each forward of the turn)."""
+    target, drafters, _ = files
+    prompts = [np.random.default_rng(10 + i).integers(10, 500, n).tolist() for i, n in enumerate((80, 30, 200))]
+    modes = ["dflash", "off", "dflash"]
+    params = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)
+    alone = [greedy(load(target, drafters[5]), ids, "off", n=25)[0] for ids in prompts]
+    engine = lucekv.load(target, backend="cpu", kv_dtype="f32", max_batch=3,
+                         speculation=SpecConfig(dflash_drafter=drafters[5]))
+    requests = [engine.submit(ids, params, speculation=m) for ids, m in zip(prompts, modes, strict=True)]
+    while engine.has_work:
+        engine.step()
+    assert [[t for d in r.out for t in d.token_ids] for r in requests] == alone
 
 
 # CI time (57 s whole context, 49 s paged, on the loaded 2-core machine): the synthetic pairs above cover the wiring
