@@ -861,33 +861,55 @@ def _whole_chunks(n_tokens: int) -> int:
 class _RequestTarget:
     """A request's sequence as a speculative round's target (lucekv.spec.speculator.Target). With a budget, a verify
     block stops at a chunk boundary and goes on in a second forward: the next chunk takes a block (and a chunk is
-    evicted) only when a query has reached it, as in plain decoding. Greedy, the second forward runs only when every
-    draft before the boundary stands: a rejected draft's query must not evict a chunk that the positions before it,
-    verified again next round, would still see in plain decoding."""
+    evicted) only when a query has reached it, as in plain decoding, and only when every draft before the boundary
+    stands: a rejected draft's query must not evict a chunk that the positions before it, verified again next round,
+    would still see in plain decoding. Greedy, the target's tokens show it; sampled, the rows are forwarded as the
+    rejection rule reads them (`_Rows`), and it reads a row only while every draft before it stood."""
 
     def __init__(self, engine: Engine, r: Request):
         self._engine, self._r = engine, r
 
     def verify_greedy(self, tokens: list[int], start: int) -> np.ndarray:
-        return np.concatenate(self._forwards(tokens, start, greedy=True))
+        out, at = [], 0
+        for piece in self._pieces(tokens, start, greedy=True):
+            out.append(piece)
+            at += len(piece)
+            if at < len(tokens) and any(piece != tokens[at - len(piece) + 1 : at + 1]):
+                break  # a draft of this piece is rejected: no query reaches the next chunk
+        return np.concatenate(out)
 
-    def verify_logits(self, tokens: list[int], start: int) -> np.ndarray:
-        return np.concatenate(self._forwards(tokens, start, all_logits=True))
+    def verify_logits(self, tokens: list[int], start: int) -> _Rows:
+        return _Rows(self._pieces(tokens, start, all_logits=True))
 
     def keep(self, n_tokens: int) -> None:
         del self._r.session.tokens[n_tokens:]
 
-    def _forwards(self, tokens: list[int], start: int, **kw) -> list[np.ndarray]:
-        out, done = [], 0
+    def _pieces(self, tokens: list[int], start: int, **kw) -> Iterator[np.ndarray]:
+        """The forwards of the block, one per chunk it touches (with a budget), each run when the next is asked for."""
+        done = 0
         bounded = not self._r.session.paged.holds_all
         while done < len(tokens):
             pos = start + done
             n = min(len(tokens) - done, CHUNK_TOKENS - pos % CHUNK_TOKENS) if bounded else len(tokens) - done
-            out.append(self._engine._forward(self._r, tokens[done : done + n], pos, decoded=n, **kw))
-            if kw.get("greedy") and done + n < len(tokens) and any(out[-1] != tokens[done + 1 : done + n + 1]):
-                break  # a draft of this piece is rejected: no query reaches the next chunk (no block, no eviction)
+            yield self._engine._forward(self._r, tokens[done : done + n], pos, decoded=n, **kw)
             done += n
-        return out
+
+
+class _Rows:
+    """A verify block's logits [n, vocab], each forward of it run when a row of it is first read (`rows[i]`,
+    `rows[:k]`)."""
+
+    def __init__(self, pieces: Iterator[np.ndarray]):
+        self._pieces, self._rows = pieces, np.zeros((0, 0), np.float32)
+
+    def __getitem__(self, idx: int | slice) -> np.ndarray:
+        stop = idx.stop if isinstance(idx, slice) else idx + 1
+        while stop is None or len(self._rows) < stop:
+            piece = next(self._pieces, None)
+            if piece is None:
+                break
+            self._rows = piece if not len(self._rows) else np.concatenate([self._rows, piece])
+        return self._rows[idx]
 
 
 def _forget_drafts(s: Session) -> None:

@@ -25,10 +25,12 @@ HostSampling = Callable[[np.ndarray], TargetSampler]  # the request's sampler ov
 
 class Target(Protocol):
     def verify_greedy(self, tokens: list[int], start: int) -> np.ndarray:
-        """The greedy token after each of `tokens` (written at positions start, start + 1, ...), int32 [n]."""
+        """The greedy token after each of `tokens` (written at positions start, start + 1, ...), int32 [n]; it may
+        stop after the first that differs from the next draft (the rest would be rejected anyway)."""
 
     def verify_logits(self, tokens: list[int], start: int) -> np.ndarray:
-        """The logits after each of `tokens`, float32 [n, vocab]."""
+        """The logits after each of `tokens`, float32 [n, vocab], read by row index (`[i]`) in increasing order or
+        by a leading slice (`[:k]`): a target may compute rows as they are first read."""
 
     def keep(self, n_tokens: int) -> None:
         """The sequence is its first n_tokens again (later positions are out of view)."""

@@ -260,3 +260,19 @@ def test_sampling_with_the_dflash_drafter_keeps_the_targets_distribution(files):
 
     target, drafters, _ = files
     check_rounds_keep_the_distribution(load(target, drafters[5]), "dflash")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_verify_block_reaches_the_next_chunk_only_through_accepted_drafts(files, temperature):
+    """On a paging pool a block that crosses a chunk boundary is two forwards; the second (which takes the next
+    chunk's block and evicts a chunk) must run only when every draft before the boundary stood, as plain decoding
+    would reach that chunk. Greedy, this random drafter's first draft is always rejected, so no block may cross;
+    sampled (the rejection rule with its distributions), some drafts stand and some blocks cross."""
+    from tests.spec.test_spec_engine import verify_forwards_past_a_boundary
+
+    target, drafters, _ = files
+    engine = load(target, drafters[16], pool=512)
+    ids = np.random.default_rng(5).integers(10, 500, 600).tolist()
+    params = SamplingParams(temperature=temperature, max_tokens=60, ignore_eos=True, seed=1)
+    crossings = verify_forwards_past_a_boundary(engine, ids, params, "dflash")
+    assert crossings > 0 if temperature else crossings == 0

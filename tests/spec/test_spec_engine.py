@@ -188,3 +188,34 @@ def test_modes_are_checked_before_any_compute(model):
             engine.generate(prompt(5), SamplingParams(), speculation=mode)
     with pytest.raises(ConfigError, match="draft model"):
         load(model, None, speculation=SpecConfig(mode="draft"))
+
+
+def test_a_greedy_verify_block_reaches_the_next_chunk_only_through_accepted_drafts(model):
+    """(test_dflash checks it for rounds sampled with the rejection rule.)"""
+    ids = prompt(600, seed=12)
+    plain, _ = generate(load(model, 512), ids, n=80)
+    engine = with_oracle(load(model, 512), ids + plain, longest=16)  # drafts that cross, spoilt before or after
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    assert verify_forwards_past_a_boundary(engine, ids, params, "suffix") > 0
+
+
+def verify_forwards_past_a_boundary(engine, ids, params, mode) -> int:
+    """Run a request on a paging pool, checking that a verify block's forward past a chunk boundary (which takes the
+    next chunk's block and evicts a chunk) runs only when every draft before the boundary stood, as plain decoding
+    reaches a chunk: its first position is committed when the round ends. How many such forwards ran."""
+    forwards = []
+    forward = engine._forward
+
+    def spy(r, piece, start, **kw):
+        forwards.append((start, kw.get("decoded", 0)))
+        return forward(r, piece, start, **kw)
+    engine._forward = spy
+    request = engine.submit(ids, params, speculation=mode)
+    crossings = 0
+    while engine.has_work:
+        before = len(forwards)
+        engine.step()
+        for start, _ in [f for f in forwards[before:] if f[1]][1:]:  # a round's verify forwards after its first
+            crossings += 1
+            assert start % 64 == 0 and start < request.computed
+    return crossings
