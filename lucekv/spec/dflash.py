@@ -12,7 +12,7 @@ The drafter GGUF (`general.architecture` "dflash-draft", keys under "dflash-draf
 
 The math (z-lab's reference, algorithms.md §1.2):
 - features: the target's residual stream after each layer of target_layer_ids (the layer's output, before the final
-  norm), concatenated in that order, c_j = hidden_norm(fc @ h_j) for each committed position j;
+  norm), concatenated in that order, fused as c_j = hidden_norm(fc @ h_j) for each committed position j;
 - each layer's context K/V: k_norm(W_k c_j) rotated at position j, and W_v c_j (c is not attention-normed first);
   they are computed once per committed position and kept (`ContextKV`, the drafter's KV cache);
 - the block: the target's embeddings (times its embedding scale, where it has one) of [last, MASK x (B-1)] at
@@ -201,10 +201,14 @@ class DFlashModel:
         self.vocab_size = target.vocab_size
         self.inv_freq = rope.frequencies(m.rope_base, m.rope_dim, RopeScaling())
 
-    def context_kv(self, features: np.ndarray, positions: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Each layer's context K (k-normed, rotated) and V of target features [m, n_target_layers * n_embd]."""
+    def fuse(self, features: np.ndarray) -> np.ndarray:
+        """c = hidden_norm(fc @ h) of target features [m, n_target_layers * n_embd]: [m, n_embd]."""
+        w = self.weights
+        return self.ops.rmsnorm(self.ops.linear(w.fc, np.ascontiguousarray(features, np.float32)), w.hidden_norm)
+
+    def context_kv(self, c: np.ndarray, positions: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each layer's context K (k-normed, rotated) and V of fused features c [m, n_embd] (`fuse`)."""
         ops, w, m = self.ops, self.weights, self.spec.model
-        c = ops.rmsnorm(ops.linear(w.fc, np.ascontiguousarray(features, np.float32)), w.hidden_norm)
         out = []
         for lw in w.layers:
             (wk, _), (wv, _) = lw.qkv[1], lw.qkv[2]
@@ -240,12 +244,14 @@ class DFlashDrafter:
         m = model.spec.model
         self.ctx = ContextKV(m.n_layer, m.n_kv_head * m.head_dim)
         self.seq: list[int] = []
-        self._features: dict[int, np.ndarray] = {}  # position -> the latest target forward's features there
+        self._features: dict[int, np.ndarray] = {}  # position -> the latest target forward's fused features there
         self._sampler = None
 
     def take_features(self, start: int, features: np.ndarray) -> None:
-        """A target forward of this drafter's sequence computed `features` [n, ...] at positions start, start + 1..."""
-        for i, row in enumerate(features):
+        """A target forward of this drafter's sequence computed `features` [n, ...] at positions start, start + 1...
+        They are fused at once: a long prompt's wait for the first proposal in n_embd floats a position, not
+        n_target_layers * n_embd."""
+        for i, row in enumerate(self.model.fuse(features)):
             self._features[start + i] = row
 
     def begin(self, tokens: Sequence[int], params: SamplingParams) -> None:
@@ -281,6 +287,5 @@ class DFlashDrafter:
         new = sorted(p for p in self._features if self.ctx.end <= p < end)
         if new:
             positions = np.array(new, np.int64)
-            features = np.stack([self._features[p] for p in new])
-            self.ctx.append(positions, self.model.context_kv(features, positions))
+            self.ctx.append(positions, self.model.context_kv(np.stack([self._features[p] for p in new]), positions))
         self._features.clear()

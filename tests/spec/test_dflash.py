@@ -99,7 +99,7 @@ def test_block_logits_equal_the_float64_reference(files, block):
     positions = np.arange(100)
     ctx = ContextKV(model.spec.model.n_layer, model.spec.model.n_kv_head * model.spec.model.head_dim)
     for piece in (slice(0, 70), slice(70, 100)):
-        ctx.append(positions[piece], model.context_kv(features[piece], positions[piece]))
+        ctx.append(positions[piece], model.context_kv(model.fuse(features[piece]), positions[piece]))
     got = model.block_logits(ctx, 42, 100)
     want = reference_logits(drafters[block], target, features, positions.astype(np.float64), 42, 100)
     assert got.shape == (block - 1, VOCAB)
@@ -186,7 +186,7 @@ def test_greedy_with_the_dflash_drafter_equals_plain_greedy(files, pool):
         b = backend(target)  # a fresh pool: the whole sequence in one forward
         b.capture_layers = tuple(CAPTURE)
         b.forward(np.array(ids + spec[:-1], np.int32), np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32))
-        want = drafter.model.context_kv(b.captured, np.arange(n))
+        want = drafter.model.context_kv(drafter.model.fuse(b.captured), np.arange(n))
         for layer, (k, _) in enumerate(want):
             got = drafter.ctx.k[layer, :n]
             assert np.max(np.abs(got - k)) < 1e-3 * np.max(np.abs(k))
