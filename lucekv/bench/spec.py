@@ -166,7 +166,9 @@ def run(args, engine_options: dict) -> dict:
     modes = ["off", *[m for m in args.modes.split(",") if m and m != "off"]]
     path = resolve_model(args.model)
     draft = resolve_model(args.draft_model) if args.draft_model else None
-    spec = SpecConfig(mode="off", shared_outputs=False, draft_model=draft, max_draft=args.max_draft)
+    dflash = Path(args.dflash_drafter) if args.dflash_drafter else None
+    spec = SpecConfig(mode="off", shared_outputs=False, draft_model=draft, dflash_drafter=dflash,
+                      max_draft=args.max_draft)
     engine = lucekv.load(path, **engine_options, speculation=spec)  # (CUDA graphs of every verify width captured)
     warm = prompts["workloads"]["code"][0]
     for mode in modes:  # numba compiles: not in the figures
@@ -176,6 +178,7 @@ def run(args, engine_options: dict) -> dict:
     result = {
         "bench": "spec", "commit": git_commit(), "machine": machine(), "device": _device(engine),
         "model": _model(engine, path), "draft_model": _model(None, draft) if draft else None,
+        "dflash_drafter": _model(None, dflash) if dflash else None,
         "backend": engine.info.backend, "engine_options": {k: str(v) for k, v in engine_options.items()},
         "command": "lucekv " + " ".join(sys.argv[1:]), "max_tokens": args.max_tokens, "max_draft": args.max_draft,
         "sources": prompts["sources"], "verify_forward_ms": costs, "workloads": {},

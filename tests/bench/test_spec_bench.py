@@ -6,7 +6,7 @@ import pytest
 
 from lucekv.bench.spec import build_prompts, plot
 from lucekv.cli import main
-from lucekv.model.synth import write_synthetic_gguf
+from lucekv.model.synth import write_dflash_gguf, write_synthetic_gguf
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -26,13 +26,16 @@ def test_a_run_reports_every_mode_against_plain_decoding(tmp_path):
     prompts = {"sources": {}, "workloads": {"code": chat, "edit": chat, "chat": chat}}
     (tmp_path / "p.json").write_text(json.dumps(prompts))
     out, png = tmp_path / "r.json", tmp_path / "r.png"
+    dflash = write_dflash_gguf(tmp_path / "dflash.gguf", model, target_layers=[0, 1], block_size=4)
     assert main(["bench", "spec", "--model", str(model), "--backend", "cpu", "--prompts", str(tmp_path / "p.json"),
-                 "--n", "1", "--max-tokens", "12", "--workloads", "code,chat", "--json", str(out)]) == 0
+                 "--n", "1", "--max-tokens", "12", "--workloads", "code,chat", "--json", str(out),
+                 "--modes", "suffix,auto,dflash", "--dflash-drafter", str(dflash)]) == 0
     r = json.loads(out.read_text())
-    assert set(r["workloads"]) == {"code", "chat"}
+    assert set(r["workloads"]) == {"code", "chat"} and r["dflash_drafter"]["file"] == "dflash.gguf"
     w = r["workloads"]["code"]
     assert w["off"]["speedup"] == 1.0 and w["suffix"]["identical_to_off"] == w["auto"]["identical_to_off"] == 1
     assert w["suffix"]["rounds"] > 0 and "gate" in w["auto"]
+    assert w["dflash"]["identical_to_off"] == 1 and w["dflash"]["rounds"] > 0
     pytest.importorskip("matplotlib")
     plot(r, png)
     assert png.read_bytes().startswith(PNG_SIGNATURE)
