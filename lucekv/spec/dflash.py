@@ -192,11 +192,12 @@ class DFlashModel:
         m = self.spec.model
         self.ops = ops_class(m, None)  # no pool: the drafter's K/V lives in each drafter's ContextKV
         self.weights = load_weights(g, self.spec, target.n_embd, self.ops)
-        if target_weights is None:
-            embd = self.ops.matrix(target_gguf.tensor("token_embd.weight"))
-            output = target_gguf.optional_tensor("output.weight")
-            target_weights = Weights(embd, None, embd if output is None else self.ops.matrix(output), [])
-        self.target_embd, self.target_output = target_weights.token_embd, target_weights.output
+        if target_weights is not None:
+            self.target_embd, self.target_output = target_weights.token_embd, target_weights.output
+        else:
+            self.target_embd = self.ops.matrix(target_gguf.tensor("token_embd.weight"))
+            output = target_gguf.optional_tensor("output.weight")  # None: tied to the embeddings
+            self.target_output = self.target_embd if output is None else self.ops.matrix(output)
         self.embed_scale = float(np.sqrt(target.n_embd)) if target.arch.embed_scale else 1.0
         self.vocab_size = target.vocab_size
         self.inv_freq = rope.frequencies(m.rope_base, m.rope_dim, RopeScaling())
