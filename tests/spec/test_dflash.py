@@ -142,6 +142,41 @@ def test_the_synth_command_writes_a_drafter_for_a_target(files):
     assert (spec.block_size, spec.target_layers, spec.mask_token, spec.model.n_layer) == (4, (0, 2), VOCAB - 1, 2)
 
 
+def copy_with(src, dst, key=None, tensor=None):
+    """The GGUF at src written to dst with one more metadata key (name, value) or F32 tensor (name, array)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, "dflash-draft")
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub)
+    if key is not None:
+        writer.add_uint32(*key)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.ascontiguousarray(t.data), raw_dtype=t.tensor_type)
+    if tensor is not None:
+        writer.add_tensor(*tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_a_drafter_with_what_lucekv_does_not_implement_is_refused_by_name(files):
+    from lucekv.errors import ModelError
+
+    target, drafters, d = files
+    window = copy_with(drafters[5], d / "window.gguf", key=("dflash-draft.attention.sliding_window", 2048))
+    aux = copy_with(drafters[5], d / "aux.gguf", tensor=("dflash.aux_hidden_norm.0.weight", np.ones(64, np.float32)))
+    for path, name in ((window, "dflash-draft.attention.sliding_window"), (aux, "dflash.aux_hidden_norm.0.weight")):
+        with pytest.raises(ModelError, match=name.replace(".", r"\.")):
+            load(target, path)
+    assert "dflash" in load(target, copy_with(drafters[5], d / "same.gguf")).info.spec_modes  # the copy itself loads
+
+
 def test_a_drafter_made_for_another_target_is_refused(files):
     target, drafters, d = files
     wide = write_synthetic_gguf(d / "wide.gguf", "llama", n_layer=4, n_embd=128, n_ctx=4096, vocab=VOCAB)
