@@ -812,8 +812,8 @@ class CudaBackend(RunAhead):
             if layer in self.capture_layers:
                 states[layer] = x.copy_to_host(stream=self.stream)
         with cuda.defer_cleanup():  # numba frees device memory synchronously: not between a forward's launches
-            logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits,
-                             keep if self.capture_layers else None)
+            capture = {"capture": keep} if self.capture_layers else {}
+            logits = forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits, **capture)
         if self.capture_layers:
             self.stream.synchronize()
             self.captured = np.concatenate([states[i] for i in self.capture_layers], axis=1)
