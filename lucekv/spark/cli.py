@@ -73,31 +73,40 @@ def add_spark_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from lucekv.backends.cpu import CpuBackend
-    from lucekv.kvflash.pager import CHUNK_TOKENS
-    from lucekv.model.arch import ModelSpec
     from lucekv.model.registry import resolve_model
-    from lucekv.model.tokenizer import Tokenizer
 
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
     g = open_gguf(resolve_model(args.model))
     expert_count(g)  # a dense model is refused before any text is read
     documents = read_documents(args.text, args.sharegpt)
-    spec = ModelSpec.from_gguf(g)
-    tokenizer = Tokenizer.from_metadata(g.metadata)
-    max_tokens = min(args.max_tokens, spec.n_ctx)
-    # the KV dtype served by default (f16), so that routing is what the engine's forwards route
-    backend = CpuBackend(g, spec, pool_size=-(-max_tokens // CHUNK_TOKENS) * CHUNK_TOKENS)
+    backend, tokenized = prompt_backend(g, documents, args.max_tokens)
+    spec = backend.spec
     trace = RoutingTrace.empty(g.fingerprint, spec.n_layer, spec.n_expert, spec.n_expert_used)
-    record_trace(backend, [(name, np.asarray(tokenizer.encode(text)[:max_tokens], np.int32))
-                           for name, text in documents], trace)
+    record_trace(backend, tokenized, trace)
     trace.save(args.output)
     share = trace.counts.max(axis=1) / np.maximum(trace.counts.sum(axis=1), 1)
     print(f"{trace.tokens} tokens of {len(documents)} documents, {trace.n_layer} layers x {trace.n_expert} experts, "
           f"top-{trace.top_k}: a layer's busiest expert takes {share.mean():.1%} of its selections on average "
           f"(uniform {1 / trace.n_expert:.1%}); wrote {args.output}")
     return 0
+
+
+def prompt_backend(g: GGUFFile, documents: Sequence[tuple[str, str]], max_tokens: int
+                   ) -> tuple[CpuBackend, list[tuple[str, np.ndarray]]]:
+    """A CPU backend of `g` whose pool holds one document of `max_tokens` (at most the model's context), and the
+    (name, text) documents as (name, their first token ids)."""
+    from lucekv.backends.cpu import CpuBackend
+    from lucekv.kvflash.pager import CHUNK_TOKENS
+    from lucekv.model.arch import ModelSpec
+    from lucekv.model.tokenizer import Tokenizer
+
+    spec = ModelSpec.from_gguf(g)
+    tokenizer = Tokenizer.from_metadata(g.metadata)
+    max_tokens = min(max_tokens, spec.n_ctx)
+    # the KV dtype served by default (f16), so that routing is what the engine's forwards route
+    backend = CpuBackend(g, spec, pool_size=-(-max_tokens // CHUNK_TOKENS) * CHUNK_TOKENS)
+    return backend, [(name, np.asarray(tokenizer.encode(text)[:max_tokens], np.int32)) for name, text in documents]
 
 
 def read_documents(files: list[str], sharegpt: int) -> list[tuple[str, str]]:
@@ -121,22 +130,37 @@ def read_documents(files: list[str], sharegpt: int) -> list[tuple[str, str]]:
 
 
 def record_trace(backend: CpuBackend, documents: Sequence[tuple[str, np.ndarray]], trace: RoutingTrace) -> None:
-    """Count in `trace` the experts every MoE layer routes each token of each (name, token ids) document to: prompt
-    forwards of backend.prefill_chunk tokens, each document a sequence alone in the CPU backend's pool. Progress on
-    stderr."""
+    """Count in `trace` the experts every MoE layer routes each token of each (name, token ids) document to."""
     backend.ops.routing_observer = trace.observe
     try:
-        for i, (name, ids) in enumerate(documents):
-            start = time.perf_counter()
-            backend.pool.clear()
-            for done in range(0, len(ids), backend.prefill_chunk):
-                positions = np.arange(done, min(done + backend.prefill_chunk, len(ids)), dtype=np.int32)
-                backend.forward(ids[positions], positions, positions.astype(np.int64))
-            seconds = time.perf_counter() - start
-            print(f"[{i + 1}/{len(documents)}] {name}: {len(ids)} tokens, {len(ids) / max(seconds, 1e-9):.0f} tok/s",
-                  file=sys.stderr)
+        run_documents(backend, documents)
     finally:
         backend.ops.routing_observer = None
+
+
+def ffn_inputs(backend: CpuBackend, documents: Sequence[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+    """Each MoE layer's normalized FFN inputs float32 [tokens, n_embd], over every token of the documents."""
+    seen: list[list[np.ndarray]] = [[] for _ in range(backend.spec.n_layer)]
+    backend.ops.ffn_input_observer = lambda layer, h: seen[layer].append(np.array(h, np.float32))
+    try:
+        run_documents(backend, documents)
+    finally:
+        backend.ops.ffn_input_observer = None
+    return [np.concatenate(hs) for hs in seen]
+
+
+def run_documents(backend: CpuBackend, documents: Sequence[tuple[str, np.ndarray]]) -> None:
+    """Prompt forwards of backend.prefill_chunk tokens over each (name, token ids) document, each a sequence alone in
+    the CPU backend's pool (the MoE layers report to the ops' observers). Progress on stderr."""
+    for i, (name, ids) in enumerate(documents):
+        start = time.perf_counter()
+        backend.pool.clear()
+        for done in range(0, len(ids), backend.prefill_chunk):
+            positions = np.arange(done, min(done + backend.prefill_chunk, len(ids)), dtype=np.int32)
+            backend.forward(ids[positions], positions, positions.astype(np.int64))
+        seconds = time.perf_counter() - start
+        print(f"[{i + 1}/{len(documents)}] {name}: {len(ids)} tokens, {len(ids) / max(seconds, 1e-9):.0f} tok/s",
+              file=sys.stderr)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
