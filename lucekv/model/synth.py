@@ -314,26 +314,24 @@ def write_upcycled_gguf(path: str | Path, dense: str | Path, *, n_expert: int = 
     return Path(path)
 
 
-def kmeans_routers(dense: str | Path, texts: Sequence[tuple[str, str]], n_expert: int, *, max_tokens: int = 1024,
-                   seed: int = 0) -> list[np.ndarray]:
-    """Each layer's router rows (lucekv.spark.router.kmeans_router) from the dense llama's own FFN inputs over the
-    (name, text) documents, their first `max_tokens` tokens each. The inputs are observed on the dense model as a
-    one-expert MoE (its function exactly: the lone expert is the dense FFN at weight 1), in a scratch file.
-
-    The routers are fitted to the dense model's FFN inputs: in an upcycled model with distinct experts the inputs of
-    the layers after the first differ (earlier layers' experts changed them), so there its routing follows the
-    text through clusters fitted to a nearby distribution; `spark trace` measures what it does."""
+def kmeans_routers(dense: str | Path, texts: Sequence[tuple[str, str]], n_expert: int, n_expert_used: int = 2, *,
+                   max_tokens: int = 1024, seed: int = 0) -> list[np.ndarray]:
+    """Each layer's router rows (lucekv.spark.router.kmeans_router) for the upcycled model of `dense` with distinct
+    experts, from its own FFN inputs over the (name, text) documents (their first `max_tokens` tokens each), fitted
+    layer after layer (lucekv.spark.cli.fit_routers) so that each router is fitted to the inputs the finished model
+    gives its layer. The model is upcycled once with random routers to run, in a scratch file."""
     import tempfile
 
-    from lucekv.spark.cli import ffn_inputs, prompt_backend
+    from lucekv.spark.cli import fit_routers, prompt_backend
     from lucekv.spark.router import kmeans_router
 
     with tempfile.TemporaryDirectory() as scratch:
-        carrier = write_upcycled_gguf(Path(scratch) / "dense-as-moe.gguf", dense, n_expert=1, n_expert_used=1)
-        backend, documents = prompt_backend(open_gguf(carrier), texts, max_tokens)
-        inputs = ffn_inputs(backend, documents)
+        moe = write_upcycled_gguf(Path(scratch) / "upcycled.gguf", dense, n_expert=n_expert,
+                                  n_expert_used=n_expert_used, distinct=True, seed=seed)
+        backend, documents = prompt_backend(open_gguf(moe), texts, max_tokens)
+        routers = fit_routers(backend, documents, lambda layer, h: kmeans_router(h, n_expert, seed + layer))
         del backend  # its arrays map the scratch file
-    return [kmeans_router(h, n_expert, seed + layer) for layer, h in enumerate(inputs)]
+    return routers
 
 
 def _stored(t) -> np.ndarray:
@@ -780,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
         from lucekv.spark.cli import read_documents
 
         texts = read_documents(args.corpus, 0)
-        routers = kmeans_routers(args.dense, texts, args.experts, max_tokens=args.max_tokens)
+        routers = kmeans_routers(args.dense, texts, args.experts, args.top_k, max_tokens=args.max_tokens)
     print(write_upcycled_gguf(args.out, args.dense, n_expert=args.experts, n_expert_used=args.top_k,
                               distinct=args.distinct or routers is not None, routers=routers,
                               router_label="k-means" if routers is not None else ""))

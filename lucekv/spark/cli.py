@@ -8,16 +8,17 @@ import json
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from lucekv.errors import ConfigError, UnsupportedModelError
 from lucekv.model.gguf import GGUFFile, open_gguf
 from lucekv.spark.placement import Placement, calibrated, cold_per_token, uniform
-from lucekv.spark.trace import RoutingTrace
+from lucekv.spark.trace import RoutingTrace, write_json
 
 if TYPE_CHECKING:
     from lucekv.backends.cpu import CpuBackend
@@ -70,6 +71,15 @@ def add_spark_commands(subparsers: argparse._SubParsersAction) -> None:
     val.add_argument("placement", help="placement JSON")
     val.add_argument("trace", help="routing trace JSON of held-out traffic")
     val.set_defaults(func=cmd_validate)
+    sw = commands.add_parser("sweep", help="cold expert selections per token on held-out traces of placements "
+                             "calibrated at several expert budgets, beside uniform placements of the same bytes (JSON)")
+    sw.add_argument("model", help="the MoE GGUF the traces were recorded on")
+    sw.add_argument("calibration", help="routing trace JSON the placements are calibrated on")
+    sw.add_argument("held_out", nargs="+", help="routing trace JSONs of held-out traffic")
+    sw.add_argument("--budgets", default="0.25,0.5,0.75", help="expert budgets as shares of all experts' bytes "
+                    "(default 0.25,0.5,0.75)")
+    sw.add_argument("-o", "--output", required=True, help="result JSON to write")
+    sw.set_defaults(func=cmd_sweep)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -138,15 +148,47 @@ def record_trace(backend: CpuBackend, documents: Sequence[tuple[str, np.ndarray]
         backend.ops.routing_observer = None
 
 
-def ffn_inputs(backend: CpuBackend, documents: Sequence[tuple[str, np.ndarray]]) -> list[np.ndarray]:
-    """Each MoE layer's normalized FFN inputs float32 [tokens, n_embd], over every token of the documents."""
-    seen: list[list[np.ndarray]] = [[] for _ in range(backend.spec.n_layer)]
-    backend.ops.ffn_input_observer = lambda layer, h: seen[layer].append(np.array(h, np.float32))
-    try:
-        run_documents(backend, documents)
-    finally:
-        backend.ops.ffn_input_observer = None
-    return [np.concatenate(hs) for hs in seen]
+def fit_routers(backend: CpuBackend, documents: Sequence[tuple[str, np.ndarray]],
+                fit: Callable[[int, np.ndarray], np.ndarray]) -> list[np.ndarray]:
+    """Each MoE layer's router rows, fitted layer after layer by fit(layer, FFN inputs [tokens, n_embd]) to the inputs
+    that layer gets from the (name, token ids) documents once the routers before it are fitted and in place: every
+    document runs through layer 0 (each one forward, alone in the pool) with its FFN inputs observed, layer 0's router
+    is fitted and swapped in, the documents run through layer 0 again to give layer 1's inputs, and so on. So the
+    model written with these routers routes the documents exactly as they were clustered. Progress on stderr."""
+    from lucekv.model.decoder import decoder_layer, embed
+    from lucekv.model.gguf import TensorInfo
+
+    spec, ops, weights = backend.spec, backend.ops, backend.weights
+    xs = [embed(spec, weights, ops, ids) for _, ids in documents]
+
+    def through(layer: int) -> list[np.ndarray]:
+        out = []
+        for x in xs:
+            backend.pool.clear()
+            positions = np.arange(len(x), dtype=np.int32)
+            backend.pool.assign(positions.astype(np.int64), positions)
+            ops.begin_step(len(x), None)
+            out.append(decoder_layer(spec, ops, layer, weights.layers[layer], x, positions, positions.astype(np.int64)))
+        return out
+
+    routers, seen = [], []
+    for layer, lw in enumerate(weights.layers):
+        start = time.perf_counter()
+        seen.clear()
+        ops.ffn_input_observer = lambda _, h: seen.append(np.array(h, np.float32))
+        try:
+            through(layer)  # for its FFN inputs, which the layer's own router does not change
+        finally:
+            ops.ffn_input_observer = None
+        inputs = np.concatenate(seen)
+        rows = np.asarray(fit(layer, inputs), np.float32)
+        lw.moe.experts.router = ops.matrix(TensorInfo(f"blk.{layer}.ffn_gate_inp.weight", GGMLQuantizationType.F32,
+                                                      rows.shape, rows))
+        xs = through(layer)
+        routers.append(rows)
+        print(f"layer {layer}: router fitted to {len(inputs)} FFN inputs "
+              f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    return routers
 
 
 def run_documents(backend: CpuBackend, documents: Sequence[tuple[str, np.ndarray]]) -> None:
@@ -187,4 +229,38 @@ def cmd_validate(args: argparse.Namespace) -> int:
                       "cold_per_token": cold_per_token(placement, held_out),
                       "uniform_cold_per_token": cold_per_token(naive, held_out),
                       "selections_per_token": held_out.top_k * held_out.n_layer}, indent=1))
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    g = open_gguf(args.model)
+    calibration = RoutingTrace.load(args.calibration, g.fingerprint)
+    held_out = {Path(p).stem: RoutingTrace.load(p, g.fingerprint) for p in args.held_out}
+    try:
+        shares = [float(b) for b in args.budgets.split(",")]
+    except ValueError:
+        raise ConfigError(f"--budgets must be comma-separated numbers, not {args.budgets!r}") from None
+    if any(not 0 < b <= 1 for b in shares):
+        raise ConfigError(f"--budgets must be shares in (0, 1], not {args.budgets!r}")
+    sizes = expert_bytes(g)
+    rows = []
+    for share in shares:
+        naive = uniform(g.fingerprint, calibration.n_expert, sizes, int(share * sum(sizes) * calibration.n_expert))
+        budget = naive.bytes(sizes)  # both hold the same bytes: whole experts of every layer
+        placement = calibrated(calibration, sizes, budget)
+        for name, trace in held_out.items():
+            rows.append({"budget_share": share, "bytes": budget, "held_out": name, "tokens": trace.tokens,
+                         "calibrated": cold_per_token(placement, trace),
+                         "uniform": cold_per_token(naive, trace),
+                         # fitted to the held-out trace itself: the least any placement of these bytes leaves cold
+                         "oracle": cold_per_token(calibrated(trace, sizes, budget), trace)})
+    doc = {"bench": "spark-sweep", "model": g.path.name, "fingerprint": g.fingerprint,
+           "selections_per_token": calibration.top_k * calibration.n_layer, "n_expert": calibration.n_expert,
+           "calibration": {"trace": Path(args.calibration).stem, "tokens": calibration.tokens}, "rows": rows}
+    write_json(args.output, doc)
+    print(f"{'budget':>6} {'held-out':<24} {'calibrated':>10} {'uniform':>8} {'oracle':>7}  cold selections/token "
+          f"(of {doc['selections_per_token']})")
+    for r in rows:
+        print(f"{r['budget_share']:>6.0%} {r['held_out']:<24} {r['calibrated']:>10.2f} {r['uniform']:>8.2f} "
+              f"{r['oracle']:>7.2f}")
     return 0

@@ -2,11 +2,14 @@
 (Zipf), where a random router would route every expert alike. Pure numpy.
 
 k-means: the llama MoE router is logits = W h with no bias, h the layer's normalized FFN input. Nearest-centroid
-routing in Euclidean space needs a bias (argmax c.h - |c|^2 / 2); with rows of one norm the bias is the same for
-every expert and drops out. So the clusters are spherical (k-means on the unit vectors h / |h|, centroids kept
-unit) and the router rows are those centroids times one scale: a token's top-1 expert is exactly its cluster, its
-next experts the next closest centroids in angle. The scale sets the softmax's temperature, i.e. the weights the
-top-k experts are mixed with, and nothing of which experts are picked.
+routing in Euclidean space needs a bias (argmax c.h - |c|^2 / 2), and so does centring h; scaling each coordinate
+does not. So each coordinate is divided by its spread over the corpus, z = h / sd (a few outlier coordinates of h
+would otherwise decide the clusters; on smollm2 this raises the information a layer's clusters carry about code
+versus chat from about 0.5-0.7 bits to about 0.9 of the 1 possible in the later layers), and z is clustered by
+direction (spherical k-means, unit centroids c). The router rows are c / sd times one scale: a token's logits are
+the scale times c.z, so its top-1 expert is exactly its cluster (|z| is the same for every expert) and its next
+experts the next closest centroids in angle. The scale sets the softmax's temperature, i.e. the weights the top-k
+experts are mixed with, and nothing of which experts are picked.
 
 Zipf: for the speed model, whose inputs cannot be run on a CPU to fit anything. Router rows are random directions
 with per-expert norms: with roughly isotropic inputs the logits are independent N(0, norm_e^2) draws, and a larger
@@ -65,11 +68,16 @@ def _lloyd(u: np.ndarray, c: np.ndarray, iterations: int) -> np.ndarray:
 
 
 def kmeans_router(h: np.ndarray, n_expert: int, seed: int = 0) -> np.ndarray:
-    """F32 router rows [n_expert, width] routing each token of h [n, width] to its spherical cluster first: the unit
-    centroids scaled so that a token of median norm gets logits ROUTER_TEMPERATURE x cos(h, centroid)."""
-    centroids = spherical_kmeans(h, n_expert, seed)
-    scale = ROUTER_TEMPERATURE / float(np.median(np.linalg.norm(h, axis=1)))
-    return (centroids * np.float32(scale)).astype(np.float32)
+    """F32 router rows [n_expert, width] routing each token of h [n, width] to its cluster first: spherical k-means on
+    z = h / sd (sd: each coordinate's spread), rows c / sd scaled so that a token of median |z| gets logits
+    ROUTER_TEMPERATURE x cos(z, c)."""
+    h = np.asarray(h, np.float64)
+    sd = h.std(axis=0)
+    sd = np.where(sd > 0, sd, 1.0)
+    z = h / sd
+    centroids = spherical_kmeans(z, n_expert, seed).astype(np.float64)
+    scale = ROUTER_TEMPERATURE / float(np.median(np.linalg.norm(z, axis=1)))
+    return (centroids / sd * scale).astype(np.float32)
 
 
 def zipf_row_norms(n_expert: int, top_k: int, s: float = 1.0, samples: int = 10_000, seed: int = 0,

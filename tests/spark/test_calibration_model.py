@@ -10,8 +10,8 @@ from lucekv.backends.cpu import CpuOps
 from lucekv.cli import main as lucekv_main
 from lucekv.model.gguf import open_gguf
 from lucekv.model.synth import kmeans_routers, main, write_synthetic_gguf, write_upcycled_gguf
-from lucekv.spark.cli import ffn_inputs, prompt_backend
-from lucekv.spark.router import zipf_popularity
+from lucekv.spark.cli import fit_routers, prompt_backend
+from lucekv.spark.router import kmeans_router, zipf_popularity
 from lucekv.spark.trace import RoutingTrace
 
 CODE = "def add(a, b):\n    for item in args.items:\n        print(item.name, item.value)\n    return 0\n" * 3
@@ -24,34 +24,48 @@ def dense(tmp_path_factory):
     return write_synthetic_gguf(tmp_path_factory.mktemp("dense") / "llama.gguf", "llama", n_layer=2, seed=5)
 
 
-def test_ffn_inputs_are_the_dense_models_normalized_ffn_inputs(dense, tmp_path, monkeypatch):
-    """The one-expert carrier kmeans_routers observes computes the dense model: the inputs it reports equal, in
-    float64, rmsnorm(x) * norm of the x entering each dense FFN."""
-    seen = []  # the dense model's FFN inputs, layer after layer of each forward
-    gated_linear = CpuOps.gated_linear
+def test_each_router_is_fitted_to_the_inputs_the_finished_model_gives_its_layer(dense, tmp_path):
+    """Fitted layer after layer, the routers see what the written model computes: running the corpus through the
+    written model and clustering each layer's FFN inputs again gives the same routers. (Fitted all at once on the
+    dense model's inputs, the second layer's would differ: the first layer's distinct experts change its inputs.)"""
+    fit = {}
+    def record(layer, h):
+        fit[layer] = h.copy()
+        return kmeans_router(h, 3, layer)
 
-    def spy(self, x, g, norm):
-        x64 = x.astype(np.float64)
-        seen.append(x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + self.spec.rms_eps) * norm)
-        return gated_linear(self, x, g, norm)
-
-    monkeypatch.setattr(CpuOps, "gated_linear", spy)
-    backend, docs = prompt_backend(open_gguf(dense), TEXTS, 64)
-    monkeypatch.setattr(backend, "prefill_chunk", 24)  # documents of several forwards (none of one token)
-    assert all(len(ids) % 24 != 1 for _, ids in docs)
-    backend.decode_step = None
-    from lucekv.spark.cli import run_documents
-    run_documents(backend, docs)
-    reference = [np.concatenate(seen[layer::2]) for layer in range(2)]
-
-    carrier = write_upcycled_gguf(tmp_path / "carrier.gguf", dense, n_expert=1, n_expert_used=1)
-    moe_backend, moe_docs = prompt_backend(open_gguf(carrier), TEXTS, 64)
-    moe_backend.prefill_chunk = 24
-    observed = ffn_inputs(moe_backend, moe_docs)
-    assert [len(h) for h in observed] == [sum(len(ids) for _, ids in docs)] * 2
+    moe = write_upcycled_gguf(tmp_path / "placeholder.gguf", dense, n_expert=3, distinct=True)
+    backend, docs = prompt_backend(open_gguf(moe), TEXTS, 48)
+    routers = fit_routers(backend, docs, record)
+    assert [len(h) for h in fit.values()] == [sum(len(ids) for _, ids in docs)] * 2
+    written = write_upcycled_gguf(tmp_path / "km.gguf", dense, n_expert=3, distinct=True, routers=routers)
+    backend, docs = prompt_backend(open_gguf(written), TEXTS, 48)
+    seen = {0: [], 1: []}
+    backend.ops.ffn_input_observer = lambda layer, h: seen[layer].append(h.copy())
+    for _, ids in docs:  # each document one forward, as fit_routers runs it
+        backend.pool.clear()
+        positions = np.arange(len(ids), dtype=np.int32)
+        backend.forward(ids, positions, positions.astype(np.int64))
     for layer in range(2):
-        err = np.max(np.abs(observed[layer] - reference[layer])) / np.max(np.abs(reference[layer]))
-        assert err < 1e-5, f"layer {layer}: relative error {err:.1e}"
+        observed = np.concatenate(seen[layer])
+        err = np.max(np.abs(observed - fit[layer])) / np.max(np.abs(fit[layer]))
+        assert err < 1e-5, f"layer {layer}: the inputs differ by {err:.1e}"
+        np.testing.assert_allclose(kmeans_router(observed, 3, layer), routers[layer], rtol=1e-4, atol=1e-6)
+    # the dense model's second-layer inputs are not those
+    dense_backend, docs = prompt_backend(open_gguf(dense), TEXTS, 48)
+    dense_seen = []
+    gated_linear = CpuOps.gated_linear
+    dense_backend.decode_step = None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CpuOps, "gated_linear", lambda self, x, g, norm: dense_seen.append(x.copy()) or gated_linear(
+            self, x, g, norm))
+        for _, ids in docs:
+            dense_backend.pool.clear()
+            positions = np.arange(len(ids), dtype=np.int32)
+            dense_backend.forward(ids, positions, positions.astype(np.int64))
+    dense_x1 = np.concatenate(dense_seen[1::2])
+    moe_x1 = np.concatenate(seen[1])
+    assert not np.allclose(dense_x1 / np.linalg.norm(dense_x1, axis=1, keepdims=True),
+                           moe_x1 / np.linalg.norm(moe_x1, axis=1, keepdims=True), atol=1e-2)
 
 
 def test_upcycle_kmeans_writes_the_fitted_routers_with_distinct_experts(dense, tmp_path, capsys):
@@ -64,12 +78,10 @@ def test_upcycle_kmeans_writes_the_fitted_routers_with_distinct_experts(dense, t
                  *corpus]) == 0
     g = open_gguf(out)
     assert "upcycled 3x top-2 distinct k-means router" in g.metadata["general.name"]
-    expected = kmeans_routers(dense, TEXTS, 3, max_tokens=40)
+    expected = kmeans_routers(dense, TEXTS, 3, 2, max_tokens=40)
     for layer in range(2):
         router = np.asarray(g.tensor(f"blk.{layer}.ffn_gate_inp.weight").data)
         np.testing.assert_array_equal(router, expected[layer])
-        norms = np.linalg.norm(router, axis=1)
-        np.testing.assert_allclose(norms, norms[0], rtol=1e-5)  # one norm: a token's top-1 is its nearest centroid
         gate = np.asarray(g.tensor(f"blk.{layer}.ffn_gate_exps.weight").data)
         assert not np.array_equal(gate[0], gate[1])  # distinct experts
     # and it routes: every token of the corpus lands somewhere in each layer, on more than one expert
