@@ -95,7 +95,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     trace = RoutingTrace.empty(g.fingerprint, spec.n_layer, spec.n_expert, spec.n_expert_used)
     record_trace(backend, tokenized, trace)
     trace.save(args.output)
-    share = trace.counts.max(axis=1) / np.maximum(trace.counts.sum(axis=1), 1)
+    share = top_share(trace)
     print(f"{trace.tokens} tokens of {len(documents)} documents, {trace.n_layer} layers x {trace.n_expert} experts, "
           f"top-{trace.top_k}: a layer's busiest expert takes {share.mean():.1%} of its selections on average "
           f"(uniform {1 / trace.n_expert:.1%}); wrote {args.output}")
@@ -243,6 +243,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if any(not 0 < b <= 1 for b in shares):
         raise ConfigError(f"--budgets must be shares in (0, 1], not {args.budgets!r}")
     sizes = expert_bytes(g)
+    routing = {name: routing_summary(calibration, trace) for name, trace in held_out.items()}
     rows = []
     for share in shares:
         naive = uniform(g.fingerprint, calibration.n_expert, sizes, int(share * sum(sizes) * calibration.n_expert))
@@ -256,11 +257,33 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                          "oracle": cold_per_token(calibrated(trace, sizes, budget), trace)})
     doc = {"bench": "spark-sweep", "model": g.path.name, "fingerprint": g.fingerprint,
            "selections_per_token": calibration.top_k * calibration.n_layer, "n_expert": calibration.n_expert,
-           "calibration": {"trace": Path(args.calibration).stem, "tokens": calibration.tokens}, "rows": rows}
+           "calibration": {"trace": Path(args.calibration).stem, "tokens": calibration.tokens,
+                           "top_expert_share": float(top_share(calibration).mean())},
+           "routing": routing, "rows": rows}
     write_json(args.output, doc)
+    for name, r in routing.items():
+        print(f"{name}: I(trace; expert) against the calibration trace {r['mutual_information_bits']:.3f} bits per "
+              f"layer on average; top expert {r['top_expert_share']:.1%} of a layer's selections")
     print(f"{'budget':>6} {'held-out':<24} {'calibrated':>10} {'uniform':>8} {'oracle':>7}  cold selections/token "
           f"(of {doc['selections_per_token']})")
     for r in rows:
         print(f"{r['budget_share']:>6.0%} {r['held_out']:<24} {r['calibrated']:>10.2f} {r['uniform']:>8.2f} "
               f"{r['oracle']:>7.2f}")
     return 0
+
+
+def top_share(trace: RoutingTrace) -> np.ndarray:
+    """Per layer: the busiest expert's share of the selections."""
+    return trace.counts.max(axis=1) / np.maximum(trace.counts.sum(axis=1), 1)
+
+
+def routing_summary(calibration: RoutingTrace, held_out: RoutingTrace) -> dict:
+    """How the held-out trace routes beside the calibration trace: the mutual information between which trace a
+    selection comes from and its expert, per layer (0: they route alike; 1 bit: disjoint experts), and its skew."""
+    from lucekv.spark.router import mutual_information
+
+    mi = [mutual_information(np.stack([calibration.counts[layer], held_out.counts[layer]]))
+          for layer in range(calibration.n_layer)]
+    return {"tokens": held_out.tokens, "mutual_information_bits": float(np.mean(mi)),
+            "mutual_information_bits_per_layer": [round(m, 4) for m in mi],
+            "top_expert_share": float(top_share(held_out).mean())}
