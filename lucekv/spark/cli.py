@@ -255,7 +255,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                          "uniform": cold_per_token(naive, trace),
                          # fitted to the held-out trace itself: the least any placement of these bytes leaves cold
                          "oracle": cold_per_token(calibrated(trace, sizes, budget), trace)})
-    doc = {"bench": "spark-sweep", "model": g.path.name, "fingerprint": g.fingerprint,
+    doc = {"bench": "spark-sweep", "command": "lucekv spark sweep " + " ".join(
+               [g.path.name, Path(args.calibration).name, *(Path(p).name for p in args.held_out),
+                "--budgets", args.budgets]), "model": g.path.name, "fingerprint": g.fingerprint,
            "selections_per_token": calibration.top_k * calibration.n_layer, "n_expert": calibration.n_expert,
            "calibration": {"trace": Path(args.calibration).stem, "tokens": calibration.tokens,
                            "top_expert_share": float(top_share(calibration).mean())},

@@ -16,7 +16,11 @@ with per-expert norms: with roughly isotropic inputs the logits are independent 
 norm wins the top-k more often, though never more than half the time (a zero-mean logit is below its peers half
 the time). The norms are tuned on simulated isotropic logits until popularity follows Zipf's law, p(rank r) ~ 1 / r^s,
 with the head held at MAX_PICK_RATE of the tokens, and the ranks are shuffled per layer so that popularity says
-nothing of an id.
+nothing of an id. A random model's FFN inputs are isotropic only roughly (after the first layer they share a
+direction, which gives each expert a steady offset): measured on a random qwen3moe 1024 wide, 64 experts, top-8,
+over 2048 tokens, the busiest expert takes 7.6% of layer 0's selections and 11-12% of later layers' against Zipf's 5%,
+and the rarest none against 0.5%. So the popularity is Zipf-shaped and steeper than asked; a routing trace measures
+it.
 """
 
 from __future__ import annotations
