@@ -769,6 +769,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="a UTF-8 text file, one document of the k-means corpus (repeatable)")
     up.add_argument("--max-tokens", type=int, default=1024, help="tokens read of each document (default 1024)")
     args = ap.parse_args(argv)
+    if args.what == "upcycle" and (args.router == "kmeans") != bool(args.corpus):
+        ap.error("--router kmeans needs --corpus FILE, and --corpus is only read by --router kmeans")
+    if args.what == "upcycle" and args.max_tokens < 1:
+        ap.error(f"--max-tokens must be >= 1, not {args.max_tokens}")
     if args.what == "qwen3-30b-a3b":
         zipf = args.zipf_s if args.router == "zipf" else None
         print(write_qwen3_30b_a3b_shape(args.out, args.layers, router_zipf=zipf))

@@ -117,3 +117,11 @@ def test_zipf_router_skews_the_routing_of_a_random_moe(tmp_path):
 def test_zipf_needs_experts(tmp_path):
     with pytest.raises(ValueError, match="Zipf router needs experts"):
         write_synthetic_gguf(tmp_path / "x.gguf", "llama", router_zipf=1.0)
+
+
+@pytest.mark.parametrize("args", [["--router", "kmeans"], ["--corpus", "x.txt"]])
+def test_kmeans_and_its_corpus_come_together(dense, tmp_path, args, capsys):
+    with pytest.raises(SystemExit):
+        main(["upcycle", str(dense), str(tmp_path / "x.gguf"), *args])
+    assert "--router kmeans needs --corpus" in capsys.readouterr().err
+    assert not (tmp_path / "x.gguf").exists()
