@@ -86,6 +86,9 @@ class CpuOps:
         # called with (layer, expert ids [n_tokens, n_expert_used]) by every MoE layer of every forward (`lucekv spark
         # trace` counts them); None: nothing is observed
         self.routing_observer: Callable[[int, np.ndarray], None] | None = None
+        # called with (layer, normalized FFN input [n_tokens, n_embd]) by every MoE layer of every forward (the
+        # k-means router of lucekv.model.synth clusters them); None: nothing is observed
+        self.ffn_input_observer: Callable[[int, np.ndarray], None] | None = None
 
     def begin_step(self, n_tokens: int, tables: Sequence[np.ndarray] | None) -> None:
         """tables: the blocks of each sequence of the forward, in logical order: one (all tokens are its), or one per
@@ -245,6 +248,8 @@ class CpuOps:
         token's k expert outputs are kept and summed in rank order, as a one-token step sums them."""
         spec, e = self.spec, m.experts
         h = self.rmsnorm(x, norm)
+        if self.ffn_input_observer is not None:
+            self.ffn_input_observer(m.layer, h)
         k = spec.n_expert_used
         ids, weights = route(self.linear(e.router, h), k, spec.arch.norm_topk)
         if self.routing_observer is not None:

@@ -150,19 +150,28 @@ def forward(spec: ModelSpec, w: Weights, ops: Ops, tokens: np.ndarray, positions
     """Run `tokens` at `positions`, writing their K/V to pool `slots`; logits of the last token (or all). capture(i,
     x) sees each layer's output (the residual stream after layer i) as it is made (a backend that reuses its
     activation buffers copies what it keeps)."""
-    x = ops.embed(w.token_embd, tokens, float(np.sqrt(spec.n_embd)) if spec.arch.embed_scale else 1.0)
+    x = embed(spec, w, ops, tokens)
     for i, lw in enumerate(w.layers):
-        attn = ops.attention(i, x, lw, positions, slots, spec.window(i))
-        x = _add_branch(ops, x, lw.wo, attn, lw.post_attn_norm)
-        if lw.moe is None:
-            x = _add_branch(ops, x, lw.w_down, ops.gated_linear(x, lw.gate_up, norm=lw.ffn_norm), lw.post_ffn_norm)
-        else:
-            x = ops.moe_ffn(x, lw.moe, norm=lw.ffn_norm)
+        x = decoder_layer(spec, ops, i, lw, x, positions, slots)
         if capture is not None:
             capture(i, x)
     if not all_logits:
         x = ops.rows(x, slice(-1, None))
     return ops.linear(w.output, x, norm=w.output_norm)
+
+
+def embed(spec: ModelSpec, w: Weights, ops: Ops, tokens: np.ndarray) -> Act:
+    return ops.embed(w.token_embd, tokens, float(np.sqrt(spec.n_embd)) if spec.arch.embed_scale else 1.0)
+
+
+def decoder_layer(spec: ModelSpec, ops: Ops, i: int, lw: LayerWeights, x: Act, positions: np.ndarray,
+                  slots: np.ndarray) -> Act:
+    """Layer i: attention, then the FFN (dense or mixture of experts), each added to the residual x."""
+    attn = ops.attention(i, x, lw, positions, slots, spec.window(i))
+    x = _add_branch(ops, x, lw.wo, attn, lw.post_attn_norm)
+    if lw.moe is None:
+        return _add_branch(ops, x, lw.w_down, ops.gated_linear(x, lw.gate_up, norm=lw.ffn_norm), lw.post_ffn_norm)
+    return ops.moe_ffn(x, lw.moe, norm=lw.ffn_norm)
 
 
 def project_qkv(spec: ModelSpec, ops: Ops, x: Act, lw: LayerWeights) -> tuple[Act, Act, Act]:

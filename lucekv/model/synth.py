@@ -6,8 +6,9 @@ norms, biases and routers in F32, llama.cpp's tensor names and metadata keys, an
 BPE; SentencePiece-style for gemma3, as real Gemma files have) so that both lucekv and Hugging Face transformers can
 load the file. `write_upcycled_gguf` turns a real dense llama file into a Mixtral-style MoE, and
 `write_qwen3_30b_a3b_shape` writes the MoE speed model; both from the command line too:
-`python -m lucekv.model.synth {upcycle DENSE OUT [--distinct] | qwen3-30b-a3b OUT [--layers N]}`; `write_dflash_gguf`
-writes a DFlash drafter for a target (`... dflash TARGET OUT [--layers 1,27] [--block 16] [--draft-layers 2]`).
+`python -m lucekv.model.synth {upcycle DENSE OUT [--distinct] [--router kmeans --corpus FILE] | qwen3-30b-a3b OUT
+[--layers N] [--router zipf]}`; `write_dflash_gguf` writes a DFlash drafter for a target (`... dflash TARGET OUT
+[--layers 1,27] [--block 16] [--draft-layers 2]`).
 
 Block sizes: every matrix row (its input width) must be a multiple of the quant type's block, i.e. 32
 for Q4_0..Q8_0 and 256 for the K-quants. The defaults (n_embd=64, head_dim=16, n_ff=128) suit the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -146,6 +148,7 @@ def write_synthetic_gguf(
     n_expert_used: int = 2,
     n_ff_expert: int | None = None,
     n_ff_shared: int | None = None,
+    router_zipf: float | None = None,
 ) -> Path:
     """Write a random-weight `arch` model to `path` and return the path.
 
@@ -160,7 +163,9 @@ def write_synthetic_gguf(
     Experts (`n_expert` > 0; qwen2moe and qwen3moe need them, llama with them is Mixtral-style): every layer's FFN is
     a router (ffn_gate_inp, F32 as llama.cpp keeps it) over `n_expert` experts of width `n_ff_expert` (default n_ff),
     stacked into ffn_{gate,up,down}_exps, `n_expert_used` of them per token; qwen2moe adds a shared expert of width
-    `n_ff_shared` (default n_ff) and its gate ffn_gate_inp_shexp.
+    `n_ff_shared` (default n_ff) and its gate ffn_gate_inp_shexp. `router_zipf` = s: routers whose expert popularity
+    follows Zipf's law of exponent s (lucekv.spark.router.zipf_row_norms), said in general.name, where random ones
+    route every expert alike.
 
     Weights are N(0, gain / sqrt(row length)): q, k, output and embeddings at gain 1 so that attention
     scores and logits are O(1) (attention that is not uniform makes position bugs visible), the other
@@ -177,6 +182,8 @@ def write_synthetic_gguf(
         raise ValueError(f"{arch} needs n_expert > 0")
     if n_expert and (arch not in MOE_ARCHS or not 0 < n_expert_used <= n_expert):
         raise ValueError(f"experts: {arch} with n_expert {n_expert}, n_expert_used {n_expert_used} cannot be written")
+    if router_zipf is not None and not (n_expert and router_zipf > 0):
+        raise ValueError(f"a Zipf router needs experts and an exponent > 0 (n_expert {n_expert}, s {router_zipf})")
     if arch == "llama" and n_ff_expert not in (None, n_ff):
         raise ValueError("a llama MoE's experts are n_ff wide (llama.cpp reads no other width for them)")
     dims = _Dims(n_embd, n_layer, n_head, n_kv_head, head_dim, n_ff, n_ctx, sliding_window, n_expert,
@@ -192,7 +199,7 @@ def write_synthetic_gguf(
 
     path = Path(path)
     writer = GGUFWriter(path, arch)
-    writer.add_name(f"synthetic-{arch}-{qtype.name}")
+    writer.add_name(f"synthetic-{arch}-{qtype.name}" + (f"-zipf{router_zipf:g}-router" if router_zipf else ""))
     _add_hparams(writer, arch, dims)
     freq_factors = _add_rope_scaling(writer, rope_scaling, _ROPE_BASE[base], head_dim)
     _add_tokenizer(writer, tokenizer)
@@ -208,8 +215,18 @@ def write_synthetic_gguf(
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
+    zipf_norms = None
+    if router_zipf:
+        from lucekv.spark.router import zipf_row_norms
+
+        zipf_norms = zipf_row_norms(n_expert, n_expert_used, router_zipf, seed=seed)
     for s in specs:
-        writer.write_tensor_data(_random_tensor(s, types[s.name], rng))
+        if zipf_norms is not None and s.name.endswith("ffn_gate_inp.weight"):
+            from lucekv.spark.router import zipf_router
+
+            writer.write_tensor_data(zipf_router(zipf_norms, n_embd, rng))
+        else:
+            writer.write_tensor_data(_random_tensor(s, types[s.name], rng))
     if freq_factors is not None:
         writer.write_tensor_data(freq_factors)
     writer.close()
@@ -232,7 +249,8 @@ def write_twin_gguf(path: str | Path, like: str | Path, *, seed: int = 0) -> Pat
 
 
 def write_upcycled_gguf(path: str | Path, dense: str | Path, *, n_expert: int = 4, n_expert_used: int = 2,
-                        distinct: bool = False, seed: int = 0) -> Path:
+                        distinct: bool = False, seed: int = 0, routers: Sequence[np.ndarray] | None = None,
+                        router_label: str = "") -> Path:
     """Write a Mixtral-style MoE (llama with experts) made of the real dense llama GGUF at `dense`: every layer's FFN
     becomes `n_expert` experts, byte copies of dense FFNs stacked into ffn_{gate,up,down}_exps, and a random F32
     router (logits about N(0, 1) on the layer's normalized input, so that routing varies from token to token).
@@ -241,7 +259,10 @@ def write_upcycled_gguf(path: str | Path, dense: str | Path, *, n_expert: int = 
     weights to sum to 1, so the MoE computes the dense model's function whatever the router picks: the dense model
     is its oracle, while routing and expert indexing run. `distinct`: expert e of layer i is the FFN of layer
     (i + e) mod n_layer, its down projection scaled by 2 ** (e % 3 - 1) (exactly: the scale fields of its blocks are
-    multiplied), so that the output depends on which experts are picked and how they are weighted."""
+    multiplied), so that the output depends on which experts are picked and how they are weighted.
+
+    `routers`: each layer's router rows (F32 [n_expert, n_embd], e.g. `kmeans_routers`) instead of random ones,
+    `router_label` naming them in general.name."""
     reader = GGUFReader(dense)
     arch = str(reader.fields["general.architecture"].contents())
     if arch != "llama":
@@ -254,11 +275,13 @@ def write_upcycled_gguf(path: str | Path, dense: str | Path, *, n_expert: int = 
             sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
             writer.add_key_value(name, field.contents(), field.types[0], sub)
     writer.add_name(f"{reader.fields['general.name'].contents()} upcycled {n_expert}x top-{n_expert_used}"
-                    + (" distinct" if distinct else ""))
+                    + (" distinct" if distinct else "") + (f" {router_label} router" if router_label else ""))
     writer.add_expert_count(n_expert)
     writer.add_expert_used_count(n_expert_used)
     tensors = {t.name: t for t in reader.tensors}
     n_layer = int(reader.fields["llama.block_count"].contents())
+    if routers is not None and len(routers) != n_layer:
+        raise ValueError(f"{len(routers)} routers for {n_layer} layers")
     rng = np.random.default_rng(seed)
     ffn = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.weight")
     for t in reader.tensors:
@@ -279,8 +302,12 @@ def write_upcycled_gguf(path: str | Path, dense: str | Path, *, n_expert: int = 
             norm = np.asarray(tensors[f"blk.{layer}.ffn_norm.weight"].data, np.float32)
             n_embd = norm.shape[0]
             std = 1.0 / (np.sqrt(n_embd) * np.sqrt(np.mean(norm * norm)))  # |norm(x)| ~ sqrt(n_embd) * rms(w)
-            writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
-                              (std * rng.standard_normal((n_expert, n_embd))).astype(np.float32))
+            router = (std * rng.standard_normal((n_expert, n_embd))).astype(np.float32)
+            if routers is not None:
+                router = np.asarray(routers[layer], np.float32)
+                if router.shape != (n_expert, n_embd):
+                    raise ValueError(f"layer {layer}'s router is {router.shape}, not ({n_expert}, {n_embd})")
+            writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", router)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -349,6 +376,26 @@ def write_dflash_gguf(path: str | Path, target: str | Path, *, target_layers: li
     return Path(path)
 
 
+def kmeans_routers(dense: str | Path, texts: Sequence[tuple[str, str]], n_expert: int, n_expert_used: int = 2, *,
+                   max_tokens: int = 1024, seed: int = 0) -> list[np.ndarray]:
+    """Each layer's router rows (lucekv.spark.router.kmeans_router) for the upcycled model of `dense` with distinct
+    experts, from its own FFN inputs over the (name, text) documents (their first `max_tokens` tokens each), fitted
+    layer after layer (lucekv.spark.cli.fit_routers) so that each router is fitted to the inputs the finished model
+    gives its layer. The model is upcycled once with random routers to run, in a scratch file."""
+    import tempfile
+
+    from lucekv.spark.cli import fit_routers, prompt_backend
+    from lucekv.spark.router import kmeans_router
+
+    with tempfile.TemporaryDirectory() as scratch:
+        moe = write_upcycled_gguf(Path(scratch) / "upcycled.gguf", dense, n_expert=n_expert,
+                                  n_expert_used=n_expert_used, distinct=True, seed=seed)
+        backend, documents = prompt_backend(open_gguf(moe), texts, max_tokens)
+        routers = fit_routers(backend, documents, lambda layer, h: kmeans_router(h, n_expert, seed + layer))
+        del backend  # its arrays map the scratch file
+    return routers
+
+
 def _stored(t) -> np.ndarray:
     """A GGUFReader tensor's data in numpy order ([rows, bytes per row] for block quants), as GGUFWriter takes it
     with raw_dtype."""
@@ -396,12 +443,13 @@ def q4_k_m_types(n_layer: int, experts: bool = True) -> dict[str, GGMLQuantizati
     return {"output.weight": Q.Q6_K, **{f"blk.{i}.{name}.weight": Q.Q6_K for i in more for name in ("attn_v", down)}}
 
 
-def write_qwen3_30b_a3b_shape(path: str | Path, n_layer: int = QWEN3_30B_A3B["n_layer"], seed: int = 0) -> Path:
+def write_qwen3_30b_a3b_shape(path: str | Path, n_layer: int = QWEN3_30B_A3B["n_layer"], seed: int = 0,
+                              router_zipf: float | None = None) -> Path:
     """Random weights in Qwen3-30B-A3B's shape and a Q4_K_M mix (`q4_k_m_types`): the MoE speed model (about 17 GB;
-    fewer layers for a quick look)."""
+    fewer layers for a quick look); `router_zipf`: Zipf-skewed expert popularity (see write_synthetic_gguf)."""
     shape = dict(QWEN3_30B_A3B, n_layer=n_layer)
     return write_synthetic_gguf(path, "qwen3moe", qtype=Q.Q4_K, seed=seed, tied_output=False,
-                                qtype_overrides=q4_k_m_types(n_layer), **shape)
+                                qtype_overrides=q4_k_m_types(n_layer), router_zipf=router_zipf, **shape)
 
 
 # --- tensors -------------------------------------------------------------------------------------------
@@ -758,8 +806,9 @@ def _pad_vocab(tok: _SynthTokenizer, vocab: int | None) -> _SynthTokenizer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m lucekv.model.synth qwen3-30b-a3b OUT [--layers N] | upcycle DENSE OUT [--distinct] | dflash TARGET
-    OUT [--layers L,..] [--block B] [--draft-layers N] [--seed S]"""
+    """python -m lucekv.model.synth qwen3-30b-a3b OUT [--layers N] [--router zipf [--zipf-s S]]
+    | upcycle DENSE OUT [--distinct] [--experts N --top-k K] [--router kmeans --corpus FILE ...]
+    | dflash TARGET OUT [--layers L,..] [--block B] [--draft-layers N] [--seed S]"""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m lucekv.model.synth", description="write the MoE and DFlash GGUFs "
@@ -768,10 +817,20 @@ def main(argv: list[str] | None = None) -> int:
     a3b = sub.add_parser("qwen3-30b-a3b", help="random weights, Qwen3-30B-A3B's shape, Q4_K_M mix")
     a3b.add_argument("out")
     a3b.add_argument("--layers", type=int, default=QWEN3_30B_A3B["n_layer"])
+    a3b.add_argument("--router", choices=("random", "zipf"), default="random",
+                     help="zipf: expert popularity skewed by Zipf's law (named so in general.name)")
+    a3b.add_argument("--zipf-s", type=float, default=1.0, help="the Zipf exponent (default 1)")
     up = sub.add_parser("upcycle", help="a real dense llama GGUF as a Mixtral-style MoE (4 experts, top-2)")
     up.add_argument("dense")
     up.add_argument("out")
     up.add_argument("--distinct", action="store_true", help="distinct experts (see write_upcycled_gguf)")
+    up.add_argument("--experts", type=int, default=4, help="experts per layer (default 4)")
+    up.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
+    up.add_argument("--router", choices=("random", "kmeans"), default="random",
+                    help="kmeans: fitted to the dense model's FFN inputs over --corpus (implies --distinct)")
+    up.add_argument("--corpus", action="append", default=[], metavar="FILE",
+                    help="a UTF-8 text file, one document of the k-means corpus (repeatable)")
+    up.add_argument("--max-tokens", type=int, default=1024, help="tokens read of each document (default 1024)")
     df = sub.add_parser("dflash", help="a DFlash drafter with random weights shaped for a target GGUF")
     df.add_argument("target")
     df.add_argument("out")
@@ -780,14 +839,28 @@ def main(argv: list[str] | None = None) -> int:
     df.add_argument("--draft-layers", type=int, default=2, help="the drafter's own layers (default 2)")
     df.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.what == "upcycle" and (args.router == "kmeans") != bool(args.corpus):
+        ap.error("--router kmeans needs --corpus FILE, and --corpus is only read by --router kmeans")
+    if args.what == "upcycle" and args.max_tokens < 1:
+        ap.error(f"--max-tokens must be >= 1, not {args.max_tokens}")
     if args.what == "dflash":
         layers = [int(i) for i in args.layers.split(",")] if args.layers else None
         print(write_dflash_gguf(args.out, args.target, target_layers=layers, n_layer=args.draft_layers,
                                 block_size=args.block, seed=args.seed))
-    elif args.what == "qwen3-30b-a3b":
-        print(write_qwen3_30b_a3b_shape(args.out, args.layers))
-    else:
-        print(write_upcycled_gguf(args.out, args.dense, distinct=args.distinct))
+        return 0
+    if args.what == "qwen3-30b-a3b":
+        zipf = args.zipf_s if args.router == "zipf" else None
+        print(write_qwen3_30b_a3b_shape(args.out, args.layers, router_zipf=zipf))
+        return 0
+    routers = None
+    if args.router == "kmeans":
+        from lucekv.spark.cli import read_documents
+
+        texts = read_documents(args.corpus, 0)
+        routers = kmeans_routers(args.dense, texts, args.experts, args.top_k, max_tokens=args.max_tokens)
+    print(write_upcycled_gguf(args.out, args.dense, n_expert=args.experts, n_expert_used=args.top_k,
+                              distinct=args.distinct or routers is not None, routers=routers,
+                              router_label="k-means" if routers is not None else ""))
     return 0
 
 

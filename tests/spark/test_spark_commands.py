@@ -56,3 +56,27 @@ def test_a_trace_of_another_model_is_refused(moe_file, tmp_path, capsys):
                  "-o", str(tmp_path / "p.json")]) == 2
     assert "another model" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_sweep_compares_calibrated_uniform_and_the_best_placement_at_each_budget(moe_file, tmp_path, capsys):
+    fingerprint = open_gguf(moe_file).fingerprint
+    for name, samples in (("cal", 1), ("held", 2)):
+        zipf_trace(samples=samples, fingerprint=fingerprint).save(tmp_path / f"{name}.json")
+    assert main(["spark", "sweep", str(moe_file), str(tmp_path / "cal.json"), str(tmp_path / "held.json"),
+                 str(tmp_path / "cal.json"), "--budgets", "0.25,0.5", "-o", str(tmp_path / "s.json")]) == 0
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert [(r["budget_share"], r["held_out"]) for r in doc["rows"]] == [
+        (0.25, "held"), (0.25, "cal"), (0.5, "held"), (0.5, "cal")]
+    held = RoutingTrace.load(tmp_path / "held.json")
+    for r in doc["rows"]:
+        assert r["bytes"] == int(r["budget_share"] * 64) * EXPERT_BYTES  # whole experts: 4 or 8 of 16 per layer
+        assert r["oracle"] <= r["calibrated"] < 0.8 * r["uniform"]
+    assert all(r["calibrated"] == r["oracle"] for r in doc["rows"] if r["held_out"] == "cal")  # fitted to itself
+    uniform_half = Placement(fingerprint, 16, tuple(tuple(range(8)) for _ in range(4)))
+    assert doc["rows"][2]["uniform"] == pytest.approx(
+        held.counts[~uniform_half.mask()].sum() / held.tokens)
+    assert doc["routing"]["cal"]["mutual_information_bits"] == 0.0  # a trace routes like itself
+    assert "held" in capsys.readouterr().out
+    assert main(["spark", "sweep", str(moe_file), str(tmp_path / "cal.json"), str(tmp_path / "held.json"),
+                 "--budgets", "0.5,2", "-o", str(tmp_path / "t.json")]) == 2
+    assert "--budgets" in capsys.readouterr().err and not (tmp_path / "t.json").exists()
