@@ -14,6 +14,17 @@ from pathlib import Path
 import pytest
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Without a GPU, the simulator runs of the collected CUDA test files start now, in the background."""
+    from lucekv.kernels.cuda import available
+    from tests.kernels.cuda_sim import start_in_background
+
+    if available():  # the kernels run directly in this process
+        return
+    files = dict.fromkeys(str(item.path) for item in session.items if item.originalname.endswith("in_simulator"))
+    start_in_background(list(files))
+
+
 @pytest.fixture(scope="session")
 def model_path() -> Callable[[str], Path]:
     """`model_path(name)`: the path of a real model file, e.g. model_path("smollm2-135m")."""

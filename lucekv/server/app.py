@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Callable
 
 import grpc
@@ -102,8 +103,15 @@ def _server_credentials(config: ServeConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca, require_client_auth=ca is not None)
 
 
+# The engine thread lets the GIL go at every device wait and wants it back as soon as the device is done; CPython lets
+# the loop's thread keep it for up to the switch interval (5 ms by default) first. H100, smollm2, 4 streams: TPOT
+# p50 3.9 -> 3.4 ms and 825 -> 934 tok/s at 0.2 ms (bench/results/h100-serve-smollm2-135m-c1-4-16*.json).
+SWITCH_INTERVAL_S = 0.0002
+
+
 def serve(engine: Engine, config: ServeConfig, on_started: Callable[[LucekvServer], None]) -> None:
     """Serve until SIGINT or SIGTERM, then drain and shut down gracefully."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     async def run() -> None:
         server = await start_server(engine, config)

@@ -1,14 +1,17 @@
 """Shared by the CUDA kernel tests: skip marks, and running a test file under numba's CUDA simulator.
 
 numba reads NUMBA_ENABLE_CUDASIM once, at import, so without a GPU a test file re-runs itself in a child
-pytest with the variable set; the variable never leaks into the other tests of this process.
+pytest with the variable set; the variable never leaks into the other tests of this process. The session starts
+those children as it begins (tests/conftest.py), in the background.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,9 +23,36 @@ needs_gpu = pytest.mark.skipif(SIMULATOR or not available(), reason="needs a CUD
 ROOT = Path(__file__).resolve().parents[2]
 
 
+_runs: dict[str, queue.Queue] = {}  # test file -> where its child run, started ahead, leaves its result
+
+
+def start_in_background(test_files: list[str]) -> None:
+    """Run these files' simulator children one after another on a thread, beside the rest of the session: they are
+    single-threaded and take minutes, so on a 2-core machine the second core runs them while the first runs the
+    other tests. `run_in_simulator` then waits for its file's result."""
+    results = [(f, queue.Queue(maxsize=1)) for f in test_files]
+    for f, result in results:
+        _runs[str(Path(f).resolve())] = result
+
+    def run_all() -> None:
+        for f, result in results:  # not through _runs: a test takes its queue out of it as it starts waiting
+            try:
+                result.put(_child(f))
+            except Exception as e:  # the test raises it rather than wait forever
+                result.put(e)
+
+    threading.Thread(target=run_all, name="simulator-runs", daemon=True).start()
+
+
 def run_in_simulator(test_file: str) -> None:
+    result = _runs.pop(str(Path(test_file).resolve()), None)
+    child = result.get() if result is not None else _child(test_file)
+    if isinstance(child, Exception):
+        raise child
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
+
+
+def _child(test_file: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     args = ["-q", "-p", "no:cacheprovider", "-m", "not gpu and not slow", test_file]
-    child = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, env=env, capture_output=True,
-                           text=True)
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
+    return subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, env=env, capture_output=True, text=True)
