@@ -1,6 +1,6 @@
 """GPU timing of the decode matvec at Qwen3-8B shapes (Q4_K_M: Q4_K attention / FFN, Q6_K v / down / output).
 
-    python -m lucekv.bench.matvec_speed [--json OUT] [--replays 20] [--rows 2,4,8,16,32,64]
+    python -m lucekv.bench.matvec_speed [--json OUT] [--replays 20] [--rows 1,2,4,8,17,32]
 
 Random GGUF blocks, packed and uploaded as the backend does (Q6_K becomes the device's q6 form). Each kernel
 is timed as the decode step runs it: `LAUNCHES` launches captured as one CUDA graph and replayed (no numba
@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as Q
 
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows, pack
 from lucekv.kernels.cuda._numba import cuda, load_u32x4
-from lucekv.kernels.cuda.matvec import matvec
+from lucekv.kernels.cuda.matvec import matvec, matvec_per_token
 from lucekv.kernels.cuda.packed import upload
 
 LAUNCHES = 36  # per captured graph: as many as a decode step has of the big shapes
@@ -51,6 +51,16 @@ SHAPES = (
     Shape("ffn down    4096x12288 Q6_K", 4096, 12288, Q.Q6_K, N_LAYER),
     Shape("output    151936x4096 Q6_K", 151936, 4096, Q.Q6_K, 1),
 )
+# products of several tokens (--rows) also at Qwen2.5-Coder-1.5B's (Q4_K_M) layer shapes: its speculative verify
+# blocks (17 to 20 tokens) and decode rows; not the output heads (always a matmul for n > 1: CudaOps.as_matvec_rows)
+QWEN_15B = (
+    Shape("1.5b q / o   1536x1536 Q4_K", 1536, 1536, Q.Q4_K, 0),
+    Shape("1.5b k / v    256x1536 Q6_K", 256, 1536, Q.Q6_K, 0),
+    Shape("1.5b gate/up 17920x1536 Q4_K", 17920, 1536, Q.Q4_K, 0),
+    Shape("1.5b down    1536x8960 Q6_K", 1536, 8960, Q.Q6_K, 0),
+    Shape("1.5b down    1536x8960 Q4_K", 1536, 8960, Q.Q4_K, 0),
+)
+ROW_SHAPES = SHAPES[:-1] + QWEN_15B
 _D_FIELDS = {Q.Q4_K: (0.01, 0.005), Q.Q6_K: (0.01,)}  # the f16 d (and dmin) at the start / end of a block
 
 
@@ -160,9 +170,11 @@ def bench_shape(s: Shape, rng: np.random.Generator, replays: int, l2_bytes: int,
 
 
 def bench_rows(s: Shape, rng: np.random.Generator, rows: list[int], replays: int, l2_bytes: int, stream) -> list:
-    """Decode rows (one token of each of n sequences) through the shape: µs per product of the decode matvec with n
-    token rows (grid rows: each reads the weights) and of the tensor-core matmul (each weight read once per 64
-    rows), the products a batched step runs."""
+    """Products of n tokens (decode rows, verify blocks) through the shape: µs per product of the matvec
+    (`matvec`: q4 / q6 weights read once per MAX_TOKENS tokens), of the one-token kernel with a grid row per token
+    (`per_token`, the path before: each reads the weights, all but the first from L2) and of the tensor-core matmul
+    (each weight read once per 64 rows). The matvec's error against float64 and whether it equals the per-token
+    path bit for bit (it should)."""
     from lucekv.kernels.cuda.matmul import matmul
 
     packed = random_matrix(rng, s)
@@ -174,10 +186,16 @@ def bench_rows(s: Shape, rng: np.random.Generator, rows: list[int], replays: int
         xs = [cuda.to_device(rng.standard_normal((n, s.cols)).astype(np.float32)) for _ in mats]
         outs = [cuda.device_array((n, s.rows), np.float32) for _ in mats]
         row = {"shape": s.name, "rows": n}
-        for name, product in (("matvec", matvec), ("matmul", matmul)):
+        results = {}
+        for name, product in (("matvec", matvec), ("per_token", matvec_per_token), ("matmul", matmul)):
             launches = [lambda st, w=mats[k], x=xs[k], y=outs[k], f=product: f(w, x, y, stream=st) for k in order]
             row[f"{name}_us"] = graph_us(stream, launches, replays)
+            results[name] = outs[0].copy_to_host()
         row["matmul_over_matvec"] = row["matmul_us"] / row["matvec_us"]
+        row["per_token_over_matvec"] = row["per_token_us"] / row["matvec_us"]
+        ref = xs[0].copy_to_host().astype(np.float64) @ dequantize_rows(packed, 0, s.rows).astype(np.float64).T
+        row["max_rel_err"] = float(np.max(np.abs(results["matvec"] - ref)) / np.max(np.abs(ref)))
+        row["equals_per_token"] = bool(np.array_equal(results["matvec"], results["per_token"]))
         out.append(row)
     return out
 
@@ -197,8 +215,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--rows", default="", help="also time decode rows, e.g. 2,4,8,16,32,64: the matvec with that "
-                    "many token rows against the tensor-core matmul, per shape")
+    ap.add_argument("--rows", default="", help="also time products of several tokens, e.g. 1,2,4,8,17,32: the "
+                    "matvec with that many token rows against the per-token path and the tensor-core matmul, at the "
+                    "8B's layer shapes and the 1.5B's")
     a = ap.parse_args()
     dev = cuda.get_current_device()
     l2, sms = int(dev.L2_CACHE_SIZE), int(dev.MULTIPROCESSOR_COUNT)
@@ -219,10 +238,11 @@ def main() -> None:
     print(f"matvec ms per Qwen3-8B token: {result['ms_per_token']:.3f} (stream {result['stream_ms_per_token']:.3f})")
     if a.rows:
         counts = [int(n) for n in a.rows.split(",")]
-        result["decode_rows"] = [r for s in SHAPES for r in bench_rows(s, rng, counts, a.replays, l2, stream)]
+        result["decode_rows"] = [r for s in ROW_SHAPES for r in bench_rows(s, rng, counts, a.replays, l2, stream)]
         for r in result["decode_rows"]:
-            print(f"{r['shape']:32s} rows {r['rows']:3d}: matvec {r['matvec_us']:8.1f} µs, matmul "
-                  f"{r['matmul_us']:8.1f} µs")
+            print(f"{r['shape']:32s} rows {r['rows']:3d}: matvec {r['matvec_us']:8.1f} µs, per token "
+                  f"{r['per_token_us']:8.1f} µs, matmul {r['matmul_us']:8.1f} µs; err {r['max_rel_err']:.1e}"
+                  f"{'' if r['equals_per_token'] else ' (NOT equal to the per-token path)'}", flush=True)
     write_json(a.json, result)
 
 

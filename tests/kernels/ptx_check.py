@@ -58,6 +58,7 @@ Q4_K = _quant(np.uint32, np.uint32, np.uint16)  # sub-scaled, with a bias
 Q6_K = _quant(np.uint32, np.uint16, np.uint8)  # sub-scaled, no bias
 Q8_0 = _quant(np.uint32, np.uint16, np.uint8)  # (sub words a stand-in)
 MATVEC = (F2, XNORM, EP, I64, I64)
+QUANTS = {"q4": Q4_K, "q6": Q6_K, "q8": Q8_0}
 
 # kernel: argument types (return void)
 CHECKS = {
@@ -68,6 +69,8 @@ CHECKS = {
     "matvec_q8_qkv": (matvec._KERNELS["q8", "qkv"], (Q8_0, F2, XNORM, QKV, I64, I64)),
     "matvec_q4_q6": (matvec._pair_kernel("q4", "q6", "rows"), (Q4_K, Q6_K, F2, XNORM, EP, EP, I64, I64, I64, I64)),
     "matvec_f32": (matvec._matvec_f32, (F2, F2, EP)),
+    **{f"matvec_{kind}_tokens{n}": (matvec._tokens_kernel(kind, n), (QUANTS[kind], F2, EP, I64, I64, I64))
+       for kind in matvec.TOKEN_KINDS for n in (2, 4, 8)},
     "rmsnorm": (norm._rmsnorm, (F2, F1, F32, F2)),
     "gated_act": (act._gated_act, (F2, F2, B, F2)),
     "add": (act._add, (F2, F2, F2)),
@@ -81,7 +84,6 @@ CHECKS = {
     "set_slot_pos": (attention._set_slot_pos, (I1, I1, I1)),
     "argmax": (sample._argmax, (F2, I64, F2, types.int32[:, ::1], I1, I1)),
 }
-QUANTS = {"q4": Q4_K, "q6": Q6_K, "q8": Q8_0}
 for (kind, block), kernel in matmul._KERNELS.items():
     CHECKS[f"matmul_{kind}_{block}"] = (kernel, (QUANTS[kind], I64, F32, F2, EP))
 CHECKS["matmul_f32"] = (matmul._matmul_f32, (F2, F2, EP))

@@ -28,6 +28,86 @@ def test_matvec_layouts(qtype, rows, cols):
     check_matvec(qtype, rows, cols, n=1)
 
 
+def check_each_alone(product, x: np.ndarray, outs: list[int]) -> np.ndarray:
+    """product(x, outs) of x's n tokens at once, [n, rows]: its first and last tokens' rows (in different grid rows
+    past MAX_TOKENS tokens) must equal their own one-token products bit for bit. outs: the outputs' widths."""
+    n = x.shape[0]
+    together = product(cuda.to_device(x), [cuda.device_array((n, o), np.float32) for o in outs])
+    for t in sorted({0, n - 1}):
+        alone = product(cuda.to_device(x[t:t + 1]), [cuda.device_array((1, o), np.float32) for o in outs])
+        np.testing.assert_array_equal(together[t:t + 1], alone, err_msg=f"token {t}")
+    return together
+
+
+@needs_kernels
+@pytest.mark.parametrize(("qtype", "rows", "cols", "n"), [
+    (Q.Q4_K, 6, 256, 2),
+    (Q.Q6_K, 18, 1280, 3),  # two logical warps (the second's lanes partly idle), 5 row blocks, the last cut short
+    (Q.Q5_0, 5, 512, 9),  # q6's device form without sub-scales; 2 grid rows of 8 tokens, the second mostly empty
+    (Q.Q4_0, 3, 5120, 2),  # 5 logical warps on 3 of a block (one idle in the second round)
+], ids=lambda v: getattr(v, "name", str(v)))
+def test_matvec_of_several_tokens_reads_each_weight_once_and_equals_each_tokens_own_product(qtype, rows, cols, n):
+    """The several-token kernels (`_launch_tokens`): within 1e-3 of float64, and bit for bit each token's own
+    one-token product (same partials, summed in the same order)."""
+    from lucekv.kernels.cuda.matvec import matvec
+    from lucekv.kernels.cuda.packed import upload
+
+    m = random_packed(np.random.default_rng(n), qtype, rows, cols)
+    w = upload(m)
+    x = np.random.default_rng(n + 1).standard_normal((n, cols)).astype(np.float32)
+
+    def product(xd, outs):
+        matvec(w, xd, outs[0])
+        return outs[0].copy_to_host()
+
+    together = check_each_alone(product, x, [rows])
+    assert rel_err(together, x.astype(np.float64) @ dense(m).T) <= 1e-3
+
+
+@needs_kernels
+def test_matvec_of_several_tokens_epilogues():
+    """Three outputs with a bias, one output plus a residual, gate and up rows to gelu(gate) * up: 3 tokens at once,
+    each equal to its own one-token product and within 1e-3 of float64 (the store is the same for every kind)."""
+    from lucekv.kernels.cpu.quants import interleave_rows
+    from lucekv.kernels.cuda.matvec import matvec
+    from lucekv.kernels.cuda.packed import GATE_ROWS, GELU, epilogue, upload
+
+    rng = np.random.default_rng(4)
+    n, cols = 3, 256
+    gate, up = (random_packed(rng, Q.Q4_K, 2 * GATE_ROWS, cols) for _ in range(2))
+    w = upload(gate)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    bias = rng.standard_normal(gate.rows).astype(np.float32)
+    residual = rng.standard_normal((n, gate.rows)).astype(np.float32)
+    x64, w64 = x.astype(np.float64), dense(gate)
+
+    def stacked(xd, outs):
+        matvec(w, xd, epilogue(outs, bias=cuda.to_device(bias)))
+        return np.concatenate([o.copy_to_host() for o in outs], axis=1)
+
+    together = check_each_alone(stacked, x, [1, gate.rows - 3, 2])
+    assert rel_err(together, x64 @ w64.T + bias) <= 1e-3
+
+    def with_residual(xd, outs):
+        matvec(w, xd, epilogue(outs, residual=cuda.to_device(residual[:xd.shape[0]])))
+        return outs[0].copy_to_host()
+
+    together = with_residual(cuda.to_device(x), [cuda.device_array((n, gate.rows), np.float32)])
+    assert rel_err(together, x64 @ w64.T + residual) <= 1e-3
+    first_alone = with_residual(cuda.to_device(x[:1]), [cuda.device_array((1, gate.rows), np.float32)])
+    np.testing.assert_array_equal(together[:1], first_alone)
+
+    gated = upload(interleave_rows(gate, up, GATE_ROWS))
+
+    def gated_product(xd, outs):
+        matvec(gated, xd, epilogue(outs, gate=GELU))
+        return outs[0].copy_to_host()
+
+    together = check_each_alone(gated_product, x, [gate.rows])
+    g, u = x64 @ w64.T, x64 @ dense(up).T
+    assert rel_err(together, 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) * u) <= 1e-3
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize(("qtype", "rows", "cols"), [

@@ -24,7 +24,9 @@ Decode reads every weight byte once per token, so these kernels stream HBM with 
   shared memory: no atomics, one plain store per output.
 Bias costs no pass of its own: a column block contributes `scale * dot + bias * sum(x)`, sum(x) taken from
 the unquantized x, and no bytes when the matrix has none (DeviceMatrix.has_bias).
-Several tokens (a short batch) run as grid rows of the same kernel.
+Several tokens (a short batch: a verify block, decode rows) of a q4 or q6 matrix: each weight word loaded once for
+up to MAX_TOKENS tokens, whose int8 x a lane keeps in registers (`_make_tokens_body`, same sums as one token's, bit
+for bit); other kinds and fused norms: grid rows of the one-token kernel, one per token.
 Fusions that save a launch and a pass over the activations each: the RMSNorm of x (`norm`), taken by every
 block from the 32 columns each lane loads anyway (one block-wide sum), and what the output rows receive
 (an `Epilogue`: split into separate arrays, plus a bias and a residual; or `AttentionInputs`: q and k rotated,
@@ -82,18 +84,29 @@ HI_STEPS = np.float32(127)  # |hi| <= 127, and |lo| <= 128 before it is clamped 
 
 
 def matvec(w: DeviceMatrix, x, out, stream=0, norm: tuple | None = None) -> None:
-    """out[n, rows] = x[n, cols] @ W.T, weights streamed once per token (use for n of 1 to a few).
+    """out[n, rows] = x[n, cols] @ W.T, for n of 1 to a few: weights streamed once per MAX_TOKENS tokens where
+    `takes_tokens`, else once per token.
 
     out: a device array, an Epilogue, or AttentionInputs (q/k/v rows rotated and stored). norm: (weight [cols],
     eps) to use RMSNorm(x) * weight for x, where `fuses_norm(w)`."""
     _launch([(w, out)], x, stream, norm)
 
 
+def takes_tokens(w: DeviceMatrix, out, n: int, norm: tuple | None = None) -> bool:
+    """Whether `matvec` runs a product of n tokens with the several-token kernels (one weight read per MAX_TOKENS
+    tokens): n > 1 of a q4 or q6 matrix, into rows (not AttentionInputs), x normalized by the caller."""
+    return n > 1 and norm is None and w.kind in TOKEN_KINDS and not isinstance(out, AttentionInputs)
+
+
 def matvecs(products: Sequence[tuple[DeviceMatrix, object]], x, stream=0, norm: tuple | None = None) -> None:
     """`matvec` of each (W, out) of products, all of x's width, quantized matrices two to a launch (their blocks
     side by side in one grid, whatever their kinds): in a decode step's chain of launches a small product costs
-    more as a launch of its own than beside another."""
-    quantized = [p for p in products if p[0].kind != "f32"]
+    more as a launch of its own than beside another. Products that `takes_tokens` have a launch each."""
+    n = x.shape[0]
+    for p in products:
+        if takes_tokens(*p, n, norm):
+            _launch([p], x, stream, norm)
+    quantized = [p for p in products if p[0].kind != "f32" and not takes_tokens(*p, n, norm)]
     for i in range(0, len(quantized), 2):
         _launch(quantized[i:i + 2], x, stream, norm)
     for p in products:
@@ -101,8 +114,15 @@ def matvecs(products: Sequence[tuple[DeviceMatrix, object]], x, stream=0, norm: 
             _launch([p], x, stream, norm)
 
 
-def _launch(products: list[tuple[DeviceMatrix, object]], x, stream, norm: tuple | None) -> None:
-    """One launch: one matrix, or two quantized ones."""
+def matvec_per_token(w: DeviceMatrix, x, out, stream=0) -> None:
+    """`matvec` with the weights streamed once per token whatever n: the one-token kernel with a grid row per token
+    (the path of products of several tokens before the several-token kernels: benchmarks compare the two)."""
+    _launch([(w, out)], x, stream, None, per_token=True)
+
+
+def _launch(products: list[tuple[DeviceMatrix, object]], x, stream, norm: tuple | None, per_token: bool = False
+            ) -> None:
+    """One launch: one matrix, or two quantized ones (per_token: see matvec_per_token)."""
     qkv = [isinstance(out, AttentionInputs) for _, out in products]
     if len(set(qkv)) > 1:
         raise ValueError("products of one launch write one kind of destination")
@@ -118,15 +138,16 @@ def _launch(products: list[tuple[DeviceMatrix, object]], x, stream, norm: tuple 
         if (g or dest == "qkv") and w.kind == "f32":
             raise ValueError("gated products and products into attention's inputs take quantized matrices")
     w = ws[0]
+    if len(ws) == 1 and not per_token and takes_tokens(w, eps[0], x.shape[0], norm):
+        _launch_tokens(w, x, eps[0], stream)
+        return
     if w.kind == "f32":
         grid = (blocks(w.rows, F32_ROWS_PER_BLOCK), x.shape[0])
         _matvec_f32[grid, F32_ROWS_PER_BLOCK * WARP, stream](w.codes, x, eps[0])
         return
     # the norm's weight as a [1, cols] matrix (wide loads), or a stand-in of that type
     xnorm = (x, np.float32(0), False) if norm is None else (norm[0].reshape(1, -1), np.float32(norm[1]), True)
-    segments = blocks(w.cols, SEGMENT)
-    n_pass = blocks(segments, MAX_WARPS)
-    n_warps = blocks(segments, n_pass)
+    n_warps, n_pass = _warps_and_passes(w.cols)
     rows = _rows_per_block([(m.rows, m.kind, g) for m, g in zip(ws, gated, strict=True)], n_warps)
     grid = [blocks(m.rows, r) for m, r in zip(ws, rows, strict=True)]
     launch = ((sum(grid), x.shape[0]), n_warps * WARP, stream)
@@ -137,22 +158,45 @@ def _launch(products: list[tuple[DeviceMatrix, object]], x, stream, norm: tuple 
                                                            grid[0])
 
 
+def _warps_and_passes(cols: int) -> tuple[int, int]:
+    """Warps of a block and passes over the columns of a row of `cols`: a warp per segment, up to MAX_WARPS."""
+    segments = blocks(cols, SEGMENT)
+    n_pass = blocks(segments, MAX_WARPS)
+    return blocks(segments, n_pass), n_pass
+
+
+def _launch_tokens(w: DeviceMatrix, x, ep, stream) -> None:
+    """x's n > 1 rows in grid rows of up to MAX_TOKENS tokens (as few as cover n, evenly: a power of two each)."""
+    n = x.shape[0]
+    groups = blocks(n, MAX_TOKENS)
+    tokens = 1 << (blocks(n, groups) - 1).bit_length()
+    n_warps, n_pass = _warps_and_passes(w.cols)
+    warps = blocks(n_warps, blocks(n_warps, TOKEN_WARPS))  # the fewest rounds, evenly shared
+    resident = TOKEN_BLOCKS_PER_SM * TOKEN_WARPS  # warps per SM at the kernels' launch bounds
+    rows = _rows_per_block([(w.rows, w.kind, ep.gate != NO_GATE)], warps, groups, TOKEN_ROWS_PER_BLOCK, resident)[0]
+    grid = (blocks(w.rows, rows), groups)
+    _tokens_kernel(w.kind, tokens)[grid, warps * WARP, stream](w.quant, x, ep, n_warps, n_pass, rows)
+
+
 def fuses_norm(w: DeviceMatrix) -> bool:
     """Whether `matvec` can normalize x itself: a quantized matrix whose rows one pass of the block covers."""
     return w.kind != "f32" and w.cols <= MAX_WARPS * SEGMENT
 
 
-def _rows_per_block(shapes: list[tuple[int, str, bool]], n_warps: int) -> list[int]:
+def _rows_per_block(shapes: list[tuple[int, str, bool]], n_warps: int, copies: int = 1,
+                    most: int = MAX_ROWS_PER_BLOCK, resident_warps: int = RESIDENT_WARPS_PER_SM) -> list[int]:
     """Rows per block of each (rows, kind, gated) matrix of one launch: multiples of both register buffers' rows
     (and of whole gate/up groups), with blocks of about the same number of buffer loads, the fewest that let one
     wave of resident blocks cover the matrices. A second wave, or SMs left without a block, cost up to a third of a
-    big product's time (measured: 12-warp blocks of 44 rows of a 4096 x 12288 matrix left 38 of 132 SMs idle)."""
-    slots = _sm_count() * max(RESIDENT_WARPS_PER_SM // n_warps, 1)
+    big product's time (measured: 12-warp blocks of 44 rows of a 4096 x 12288 matrix left 38 of 132 SMs idle).
+    copies: grid rows of that many blocks each (several-token products); most: the rows a block holds at most;
+    resident_warps: the warps an SM holds at the kernel's launch bounds."""
+    slots = _sm_count() * max(resident_warps // n_warps, 1)
     steps = [max(2 * GROUP[kind], 2 * GATE_ROWS) if gated else 2 * GROUP[kind] for _, kind, gated in shapes]
     for k in range(1, MAX_ROWS_PER_BLOCK + 1):
-        per_block = [min(blocks(k * 2 * GROUP[kind], step) * step, MAX_ROWS_PER_BLOCK)
+        per_block = [min(blocks(k * 2 * GROUP[kind], step) * step, most)
                      for (_, kind, _), step in zip(shapes, steps, strict=True)]
-        if sum(blocks(rows, r) for (rows, _, _), r in zip(shapes, per_block, strict=True)) <= slots:
+        if copies * sum(blocks(rows, r) for (rows, _, _), r in zip(shapes, per_block, strict=True)) <= slots:
             return per_block
     return per_block
 
@@ -212,8 +256,9 @@ def _pack4(a, b, c, d):
 
 
 @cuda.jit(device=True, inline=True)
-def _quantize_x(xv, xq):
-    """xv (32 floats) as int8 words: xq[k] the hi parts of xv[4k:4k+4], xq[8 + k] the lo parts; returns u."""
+def _quantize_x(xv, xq, o):
+    """xv (32 floats) as int8 words: xq[o + k] the hi parts of xv[4k:4k+4], xq[o + 8 + k] the lo parts; returns
+    u. (o: where a token's 16 words start, 16 t for token t of a several-token product.)"""
     amax = np.float32(0)
     for j in range(32):
         amax = max(amax, abs(xv[j]))
@@ -225,12 +270,12 @@ def _quantize_x(xv, xq):
         h1 = _nearest(xv[4 * k + 1] * inv)
         h2 = _nearest(xv[4 * k + 2] * inv)
         h3 = _nearest(xv[4 * k + 3] * inv)
-        xq[k] = _pack4(h0, h1, h2, h3)
+        xq[o + k] = _pack4(h0, h1, h2, h3)
         lo0 = min(_nearest((xv[4 * k] - np.float32(h0) * s) * lo_inv), 127)
         lo1 = min(_nearest((xv[4 * k + 1] - np.float32(h1) * s) * lo_inv), 127)
         lo2 = min(_nearest((xv[4 * k + 2] - np.float32(h2) * s) * lo_inv), 127)
         lo3 = min(_nearest((xv[4 * k + 3] - np.float32(h3) * s) * lo_inv), 127)
-        xq[8 + k] = _pack4(lo0, lo1, lo2, lo3)
+        xq[o + 8 + k] = _pack4(lo0, lo1, lo2, lo3)
     return s / np.float32(256)
 
 
@@ -321,17 +366,17 @@ def _q4_load(w, r, run, buf, i):
 
 
 @cuda.jit(device=True, inline=True)
-def _q4_row(w, buf, i, xq, xs):
+def _q4_row(w, buf, i, xq, o, xs):
     """Row i's partial: word k holds elements 4k.. (low nibbles) and 16 + 4k.. (high), one 32-block."""
     hi = np.int32(0)
     lo = np.int32(0)
     for k in range(4):
         low = buf[i, k] & LOW_NIBBLES
         high = (buf[i, k] >> np.uint32(4)) & LOW_NIBBLES
-        hi = dot4_u8s8(low, xq[k], hi)
-        hi = dot4_u8s8(high, xq[4 + k], hi)
-        lo = dot4_u8s8(low, xq[8 + k], lo)
-        lo = dot4_u8s8(high, xq[12 + k], lo)
+        hi = dot4_u8s8(low, xq[o + k], hi)
+        hi = dot4_u8s8(high, xq[o + 4 + k], hi)
+        lo = dot4_u8s8(low, xq[o + 8 + k], lo)
+        lo = dot4_u8s8(high, xq[o + 12 + k], lo)
     u, xsum0, xsum1, _, _ = xs
     s, t = scale_bias(w, buf[i, 4], buf[i, 5])
     acc = s * (u * np.float32(np.int32(hi * 256 + lo)))
@@ -350,35 +395,35 @@ def _q6_load(w, r, run, buf, i):
 
 
 @cuda.jit(device=True, inline=True)
-def _q6_half(buf, i, h, xq):
+def _q6_half(buf, i, h, xq, o):
     """sum((code + 32) * x) / u over columns 16h..16h+15 of row i."""
     hi = np.int32(0)
     lo = np.int32(0)
     for k in range(4):
         code = q6_word(buf[i, k], buf[i, 4 + h], 4 * h + k)
-        hi = dot4_u8s8(code, xq[4 * h + k], hi)
-        lo = dot4_u8s8(code, xq[8 + 4 * h + k], lo)
+        hi = dot4_u8s8(code, xq[o + 4 * h + k], hi)
+        lo = dot4_u8s8(code, xq[o + 8 + 4 * h + k], lo)
     return hi * 256 + lo
 
 
 @cuda.jit(device=True, inline=True)
-def _q6_row(w, buf, i, xq, xs):
+def _q6_row(w, buf, i, xq, o, xs):
     u, xsum0, xsum1, offset0, offset1 = xs
     s0, t0 = scale_bias(w, buf[i, 6], buf[i, 7])
     s1, t1 = scale_bias(w, buf[i, 6], buf[i, 8])
-    acc = s0 * (u * np.float32(_q6_half(buf, i, 0, xq) - offset0))
-    acc += s1 * (u * np.float32(_q6_half(buf, i, 1, xq) - offset1))
+    acc = s0 * (u * np.float32(_q6_half(buf, i, 0, xq, o) - offset0))
+    acc += s1 * (u * np.float32(_q6_half(buf, i, 1, xq, o) - offset1))
     return acc + t0 * xsum0 + t1 * xsum1 if w.has_bias else acc
 
 
 @cuda.jit(device=True, inline=True)
-def _offset_sum(xq, h):
+def _offset_sum(xq, o, h):
     """Q6_OFFSET * sum(x) / u over columns 16h..16h+15 in x's int8 parts: what q6 codes, stored + 32, add."""
     hi = np.int32(0)
     lo = np.int32(0)
     for k in range(4):
-        hi = dot4_s8s8(ONES, xq[4 * h + k], hi)
-        lo = dot4_s8s8(ONES, xq[8 + 4 * h + k], lo)
+        hi = dot4_s8s8(ONES, xq[o + 4 * h + k], hi)
+        lo = dot4_s8s8(ONES, xq[o + 8 + 4 * h + k], lo)
     return Q6_OFFSET * (hi * 256 + lo)
 
 
@@ -391,16 +436,13 @@ def _bounded(kernel):
 DESTS = {"rows": (_no_rotation, _store_rows), "qkv": (_pair_rotation, _store_pairs)}
 
 
-def _make_run_body(kind: str, load, row, words: int, dest: str):
-    """A block's work for `kind` storing to `dest` (see _kernel): `load(w, r, run, buf, i)` issues row r's `words`
-    words of a lane's run into buf[i], `row(w, buf, i, xq, xs)` is that row's partial dot product, xs = (u, sums of
-    x over columns 0..15 and 16..31, `_offset_sum` of both)."""
+def _group_loader(kind: str, load, words: int):
+    """`load_group(w, first, run, buf)`: rows first.. first + GROUP[kind] - 1 of a lane's run into buf (zeros where
+    the run is past the row's end), by `load` (see _make_run_body)."""
     group = GROUP[kind]
-    rotation_of, store_rows = DESTS[dest]
 
     @cuda.jit(device=True, inline=True)
     def load_group(w, first, run, buf):
-        """Rows first.. first + group - 1 into buf (zeros where the run is past the row's end)."""
         for i in range(group):
             r = min(first + i, w.codes.shape[0] - 1)  # rows past the end load a real row, stored nowhere
             if run < w.codes.shape[1] >> 2:
@@ -409,10 +451,21 @@ def _make_run_body(kind: str, load, row, words: int, dest: str):
                 for k in range(words):
                     buf[i, k] = np.uint32(0)
 
+    return load_group
+
+
+def _make_run_body(kind: str, load, row, words: int, dest: str):
+    """A block's work for `kind` storing to `dest` (see _kernel): `load(w, r, run, buf, i)` issues row r's `words`
+    words of a lane's run into buf[i], `row(w, buf, i, xq, xs)` is that row's partial dot product, xs = (u, sums of
+    x over columns 0..15 and 16..31, `_offset_sum` of both)."""
+    group = GROUP[kind]
+    rotation_of, store_rows = DESTS[dest]
+    load_group = _group_loader(kind, load, words)
+
     @cuda.jit(device=True, inline=True)
     def add_group(w, part, i0, buf, xq, xs):
         for i in range(group):
-            _add_row(part, i0 + i, row(w, buf, i, xq, xs))
+            _add_row(part, i0 + i, row(w, buf, i, xq, 0, xs))
 
     @cuda.jit(device=True, inline=True)
     def body(w, x, tx, xnorm, ep, t, n_pass, rows_per_block, block, part, sums):
@@ -435,8 +488,8 @@ def _make_run_body(kind: str, load, row, words: int, dest: str):
             _normalize(xv, 32 * run, 32 * run + 16, xnorm, sums)
             xsum0 = _sum16(xv, 0)
             xsum1 = _sum16(xv, 16)
-            u = _quantize_x(xv, xq)
-            xs = (u, xsum0, xsum1, _offset_sum(xq, 0), _offset_sum(xq, 1))  # (q4 leaves the offsets unused)
+            u = _quantize_x(xv, xq, 0)
+            xs = (u, xsum0, xsum1, _offset_sum(xq, 0, 0), _offset_sum(xq, 0, 1))  # (q4 leaves the offsets unused)
             for i0 in range(0, rows_per_block, 2 * group):
                 load_group(w, first_row + i0 + group, run, buf_b)
                 add_group(w, part, i0, buf_a, xq, xs)
@@ -446,6 +499,117 @@ def _make_run_body(kind: str, load, row, words: int, dest: str):
         store_rows(part, first_row, rows_per_block, w.codes.shape[0], ep, t, rotation)
 
     return body
+
+
+# ---- several tokens: each weight word loaded once for all of them ----------------------------------------------
+# A short batch (verify blocks, decode rows) as grid rows of the one-token kernel reads every weight once per token,
+# all but the first from L2, and runs a wave of blocks per token. The block of `_make_tokens_body` keeps the int8 x
+# of `tokens` tokens in registers (16 words each) and applies each row's words to all of them. Its warps take the
+# one-token kernel's warps ("logical warps", each a run of segments) in turn: a block of up to TOKEN_WARPS warps has
+# the registers for the tokens' x, and each output is the same sum in the same order as the one-token kernel's
+# (same partial per lane, same warp sums, a logical warp's passes added in order, then the warps' in order):
+# equal bit for bit to the token's own product.
+
+TOKEN_WARPS = 4  # warps per block of the several-token kernels
+TOKEN_BLOCKS_PER_SM = 2  # their launch bounds: up to 255 registers per thread
+MAX_TOKENS = 8  # tokens per block: x takes 16 registers per token
+TOKEN_ROWS_PER_BLOCK = 32
+TOKEN_PARTIALS = MAX_WARPS * TOKEN_ROWS_PER_BLOCK  # per token: one float per (logical warp, row) of a block
+
+
+def _make_tokens_body(kind: str, load, row, words: int, tokens: int):
+    """A block's work for `kind` and `tokens` tokens from x's row tg * tokens on, storing rows (see _make_run_body)."""
+    group = GROUP[kind]
+    load_group = _group_loader(kind, load, words)
+
+    @cuda.jit(device=True, inline=True)
+    def add_group(w, part, slot, n_warps, i0, buf, xq, xs):
+        for i in range(group):
+            for j in range(tokens):
+                v = warp_sum(row(w, buf, i, xq, 16 * j, (xs[j, 0], xs[j, 1], xs[j, 2], xs[j, 3], xs[j, 4])))
+                if cuda.threadIdx.x % WARP == 0 and slot < n_warps:
+                    part[((slot * TOKEN_ROWS_PER_BLOCK) + i0 + i) * tokens + j] += v
+
+    @cuda.jit(device=True, inline=True)
+    def body(w, x, tg, ep, n_warps, n_pass, rows_per_block, block, part):
+        """Block `block` of the products of x's rows tg * tokens.. (those that exist) to their rows of ep; n_warps,
+        n_pass: the one-token kernel's layout of the columns."""
+        xv = cuda.local.array(32, np.float32)
+        xq = cuda.local.array(16 * tokens, np.uint32)
+        xs = cuda.local.array((tokens, 5), np.float32)  # per token (u, x sums, q6 offset sums), see _make_run_body
+        buf_a = cuda.local.array((group, words), np.uint32)
+        buf_b = cuda.local.array((group, words), np.uint32)
+        for i in range(cuda.threadIdx.x, TOKEN_PARTIALS * tokens, cuda.blockDim.x):
+            part[i] = np.float32(0)
+        cuda.syncthreads()
+        first_row = block * rows_per_block
+        warps = cuda.blockDim.x // WARP
+        for r in range(blocks(n_warps, warps)):  # the same count in every warp: barriers stay block-wide
+            slot = r * warps + cuda.threadIdx.x // WARP  # this warp's logical warp (past n_warps: idle)
+            for p in range(n_pass):
+                run = (p * n_warps + slot) * WARP + cuda.threadIdx.x % WARP if slot < n_warps else 1 << 40
+                load_group(w, first_row, run, buf_a)  # in flight while x is read
+                if r == 0 and p == 0:
+                    await_grid()
+                for j in range(tokens):
+                    t = tg * tokens + j
+                    _load_x16(x, min(t, x.shape[0] - 1), 32 * run, xv, 0)
+                    _load_x16(x, min(t, x.shape[0] - 1), 32 * run + 16, xv, 16)
+                    xs[j, 1] = _sum16(xv, 0)
+                    xs[j, 2] = _sum16(xv, 16)
+                    xs[j, 0] = _quantize_x(xv, xq, 16 * j)
+                    xs[j, 3] = _offset_sum(xq, 16 * j, 0)
+                    xs[j, 4] = _offset_sum(xq, 16 * j, 1)
+                for i0 in range(0, rows_per_block, 2 * group):
+                    load_group(w, first_row + i0 + group, run, buf_b)
+                    add_group(w, part, slot, n_warps, i0, buf_a, xq, xs)
+                    if i0 + 2 * group < rows_per_block:
+                        load_group(w, first_row + i0 + 2 * group, run, buf_a)
+                    add_group(w, part, slot, n_warps, i0 + group, buf_b, xq, xs)
+        cuda.syncthreads()
+        _store_token_rows(part, tokens, tg, x.shape[0], first_row, rows_per_block, w.codes.shape[0], n_warps, ep)
+
+    return body
+
+
+@cuda.jit(device=True, inline=True)
+def _token_row_sum(part, tokens, i, j, n_warps):
+    """Row i of token j of the block: its logical warps' partials added in order (as `_row_sum`)."""
+    acc = np.float32(0)
+    for w in range(n_warps):
+        acc += part[(w * TOKEN_ROWS_PER_BLOCK + i) * tokens + j]
+    return acc
+
+
+@cuda.jit(device=True, inline=True)
+def _store_token_rows(part, tokens, tg, n, first_row, rows_per_block, rows, n_warps, ep):
+    """The block's rows of its tokens to ep (as `_store_rows`): thread k takes row k // tokens of token k % tokens."""
+    per_token = rows_per_block // 2 if ep.gate else rows_per_block
+    for k in range(cuda.threadIdx.x, per_token * tokens, cuda.blockDim.x):
+        i, j = k // tokens, k % tokens
+        t = tg * tokens + j
+        if t < n:
+            if ep.gate:
+                g = (i // GATE_ROWS) * 2 * GATE_ROWS + i % GATE_ROWS
+                if first_row + g < rows:
+                    put_gated(ep, t, first_row + g, _token_row_sum(part, tokens, g, j, n_warps),
+                              _token_row_sum(part, tokens, g + GATE_ROWS, j, n_warps))
+            elif first_row + i < rows:
+                put(ep, t, first_row + i, _token_row_sum(part, tokens, i, j, n_warps))
+
+
+@functools.cache
+def _tokens_kernel(kind: str, tokens: int):
+    """The product of one matrix and `tokens` tokens per grid row: block (b, g) does rows b * rows_per_block.. of
+    x's rows g * tokens.."""
+    body = _make_tokens_body(kind, *_RUN_KINDS[kind], tokens)
+
+    def kernel(w, x, ep, n_warps, n_pass, rows_per_block):
+        part = cuda.shared.array(TOKEN_PARTIALS * tokens, np.float32)
+        body(w, x, cuda.blockIdx.y, ep, n_warps, n_pass, rows_per_block, cuda.blockIdx.x, part)
+
+    kernel.__name__ = kernel.__qualname__ = f"_matvec_{kind}_tokens{tokens}"
+    return jit_bounded(kernel, TOKEN_WARPS * WARP, TOKEN_BLOCKS_PER_SM)
 
 
 # ---- q8 -------------------------------------------------------------------------------------------------
@@ -517,7 +681,7 @@ def _make_q8_body(dest: str):
             _normalize(xv, 16 * c0, 16 * (c0 + WARP), xnorm, sums)
             xsum0 = _sum16(xv, 0)
             xsum1 = _sum16(xv, 16)
-            u = _quantize_x(xv, xq)
+            u = _quantize_x(xv, xq, 0)
             for i0 in range(0, rows_per_block, 4):
                 _q8_load(w, first_row + i0 + 2, c0, code_b, sw_b)
                 _q8_rows(w, part, i0, code_a, sw_a, xq, u, xsum0, xsum1)
@@ -548,6 +712,7 @@ def _matvec_f32(w, x, ep):
 
 
 _RUN_KINDS = {"q4": (_q4_load, _q4_row, 6), "q6": (_q6_load, _q6_row, 9)}
+TOKEN_KINDS = tuple(_RUN_KINDS)  # the kinds with several-token kernels (`_launch_tokens`)
 _BODIES = {**{(kind, dest): _make_run_body(kind, *parts, dest) for kind, parts in _RUN_KINDS.items() for dest in DESTS},
            **{("q8", dest): _make_q8_body(dest) for dest in DESTS}}
 
