@@ -4,7 +4,8 @@ Compatibility shims live here and nowhere else:
 - numba-cuda 0.30 still calls `np.row_stack`, which numpy 2.4 removed: alias it before the import.
 - numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, used by CI) has no warp shuffles. Kernels reduce across
   a warp through `warp_sum` / `warp_max`; on the GPU these are shuffle butterflies, in the simulator they
-  exchange values through a block-wide scratch array between two barriers. So in the simulator a warp
+  exchange values through a block-wide scratch array between two barriers (`warp_sum` then adds them in the
+  butterfly's order and type, as the GPU does). So in the simulator a warp
   reduction is a block barrier: kernels call them in block-uniform control flow (every thread of the
   block, the same number of times), which they do anyway to stay free of divergence. The same holds for
   `warp_broadcast` (lane `src`'s value to every lane).
@@ -132,10 +133,27 @@ if SIMULATOR:
         cuda.syncthreads()
         return type(v)(acc)
 
+    def _butterfly_sum(v):
+        """The warp's sum of v as the GPU's `warp_sum` adds it (v += lane ^ offset's v, offsets 16 down to 1, in v's
+        type): kernels may rely on sums equal bit for bit to that butterfly's (matvec's several-token kernels)."""
+        scratch = cuda.shared.array(_SCRATCH, np.float64)
+        t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        cuda.syncthreads()
+        scratch[t] = v
+        cuda.syncthreads()
+        first = t - t % WARP
+        lanes = np.zeros(WARP, np.asarray(v).dtype)  # lanes past the block's threads add nothing
+        last = min(first + WARP, cuda.blockDim.x * cuda.blockDim.y * cuda.blockDim.z)
+        lanes[: last - first] = scratch[first:last]
+        cuda.syncthreads()
+        for offset in (16, 8, 4, 2, 1):
+            lanes = lanes + lanes[np.arange(WARP) ^ offset]
+        return type(v)(lanes[t - first])
+
     # device functions, so that the simulator swaps its per-launch `cuda` (threadIdx, shared) in here too
     @cuda.jit(device=True)
     def warp_sum(v):
-        return _warp_reduce(v, lambda a, b: a + b)
+        return _butterfly_sum(v)
 
     @cuda.jit(device=True)
     def warp_max(v):

@@ -53,6 +53,7 @@ from lucekv.kernels.cuda._numba import (
     jit_bounded,
     load_f32x4,
     load_u32x4,
+    warp_shfl_xor,
     warp_sum,
 )
 from lucekv.kernels.cuda.packed import (
@@ -517,55 +518,115 @@ TOKEN_ROWS_PER_BLOCK = 32
 TOKEN_PARTIALS = MAX_WARPS * TOKEN_ROWS_PER_BLOCK  # per token: one float per (logical warp, row) of a block
 
 
+def _unrolled(step, times: int):
+    """A device function f(args, j0) that runs step(args, j0 + j) for j in range(times) as straight code: the
+    compiler may keep a loop over a big body (a row's products for 8 tokens) rolled, and then the registers it
+    indexes by j (x of each token) would be local memory."""
+    if times == 1:
+        return step
+    half = _unrolled(step, times // 2)
+    rest = _unrolled(step, times - times // 2)
+
+    @cuda.jit(device=True, inline=True)
+    def run(args, j0):
+        half(args, j0)
+        rest(args, j0 + times // 2)
+
+    return run
+
+
 def _make_tokens_body(kind: str, load, row, words: int, tokens: int):
     """A block's work for `kind` and `tokens` tokens from x's row tg * tokens on, storing rows (see _make_run_body)."""
     group = GROUP[kind]
     load_group = _group_loader(kind, load, words)
+    x_words = 16 * tokens  # (array sizes must be constants of their own)
+    halvings = tokens.bit_length() - 1
 
     @cuda.jit(device=True, inline=True)
-    def add_group(w, part, slot, n_warps, i0, buf, xq, xs):
-        for i in range(group):
-            for j in range(tokens):
-                v = warp_sum(row(w, buf, i, xq, 16 * j, (xs[j, 0], xs[j, 1], xs[j, 2], xs[j, 3], xs[j, 4])))
-                if cuda.threadIdx.x % WARP == 0 and slot < n_warps:
-                    part[((slot * TOKEN_ROWS_PER_BLOCK) + i0 + i) * tokens + j] += v
+    def add_row(part, slot, n_warps, i, v):
+        """Warp-sum v, this lane's partials of row i for each token, into the warp's slot of `part`: the lanes
+        whose bit 16 is clear keep the first half of the tokens and add their partner's (16 lanes away), the others
+        the second half, and so on down to one token a lane, then a butterfly. Each lane adds exactly what
+        `warp_sum`'s butterfly adds there for its token (the same sum, bit for bit), in 2^k - 1 + 5 - k
+        shuffles for 2^k tokens instead of 5 * 2^k."""
+        lane = cuda.threadIdx.x % WARP
+        j = 0  # the token this lane keeps
+        for h in range(halvings):
+            offset = 16 >> h
+            half = tokens >> (h + 1)
+            upper = (lane & offset) != 0
+            for k in range(tokens // 2):
+                if k < half:  # both halves shuffled: a select of loads would put v in local memory
+                    low = warp_shfl_xor(v[k], offset)
+                    high = warp_shfl_xor(v[k + half], offset)
+                    v[k] = v[k + half] + high if upper else v[k] + low
+            if upper:
+                j += half
+        total = v[0]
+        for h in range(halvings, 5):
+            total += warp_shfl_xor(total, 16 >> h)
+        if lane % (WARP >> halvings) == 0 and slot < n_warps:
+            part[((slot * TOKEN_ROWS_PER_BLOCK) + i) * tokens + j] += total
+
+    @cuda.jit(device=True, inline=True)
+    def token_partial(args, j):
+        w, buf, i, xq, xs, v = args
+        v[j] = row(w, buf, i, xq, 16 * j, (xs[j, 0], xs[j, 1], xs[j, 2], xs[j, 3], xs[j, 4]))
+
+    token_partials = _unrolled(token_partial, tokens)
+
+    @cuda.jit(device=True, inline=True)
+    def group_row(args, i):
+        w, part, slot, n_warps, i0, buf, xq, xs, v = args
+        token_partials((w, buf, i, xq, xs, v), 0)
+        add_row(part, slot, n_warps, i0 + i, v)
+
+    add_group = _unrolled(group_row, group)  # add_group((w, part, slot, n_warps, i0, buf, xq, xs, v), 0)
+
+    @cuda.jit(device=True, inline=True)
+    def quantize_token(args, j):
+        """Token t0 + j's x over the lane's run (a real row's past x's end, never stored) into xq and xs."""
+        x, t0, run, xv, xq, xs = args
+        t = min(t0 + j, x.shape[0] - 1)
+        _load_x16(x, t, 32 * run, xv, 0)
+        _load_x16(x, t, 32 * run + 16, xv, 16)
+        xs[j, 1] = _sum16(xv, 0)
+        xs[j, 2] = _sum16(xv, 16)
+        xs[j, 0] = _quantize_x(xv, xq, 16 * j)
+        xs[j, 3] = _offset_sum(xq, 16 * j, 0)
+        xs[j, 4] = _offset_sum(xq, 16 * j, 1)
+
+    quantize_tokens = _unrolled(quantize_token, tokens)
 
     @cuda.jit(device=True, inline=True)
     def body(w, x, tg, ep, n_warps, n_pass, rows_per_block, block, part):
         """Block `block` of the products of x's rows tg * tokens.. (those that exist) to their rows of ep; n_warps,
         n_pass: the one-token kernel's layout of the columns."""
         xv = cuda.local.array(32, np.float32)
-        xq = cuda.local.array(16 * tokens, np.uint32)
+        xq = cuda.local.array(x_words, np.uint32)
         xs = cuda.local.array((tokens, 5), np.float32)  # per token (u, x sums, q6 offset sums), see _make_run_body
         buf_a = cuda.local.array((group, words), np.uint32)
         buf_b = cuda.local.array((group, words), np.uint32)
+        v = cuda.local.array(tokens, np.float32)  # a row's partials
         for i in range(cuda.threadIdx.x, TOKEN_PARTIALS * tokens, cuda.blockDim.x):
             part[i] = np.float32(0)
         cuda.syncthreads()
         first_row = block * rows_per_block
         warps = cuda.blockDim.x // WARP
-        for r in range(blocks(n_warps, warps)):  # the same count in every warp: barriers stay block-wide
+        for r in range((n_warps + warps - 1) // warps):  # the same count in every warp: barriers stay block-wide
             slot = r * warps + cuda.threadIdx.x // WARP  # this warp's logical warp (past n_warps: idle)
             for p in range(n_pass):
                 run = (p * n_warps + slot) * WARP + cuda.threadIdx.x % WARP if slot < n_warps else 1 << 40
                 load_group(w, first_row, run, buf_a)  # in flight while x is read
                 if r == 0 and p == 0:
                     await_grid()
-                for j in range(tokens):
-                    t = tg * tokens + j
-                    _load_x16(x, min(t, x.shape[0] - 1), 32 * run, xv, 0)
-                    _load_x16(x, min(t, x.shape[0] - 1), 32 * run + 16, xv, 16)
-                    xs[j, 1] = _sum16(xv, 0)
-                    xs[j, 2] = _sum16(xv, 16)
-                    xs[j, 0] = _quantize_x(xv, xq, 16 * j)
-                    xs[j, 3] = _offset_sum(xq, 16 * j, 0)
-                    xs[j, 4] = _offset_sum(xq, 16 * j, 1)
+                quantize_tokens((x, tg * tokens, run, xv, xq, xs), 0)
                 for i0 in range(0, rows_per_block, 2 * group):
                     load_group(w, first_row + i0 + group, run, buf_b)
-                    add_group(w, part, slot, n_warps, i0, buf_a, xq, xs)
+                    add_group((w, part, slot, n_warps, i0, buf_a, xq, xs, v), 0)
                     if i0 + 2 * group < rows_per_block:
                         load_group(w, first_row + i0 + 2 * group, run, buf_a)
-                    add_group(w, part, slot, n_warps, i0 + group, buf_b, xq, xs)
+                    add_group((w, part, slot, n_warps, i0 + group, buf_b, xq, xs, v), 0)
         cuda.syncthreads()
         _store_token_rows(part, tokens, tg, x.shape[0], first_row, rows_per_block, w.codes.shape[0], n_warps, ep)
 
@@ -603,9 +664,10 @@ def _tokens_kernel(kind: str, tokens: int):
     """The product of one matrix and `tokens` tokens per grid row: block (b, g) does rows b * rows_per_block.. of
     x's rows g * tokens.."""
     body = _make_tokens_body(kind, *_RUN_KINDS[kind], tokens)
+    partials = TOKEN_PARTIALS * tokens
 
     def kernel(w, x, ep, n_warps, n_pass, rows_per_block):
-        part = cuda.shared.array(TOKEN_PARTIALS * tokens, np.float32)
+        part = cuda.shared.array(partials, np.float32)
         body(w, x, cuda.blockIdx.y, ep, n_warps, n_pass, rows_per_block, cuda.blockIdx.x, part)
 
     kernel.__name__ = kernel.__qualname__ = f"_matvec_{kind}_tokens{tokens}"
