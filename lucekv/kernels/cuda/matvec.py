@@ -547,7 +547,7 @@ def _make_tokens_body(kind: str, load, row, words: int, tokens: int):
         """Warp-sum v, this lane's partials of row i for each token, into the warp's slot of `part`: the lanes
         whose bit 16 is clear keep the first half of the tokens and add their partner's (16 lanes away), the others
         the second half, and so on down to one token a lane, then a butterfly. Each lane adds exactly what
-        `warp_sum`'s butterfly adds there for its token (the same sum, bit for bit), in 2^k - 1 + 5 - k
+        `warp_sum`'s butterfly adds there for its token (the same sum, bit for bit), in 2 (2^k - 1) + 5 - k
         shuffles for 2^k tokens instead of 5 * 2^k."""
         lane = cuda.threadIdx.x % WARP
         j = 0  # the token this lane keeps
