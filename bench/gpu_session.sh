@@ -23,6 +23,10 @@
 #   bash bench/gpu_session.sh steps [smollm2|qwen05|8b]  lucekv bench steps in process: TTFT at 16..500 tokens,
 #                                      the decode step at 1..32 concurrent requests and the host time inside it,
 #                                      --gil-probe; peak GPU memory (~1-2 min; smollm2/qwen05 need their pieces)
+#   bash bench/gpu_session.sh mvrows   products of several tokens (verify blocks, decode rows): the tests (gpu and
+#                                      tiny-shape) of the matvec, verify and batch paths, then matvec_speed
+#                                      --rows 1,2,4,8,17,32 at the 8B's and the 1.5B's layer shapes: several-token
+#                                      matvec vs per-token grid rows vs matmul, with errors (~6 min)
 #   bash bench/gpu_session.sh depth    decode tok/s at 4K..128K context, 8B shape, pool 4096 vs full cache vs
 #                                      llama-bench (~5 min); `depth build` first builds llama-bench (~4 min, a call
 #                                      of its own: /tmp survives while the machine stays warm)
@@ -113,6 +117,11 @@ spec)
   # where a full-width verify forward's time goes after 512 tokens (max_draft 16: 17 tokens, the graph of 20)
   python3 -m lucekv.bench.kernel_profile $T --pool 4096 --verify 17 \
     --json "$OUT/kernel-profile-verify17-$(basename $T .gguf).json" 2>&1 | grep -v -i warn | head -30
+  ;;
+mvrows)
+  python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/kernels/test_cuda_matvec.py \
+    tests/backends/test_cuda_verify.py tests/backends/test_cuda_batch.py 2>&1 | tail -5
+  python3 -m lucekv.bench.matvec_speed --rows 1,2,4,8,17,32 --json "$OUT/matvec-rows.json" 2>&1 | grep -v -i warning
   ;;
 profile)
   python3 -m lucekv.bench.matvec_speed --json "$OUT/matvec-speed.json" 2>&1 | grep -v -i warning

@@ -122,6 +122,31 @@ def test_matvec_model_shapes_gpu(qtype, rows, cols):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize(("qtype", "rows", "cols"), [
+    (Q.Q4_K, 17920, 1536),  # Qwen2.5-1.5B gate / up: 2 logical warps
+    (Q.Q6_K, 1536, 8960),  # its down projection: 9 logical warps on 3 of a block
+    (Q.Q4_K, 4096, 12288),  # an 8B down width, 12 logical warps
+], ids=lambda v: getattr(v, "name", str(v)))
+def test_matvec_of_several_tokens_at_model_shapes_gpu(qtype, rows, cols):
+    """Verify blocks and decode rows: each token of 2, 17 and 32 equal bit for bit to the per-token path (the
+    one-token kernel's grid rows), and within 1e-3 of float64."""
+    from lucekv.kernels.cuda.matvec import matvec, matvec_per_token
+    from lucekv.kernels.cuda.packed import upload
+
+    m = random_packed(np.random.default_rng(3), qtype, rows, cols)
+    w, w64 = upload(m), dense(m)
+    for n in (2, 17, 32):
+        x = np.random.default_rng(n).standard_normal((n, cols)).astype(np.float32)
+        outs = [cuda.device_array((n, rows), np.float32) for _ in range(2)]
+        matvec(w, cuda.to_device(x), outs[0])
+        matvec_per_token(w, cuda.to_device(x), outs[1])
+        got, per_token = (o.copy_to_host() for o in outs)
+        np.testing.assert_array_equal(got, per_token, err_msg=f"{n} tokens")
+        assert rel_err(got, x.astype(np.float64) @ w64.T) <= 1e-3
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_a_product_in_a_replayed_graph_reads_what_the_kernel_before_it_wrote():
     """RMSNorm then a product of its output x, captured as a graph: on sm_90+ the edge between them is
     programmatic, so the product's blocks start (and load their first weights) while the norm still runs. Each
