@@ -181,7 +181,7 @@ MAX_VERIFY = 65  # widths of verify forwards that replay a captured graph (specu
 VERIFY_STEP = 4  # verify blocks are padded to a multiple of this: graphs of widths 4, 8, .., 68 replay them
 # products of n > 1 tokens whose weight reads x rows are up to this run as matvec rows (CudaOps.as_matvec_rows):
 # estimated from the kernels' shapes (a matmul step ~0.5 us, matvec rows at ~2 TB/s, ~0.6 bytes a weight: they break
-# even near 50K). q4 / q6 matrices are read once per MAX_TOKENS tokens (matvec.takes_tokens), others once per token:
+# even near 50K). Quantized matrices are read once per MAX_TOKENS tokens (matvec.takes_tokens), f32 once per token:
 # qwen2.5-1.5b's layer products to 64 tokens but gate/up (17920 rows) to 8; an 8B's q/o/down to 64, gate/up to 16
 MATVEC_TOKEN_ROWS = 32768
 # a grid with this many warps per SM or more fills the GPU (an 8B model's products and attention hold 9.7 to 15.5,
@@ -552,11 +552,11 @@ class CudaOps:
                 matmul(w, x, ep, stream=self.stream)
 
     def as_matvec_rows(self, w: DeviceMatrix, n: int) -> bool:
-        """Whether a product of n > 1 tokens runs as matvec rows (n x its rows within `matvec_token_rows`). A
+        """Whether a product of n > 1 tokens runs as matvec rows (weight reads x rows within `matvec_token_rows`). A
         tensor-core matmul block computes 128 rows x 64 tokens walking every column, so a product of few tokens and
         few rows is a fraction of a wave of blocks whose time is that walk's, whatever n (qwen2.5-0.5b's down
         projection: 7 blocks of 152 steps, for 2 tokens as for 64); the matvec spreads one token's rows over
-        a wave of small blocks and reads the weights once per MAX_TOKENS tokens of a q4 / q6 matrix, once per token
+        a wave of small blocks and reads the weights once per MAX_TOKENS tokens of a quantized matrix, once per token
         of another (a grid row per token, the weights of the rows after the first from L2), so its time grows with
         those reads x rows. An output head (150K rows) stays a matmul: it reads its weights once."""
         reads = -(-n // MAX_TOKENS) if w.kind in TOKEN_KINDS else n

@@ -171,7 +171,7 @@ def bench_shape(s: Shape, rng: np.random.Generator, replays: int, l2_bytes: int,
 
 def bench_rows(s: Shape, rng: np.random.Generator, rows: list[int], replays: int, l2_bytes: int, stream) -> list:
     """Products of n tokens (decode rows, verify blocks) through the shape: µs per product of the matvec
-    (`matvec`: q4 / q6 weights read once per MAX_TOKENS tokens), of the one-token kernel with a grid row per token
+    (`matvec`: weights read once per MAX_TOKENS tokens), of the one-token kernel with a grid row per token
     (`per_token`, the path before: each reads the weights, all but the first from L2) and of the tensor-core matmul
     (each weight read once per 64 rows). The matvec's error against float64 and whether it equals the per-token
     path bit for bit (it should)."""

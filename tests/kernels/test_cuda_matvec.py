@@ -45,6 +45,7 @@ def check_each_alone(product, x: np.ndarray, outs: list[int]) -> np.ndarray:
     (Q.Q6_K, 18, 1280, 3),  # two logical warps (the second's lanes partly idle), 5 row blocks, the last cut short
     (Q.Q5_0, 5, 512, 9),  # q6's device form without sub-scales; 2 grid rows of 8 tokens, the second mostly empty
     (Q.Q4_0, 3, 5120, 2),  # 5 logical warps on 3 of a block (one idle in the second round)
+    (Q.Q8_0, 5, 1280, 3),  # q8 lanes' chunks c and c + 32: the second warp's second chunks past the row's end
 ], ids=lambda v: getattr(v, "name", str(v)))
 def test_matvec_of_several_tokens_reads_each_weight_once_and_equals_each_tokens_own_product(qtype, rows, cols, n):
     """The several-token kernels (`_launch_tokens`): within 1e-3 of float64, and bit for bit each token's own

@@ -24,9 +24,9 @@ Decode reads every weight byte once per token, so these kernels stream HBM with 
   shared memory: no atomics, one plain store per output.
 Bias costs no pass of its own: a column block contributes `scale * dot + bias * sum(x)`, sum(x) taken from
 the unquantized x, and no bytes when the matrix has none (DeviceMatrix.has_bias).
-Several tokens (a short batch: a verify block, decode rows) of a q4 or q6 matrix: each weight word loaded once for
+Several tokens (a short batch: a verify block, decode rows) of a quantized matrix: each weight word loaded once for
 up to MAX_TOKENS tokens, whose int8 x a lane keeps in registers (`_make_tokens_body`, same sums as one token's, bit
-for bit); other kinds and fused norms: grid rows of the one-token kernel, one per token.
+for bit); f32 matrices, fused norms and attention inputs: grid rows of the one-token kernel, one per token.
 Fusions that save a launch and a pass over the activations each: the RMSNorm of x (`norm`), taken by every
 block from the 32 columns each lane loads anyway (one block-wide sum), and what the output rows receive
 (an `Epilogue`: split into separate arrays, plus a bias and a residual; or `AttentionInputs`: q and k rotated,
@@ -95,7 +95,7 @@ def matvec(w: DeviceMatrix, x, out, stream=0, norm: tuple | None = None) -> None
 
 def takes_tokens(w: DeviceMatrix, out, n: int, norm: tuple | None = None) -> bool:
     """Whether `matvec` runs a product of n tokens with the several-token kernels (one weight read per MAX_TOKENS
-    tokens): n > 1 of a q4 or q6 matrix, into rows (not AttentionInputs), x normalized by the caller."""
+    tokens): n > 1 of a quantized matrix, into rows (not AttentionInputs), x normalized by the caller."""
     return n > 1 and norm is None and w.kind in TOKEN_KINDS and not isinstance(out, AttentionInputs)
 
 
@@ -428,6 +428,12 @@ def _offset_sum(xq, o, h):
     return Q6_OFFSET * (hi * 256 + lo)
 
 
+@cuda.jit(device=True, inline=True)
+def _run_columns(run):
+    """The x columns of a q4 / q6 lane's run: 32 from 32 run on."""
+    return 32 * run, 32 * run + 16
+
+
 def _bounded(kernel):
     """Registers capped at 128 per thread: RESIDENT_WARPS_PER_SM warps fit an SM whatever the block size."""
     return jit_bounded(kernel, MAX_WARPS * WARP, RESIDENT_WARPS_PER_SM // MAX_WARPS)
@@ -535,8 +541,9 @@ def _unrolled(step, times: int):
     return run
 
 
-def _make_tokens_body(kind: str, load, row, words: int, tokens: int):
-    """A block's work for `kind` and `tokens` tokens from x's row tg * tokens on, storing rows (see _make_run_body)."""
+def _make_tokens_body(kind: str, load, row, words: int, columns, tokens: int):
+    """A block's work for `kind` and `tokens` tokens from x's row tg * tokens on, storing rows (see _make_run_body;
+    columns(run): the x columns of a lane's run, 16 from each)."""
     group = GROUP[kind]
     load_group = _group_loader(kind, load, words)
     x_words = 16 * tokens  # (array sizes must be constants of their own)
@@ -588,8 +595,9 @@ def _make_tokens_body(kind: str, load, row, words: int, tokens: int):
         """Token t0 + j's x over the lane's run (a real row's past x's end, never stored) into xq and xs."""
         x, t0, run, xv, xq, xs = args
         t = min(t0 + j, x.shape[0] - 1)
-        _load_x16(x, t, 32 * run, xv, 0)
-        _load_x16(x, t, 32 * run + 16, xv, 16)
+        ca, cb = columns(run)
+        _load_x16(x, t, ca, xv, 0)
+        _load_x16(x, t, cb, xv, 16)
         xs[j, 1] = _sum16(xv, 0)
         xs[j, 2] = _sum16(xv, 16)
         xs[j, 0] = _quantize_x(xv, xq, 16 * j)
@@ -663,7 +671,7 @@ def _store_token_rows(part, tokens, tg, n, first_row, rows_per_block, rows, n_wa
 def _tokens_kernel(kind: str, tokens: int):
     """The product of one matrix and `tokens` tokens per grid row: block (b, g) does rows b * rows_per_block.. of
     x's rows g * tokens.."""
-    body = _make_tokens_body(kind, *_RUN_KINDS[kind], tokens)
+    body = _make_tokens_body(kind, *_TOKEN_PARTS[kind], tokens)
     partials = TOKEN_PARTIALS * tokens
 
     def kernel(w, x, ep, n_warps, n_pass, rows_per_block):
@@ -678,14 +686,26 @@ def _tokens_kernel(kind: str, tokens: int):
 
 
 @cuda.jit(device=True, inline=True)
-def _q8_dot(code, i, h, xq):
-    """sum(code * x) / u for chunk h (0 or 1: 16 columns in 4 words of signed bytes) of in-flight row i."""
+def _q8_dot(code, i, h, xq, o):
+    """sum(code * x) / u for chunk h (0 or 1: 16 columns in 4 words of signed bytes) of in-flight row i (x's words
+    from xq[o] on)."""
     hi = np.int32(0)
     lo = np.int32(0)
     for k in range(4):
-        hi = dot4_s8s8(code[i, 4 * h + k], xq[4 * h + k], hi)
-        lo = dot4_s8s8(code[i, 4 * h + k], xq[8 + 4 * h + k], lo)
+        hi = dot4_s8s8(code[i, 4 * h + k], xq[o + 4 * h + k], hi)
+        lo = dot4_s8s8(code[i, 4 * h + k], xq[o + 8 + 4 * h + k], lo)
     return np.float32(np.int32(hi * 256 + lo))
+
+
+@cuda.jit(device=True, inline=True)
+def _q8_partial(w, code, sw, i, s_at, xq, o, u, xsum0, xsum1):
+    """Row i's partial: its codes code[i, 0:8], the scale and sub words of its chunks sw[i, s_at:s_at + 4]."""
+    s0, t0 = scale_bias(w, sw[i, s_at], sw[i, s_at + 1])
+    s1, t1 = scale_bias(w, sw[i, s_at + 2], sw[i, s_at + 3])
+    acc = s0 * (u * _q8_dot(code, i, 0, xq, o)) + s1 * (u * _q8_dot(code, i, 1, xq, o))
+    if w.has_bias:
+        acc += t0 * xsum0 + t1 * xsum1
+    return acc
 
 
 @cuda.jit(device=True, inline=True)
@@ -708,12 +728,36 @@ def _q8_load(w, first, c0, code, sw):
 @cuda.jit(device=True, inline=True)
 def _q8_rows(w, part, i0, code, sw, xq, u, xsum0, xsum1):
     for i in range(2):
-        s0, t0 = scale_bias(w, sw[i, 0], sw[i, 1])
-        s1, t1 = scale_bias(w, sw[i, 2], sw[i, 3])
-        acc = s0 * (u * _q8_dot(code, i, 0, xq)) + s1 * (u * _q8_dot(code, i, 1, xq))
-        if w.has_bias:
-            acc += t0 * xsum0 + t1 * xsum1
-        _add_row(part, i0 + i, acc)
+        _add_row(part, i0 + i, _q8_partial(w, code, sw, i, 0, xq, 0, u, xsum0, xsum1))
+
+
+@cuda.jit(device=True, inline=True)
+def _q8_run_load(w, r, run, buf, i):
+    """`load` of the several-token kernels (see _make_run_body): row r's chunks of the lane's `run` (as the q8 body's
+    lanes own them: chunks c0 and c0 + 32, `_chunk_columns`), codes to buf[i, 0:8], scale and sub words after."""
+    c0 = run + (run // WARP) * WARP
+    for h in range(2):
+        c = c0 + h * WARP
+        if c < w.codes.shape[1] >> 2:
+            buf[i, 4 * h], buf[i, 4 * h + 1], buf[i, 4 * h + 2], buf[i, 4 * h + 3] = load_u32x4(w.codes, r, 4 * c)
+            buf[i, 8 + 2 * h], buf[i, 9 + 2 * h] = block_words(w, r, (16 * c) >> w.block_log2)
+        else:
+            buf[i, 8 + 2 * h], buf[i, 9 + 2 * h] = np.uint32(0), np.uint32(0)
+            for k in range(4):
+                buf[i, 4 * h + k] = np.uint32(0)
+
+
+@cuda.jit(device=True, inline=True)
+def _q8_run_row(w, buf, i, xq, o, xs):
+    u, xsum0, xsum1, _, _ = xs
+    return _q8_partial(w, buf, buf, i, 8, xq, o, u, xsum0, xsum1)
+
+
+@cuda.jit(device=True, inline=True)
+def _chunk_columns(run):
+    """The x columns of a q8 lane's run: 16-column chunks c0 and c0 + 32 of its segment (see _make_q8_body)."""
+    c0 = run + (run // WARP) * WARP
+    return 16 * c0, 16 * (c0 + WARP)
 
 
 def _make_q8_body(dest: str):
@@ -774,7 +818,10 @@ def _matvec_f32(w, x, ep):
 
 
 _RUN_KINDS = {"q4": (_q4_load, _q4_row, 6), "q6": (_q6_load, _q6_row, 9)}
-TOKEN_KINDS = tuple(_RUN_KINDS)  # the kinds with several-token kernels (`_launch_tokens`)
+# the several-token kernels' (load, row, words, columns) by kind (`_launch_tokens`)
+_TOKEN_PARTS = {**{kind: (*parts, _run_columns) for kind, parts in _RUN_KINDS.items()},
+                "q8": (_q8_run_load, _q8_run_row, 12, _chunk_columns)}
+TOKEN_KINDS = tuple(_TOKEN_PARTS)
 _BODIES = {**{(kind, dest): _make_run_body(kind, *parts, dest) for kind, parts in _RUN_KINDS.items() for dest in DESTS},
            **{("q8", dest): _make_q8_body(dest) for dest in DESTS}}
 
