@@ -39,7 +39,8 @@ Compatibility shims live here and nowhere else:
   the overlap can never see stale data: only the decode products read before it, their first rows of weights
   (constant), so that those loads run during the kernel before. Every read of an activation is an ordinary
   (coherent) load, which the compilers keep after the wait. Before sm_90 it compiles to nothing.
-- `jit_bounded`: cuda.jit with launch bounds, which the simulator does not accept.
+- `jit_bounded`: cuda.jit with launch bounds, and `jit_inlined`: a device function inlined by NVVM, options the
+  simulator does not accept.
 """
 
 from __future__ import annotations
@@ -483,6 +484,13 @@ def jit_bounded(kernel, threads: int, blocks_per_sm: int):
     """cuda.jit with launch bounds: at most `threads` per block, registers left for `blocks_per_sm` resident
     blocks. The simulator takes no launch bounds (and has no registers to bound)."""
     return cuda.jit(kernel) if SIMULATOR else cuda.jit(kernel, launch_bounds=(threads, blocks_per_sm))
+
+
+def jit_inlined(fn):
+    """A device function that the GPU compiler inlines (NVVM's alwaysinline): numba types it once per signature,
+    where its own inlining (`inline=True`) types a callee again at every call site, which for the several-token
+    matvec's unrolled calls took minutes. The simulator takes no such option."""
+    return cuda.jit(fn, device=True) if SIMULATOR else cuda.jit(fn, device=True, forceinline=True)
 
 
 def blocks(n: int, per_block: int) -> int:

@@ -51,6 +51,7 @@ from lucekv.kernels.cuda._numba import (
     dot4_s8s8,
     dot4_u8s8,
     jit_bounded,
+    jit_inlined,
     load_f32x4,
     load_u32x4,
     warp_shfl_xor,
@@ -524,16 +525,17 @@ TOKEN_ROWS_PER_BLOCK = 32
 TOKEN_PARTIALS = MAX_WARPS * TOKEN_ROWS_PER_BLOCK  # per token: one float per (logical warp, row) of a block
 
 
+@functools.cache
 def _unrolled(step, times: int):
     """A device function f(args, j0) that runs step(args, j0 + j) for j in range(times) as straight code: the
     compiler may keep a loop over a big body (a row's products for 8 tokens) rolled, and then the registers it
-    indexes by j (x of each token) would be local memory."""
+    indexes by j (x of each token) would be local memory. (step: a `jit_inlined` function, as f.)"""
     if times == 1:
         return step
     half = _unrolled(step, times // 2)
     rest = _unrolled(step, times - times // 2)
 
-    @cuda.jit(device=True, inline=True)
+    @jit_inlined
     def run(args, j0):
         half(args, j0)
         rest(args, j0 + times // 2)
@@ -575,14 +577,14 @@ def _make_tokens_body(kind: str, load, row, words: int, columns, tokens: int):
         if lane % (WARP >> halvings) == 0 and slot < n_warps:
             part[((slot * TOKEN_ROWS_PER_BLOCK) + i) * tokens + j] += total
 
-    @cuda.jit(device=True, inline=True)
+    @jit_inlined
     def token_partial(args, j):
         w, buf, i, xq, xs, v = args
         v[j] = row(w, buf, i, xq, 16 * j, (xs[j, 0], xs[j, 1], xs[j, 2], xs[j, 3], xs[j, 4]))
 
     token_partials = _unrolled(token_partial, tokens)
 
-    @cuda.jit(device=True, inline=True)
+    @jit_inlined
     def group_row(args, i):
         w, part, slot, n_warps, i0, buf, xq, xs, v = args
         token_partials((w, buf, i, xq, xs, v), 0)
@@ -590,7 +592,7 @@ def _make_tokens_body(kind: str, load, row, words: int, columns, tokens: int):
 
     add_group = _unrolled(group_row, group)  # add_group((w, part, slot, n_warps, i0, buf, xq, xs, v), 0)
 
-    @cuda.jit(device=True, inline=True)
+    @jit_inlined
     def quantize_token(args, j):
         """Token t0 + j's x over the lane's run (a real row's past x's end, never stored) into xq and xs."""
         x, t0, run, xv, xq, xs = args
