@@ -7,16 +7,28 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
+from numba import njit
 
 from lucekv.errors import UnsupportedModelError
+from lucekv.kernels.cpu.intdot import (
+    dot_q4,
+    dot_q4_generic,
+    dot_q8,
+    dot_q8_16,
+    dot_q8_16_generic,
+    dot_q8_generic,
+    quantize_x16,
+)
 from lucekv.kernels.cpu.matvec import (
+    INT_Q4,
+    INT_Q8,
+    INT_Q8_16,
     MATMUL_TILE_ROWS,
     _block_sums,
-    _q8_rows_x16,
+    _int_rows,
     matmul,
     matvec,
     matvec_rows,
-    quantize_x16,
 )
 from lucekv.kernels.cpu.quants import SUPPORTED_QTYPES, dequantize, dequantize_rows, pack, pack_tensor
 from lucekv.model.gguf import TensorInfo, open_gguf
@@ -109,7 +121,7 @@ def test_packed_form_expands_to_gguf_values(qtype):
     m = pack(raw, qtype, (rows, cols))
     kind, block = EXPECTED_FORM[qtype]
     assert (m.kind, m.block, m.rows, m.cols) == (kind, block, rows, cols)
-    code_shape, code_dtype = {"q4": ((rows, cols // 2), np.uint8), "q8": ((rows, cols), np.int8),
+    code_shape, code_dtype = {"q4": ((rows, cols // 2), np.uint8), "q8": ((rows, cols), np.int16),
                               "f32": ((rows, cols), np.float32)}[kind]
     assert m.codes.shape == code_shape and m.codes.dtype == code_dtype
     if kind != "f32":
@@ -175,22 +187,46 @@ def test_matvec_and_matmul_match_float64(qtype):
     assert all(np.array_equal(rows_out[t], matvec(m, xs[t])) for t in range(len(xs)))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K], ids=lambda q: q.name)
-def test_q8_rows_with_int16_x_match_float64(qtype):
-    """The decode step's product for 32-blocks of int8 codes: x rounded to int16 per block, integer products."""
+@njit(cache=True)
+def _row0_dots(codes, scale, xq, xd, n_chunks):
+    """Row 0's dot in each layout: as the step runs it (native where the CPU has AVX2), then intdot's generic IR (what
+    a machine without AVX2 runs)."""
+    c, s = codes.reshape(-1), scale.reshape(-1)
+    return ((dot_q4(c, 0, xq, 0, s, 0, xd, 0, n_chunks), dot_q8(c, 0, xq, 0, s, 0, xd, 0, n_chunks),
+             dot_q8_16(c, 0, xq, 0, s, 0, xd, 0, n_chunks)),
+            (dot_q4_generic(c, 0, xq, 0, s, 0, xd, 0, n_chunks), dot_q8_generic(c, 0, xq, 0, s, 0, xd, 0, n_chunks),
+             dot_q8_16_generic(c, 0, xq, 0, s, 0, xd, 0, n_chunks)))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_int_rows_match_float64(qtype):
+    """The decode step's products: x rounded to int16 per 32-block, integer products with the weights' codes. Against
+    float64 of the same rounded x within float32's bound, every row alone as in a batch, generic IR as native."""
     rng = np.random.default_rng(300 + int(qtype))
     rows, cols = 37, 512
     raw = random_raw(rng, qtype, rows, cols)
     m = pack(raw, qtype, (rows, cols))
     w = dequantize(raw, qtype, (rows, cols))
-    x = rng.normal(size=cols).astype(np.float32) * rng.choice([1e-3, 1.0, 30.0], size=cols).astype(np.float32)
-    x[:32] = 0  # a block of zeros: scale 0, codes 0
-    xq, xd = np.empty(cols, np.int16), np.empty(cols // 32, np.float32)
-    quantize_x16(x, xq, xd)
-    assert np.all(np.abs(xd.repeat(32) * xq - x) <= xd.repeat(32) / 2 * (1 + 1e-6))
-    out = np.empty((1, rows), np.float32)
-    _q8_rows_x16(m.codes, m.scale, m.bias, xq[None], xd[None], _block_sums(x[None], 32), out, 0, rows)
-    assert_close_to_float64(out, w, x[None, :])
+    xs = rng.normal(size=(2, cols)).astype(np.float32) * rng.choice([1e-3, 1.0, 30.0], size=cols).astype(np.float32)
+    xs[0, :32] = 0  # a block of zeros: scale 0, codes 0
+    xq, xd = np.empty((2, cols), np.int16), np.empty((2, cols // 32), np.float32)
+    for t in range(2):
+        quantize_x16(xs[t], xq[t], xd[t])
+    assert np.all(np.abs(xd.repeat(32, axis=1) * xq - xs) <= xd.repeat(32, axis=1) / 2 * (1 + 1e-6))
+    codes = m.codes.view(np.uint8)
+    layout = INT_Q4 if m.kind == "q4" else INT_Q8_16 if m.block == 16 else INT_Q8
+    out = np.empty((2, rows), np.float32)
+    _int_rows(layout, codes, m.scale, m.bias, xq, xd, _block_sums(xs, m.block), out, 0, rows)
+    # the codes' part meets the rounded x; the biases meet x's float block sums
+    bias = np.repeat(m.bias, m.block, axis=1).astype(np.float64)
+    xr = xd.repeat(32, axis=1).astype(np.float64) * xq
+    ref = xr @ (w - bias).T + xs.astype(np.float64) @ bias.T
+    assert np.all(np.abs(out - ref) <= 1e-4 * (np.abs(xr) @ np.abs(w.astype(np.float64)).T))
+    alone = np.empty((1, rows), np.float32)
+    _int_rows(layout, codes, m.scale, m.bias, xq[1:], xd[1:], _block_sums(xs[1:], m.block), alone, 0, rows)
+    assert np.array_equal(alone[0], out[1])
+    native, generic = _row0_dots(codes, m.scale, xq[1], xd[1], cols // 32)
+    assert native[layout] == generic[layout]
 
 
 def test_shape_errors_are_refused():

@@ -19,6 +19,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from lucekv.kernels.cpu.intdot import dot_q4, dot_q8, dot_q8_16
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows
 
 MATMUL_TILE_ROWS = 256  # rows dequantized per BLAS call: 256 x 4864 float32 is 5 MB, stays in L3
@@ -220,70 +221,32 @@ def _q8_rows(codes, scale, bias, xs, xsum, out, r0, r1):
     return touched
 
 
-@njit(cache=True, nogil=True)
-def quantize_x16(x, xq, xd):
-    """x (float32, whole 32-blocks) as int16 codes xq and one float32 scale per 32-block, xd = max|x| / 32767:
-    x ~ xd * xq within xd / 2 (a relative 1.5e-5 of the block's largest element)."""
-    for b in range(x.shape[0] // 32):
-        amax = np.float32(0)
-        for j in range(32):
-            amax = max(amax, abs(x[b * 32 + j]))
-        d = amax / np.float32(32767)
-        xd[b] = d
-        inv = np.float32(1) / d if d > 0 else np.float32(0)
-        for j in range(32):
-            xq[b * 32 + j] = np.int16(np.round(x[b * 32 + j] * inv))
+INT_Q4, INT_Q8, INT_Q8_16 = range(3)  # the weight layouts of _int_rows
 
 
 @njit(cache=True, nogil=True)
-def _q8_rows_x16(codes, scale, bias, xq, xd, xsum, out, r0, r1):
-    """_q8_rows for 32-blocks with each row of x as int16 (quantize_x16: xq [n, cols], xd [n, cols // 32]): lane j
-    of a block sums the integer products of elements j and j + 16, converted to float once per block (40% faster
-    than converting every code). Blocks go in pairs, one accumulator update for both (13% faster again); an odd
-    last block alone."""
-    acc = np.empty((ROW_GROUP, LANES), np.float32)
-    s0 = np.empty(ROW_GROUP, np.float32)  # two arrays: one 2-D array of both vectorizes 10% worse
-    s1 = np.empty(ROW_GROUP, np.float32)
-    flat = codes.reshape(-1)
+def _int_rows(layout, codes, scale, bias, xq, xd, xsum, out, r0, r1):
+    """Rows r0..r1 of out = X W^T for every row t of X given as int16 codes xq [n, cols] with one scale per 32-block
+    xd [n, cols // 32] (intdot.quantize_x16), plus each row's bias terms against xsum (X's float block sums over the
+    weight's blocks). codes: the rows' bytes (uint8 [rows, code_cols]) in one of the layouts INT_*: q4 nibbles or
+    int8 codes by 32-blocks, or int8 codes by 16-blocks. A row's number for X row t depends on t alone. Returns
+    the OR of its prefetch loads (_touch_lines)."""
+    n_chunks = xq.shape[1] // 32
+    code_cols, n_blocks = codes.shape[1], scale.shape[1]
+    flat, scales = codes.reshape(-1), scale.reshape(-1)
     touched = np.uint8(0)
-    n_blocks = scale.shape[1]
-    for g in range((r1 - r0 + ROW_GROUP - 1) // ROW_GROUP):
-        first = r0 + g * ROW_GROUP
-        ahead = (first + PREFETCH_GROUPS * ROW_GROUP) * codes.shape[1]
-        touched |= _touch_lines(flat, ahead, ahead + ROW_GROUP * codes.shape[1])
-        for t in range(xq.shape[0]):
-            acc[:] = 0
-            for pair in range(n_blocks // 2):
-                b = 2 * pair
-                for i in range(ROW_GROUP):
-                    s0[i] = scale[min(first + i, r1 - 1), b] * xd[t, b]
-                    s1[i] = scale[min(first + i, r1 - 1), b + 1] * xd[t, b + 1]
-                k0 = b * 2 * LANES
-                k1 = k0 + 2 * LANES
-                for j in range(LANES):
-                    x0 = np.int32(xq[t, k0 + j])
-                    x1 = np.int32(xq[t, k0 + LANES + j])
-                    y0 = np.int32(xq[t, k1 + j])
-                    y1 = np.int32(xq[t, k1 + LANES + j])
-                    for i in range(ROW_GROUP):
-                        r = min(first + i, r1 - 1)
-                        p = np.int32(np.int32(codes[r, k0 + j]) * x0 + np.int32(codes[r, k0 + LANES + j]) * x1)
-                        q = np.int32(np.int32(codes[r, k1 + j]) * y0 + np.int32(codes[r, k1 + LANES + j]) * y1)
-                        acc[i, j] += s0[i] * np.float32(p) + s1[i] * np.float32(q)
-            for b in range(n_blocks - n_blocks % 2, n_blocks):
-                for i in range(ROW_GROUP):
-                    s0[i] = scale[min(first + i, r1 - 1), b] * xd[t, b]
-                k0 = b * 2 * LANES
-                for j in range(LANES):
-                    x0 = np.int32(xq[t, k0 + j])
-                    x1 = np.int32(xq[t, k0 + LANES + j])
-                    for i in range(ROW_GROUP):
-                        r = min(first + i, r1 - 1)
-                        p = np.int32(np.int32(codes[r, k0 + j]) * x0 + np.int32(codes[r, k0 + LANES + j]) * x1)
-                        acc[i, j] += s0[i] * np.float32(p)
-            for i in range(ROW_GROUP):
-                r = min(first + i, r1 - 1)
-                out[t, r] = _lane_sum(acc[i]) + _row_bias(bias, r, xsum[t])
+    for first in range(r0, r1, ROW_GROUP):
+        ahead = (first + PREFETCH_GROUPS * ROW_GROUP) * code_cols  # rows are contiguous in flat
+        touched |= _touch_lines(flat, ahead, ahead + ROW_GROUP * code_cols)
+        for r in range(first, min(first + ROW_GROUP, r1)):
+            for t in range(xq.shape[0]):
+                if layout == INT_Q4:
+                    dot = dot_q4(flat, r * code_cols, xq[t], 0, scales, r * n_blocks, xd[t], 0, n_chunks)
+                elif layout == INT_Q8:
+                    dot = dot_q8(flat, r * code_cols, xq[t], 0, scales, r * n_blocks, xd[t], 0, n_chunks)
+                else:
+                    dot = dot_q8_16(flat, r * code_cols, xq[t], 0, scales, r * n_blocks, xd[t], 0, n_chunks)
+                out[t, r] = dot + _row_bias(bias, r, xsum[t])
     return touched
 
 

@@ -5,11 +5,12 @@ The model's matrices live in one flat byte arena (`codes`) and one float32 arena
 its matrices and vectors. `decode_step` runs on every thread of the step at once: each op's work (rows of a
 product in chunks, attention's heads) goes to whichever thread takes it next, and a thread waits at the end of
 an op only for chunks still in flight (6 ops a layer, 8 with post-norms). The products are matvec.py's row
-kernels (32-block int8 codes with x as int16, `_q8_rows_x16`), every row of x through a row group's codes while
-they are in cache; each row's arithmetic is its own (its own int16 scales, its own attention), so a row gives the
-same numbers in any batch. Nothing here allocates per token: scratch comes in from the caller.
+kernel `_int_rows`: each input row quantized once per op to int16 codes by 32-blocks, integer products with the
+weights' codes (intdot.py), every row of x through a row group's codes while they are in cache; each row's
+arithmetic is its own (its own int16 scales, its own attention), so a row gives the same numbers in any batch.
+Nothing here allocates per token: scratch comes in from the caller.
 
-numba's on-disk cache keys a function on its own file only: after editing matvec.py or sync.py, delete
+numba's on-disk cache keys a function on its own file only: after editing matvec.py, intdot.py or sync.py, delete
 lucekv/kernels/cpu/__pycache__/step.* (a fresh checkout compiles everything anew).
 
 RoPE's cos/sin come in from the host (numpy, as the prefill path computes them). A float16 KV pool comes in as
@@ -23,7 +24,8 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from lucekv.kernels.cpu.matvec import LANES, _f32_rows, _q4_rows, _q8_rows, _q8_rows_x16, block_sums, quantize_x16
+from lucekv.kernels.cpu.intdot import X_BLOCK, quantize_x16
+from lucekv.kernels.cpu.matvec import INT_Q4, INT_Q8, INT_Q8_16, _f32_rows, _int_rows, block_sums
 from lucekv.kernels.cpu.sync import atomic_add, atomic_load, wait_at_least
 
 # matrix table columns (`mats`)
@@ -41,8 +43,8 @@ DIM_FIELDS = 10
 CHUNK_ROWS = 64  # rows of a product one thread takes at a time (a multiple of matvec.ROW_GROUP)
 # float32 scratch rows shared by the threads (`shared`) and private to each (`private[t]`)
 S_Q, S_K, S_V, S_ATTN, S_Y, S_GATE, S_UP = range(7)
-P_H, P_XLO, P_XHI, P_XS16, P_XS32, P_KBITS, P_XD = range(7)
-PRIVATE_ROWS = 7
+P_H, P_XS16, P_XS32, P_KBITS, P_XD = range(5)
+PRIVATE_ROWS = 5
 
 F16_EXP_SHIFT = np.float32(2.0 ** 112)  # an f16's bits moved to f32's places, times this, is its value
 GELU_C = np.float32(np.sqrt(2.0 / np.pi))
@@ -278,19 +280,14 @@ def _rmsnorm(x, vecs, w_at, out, eps):
 
 @njit(cache=True, nogil=True)
 def _prepare(xs, mine, xq):
-    """What the row kernels need of inputs xs [n, cols] besides xs, per row: q4's re-ordered halves, 16- and
-    32-block sums, and the row as int16 codes (in xq) with their per-block scales (mine[P_XD])."""
+    """What the row kernels need of inputs xs [n, cols] besides xs, per row: 16- and 32-block sums, and the row as
+    int16 codes (in xq) with their per-block scales (mine[P_XD])."""
     n, cols = xs.shape
-    n_blocks = cols // (2 * LANES)
-    xlo, xhi = _rows(mine[P_XLO], n, n_blocks * LANES), _rows(mine[P_XHI], n, n_blocks * LANES)
+    n_blocks = cols // X_BLOCK
     xd = _rows(mine[P_XD], n, n_blocks)
     for t in range(n):
-        for b in range(n_blocks):
-            for j in range(LANES):
-                xlo[t, b * LANES + j] = xs[t, 2 * b * LANES + j]
-                xhi[t, b * LANES + j] = xs[t, 2 * b * LANES + LANES + j]
         quantize_x16(xs[t], xq[t * cols:(t + 1) * cols], xd[t])
-    if cols % LANES == 0:
+    if cols % 16 == 0:
         block_sums(xs, 16, _rows(mine[P_XS16], n, cols // 16))
     block_sums(xs, 32, _rows(mine[P_XS32], n, n_blocks))
 
@@ -313,17 +310,11 @@ def _product(codes, scales, mats, m, xs, mine, xq, out, vecs, bias_at, r0):
         scale = scales[mats[m, SCALE_AT]:mats[m, SCALE_AT] + rows * nb].reshape(rows, nb)
         bias_cols = nb if mats[m, BIAS_AT] >= 0 else 0  # a type without a bias stores none
         bias = scales[mats[m, BIAS_AT]:mats[m, BIAS_AT] + rows * bias_cols].reshape(rows, bias_cols)
-        if kind == KIND_Q4:
-            q4 = codes[at:at + rows * cc].reshape(rows, cc)
-            touched = _q4_rows(q4, scale, bias, _rows(mine[P_XLO], n, cc), _rows(mine[P_XHI], n, cc),
-                     _rows(mine[P_XS32], n, nb), out, r0, r1)
-        else:
-            q8 = codes[at:at + rows * cc].view(np.int8).reshape(rows, cc)
-            if cols // nb == 32:
-                touched = _q8_rows_x16(q8, scale, bias, _rows(xq, n, cols), _rows(mine[P_XD], n, nb),
-                                       _rows(mine[P_XS32], n, nb), out, r0, r1)
-            else:
-                touched = _q8_rows(q8, scale, bias, xs, _rows(mine[P_XS16], n, nb), out, r0, r1)
+        by16 = cols // nb == 16
+        layout = INT_Q4 if kind == KIND_Q4 else INT_Q8_16 if by16 else INT_Q8
+        touched = _int_rows(layout, codes[at:at + rows * cc].reshape(rows, cc), scale, bias, _rows(xq, n, cols),
+                            _rows(mine[P_XD], n, cols // X_BLOCK), _rows(mine[P_XS16 if by16 else P_XS32], n, nb),
+                            out, r0, r1)
     if bias_at >= 0:
         for t in range(n):
             for r in range(r0, r1):

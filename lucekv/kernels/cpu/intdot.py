@@ -1,0 +1,186 @@
+"""Integer dot products of quantized weight rows with int16 activations, emitted as LLVM IR (numba intrinsics).
+
+A decode step quantizes each input row once to int16 codes per 32-block (`quantize_x16`: x ~ xd * xq, xd = max|x|
+/ 32767, a relative 1.5e-5 of the block's largest element); a weight block's integer codes times those codes,
+summed exactly in int32, are converted to float once per block and scaled by the weight's scale times xd. numba's
+loop vectorizer, left to itself, converted every code to float or multiplied in 32-bit lanes (16 products per
+instruction at best: the products were instruction-bound at 7-8 GB/s); written as IR here, a 32-block is two
+256-bit `vpmaddwd` (16 products summed in pairs each), one convert and one fused multiply-add into 8 float lanes.
+Without AVX2 (or with NUMBA_CPU_NAME set, e.g. for a portable cache) the same sums are plain vector IR that any
+target lowers; the sums are exact integers either way (|code| <= 128, |xq| <= 32767: four products fit int32),
+so both give the same bits.
+
+8-bit activations (llama.cpp's q8 blocks, `vpmaddubsw`: 32 products an instruction) were measured faster still
+but put the logits 1-7% (relative) off the float path on smollm2-135m and flipped greedy tokens (issue 28's notes).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import llvmlite.binding as llvm
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils, config
+from numba.extending import intrinsic
+
+X_BLOCK = 32  # elements per activation scale
+
+_I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+
+
+def _vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def _native_avx2() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64") or config.CPU_NAME:
+        return False
+    features = llvm.get_host_cpu_features()
+    return bool(features.get("avx2")) and bool(features.get("fma"))
+
+
+NATIVE = _native_avx2()
+
+
+def _fn(builder, name, ret, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def _ptr(context, builder, arr_type, arr, index):
+    ary = context.make_array(arr_type)(context, builder, arr)
+    return cgutils.get_item_pointer(context, builder, arr_type, ary, [index])
+
+
+def _load(builder, ptr, index, vty):
+    return builder.load(builder.bitcast(builder.gep(ptr, [index]), vty.as_pointer()), align=1)
+
+
+def _lanes(*idx):
+    return ir.Constant(_vec(_I32, len(idx)), list(idx))
+
+
+def _shuffle(builder, v, idx):
+    return builder.shuffle_vector(v, v, _lanes(*idx))
+
+
+def _splat(builder, x, n):
+    v = builder.insert_element(ir.Constant(_vec(x.type, n), ir.Undefined), x, ir.Constant(_I32, 0))
+    return _shuffle(builder, v, [0] * n)
+
+
+def _pair_sums(builder, w_halves, x, native):
+    """Two <8 x i32>: lane k of the first = w[2k] x[2k] + w[2k + 1] x[2k + 1] over elements 0..15, of the second
+    the same over 16..31 (w_halves: the weight codes as two <16 x i16>; x <32 x i16>)."""
+    sums = []
+    for h, wh in enumerate(w_halves):
+        xh = _shuffle(builder, x, range(16 * h, 16 * h + 16))
+        if native:
+            fn = _fn(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [_vec(_I16, 16)] * 2)
+            sums.append(builder.call(fn, [wh, xh]))
+        else:
+            p = builder.mul(builder.sext(wh, _vec(_I32, 16)), builder.sext(xh, _vec(_I32, 16)))
+            sums.append(builder.add(_shuffle(builder, p, range(0, 16, 2)), _shuffle(builder, p, range(1, 16, 2))))
+    return sums
+
+
+def _weight_halves(builder, cp, c, kind):
+    """Chunk c's 32 weight codes as two <16 x i16> (elements 0..15, 16..31). q4: 16 bytes, the low nibbles
+    elements 0..15 and the high ones 16..31, widened before they are split (x86 has no byte shifts)."""
+    if kind == "q4":
+        raw = builder.zext(_load(builder, cp, builder.mul(c, ir.Constant(_I64, 16)), _vec(_I8, 16)), _vec(_I16, 16))
+        return (builder.and_(raw, ir.Constant(_vec(_I16, 16), [15] * 16)),
+                builder.lshr(raw, ir.Constant(_vec(_I16, 16), [4] * 16)))
+    w = builder.sext(_load(builder, cp, builder.mul(c, ir.Constant(_I64, 32)), _vec(_I8, 32)), _vec(_I16, 32))
+    return _shuffle(builder, w, range(16)), _shuffle(builder, w, range(16, 32))
+
+
+def _hsum(builder, v):
+    """A float <8 x float>'s lanes summed in a fixed order: halves, then halves again."""
+    s4 = builder.fadd(_shuffle(builder, v, [0, 1, 2, 3]), _shuffle(builder, v, [4, 5, 6, 7]))
+    s2 = builder.fadd(_shuffle(builder, s4, [0, 1]), _shuffle(builder, s4, [2, 3]))
+    return builder.fadd(builder.extract_element(s2, ir.Constant(_I32, 0)),
+                        builder.extract_element(s2, ir.Constant(_I32, 1)))
+
+
+def _dot_codegen(kind, native):
+    """Codegen of sum over 32-element chunks c < n of (scale-weighted integer dot of chunk c). kind "q4": chunk c is
+    16 bytes of nibbles (low nibbles elements 0..15, high 16..31), one weight block; "q8": 32 int8 codes, one block;
+    "q8_16": 32 int8 codes, two 16-blocks (one scale each)."""
+    def codegen(context, builder, sig, args):
+        cp = _ptr(context, builder, sig.args[0], args[0], args[1])
+        xp = _ptr(context, builder, sig.args[2], args[2], args[3])
+        sp = _ptr(context, builder, sig.args[4], args[4], args[5])
+        dp = _ptr(context, builder, sig.args[6], args[6], args[7])
+        n = context.cast(builder, args[8], sig.args[8], types.int64)
+        fma = _fn(builder, "llvm.fma.v8f32", _vec(_F32, 8), [_vec(_F32, 8)] * 3)
+        entry = builder.block
+        loop = builder.append_basic_block("intdot.loop")
+        done = builder.append_basic_block("intdot.done")
+        zero = ir.Constant(_vec(_F32, 8), [0.0] * 8)
+        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, done)
+        builder.position_at_end(loop)
+        c = builder.phi(_I64)
+        acc = builder.phi(_vec(_F32, 8))
+        x = _load(builder, xp, builder.mul(c, ir.Constant(_I64, X_BLOCK)), _vec(_I16, 32))
+        first, second = _pair_sums(builder, _weight_halves(builder, cp, c, kind), x, native)
+        xd = builder.load(builder.gep(dp, [c]))
+        if kind == "q8_16":  # the halves are two blocks: one scale each
+            s0 = builder.fmul(builder.load(builder.gep(sp, [builder.mul(c, ir.Constant(_I64, 2))])), xd)
+            s1 = builder.fmul(builder.load(builder.gep(sp, [builder.add(builder.mul(c, ir.Constant(_I64, 2)),
+                                                                        ir.Constant(_I64, 1))])), xd)
+            acc_half = builder.call(fma, [builder.sitofp(first, _vec(_F32, 8)), _splat(builder, s0, 8), acc])
+            acc_next = builder.call(fma, [builder.sitofp(second, _vec(_F32, 8)), _splat(builder, s1, 8), acc_half])
+        else:
+            sums = builder.sitofp(builder.add(first, second), _vec(_F32, 8))
+            s = _splat(builder, builder.fmul(builder.load(builder.gep(sp, [c])), xd), 8)
+            acc_next = builder.call(fma, [sums, s, acc])
+        c_next = builder.add(c, ir.Constant(_I64, 1))
+        c.add_incoming(ir.Constant(_I64, 0), entry)
+        c.add_incoming(c_next, loop)
+        acc.add_incoming(zero, entry)
+        acc.add_incoming(acc_next, loop)
+        builder.cbranch(builder.icmp_signed("<", c_next, n), loop, done)
+        builder.position_at_end(done)
+        total = builder.phi(_vec(_F32, 8))
+        total.add_incoming(zero, entry)
+        total.add_incoming(acc_next, loop)
+        return _hsum(builder, total)
+
+    return codegen
+
+
+def _dot_intrinsic(kind, native):
+    def typer(typingctx, codes, c_at, xq, x_at, scale, s_at, xd, d_at, n):
+        arrays = (codes, xq, scale, xd)
+        dtypes = (types.uint8, types.int16, types.float32, types.float32)  # codes as bytes, whatever their kind
+        if not all(isinstance(a, types.Array) and a.ndim == 1 and a.dtype == d
+                   for a, d in zip(arrays, dtypes, strict=True)):
+            return None
+        return types.float32(codes, c_at, xq, x_at, scale, s_at, xd, d_at, n), _dot_codegen(kind, native)
+
+    typer.__name__ = f"dot_{kind}_{'native' if native else 'generic'}"
+    return intrinsic(typer)
+
+
+# dot(codes, c_at, xq, x_at, scale, s_at, xd, d_at, n): float32 sum over n chunks of 32 elements, starting at
+# codes[c_at] (flat), xq[x_at], scale[s_at] (one per weight block) and xd[d_at] (one per 32 activations), of each
+# chunk's integer code products times its scale and xd. The generic forms exist for the tests on AVX2 machines.
+dot_q4, dot_q8, dot_q8_16 = (_dot_intrinsic(k, NATIVE) for k in ("q4", "q8", "q8_16"))
+dot_q4_generic, dot_q8_generic, dot_q8_16_generic = (_dot_intrinsic(k, False) for k in ("q4", "q8", "q8_16"))
+
+
+@njit(cache=True, nogil=True)
+def quantize_x16(x, xq, xd):
+    """x (float32, whole 32-blocks) as int16 codes xq and one float32 scale per 32-block, xd = max|x| / 32767:
+    x ~ xd * xq within xd / 2 (a relative 1.5e-5 of the block's largest element)."""
+    for b in range(x.shape[0] // X_BLOCK):
+        amax = np.float32(0)
+        for j in range(X_BLOCK):
+            amax = max(amax, abs(x[b * X_BLOCK + j]))
+        d = amax / np.float32(32767)
+        xd[b] = d
+        inv = np.float32(1) / d if d > 0 else np.float32(0)
+        for j in range(X_BLOCK):
+            xq[b * X_BLOCK + j] = np.int16(np.round(x[b * X_BLOCK + j] * inv))
