@@ -203,7 +203,7 @@ def test_int_rows_match_float64(qtype):
     """The decode step's products: x rounded to int16 per 32-block, integer products with the weights' codes. Against
     float64 of the same rounded x within float32's bound, every row alone as in a batch, generic IR as native."""
     rng = np.random.default_rng(300 + int(qtype))
-    rows, cols = 37, 512
+    rows, cols = 37, 512 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 288  # 9 chunks: the odd one after the pairs
     raw = random_raw(rng, qtype, rows, cols)
     m = pack(raw, qtype, (rows, cols))
     w = dequantize(raw, qtype, (rows, cols))
@@ -212,14 +212,15 @@ def test_int_rows_match_float64(qtype):
     xq, xd = np.empty((2, cols), np.int16), np.empty((2, cols // 32), np.float32)
     for t in range(2):
         quantize_x16(xs[t], xq[t], xd[t])
-    assert np.all(np.abs(xd.repeat(32, axis=1) * xq - xs) <= xd.repeat(32, axis=1) / 2 * (1 + 1e-6))
+    step = xd.repeat(32, axis=1).astype(np.float64)
+    assert np.all(np.abs(step * xq - xs) <= step / 2 * 1.01)  # float32's x / step is off by up to 0.002 steps
     codes = m.codes.view(np.uint8)
     layout = INT_Q4 if m.kind == "q4" else INT_Q8_16 if m.block == 16 else INT_Q8
     out = np.empty((2, rows), np.float32)
     _int_rows(layout, codes, m.scale, m.bias, xq, xd, _block_sums(xs, m.block), out, 0, rows)
     # the codes' part meets the rounded x; the biases meet x's float block sums
     bias = np.repeat(m.bias, m.block, axis=1).astype(np.float64)
-    xr = xd.repeat(32, axis=1).astype(np.float64) * xq
+    xr = step * xq
     ref = xr @ (w - bias).T + xs.astype(np.float64) @ bias.T
     assert np.all(np.abs(out - ref) <= 1e-4 * (np.abs(xr) @ np.abs(w.astype(np.float64)).T))
     alone = np.empty((1, rows), np.float32)

@@ -107,7 +107,8 @@ def _hsum(builder, v):
 def _dot_codegen(kind, native):
     """Codegen of sum over 32-element chunks c < n of (scale-weighted integer dot of chunk c). kind "q4": chunk c is
     16 bytes of nibbles (low nibbles elements 0..15, high 16..31), one weight block; "q8": 32 int8 codes, one block;
-    "q8_16": 32 int8 codes, two 16-blocks (one scale each)."""
+    "q8_16": 32 int8 codes, two 16-blocks (one scale each). Even and odd chunks go to two accumulators (one FMA
+    chain would wait on its own latency every chunk), summed at the end."""
     def codegen(context, builder, sig, args):
         cp = _ptr(context, builder, sig.args[0], args[0], args[1])
         xp = _ptr(context, builder, sig.args[2], args[2], args[3])
@@ -115,38 +116,56 @@ def _dot_codegen(kind, native):
         dp = _ptr(context, builder, sig.args[6], args[6], args[7])
         n = context.cast(builder, args[8], sig.args[8], types.int64)
         fma = _fn(builder, "llvm.fma.v8f32", _vec(_F32, 8), [_vec(_F32, 8)] * 3)
-        entry = builder.block
-        loop = builder.append_basic_block("intdot.loop")
-        done = builder.append_basic_block("intdot.done")
-        zero = ir.Constant(_vec(_F32, 8), [0.0] * 8)
-        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, done)
-        builder.position_at_end(loop)
-        c = builder.phi(_I64)
-        acc = builder.phi(_vec(_F32, 8))
-        x = _load(builder, xp, builder.mul(c, ir.Constant(_I64, X_BLOCK)), _vec(_I16, 32))
-        first, second = _pair_sums(builder, _weight_halves(builder, cp, c, kind), x, native)
-        xd = builder.load(builder.gep(dp, [c]))
-        if kind == "q8_16":  # the halves are two blocks: one scale each
-            s0 = builder.fmul(builder.load(builder.gep(sp, [builder.mul(c, ir.Constant(_I64, 2))])), xd)
-            s1 = builder.fmul(builder.load(builder.gep(sp, [builder.add(builder.mul(c, ir.Constant(_I64, 2)),
-                                                                        ir.Constant(_I64, 1))])), xd)
-            acc_half = builder.call(fma, [builder.sitofp(first, _vec(_F32, 8)), _splat(builder, s0, 8), acc])
-            acc_next = builder.call(fma, [builder.sitofp(second, _vec(_F32, 8)), _splat(builder, s1, 8), acc_half])
-        else:
+
+        def chunk(c, acc):
+            """acc + chunk c's sums times their scales."""
+            x = _load(builder, xp, builder.mul(c, ir.Constant(_I64, X_BLOCK)), _vec(_I16, 32))
+            first, second = _pair_sums(builder, _weight_halves(builder, cp, c, kind), x, native)
+            xd = builder.load(builder.gep(dp, [c]))
+            if kind == "q8_16":  # the halves are two blocks: one scale each
+                s0 = builder.fmul(builder.load(builder.gep(sp, [builder.mul(c, ir.Constant(_I64, 2))])), xd)
+                s1 = builder.fmul(builder.load(builder.gep(sp, [builder.add(builder.mul(c, ir.Constant(_I64, 2)),
+                                                                            ir.Constant(_I64, 1))])), xd)
+                acc = builder.call(fma, [builder.sitofp(first, _vec(_F32, 8)), _splat(builder, s0, 8), acc])
+                return builder.call(fma, [builder.sitofp(second, _vec(_F32, 8)), _splat(builder, s1, 8), acc])
             sums = builder.sitofp(builder.add(first, second), _vec(_F32, 8))
             s = _splat(builder, builder.fmul(builder.load(builder.gep(sp, [c])), xd), 8)
-            acc_next = builder.call(fma, [sums, s, acc])
-        c_next = builder.add(c, ir.Constant(_I64, 1))
-        c.add_incoming(ir.Constant(_I64, 0), entry)
-        c.add_incoming(c_next, loop)
-        acc.add_incoming(zero, entry)
-        acc.add_incoming(acc_next, loop)
-        builder.cbranch(builder.icmp_signed("<", c_next, n), loop, done)
+            return builder.call(fma, [sums, s, acc])
+
+        zero = ir.Constant(_vec(_F32, 8), [0.0] * 8)
+        one, two = ir.Constant(_I64, 1), ir.Constant(_I64, 2)
+        pairs = builder.ashr(n, one)
+        entry = builder.block
+        loop = builder.append_basic_block("intdot.pairs")
+        after = builder.append_basic_block("intdot.after_pairs")
+        tail = builder.append_basic_block("intdot.odd_chunk")
+        done = builder.append_basic_block("intdot.done")
+        builder.cbranch(builder.icmp_signed(">", pairs, ir.Constant(_I64, 0)), loop, after)
+        builder.position_at_end(loop)
+        i = builder.phi(_I64)
+        acc_even, acc_odd = builder.phi(_vec(_F32, 8)), builder.phi(_vec(_F32, 8))
+        even_next = chunk(builder.mul(i, two), acc_even)
+        odd_next = chunk(builder.add(builder.mul(i, two), one), acc_odd)
+        i_next = builder.add(i, one)
+        for phi, start, nxt in ((i, ir.Constant(_I64, 0), i_next), (acc_even, zero, even_next),
+                                (acc_odd, zero, odd_next)):
+            phi.add_incoming(start, entry)
+            phi.add_incoming(nxt, loop)
+        builder.cbranch(builder.icmp_signed("<", i_next, pairs), loop, after)
+        builder.position_at_end(after)
+        even, odd = builder.phi(_vec(_F32, 8)), builder.phi(_vec(_F32, 8))
+        for phi, nxt in ((even, even_next), (odd, odd_next)):
+            phi.add_incoming(zero, entry)
+            phi.add_incoming(nxt, loop)
+        builder.cbranch(builder.icmp_signed("!=", builder.and_(n, one), ir.Constant(_I64, 0)), tail, done)
+        builder.position_at_end(tail)
+        even_tail = chunk(builder.sub(n, one), even)
+        builder.branch(done)
         builder.position_at_end(done)
         total = builder.phi(_vec(_F32, 8))
-        total.add_incoming(zero, entry)
-        total.add_incoming(acc_next, loop)
-        return _hsum(builder, total)
+        total.add_incoming(even, after)
+        total.add_incoming(even_tail, tail)
+        return _hsum(builder, builder.fadd(total, odd))
 
     return codegen
 
