@@ -188,14 +188,12 @@ def test_matvec_and_matmul_match_float64(qtype):
 
 
 @njit(cache=True)
-def _row0_dots(codes, scale, xq, xd, n_chunks):
-    """Row 0's dot in each layout: as the step runs it (native where the CPU has AVX2), then intdot's generic IR (what
-    a machine without AVX2 runs)."""
-    c, s = codes.reshape(-1), scale.reshape(-1)
-    return ((dot_q4(c, 0, xq, 0, s, 0, xd, 0, n_chunks), dot_q8(c, 0, xq, 0, s, 0, xd, 0, n_chunks),
-             dot_q8_16(c, 0, xq, 0, s, 0, xd, 0, n_chunks)),
-            (dot_q4_generic(c, 0, xq, 0, s, 0, xd, 0, n_chunks), dot_q8_generic(c, 0, xq, 0, s, 0, xd, 0, n_chunks),
-             dot_q8_16_generic(c, 0, xq, 0, s, 0, xd, 0, n_chunks)))
+def _row0_dots(codes, scale, bias, xq, xd, xsum, n_chunks):
+    """Row 0's dot in each layout: as the step runs it (native where the CPU has AVX2), then intdot's generic IR
+    (what a machine without AVX2 runs)."""
+    a = (codes.reshape(-1), 0, xq, 0, scale.reshape(-1), 0, xd, 0, n_chunks, bias.reshape(-1), 0, xsum, 0,
+         bias.shape[1])
+    return (dot_q4(*a), dot_q8(*a), dot_q8_16(*a)), (dot_q4_generic(*a), dot_q8_generic(*a), dot_q8_16_generic(*a))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
@@ -226,7 +224,7 @@ def test_int_rows_match_float64(qtype):
     alone = np.empty((1, rows), np.float32)
     _int_rows(layout, codes, m.scale, m.bias, xq[1:], xd[1:], _block_sums(xs[1:], m.block), alone, 0, rows)
     assert np.array_equal(alone[0], out[1])
-    native, generic = _row0_dots(codes, m.scale, xq[1], xd[1], cols // 32)
+    native, generic = _row0_dots(codes, m.scale, m.bias, xq[1], xd[1], _block_sums(xs[1:], m.block)[0], cols // 32)
     assert native[layout] == generic[layout]
 
 

@@ -104,88 +104,94 @@ def _hsum(builder, v):
                         builder.extract_element(s2, ir.Constant(_I32, 1)))
 
 
+def _counted_loop(builder, n, name, body, inits):
+    """Emit `for i in range(n): state = body(i, state)` from state `inits`; returns the final state."""
+    entry = builder.block
+    loop, after = builder.append_basic_block(f"intdot.{name}"), builder.append_basic_block(f"intdot.{name}_end")
+    builder.cbranch(builder.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, after)
+    builder.position_at_end(loop)
+    i = builder.phi(_I64)
+    state = [builder.phi(v.type) for v in inits]
+    nxt = body(i, state)
+    i_next = builder.add(i, ir.Constant(_I64, 1))
+    body_end = builder.block
+    for phi, init, v in zip([i, *state], [ir.Constant(_I64, 0), *inits], [i_next, *nxt], strict=True):
+        phi.add_incoming(init, entry)
+        phi.add_incoming(v, body_end)
+    builder.cbranch(builder.icmp_signed("<", i_next, n), loop, after)
+    builder.position_at_end(after)
+    out = [builder.phi(v.type) for v in inits]
+    for phi, init, v in zip(out, inits, nxt, strict=True):
+        phi.add_incoming(init, entry)
+        phi.add_incoming(v, body_end)
+    return out
+
+
 def _dot_codegen(kind, native):
-    """Codegen of sum over 32-element chunks c < n of (scale-weighted integer dot of chunk c). kind "q4": chunk c is
-    16 bytes of nibbles (low nibbles elements 0..15, high 16..31), one weight block; "q8": 32 int8 codes, one block;
-    "q8_16": 32 int8 codes, two 16-blocks (one scale each). Even and odd chunks go to two accumulators (one FMA
-    chain would wait on its own latency every chunk), summed at the end."""
+    """Codegen of sum over 32-element chunks c < n of (scale-weighted integer dot of chunk c), then the bias terms
+    bias[b] * xsum[b] over n_bias blocks b (none for a weight without biases). kind "q4": chunk c is 16 bytes of
+    nibbles (low nibbles elements 0..15, high 16..31), one weight block; "q8": 32 int8 codes, one block; "q8_16": 32
+    int8 codes, two 16-blocks (one scale each). Even and odd chunks go to two accumulators (one FMA chain would wait
+    on its own latency every chunk); the bias terms 8 blocks at a time, then one by one."""
+    blocks = 2 if kind == "q8_16" else 1  # weight blocks a chunk
+
     def codegen(context, builder, sig, args):
-        cp = _ptr(context, builder, sig.args[0], args[0], args[1])
-        xp = _ptr(context, builder, sig.args[2], args[2], args[3])
-        sp = _ptr(context, builder, sig.args[4], args[4], args[5])
-        dp = _ptr(context, builder, sig.args[6], args[6], args[7])
-        n = context.cast(builder, args[8], sig.args[8], types.int64)
+        cp, xp, sp, dp, bp, tp = (_ptr(context, builder, sig.args[i], args[i], args[i + 1])
+                                  for i in (0, 2, 4, 6, 9, 11))
+        n, n_bias = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (8, 13))
         fma = _fn(builder, "llvm.fma.v8f32", _vec(_F32, 8), [_vec(_F32, 8)] * 3)
+        fma1 = _fn(builder, "llvm.fma.f32", _F32, [_F32] * 3)
+        one, two, eight = ir.Constant(_I64, 1), ir.Constant(_I64, 2), ir.Constant(_I64, 8)
 
         def chunk(c, acc):
             """acc + chunk c's sums times their scales."""
             x = _load(builder, xp, builder.mul(c, ir.Constant(_I64, X_BLOCK)), _vec(_I16, 32))
-            first, second = _pair_sums(builder, _weight_halves(builder, cp, c, kind), x, native)
+            halves = _pair_sums(builder, _weight_halves(builder, cp, c, kind), x, native)
             xd = builder.load(builder.gep(dp, [c]))
-            if kind == "q8_16":  # the halves are two blocks: one scale each
-                s0 = builder.fmul(builder.load(builder.gep(sp, [builder.mul(c, ir.Constant(_I64, 2))])), xd)
-                s1 = builder.fmul(builder.load(builder.gep(sp, [builder.add(builder.mul(c, ir.Constant(_I64, 2)),
-                                                                            ir.Constant(_I64, 1))])), xd)
-                acc = builder.call(fma, [builder.sitofp(first, _vec(_F32, 8)), _splat(builder, s0, 8), acc])
-                return builder.call(fma, [builder.sitofp(second, _vec(_F32, 8)), _splat(builder, s1, 8), acc])
-            sums = builder.sitofp(builder.add(first, second), _vec(_F32, 8))
-            s = _splat(builder, builder.fmul(builder.load(builder.gep(sp, [c])), xd), 8)
-            return builder.call(fma, [sums, s, acc])
+            if blocks == 1:
+                halves = [builder.add(*halves)]
+            for k, sums in enumerate(halves):
+                b = builder.add(builder.mul(c, ir.Constant(_I64, blocks)), ir.Constant(_I64, k))
+                s = _splat(builder, builder.fmul(builder.load(builder.gep(sp, [b])), xd), 8)
+                acc = builder.call(fma, [builder.sitofp(sums, _vec(_F32, 8)), s, acc])
+            return acc
 
-        zero = ir.Constant(_vec(_F32, 8), [0.0] * 8)
-        one, two = ir.Constant(_I64, 1), ir.Constant(_I64, 2)
-        pairs = builder.ashr(n, one)
-        entry = builder.block
-        loop = builder.append_basic_block("intdot.pairs")
-        after = builder.append_basic_block("intdot.after_pairs")
-        tail = builder.append_basic_block("intdot.odd_chunk")
-        done = builder.append_basic_block("intdot.done")
-        builder.cbranch(builder.icmp_signed(">", pairs, ir.Constant(_I64, 0)), loop, after)
-        builder.position_at_end(loop)
-        i = builder.phi(_I64)
-        acc_even, acc_odd = builder.phi(_vec(_F32, 8)), builder.phi(_vec(_F32, 8))
-        even_next = chunk(builder.mul(i, two), acc_even)
-        odd_next = chunk(builder.add(builder.mul(i, two), one), acc_odd)
-        i_next = builder.add(i, one)
-        for phi, start, nxt in ((i, ir.Constant(_I64, 0), i_next), (acc_even, zero, even_next),
-                                (acc_odd, zero, odd_next)):
-            phi.add_incoming(start, entry)
-            phi.add_incoming(nxt, loop)
-        builder.cbranch(builder.icmp_signed("<", i_next, pairs), loop, after)
-        builder.position_at_end(after)
-        even, odd = builder.phi(_vec(_F32, 8)), builder.phi(_vec(_F32, 8))
-        for phi, nxt in ((even, even_next), (odd, odd_next)):
-            phi.add_incoming(zero, entry)
-            phi.add_incoming(nxt, loop)
-        builder.cbranch(builder.icmp_signed("!=", builder.and_(n, one), ir.Constant(_I64, 0)), tail, done)
-        builder.position_at_end(tail)
-        even_tail = chunk(builder.sub(n, one), even)
-        builder.branch(done)
-        builder.position_at_end(done)
-        total = builder.phi(_vec(_F32, 8))
-        total.add_incoming(even, after)
-        total.add_incoming(even_tail, tail)
-        return _hsum(builder, builder.fadd(total, odd))
+        zero, fzero = ir.Constant(_vec(_F32, 8), [0.0] * 8), ir.Constant(_F32, 0.0)
+        even, odd = _counted_loop(builder, builder.ashr(n, one), "pairs", lambda i, st: [
+            chunk(builder.mul(i, two), st[0]), chunk(builder.add(builder.mul(i, two), one), st[1])], [zero, zero])
+        (even,) = _counted_loop(builder, builder.and_(n, one), "odd_chunk",  # the last chunk of an odd count
+                                lambda i, st: [chunk(builder.sub(n, one), st[0])], [even])
+        (bias8,) = _counted_loop(builder, builder.ashr(n_bias, ir.Constant(_I64, 3)), "bias8", lambda i, st: [
+            builder.call(fma, [_load(builder, bp, builder.mul(i, eight), _vec(_F32, 8)),
+                               _load(builder, tp, builder.mul(i, eight), _vec(_F32, 8)), st[0]])], [zero])
+        rest = builder.and_(n_bias, ir.Constant(_I64, 7))
+        done8 = builder.sub(n_bias, rest)
+        (bias1,) = _counted_loop(builder, rest, "bias1", lambda i, st: [builder.call(fma1, [
+            *(builder.load(builder.gep(p, [builder.add(done8, i)])) for p in (bp, tp)), st[0]])], [fzero])
+        return builder.fadd(_hsum(builder, builder.fadd(even, odd)), builder.fadd(_hsum(builder, bias8), bias1))
 
     return codegen
 
 
 def _dot_intrinsic(kind, native):
-    def typer(typingctx, codes, c_at, xq, x_at, scale, s_at, xd, d_at, n):
-        arrays = (codes, xq, scale, xd)
-        dtypes = (types.uint8, types.int16, types.float32, types.float32)  # codes as bytes, whatever their kind
+    def typer(typingctx, codes, c_at, xq, x_at, scale, s_at, xd, d_at, n, bias, b_at, xsum, t_at, n_bias):
+        arrays = (codes, xq, scale, xd, bias, xsum)
+        dtypes = (types.uint8, types.int16, types.float32, types.float32, types.float32, types.float32)
         if not all(isinstance(a, types.Array) and a.ndim == 1 and a.dtype == d
                    for a, d in zip(arrays, dtypes, strict=True)):
             return None
-        return types.float32(codes, c_at, xq, x_at, scale, s_at, xd, d_at, n), _dot_codegen(kind, native)
+        sig = types.float32(codes, c_at, xq, x_at, scale, s_at, xd, d_at, n, bias, b_at, xsum, t_at, n_bias)
+        return sig, _dot_codegen(kind, native)
 
     typer.__name__ = f"dot_{kind}_{'native' if native else 'generic'}"
     return intrinsic(typer)
 
 
-# dot(codes, c_at, xq, x_at, scale, s_at, xd, d_at, n): float32 sum over n chunks of 32 elements, starting at
-# codes[c_at] (flat), xq[x_at], scale[s_at] (one per weight block) and xd[d_at] (one per 32 activations), of each
-# chunk's integer code products times its scale and xd. The generic forms exist for the tests on AVX2 machines.
+# dot(codes, c_at, xq, x_at, scale, s_at, xd, d_at, n, bias, b_at, xsum, t_at, n_bias): float32 sum over n chunks of
+# 32 elements, starting at codes[c_at] (flat bytes), xq[x_at], scale[s_at] (one per weight block) and xd[d_at] (one
+# per 32 activations), of each chunk's integer code products times its scale and xd; plus the sum of
+# bias[b_at + b] * xsum[t_at + b] over n_bias blocks b (x's float block sums; n_bias 0 for a weight without biases).
+# The generic forms exist for the tests on AVX2 machines.
 dot_q4, dot_q8, dot_q8_16 = (_dot_intrinsic(k, NATIVE) for k in ("q4", "q8", "q8_16"))
 dot_q4_generic, dot_q8_generic, dot_q8_16_generic = (_dot_intrinsic(k, False) for k in ("q4", "q8", "q8_16"))
 

@@ -232,21 +232,22 @@ def _int_rows(layout, codes, scale, bias, xq, xd, xsum, out, r0, r1):
     int8 codes by 32-blocks, or int8 codes by 16-blocks. A row's number for X row t depends on t alone. Returns
     the OR of its prefetch loads (_touch_lines)."""
     n_chunks = xq.shape[1] // 32
-    code_cols, n_blocks = codes.shape[1], scale.shape[1]
-    flat, scales = codes.reshape(-1), scale.reshape(-1)
+    code_cols, n_blocks, n_bias = codes.shape[1], scale.shape[1], bias.shape[1]
+    flat, scales, biases = codes.reshape(-1), scale.reshape(-1), bias.reshape(-1)
     touched = np.uint8(0)
     for first in range(r0, r1, ROW_GROUP):
         ahead = (first + PREFETCH_GROUPS * ROW_GROUP) * code_cols  # rows are contiguous in flat
         touched |= _touch_lines(flat, ahead, ahead + ROW_GROUP * code_cols)
         for r in range(first, min(first + ROW_GROUP, r1)):
             for t in range(xq.shape[0]):
+                args = (flat, r * code_cols, xq[t], 0, scales, r * n_blocks, xd[t], 0, n_chunks, biases, r * n_bias,
+                        xsum[t], 0, n_bias)
                 if layout == INT_Q4:
-                    dot = dot_q4(flat, r * code_cols, xq[t], 0, scales, r * n_blocks, xd[t], 0, n_chunks)
+                    out[t, r] = dot_q4(*args)
                 elif layout == INT_Q8:
-                    dot = dot_q8(flat, r * code_cols, xq[t], 0, scales, r * n_blocks, xd[t], 0, n_chunks)
+                    out[t, r] = dot_q8(*args)
                 else:
-                    dot = dot_q8_16(flat, r * code_cols, xq[t], 0, scales, r * n_blocks, xd[t], 0, n_chunks)
-                out[t, r] = dot + _row_bias(bias, r, xsum[t])
+                    out[t, r] = dot_q8_16(*args)
     return touched
 
 
