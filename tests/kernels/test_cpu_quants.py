@@ -121,7 +121,7 @@ def test_packed_form_expands_to_gguf_values(qtype):
     m = pack(raw, qtype, (rows, cols))
     kind, block = EXPECTED_FORM[qtype]
     assert (m.kind, m.block, m.rows, m.cols) == (kind, block, rows, cols)
-    code_shape, code_dtype = {"q4": ((rows, cols // 2), np.uint8), "q8": ((rows, cols), np.int16),
+    code_shape, code_dtype = {"q4": ((rows, cols // 2), np.uint8), "q8": ((rows, cols), np.int8),
                               "f32": ((rows, cols), np.float32)}[kind]
     assert m.codes.shape == code_shape and m.codes.dtype == code_dtype
     if kind != "f32":

@@ -196,6 +196,23 @@ dot_q4, dot_q8, dot_q8_16 = (_dot_intrinsic(k, NATIVE) for k in ("q4", "q8", "q8
 dot_q4_generic, dot_q8_generic, dot_q8_16_generic = (_dot_intrinsic(k, False) for k in ("q4", "q8", "q8_16"))
 
 
+@intrinsic
+def prefetch(typingctx, arr, index):
+    """Hint the cache to fetch the line of arr[index] (llvm.prefetch: a read, kept in all levels; it never faults,
+    but callers keep index within the array so the address arithmetic stays defined)."""
+    if not isinstance(arr, types.Array):
+        return None
+    sig = types.void(arr, index)
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.bitcast(_ptr(context, builder, sig.args[0], args[0], args[1]), ir.IntType(8).as_pointer())
+        fn = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32, _I32])
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True)
 def quantize_x16(x, xq, xd):
     """x (float32, whole 32-blocks) as int16 codes xq and one float32 scale per 32-block, xd = max|x| / 32767:

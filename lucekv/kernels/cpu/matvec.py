@@ -19,7 +19,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from lucekv.kernels.cpu.intdot import dot_q4, dot_q8, dot_q8_16
+from lucekv.kernels.cpu.intdot import dot_q4, dot_q8, dot_q8_16, prefetch
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows
 
 MATMUL_TILE_ROWS = 256  # rows dequantized per BLAS call: 256 x 4864 float32 is 5 MB, stays in L3
@@ -229,15 +229,16 @@ def _int_rows(layout, codes, scale, bias, xq, xd, xsum, out, r0, r1):
     """Rows r0..r1 of out = X W^T for every row t of X given as int16 codes xq [n, cols] with one scale per 32-block
     xd [n, cols // 32] (intdot.quantize_x16), plus each row's bias terms against xsum (X's float block sums over the
     weight's blocks). codes: the rows' bytes (uint8 [rows, code_cols]) in one of the layouts INT_*: q4 nibbles or
-    int8 codes by 32-blocks, or int8 codes by 16-blocks. A row's number for X row t depends on t alone. Returns
-    the OR of its prefetch loads (_touch_lines)."""
+    int8 codes by 32-blocks, or int8 codes by 16-blocks. A row's number for X row t depends on t alone. The cache
+    lines of the row group two ahead are prefetched (llvm.prefetch: 1.44 against 2.15 ms for the 49152x576 q8
+    output head with _touch_lines' loads, 1 thread)."""
     n_chunks = xq.shape[1] // 32
     code_cols, n_blocks, n_bias = codes.shape[1], scale.shape[1], bias.shape[1]
     flat, scales, biases = codes.reshape(-1), scale.reshape(-1), bias.reshape(-1)
-    touched = np.uint8(0)
     for first in range(r0, r1, ROW_GROUP):
         ahead = (first + PREFETCH_GROUPS * ROW_GROUP) * code_cols  # rows are contiguous in flat
-        touched |= _touch_lines(flat, ahead, ahead + ROW_GROUP * code_cols)
+        for at in range(ahead, min(ahead + ROW_GROUP * code_cols, flat.shape[0]), CACHE_LINE):
+            prefetch(flat, at)
         for r in range(first, min(first + ROW_GROUP, r1)):
             for t in range(xq.shape[0]):
                 args = (flat, r * code_cols, xq[t], 0, scales, r * n_blocks, xd[t], 0, n_chunks, biases, r * n_bias,
@@ -248,7 +249,6 @@ def _int_rows(layout, codes, scale, bias, xq, xd, xsum, out, r0, r1):
                     out[t, r] = dot_q8(*args)
                 else:
                     out[t, r] = dot_q8_16(*args)
-    return touched
 
 
 @njit(parallel=True, fastmath=False, cache=True)

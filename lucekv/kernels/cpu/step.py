@@ -70,7 +70,6 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
     q_all, k_all = _rows(shared[S_Q], n_rows, n_head * hd), _rows(shared[S_K], n_rows, n_kv * hd)
     v_all, attn = _rows(shared[S_V], n_rows, n_kv * hd), _rows(shared[S_ATTN], n_rows, n_head * hd)
     y = _rows(shared[S_Y], n_rows, d)
-    sink = np.uint8(0)  # q8 products' prefetch loads, kept alive by storing their OR
     phase = 0
     for layer in range(layers.shape[0]):
         lt = layers[layer]
@@ -85,8 +84,8 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
                     c -= _chunks(mats, lt[WQ + j])
                     j += 1
                 m = lt[WQ + j]
-                sink |= _product(codes, scales, mats, m, h, mine, xq, _rows(shared[S_Q + j], n_rows, mats[m, ROWS]),
-                                 vecs, lt[Q_BIAS + j], c * CHUNK_ROWS)
+                _product(codes, scales, mats, m, h, mine, xq, _rows(shared[S_Q + j], n_rows, mats[m, ROWS]),
+                         vecs, lt[Q_BIAS + j], c * CHUNK_ROWS)
                 c = _done_claim(work, phase)
         phase = _wait(work, phase, n)
         # per row and kv head: k norm, RoPE, K and V into the pool
@@ -125,8 +124,8 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
             c = _done_claim(work, phase)
         phase = _wait(work, phase, n_rows * n_head)
         # x += [post-norm of] W_o attn
-        phase, sink = _residual_product(work, phase, codes, scales, mats, lt[WO], attn, mine, xq, x, y, vecs,
-                                        lt[POST_ATTN_NORM], eps, sink)
+        phase = _residual_product(work, phase, codes, scales, mats, lt[WO], attn, mine, xq, x, y, vecs,
+                                  lt[POST_ATTN_NORM], eps)
         # act(W_gate h) * (W_up h), h the FFN norm of x
         n_ff = mats[lt[WGATE], ROWS]
         gate, up = _rows(shared[S_GATE], n_rows, n_ff), _rows(shared[S_UP], n_rows, n_ff)
@@ -135,15 +134,15 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
             _norm_and_prepare(x, vecs, lt[FFN_NORM], h, mine, xq, eps)
             c = _claim(work, phase)
             while c < n:
-                sink |= _product(codes, scales, mats, lt[WGATE], h, mine, xq, gate, vecs, -1, c * CHUNK_ROWS)
-                sink |= _product(codes, scales, mats, lt[WUP], h, mine, xq, up, vecs, -1, c * CHUNK_ROWS)
+                _product(codes, scales, mats, lt[WGATE], h, mine, xq, gate, vecs, -1, c * CHUNK_ROWS)
+                _product(codes, scales, mats, lt[WUP], h, mine, xq, up, vecs, -1, c * CHUNK_ROWS)
                 for r in range(n_rows):
                     _gated_act(gate[r], up[r], c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, n_ff), dims[GELU])
                 c = _done_claim(work, phase)
         phase = _wait(work, phase, n)
         # x += [post-norm of] W_down of that
-        phase, sink = _residual_product(work, phase, codes, scales, mats, lt[WDOWN], gate, mine, xq, x, y, vecs,
-                                        lt[POST_FFN_NORM], eps, sink)
+        phase = _residual_product(work, phase, codes, scales, mats, lt[WDOWN], gate, mine, xq, x, y, vecs,
+                                  lt[POST_FFN_NORM], eps)
         if capture_at[layer] >= 0:  # the layer's output, copied before the next layer's residual changes x
             c = _claim(work, phase)
             while c < n_rows:
@@ -160,9 +159,8 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
         _prepare(h_out, mine, xq)
         c = _claim(work, phase)
         while c < n:
-            sink |= _product(codes, scales, mats, dims[OUTPUT], h_out, mine, xq, logits, vecs, -1, c * CHUNK_ROWS)
+            _product(codes, scales, mats, dims[OUTPUT], h_out, mine, xq, logits, vecs, -1, c * CHUNK_ROWS)
             c = _done_claim(work, phase)
-    mine[P_KBITS, 0] = sink
     _wait(work, phase, n)
 
 
@@ -230,19 +228,19 @@ def _norm_and_prepare(x, vecs, norm_at, h, mine, xq, eps):
 
 
 @njit(cache=True, nogil=True)
-def _residual_product(work, phase, codes, scales, mats, m, inputs, mine, xq, x, y, vecs, post_norm, eps, sink):
-    """x += [post-norm of] W_m inputs, W_m's chunks of rows claimed by the threads: (the phase after it, sink)."""
+def _residual_product(work, phase, codes, scales, mats, m, inputs, mine, xq, x, y, vecs, post_norm, eps):
+    """x += [post-norm of] W_m inputs, W_m's chunks of rows claimed by the threads; returns the phase after it."""
     n = _chunks(mats, m)
     if _open(work, phase, n):
         _prepare(inputs, mine, xq)
         c = _claim(work, phase)
         while c < n:
-            sink |= _product(codes, scales, mats, m, inputs, mine, xq, y, vecs, -1, c * CHUNK_ROWS)
+            _product(codes, scales, mats, m, inputs, mine, xq, y, vecs, -1, c * CHUNK_ROWS)
             if post_norm < 0:
                 _add_rows(x, y, c * CHUNK_ROWS)
             c = _done_claim(work, phase)
     phase = _wait(work, phase, n)
-    return _post_norm_add(work, phase, x, y, vecs, post_norm, eps), sink
+    return _post_norm_add(work, phase, x, y, vecs, post_norm, eps)
 
 
 @njit(cache=True, nogil=True)
@@ -295,11 +293,10 @@ def _prepare(xs, mine, xq):
 @njit(cache=True, nogil=True)
 def _product(codes, scales, mats, m, xs, mine, xq, out, vecs, bias_at, r0):
     """Rows r0..r0 + CHUNK_ROWS (or the last) of out = xs W_m^T, xs [n, cols] and out [n, rows] (+ the bias at
-    vecs[bias_at:] where bias_at >= 0). Returns the q8 kernels' prefetch OR (see matvec._touch_lines)."""
+    vecs[bias_at:] where bias_at >= 0)."""
     rows, cols = mats[m, ROWS], mats[m, COLS]
     n = xs.shape[0]
     r1 = min(r0 + CHUNK_ROWS, rows)
-    touched = np.uint8(0)
     at, cc = mats[m, CODES_AT], mats[m, CODE_COLS]
     kind = mats[m, KIND]
     if kind == KIND_F32:
@@ -312,14 +309,12 @@ def _product(codes, scales, mats, m, xs, mine, xq, out, vecs, bias_at, r0):
         bias = scales[mats[m, BIAS_AT]:mats[m, BIAS_AT] + rows * bias_cols].reshape(rows, bias_cols)
         by16 = cols // nb == 16
         layout = INT_Q4 if kind == KIND_Q4 else INT_Q8_16 if by16 else INT_Q8
-        touched = _int_rows(layout, codes[at:at + rows * cc].reshape(rows, cc), scale, bias, _rows(xq, n, cols),
-                            _rows(mine[P_XD], n, cols // X_BLOCK), _rows(mine[P_XS16 if by16 else P_XS32], n, nb),
-                            out, r0, r1)
+        _int_rows(layout, codes[at:at + rows * cc].reshape(rows, cc), scale, bias, _rows(xq, n, cols),
+                  _rows(mine[P_XD], n, cols // X_BLOCK), _rows(mine[P_XS16 if by16 else P_XS32], n, nb), out, r0, r1)
     if bias_at >= 0:
         for t in range(n):
             for r in range(r0, r1):
                 out[t, r] += vecs[bias_at + r]
-    return touched
 
 
 @njit(cache=True, nogil=True)
