@@ -14,6 +14,10 @@
 #                                      draft (drafter qwen2.5-coder-0.5b); MODEL qwen05 (default) or qwen15; needs
 #                                      .data/niah-corpus.json (lucekv bench niah-corpus -o .data/niah-corpus.json;
 #                                      git-ignored, ~8 MB) carried
+#   bash bench/gpu_session.sh niah-diagnose CTX POOL  issue 29's diagnosis (bench/niah_diagnose.py) of the 0.5b's
+#                                      10 cases per task at CTX tokens and a POOL-token pool: draft and the oracles
+#                                      (asked needles, every needle), on pool vs full K/V; ~5 min; needs the corpus
+#                                      and /tmp/qwen2.5-coder-0.5b.gguf as niah does
 #   bash bench/gpu_session.sh spec [WORKLOADS] [qwen15|qwen05]  lucekv bench spec: qwen2.5-coder-1.5b target, 0.5b draft
 #                                      (or the 0.5b alone: suffix and auto), greedy, verify forward ms by width
 #                                      (matvec rows vs all matmul) and the kernels of a 17-token verify forward,
@@ -159,6 +163,15 @@ niah)
     --tasks multikey,multivalue,vartrack --cases 10 --residencies "${4:-0.0625,0.125}" --policies quest,lru,draft \
     --kv-drafter /tmp/qwen2.5-coder-0.5b.gguf --corpus .data/niah-corpus.json \
     --json "$OUT/niah-$(basename "$M" .gguf)-$CTX-${4:-all}.json" 2>&1 >/dev/null | grep --line-buffered -v -i warning
+  ;;
+niah-diagnose)
+  CTX=${2:?context in tokens}; POOL=${3:?pool tokens}; M=/tmp/qwen2.5-coder-0.5b.gguf
+  [ -f "$M" ] && [ -f .data/niah-corpus.json ] || { echo "needs $M and .data/niah-corpus.json" >&2; exit 1; }
+  for T in multikey multivalue vartrack; do
+    python3 bench/niah_diagnose.py --backend cuda --model "$M" --context "$CTX" --pool "$POOL" --task $T \
+      --cases 0,1,2,3,4,5,6,7,8,9 --experiments draft,oracle-asked,oracle-allneedles --kv pool,full \
+      --json "$OUT/niah-diagnose-$T-$CTX-$POOL.json" 2>&1 | grep --line-buffered -v -i warning | cut -c1-160
+  done
   ;;
 serve)
   LS=${TMPDIR:-/tmp}/llama.cpp/build/bin/llama-server

@@ -36,7 +36,7 @@ from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, moe, n
 from lucekv.kernels.cuda._numba import device_zeros, ordering_event, overlapped_launches
 from lucekv.kernels.cuda.embed import embed
 from lucekv.kernels.cuda.matmul import matmul
-from lucekv.kernels.cuda.matvec import MAX_TOKENS, TOKEN_KINDS, fuses_norm, matvecs
+from lucekv.kernels.cuda.matvec import MAX_TOKENS, fuses_norm, matvecs, reads_once
 from lucekv.kernels.cuda.packed import (
     GATE_ROWS,
     GELU,
@@ -559,7 +559,7 @@ class CudaOps:
         a wave of small blocks and reads the weights once per MAX_TOKENS tokens of a quantized matrix, once per token
         of another (a grid row per token, the weights of the rows after the first from L2), so its time grows with
         those reads x rows. An output head (150K rows) stays a matmul: it reads its weights once."""
-        reads = -(-n // MAX_TOKENS) if w.kind in TOKEN_KINDS else n
+        reads = -(-n // MAX_TOKENS) if reads_once(w) else n
         return reads * w.rows <= self.matvec_token_rows
 
     def rmsnorm(self, x, w, groups: int = 1):

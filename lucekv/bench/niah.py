@@ -6,8 +6,9 @@ generated from a corpus file (`lucekv bench niah-corpus`). Greedy completions, e
 share of its expected strings in the completion; a configuration's recall is the mean over its cases.
 
 Per case the JSON also says, for a pooled run, where the chunks holding the needles the answer needs stand after
-the prompt: resident or not, and their rank among the evictable chunks in the policy's last scores (0 = best):
-a miss with the needle resident is the model's, a miss with it paged out is the selection's.
+the answer: resident or not (and when its first token was sampled: `needle_resident_at_answer`), and their rank among
+the evictable chunks in the policy's last scores (0 = best): a miss with the needle resident is the model's, a miss
+with it paged out is the selection's.
 """
 
 from __future__ import annotations
@@ -65,10 +66,16 @@ def cases_for(task: str, context: int, n_cases: int, corpus: dict | None, tokeni
 
 def run_case(engine: lucekv.Engine, case: ruler.Case, session_id: str = "") -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=case.max_tokens)
-    text = "".join(d.text for d in engine.generate(case.ids, params, session_id))
+    pieces, at_answer = [], None
+    for d in engine.generate(case.ids, params, session_id):
+        if at_answer is None and engine.paged is not None:  # the residency the answer's first token saw
+            at_answer = engine.paged.pager.block_of[: engine.paged.pager.n_chunks] >= 0
+        pieces.append(d.text)
+    text = "".join(pieces)
     row = {"index": case.index, "kind": case.kind, "depth": case.depth, "score": case.score(text), "output": text}
     if engine.paged is not None:
         row.update(needle_placement(engine, case))
+        row["needle_resident_at_answer"] = [bool(at_answer[c]) for c in row["needle_chunks"]]
     return row
 
 

@@ -382,7 +382,9 @@ class Engine:
         tail, the question, never saw what it asks about. The tail is the prompt's last piece (Request.tail_start):
         its own queries rank the chunks, the best come back, and the tail is computed again, so that its K/V and the
         first sample see them (twice: the second ranking reads the queries of a tail that has seen the first
-        recall)."""
+        recall). The resident chunks before the tail are computed again first, in order, each beside the ones before
+        it: recalled needles were read beside whatever was recent then, and read so they led the question to a
+        similar needle instead of the one asked (issue 29)."""
         logits = self._forward(r, r.ids[start : start + n], start)
         if r.prefilling:
             return
@@ -393,6 +395,7 @@ class Engine:
         for _ in range(RECALL_ROUNDS if tail else 0):
             if not r.session.paged.recall_for_prompt(tail):
                 break
+            self._recompute(r, r.session.paged.resident_spans(r.tail_start))
             del r.session.tokens[r.tail_start :]
             pos = r.tail_start
             while pos < len(r.ids):
@@ -400,6 +403,18 @@ class Engine:
                 logits = self._forward(r, r.ids[pos : pos + n], pos)
                 pos += n
         r.take(logits[-1])
+
+    def _recompute(self, r: Request, spans: list[tuple[int, int]]) -> None:
+        """The K/V of the prompt's positions in `spans` [start, end) computed again, in order (the tokens stay)."""
+        seq = r.session.paged
+        for start, end in spans:
+            while start < end:
+                n = self._piece(seq, start, end - start)
+                slots = seq.alloc(start, n)
+                self.backend.forward(np.asarray(r.ids[start : start + n], np.int32),
+                                     np.arange(start, start + n, dtype=np.int32), slots, tables=[seq.table()])
+                seq.after_forward(decoded=0)
+                start += n
 
     def _forward(self, r: Request, ids: list[int], start: int, decoded: int = 0, all_logits: bool = False,
                  greedy: bool = False) -> np.ndarray:

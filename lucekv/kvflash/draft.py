@@ -7,12 +7,16 @@ seen the whole context, where the target's prompt tail was computed beside the f
 Its keys are kept on the host per sealed chunk (read once through the backend's `chunk_keys`), so a reselect's
 scoring runs on the host like the other scorers, in the background during decode.
 
-Score of a position: the attention probability the drafter's heads give it, summed over every layer and head and
-averaged over its last DRAFT_QUERIES queries; smoothed over 13 positions (a needle cut by a chunk boundary lends
-its neighbour some); a chunk scores the sum over its positions: the attention mass it draws. (Lucebox takes the
-largest probability over heads instead; on qwen2.5-coder-0.5b at 4K, issue 29's diagnosis, the sum ranked the
-needles' chunks higher: a multivalue case's four at 0, 11, 2, 1 by the sum of the last query's mass, 1, 20, 2, 3
-by the largest.)
+Score of a position: the attention probability the drafter's heads give it, summed over every head of the last two
+thirds of its layers and averaged over its last DRAFT_QUERIES queries; smoothed over 13 positions (a needle cut by a
+chunk boundary lends its neighbour some); a chunk scores the sum over its positions: the attention mass it draws.
+(Lucebox takes the largest probability over heads instead; on qwen2.5-coder-0.5b at 4K, issue 29's diagnosis, the
+sum ranked the needles' chunks higher: a multivalue case's four at 0, 11, 2, 1 by the sum of the last query's mass,
+1, 20, 2, 3 by the largest.) The first third of the layers is left out as quest leaves it out: its attention is local,
+and summed in it spent the budget on the chunks just before the protected tail (a multikey case's best five at a
+4K prompt: 19, 61, 33, 59, 60 with it, 19, 33, 1, 39 (needles) and 3 without); 16 queries reach back into the
+question, where it names its key (another case's asked needle, two chunks, ranked 8 and 3 by 8 queries of every
+layer, 4 and 1 by 16 of the last two thirds).
 """
 
 from __future__ import annotations
@@ -25,7 +29,12 @@ import numpy as np
 from lucekv.kvflash.pager import CHUNK_TOKENS, Pager
 
 SMOOTH = 13  # positions averaged around each one (lucebox's AvgPool kernel)
-DRAFT_QUERIES = 8  # the drafter's last tokens whose attention scores
+DRAFT_QUERIES = 16  # the drafter's last tokens whose attention scores
+
+
+def first_scored_layer(n_layers: int) -> int:
+    """The first layer the attention scorers (quest, draft) read: the first third is positional and local."""
+    return n_layers // 3
 
 
 class DraftReader:
@@ -147,7 +156,7 @@ class DraftScorer(WithoutAttention):
         n = sealed.shape[1] + rest.shape[1]
         n_kv = sealed.shape[2]
         mass = np.zeros((rows, n), np.float32)  # per query and position: the probability summed over heads
-        for layer in range(n_layer):
+        for layer in range(first_scored_layer(n_layer), n_layer):
             k = np.concatenate([sealed[layer], rest[layer]]).astype(np.float32).transpose(1, 2, 0)  # [n_kv, d, n]
             q = queries[:, layer].reshape(rows, n_kv, n_head // n_kv, d).transpose(1, 2, 0, 3)  # [n_kv, g, rows, d]
             p = (q.reshape(n_kv, -1, d) @ k).reshape(n_head, rows, n)  # logits, BLAS; softmax in place

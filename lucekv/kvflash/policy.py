@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lucekv.errors import ConfigError
-from lucekv.kvflash.draft import DraftReader, DraftScorer, WithoutAttention
+from lucekv.kvflash.draft import DraftReader, DraftScorer, WithoutAttention, first_scored_layer
 from lucekv.kvflash.pager import UNSCORED, Move, Pager, scores_from_text, scores_text
 
 POLICIES = ("lru", "quest", "meankey", "draft")
@@ -190,7 +190,7 @@ class BoundScorer(_QueryScorer):
         self.block = block  # chunks scored per matmul
 
     def seal(self, pager: Pager, chunk: int, keys: np.ndarray) -> None:
-        keys = keys[_first_scored(len(keys)) :]
+        keys = keys[first_scored_layer(len(keys)) :]
         n_layers, t, n_kv, d = keys.shape
         # reduce over the tokens of a sub-page in the keys' own layout (rows of n_kv*d contiguous values) and
         # dtype (min and max are exact), then reorder the small results to [layers, kv heads, sub-pages, d]
@@ -206,7 +206,7 @@ class BoundScorer(_QueryScorer):
         q, sealed, out, kmin, kmax = inputs
         if len(sealed) == 0:
             return out
-        q = q[:, _first_scored(q.shape[1]) :]
+        q = q[:, first_scored_layer(q.shape[1]) :]
         r, n_layers, n_kv, g, d = q.shape
         # [layers, kv heads, 1, d, R*group], against each (layer, head, sub-page)'s [chunks, d] rows of the tables
         # as they are stored: one matmul each, on strided views (no gather, transpose or conversion of the tables;
@@ -376,11 +376,6 @@ def make_policy(name: str, n_kv_head: int, tau: int = 64, drafter: DraftReader |
     if name not in scorers:
         raise ConfigError(f"unknown kv policy {name!r} (choose {', '.join(POLICIES)})")
     return Policy(scorers[name](), tau)
-
-
-def _first_scored(n_layers: int) -> int:
-    """The first layer quest scores: the first third is left out."""
-    return n_layers // 3
 
 
 def _in_threads(fill, n: int, block: int) -> None:

@@ -106,6 +106,20 @@ class PagedSequence:
         self._run(moves)
         return any(isinstance(m, PageIn) for m in moves)
 
+    def resident_spans(self, end: int) -> list[tuple[int, int]]:
+        """Position spans [start, stop) of the resident chunks past the sinks, below `end`, neighbours joined: what a
+        prompt computes again after its recall (Engine._prefill)."""
+        p, spans = self.pager, []
+        for c in p.resident_chunks().tolist():
+            start, stop = c * p.chunk, min((c + 1) * p.chunk, end)
+            if c < p.sink_chunks or start >= stop:
+                continue
+            if spans and spans[-1][1] == start:
+                spans[-1] = (spans[-1][0], stop)
+            else:
+                spans.append((start, stop))
+        return spans
+
     def truncate(self, n_tokens: int) -> None:
         if self.policy is not None:
             self.policy.drop_pending()  # scored against chunks that are cut now

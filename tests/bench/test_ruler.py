@@ -82,3 +82,18 @@ def test_bad_requests_are_refused(corpus, tmp_path):
 
 def test_a_cut_json_array_yields_its_complete_items():
     assert list(ruler._json_array_items('[{"a": 1}, {"b": [2, 3]},\n {"c": "cut sho')) == [{"a": 1}, {"b": [2, 3]}]
+
+
+@pytest.mark.parametrize(("pool", "resident"), [(1152, True), (256, False)])
+def test_a_pooled_case_says_whether_its_needle_was_resident_when_the_answer_began(pool, resident, tmp_path):
+    from functools import partial
+
+    import lucekv
+    from lucekv.bench import niah
+    from lucekv.model.synth import write_synthetic_gguf
+
+    model = write_synthetic_gguf(tmp_path / "tiny.gguf", "llama", n_ctx=2048, vocab=512)
+    engine = lucekv.load(model, backend="cpu", kv_pool=pool, kv_policy="lru")  # lru recalls nothing for a prompt
+    case = niah.passkey_case(0, 1024, partial(engine.tokenizer.encode, add_special=False), [0.5])
+    row = niah.run_case(engine, case)
+    assert row["needle_chunks"] == [case.needles[0][0] // 64] and row["needle_resident_at_answer"] == [resident]

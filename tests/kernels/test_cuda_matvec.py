@@ -13,6 +13,14 @@ from tests.kernels.cuda_sim import needs_gpu, needs_kernels, run_in_simulator
 from tests.kernels.test_cuda_kernels import check_matvec, dense, random_packed, rel_err
 
 
+@pytest.fixture(autouse=True)
+def every_matrix_takes_the_several_token_kernels(monkeypatch):
+    """These tests' matrices are small: the several-token kernels take them all the same (TOKEN_MIN_ROWS)."""
+    from lucekv.kernels.cuda import matvec
+
+    monkeypatch.setattr(matvec, "TOKEN_MIN_ROWS", 0)
+
+
 @pytest.mark.skipif(available(), reason="kernels run directly in this process")
 def test_matvec_in_simulator():
     run_in_simulator(__file__)

@@ -58,16 +58,17 @@ def test_the_reader_forwards_only_what_is_new_and_keeps_the_drafters_keys(model)
     np.testing.assert_allclose(queries, fresh.backend.recent_queries()[-DRAFT_QUERIES:], rtol=1e-4, atol=1e-4)
 
 
-def test_draft_scores_rank_first_the_chunk_one_head_looks_at():
+@pytest.mark.parametrize(("layer", "first"), [(2, True), (0, False)])
+def test_draft_scores_rank_first_the_chunk_one_head_looks_at_past_the_first_third_of_the_layers(layer, first):
     rng = np.random.default_rng(3)
     rows, layers, heads, kv, d, n = 4, 3, 4, 2, 16, 64 * 10 + 5
     queries = rng.standard_normal((rows, layers, heads, d)).astype(np.float32)
     keys = rng.standard_normal((layers, n, kv, d)).astype(np.float16)
-    q = queries[:, 2, 1].mean(axis=0)  # layer 2, q-head 1 (KV head 0): every query leans its way
-    keys[2, 3 * 64 + 10, 0] = 12 * q / np.linalg.norm(q)
+    q = queries[:, layer, 1].mean(axis=0)  # q-head 1 (KV head 0): every query leans its way
+    keys[layer, 3 * 64 + 10, 0] = 12 * q / np.linalg.norm(q)
     scorer = DraftScorer(reader=None, history=list)
     scores = scorer.score((1, queries, keys[:, :640], keys[:, 640:]))
-    assert scores.shape == (11,) and int(np.argmax(scores)) == 3
+    assert scores.shape == (11,) and (int(np.argmax(scores)) == 3) == first  # layer 0 (positional) is not read
 
 
 def generate(engine, ids, session_id="", n=40):

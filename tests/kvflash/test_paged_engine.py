@@ -77,6 +77,15 @@ def test_a_pooled_prompt_tail_is_computed_again_after_its_queries_recall_chunks(
     assert tail[0][1] == 64 and 2 <= len(tail) <= 3  # the tail alone, then again after each recall (2 rounds)
     assert all(later[2] > earlier[2] for earlier, later in zip(tail, tail[1:], strict=False))  # chunks came back
     assert calls[-1][0] == 2048 - 64  # nothing else before the first sample
+    # before each tail again, the resident chunks between the sink and the tail, in order, their tokens only
+    again = calls[calls.index(tail[0]) + 1 : calls.index(tail[1])]
+    assert again and all(pos % 64 == 0 and 64 <= pos and pos + n <= 2048 - 64 for pos, n, _ in again)
+    assert [pos for pos, _, _ in again] == sorted(pos for pos, _, _ in again)
+    spans = engine.paged.resident_spans(2048 - 64)  # of the last recall: whole resident chunks, neighbours joined
+    resident = engine.paged.pager.resident_chunks().tolist()
+    assert {p for a, b in spans for p in range(a, b)} == {p for c in resident for p in range(64 * c, 64 * c + 64)
+                                                         if 64 <= p < 2048 - 64}
+    assert all(b < a for (_, b), (a, _) in zip(spans, spans[1:], strict=False))
 
 
 def test_decode_never_reads_a_free_or_paged_out_slot(model):

@@ -96,8 +96,14 @@ def matvec(w: DeviceMatrix, x, out, stream=0, norm: tuple | None = None) -> None
 
 def takes_tokens(w: DeviceMatrix, out, n: int, norm: tuple | None = None) -> bool:
     """Whether `matvec` runs a product of n tokens with the several-token kernels (one weight read per MAX_TOKENS
-    tokens): n > 1 of a quantized matrix, into rows (not AttentionInputs), x normalized by the caller."""
-    return n > 1 and norm is None and w.kind in TOKEN_KINDS and not isinstance(out, AttentionInputs)
+    tokens): n > 1 of a quantized matrix of TOKEN_MIN_ROWS rows or more, into rows (not AttentionInputs), x
+    normalized by the caller."""
+    return n > 1 and norm is None and reads_once(w) and not isinstance(out, AttentionInputs)
+
+
+def reads_once(w: DeviceMatrix) -> bool:
+    """Whether products of several tokens of w read its weights once per MAX_TOKENS tokens (else once per token)."""
+    return w.kind in TOKEN_KINDS and w.rows >= TOKEN_MIN_ROWS
 
 
 def matvecs(products: Sequence[tuple[DeviceMatrix, object]], x, stream=0, norm: tuple | None = None) -> None:
@@ -521,6 +527,10 @@ def _make_run_body(kind: str, load, row, words: int, dest: str):
 TOKEN_WARPS = 4  # warps per block of the several-token kernels
 TOKEN_BLOCKS_PER_SM = 2  # their launch bounds: up to 255 registers per thread
 MAX_TOKENS = 8  # tokens per block: x takes 16 registers per token
+# Fewer rows: the one-token kernel with a grid row per token is faster, its small blocks filling the GPU where 32 rows
+# a block leave it idle. H100, 2 / 8 / 17 tokens: 1536x1536 Q4_K 8.4 / 21.8 / 27.7 us against 6.5 / 13.1 / 22.6;
+# 4096x4096 13.2 / 30.2 / 85.2 against 16.4 / 51.6 / 104.1 (bench/results/h100-matvec-rows.json).
+TOKEN_MIN_ROWS = 4096
 TOKEN_ROWS_PER_BLOCK = 32
 TOKEN_PARTIALS = MAX_WARPS * TOKEN_ROWS_PER_BLOCK  # per token: one float per (logical warp, row) of a block
 
