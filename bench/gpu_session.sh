@@ -42,7 +42,7 @@
 # Results go to $OUT (the device tool brings them back). Prepare here first (all git-ignored):
 #   .whl/     wheels the GPU machine lacks (gguf, threadpoolctl, grpcio>=1.85.1, protobuf, pytest), see shared/GPU.md
 #   .anchors/ bash ../shared/tools/prepare_llamacpp_anchor.sh .anchors; cp ../shared/tools/synth_gguf.py .anchors/
-#   .models/  split -b 50M -d -a 2 smollm2-135m.gguf .models/smollm2.part  (one piece per call: 64 MiB limit;
+#   .models/  split -b 61M -d -a 2 smollm2-135m.gguf .models/smollm2.part  (one piece per call: 64 MiB with the tree;
 #             each call's piece is copied to /tmp, which lasts while the machine stays warm; also gemma3, qwen05)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
