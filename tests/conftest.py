@@ -14,6 +14,12 @@ from pathlib import Path
 import pytest
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The simulator tests go last: each only waits for its file's child run, which the background thread started
+    at collection; placed last, the other tests run on one core while those children run on the other."""
+    items.sort(key=lambda item: item.originalname.endswith("in_simulator"))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Without a GPU, the simulator runs of the collected CUDA test files start now, in the background."""
     from lucekv.kernels.cuda import available
