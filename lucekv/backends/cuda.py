@@ -36,7 +36,7 @@ from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, moe, n
 from lucekv.kernels.cuda._numba import device_zeros, ordering_event, overlapped_launches
 from lucekv.kernels.cuda.embed import embed
 from lucekv.kernels.cuda.matmul import matmul
-from lucekv.kernels.cuda.matvec import MAX_TOKENS, fuses_norm, matvecs, reads_once
+from lucekv.kernels.cuda.matvec import fuses_norm, matvecs, weight_reads
 from lucekv.kernels.cuda.packed import (
     GATE_ROWS,
     GELU,
@@ -181,8 +181,8 @@ MAX_VERIFY = 65  # widths of verify forwards that replay a captured graph (specu
 VERIFY_STEP = 4  # verify blocks are padded to a multiple of this: graphs of widths 4, 8, .., 68 replay them
 # products of n > 1 tokens whose weight reads x rows are up to this run as matvec rows (CudaOps.as_matvec_rows):
 # estimated from the kernels' shapes (a matmul step ~0.5 us, matvec rows at ~2 TB/s, ~0.6 bytes a weight: they break
-# even near 50K). Quantized matrices are read once per MAX_TOKENS tokens (matvec.takes_tokens), f32 once per token:
-# qwen2.5-1.5b's layer products to 64 tokens but gate/up (17920 rows) to 8; an 8B's q/o/down to 64, gate/up to 16
+# even near 50K). Quantized matrices are read once per grid row of up to 8 tokens where the several-token kernels
+# take them (matvec.weight_reads), else (small ones, f32) once per token
 MATVEC_TOKEN_ROWS = 32768
 # a grid with this many warps per SM or more fills the GPU (an 8B model's products and attention hold 9.7 to 15.5,
 # the 0.5B's 1.7 to 8.5): see overlap_kernel_launches
@@ -556,11 +556,10 @@ class CudaOps:
         tensor-core matmul block computes 128 rows x 64 tokens walking every column, so a product of few tokens and
         few rows is a fraction of a wave of blocks whose time is that walk's, whatever n (qwen2.5-0.5b's down
         projection: 7 blocks of 152 steps, for 2 tokens as for 64); the matvec spreads one token's rows over
-        a wave of small blocks and reads the weights once per MAX_TOKENS tokens of a quantized matrix, once per token
-        of another (a grid row per token, the weights of the rows after the first from L2), so its time grows with
-        those reads x rows. An output head (150K rows) stays a matmul: it reads its weights once."""
-        reads = -(-n // MAX_TOKENS) if reads_once(w) else n
-        return reads * w.rows <= self.matvec_token_rows
+        a wave of small blocks and reads the weights once per grid row of several tokens, or once per token
+        (`matvec.weight_reads`: the weights of the rows after the first from L2), so its time grows with those
+        reads x rows. An output head (150K rows) stays a matmul: it reads its weights once."""
+        return weight_reads(w, n) * w.rows <= self.matvec_token_rows
 
     def rmsnorm(self, x, w, groups: int = 1):
         out = self._empty(*x.shape)

@@ -54,10 +54,13 @@ def check_each_alone(product, x: np.ndarray, outs: list[int]) -> np.ndarray:
     (Q.Q5_0, 5, 512, 9),  # q6's device form without sub-scales; 2 grid rows of 8 tokens, the second mostly empty
     (Q.Q4_0, 3, 5120, 2),  # 5 logical warps on 3 of a block (one idle in the second round)
     (Q.Q8_0, 5, 1280, 3),  # q8 lanes' chunks c and c + 32: the second warp's second chunks past the row's end
+    (Q.Q4_K, 40, 256, 8),  # 8 tokens a block, two register buffers a warp, the last block's rows mostly past the end
+    (Q.Q6_K, 24, 256, 7),  # three buffers a warp (the first one twice), two grid rows, the second with a padding token
 ], ids=lambda v: getattr(v, "name", str(v)))
 def test_matvec_of_several_tokens_reads_each_weight_once_and_equals_each_tokens_own_product(qtype, rows, cols, n):
-    """The several-token kernels (`_launch_tokens`): within 1e-3 of float64, and bit for bit each token's own
-    one-token product (same partials, summed in the same order)."""
+    """The several-token kernels (`_launch_tokens`, cut as `token_plan` chooses, the comments: in the simulator, one
+    SM): within 1e-3 of float64, and bit for bit each token's own one-token product (same partials, summed in the
+    same order)."""
     from lucekv.kernels.cuda.matvec import matvec
     from lucekv.kernels.cuda.packed import upload
 
@@ -135,23 +138,31 @@ def test_matvec_model_shapes_gpu(qtype, rows, cols):
     (Q.Q4_K, 17920, 1536),  # Qwen2.5-1.5B gate / up: 2 logical warps
     (Q.Q6_K, 1536, 8960),  # its down projection: 9 logical warps on 3 of a block
     (Q.Q4_K, 4096, 12288),  # an 8B down width, 12 logical warps
+    (Q.Q4_K, 1536, 1536),  # Qwen2.5-1.5B q / o: two logical warps, the second half idle
+    (Q.Q6_K, 256, 1536),  # its k / v
+    (Q.Q5_0, 896, 896),  # Qwen2.5-0.5B q / o: one logical warp
 ], ids=lambda v: getattr(v, "name", str(v)))
 def test_matvec_of_several_tokens_at_model_shapes_gpu(qtype, rows, cols):
-    """Verify blocks and decode rows: each token of 2, 17 and 32 equal bit for bit to the per-token path (the
-    one-token kernel's grid rows), and within 1e-3 of float64."""
-    from lucekv.kernels.cuda.matvec import matvec, matvec_per_token
+    """Verify blocks and decode rows: each token of 2, 5, 17 and 32 equal bit for bit to the per-token path (the
+    one-token kernel's grid rows), at every tokens-per-block, and within 1e-3 of float64."""
+    from lucekv.kernels.cuda.matvec import matvec, matvec_per_token, matvec_tokens
     from lucekv.kernels.cuda.packed import upload
 
     m = random_packed(np.random.default_rng(3), qtype, rows, cols)
     w, w64 = upload(m), dense(m)
-    for n in (2, 17, 32):
+    for n in (2, 5, 17, 32):
         x = np.random.default_rng(n).standard_normal((n, cols)).astype(np.float32)
-        outs = [cuda.device_array((n, rows), np.float32) for _ in range(2)]
-        matvec(w, cuda.to_device(x), outs[0])
-        matvec_per_token(w, cuda.to_device(x), outs[1])
-        got, per_token = (o.copy_to_host() for o in outs)
-        np.testing.assert_array_equal(got, per_token, err_msg=f"{n} tokens")
-        assert rel_err(got, x.astype(np.float64) @ w64.T) <= 1e-3
+        per_token = cuda.device_array((n, rows), np.float32)
+        matvec_per_token(w, cuda.to_device(x), per_token)
+        per_token = per_token.copy_to_host()
+        for tokens in (None, 2, 4, 8):
+            out = cuda.device_array((n, rows), np.float32)
+            if tokens is None:
+                matvec(w, cuda.to_device(x), out)
+            else:
+                matvec_tokens(w, cuda.to_device(x), out, tokens)
+            np.testing.assert_array_equal(out.copy_to_host(), per_token, err_msg=f"{n} tokens, {tokens} a block")
+        assert rel_err(per_token, x.astype(np.float64) @ w64.T) <= 1e-3
 
 
 @pytest.mark.gpu

@@ -24,9 +24,10 @@ Decode reads every weight byte once per token, so these kernels stream HBM with 
   shared memory: no atomics, one plain store per output.
 Bias costs no pass of its own: a column block contributes `scale * dot + bias * sum(x)`, sum(x) taken from
 the unquantized x, and no bytes when the matrix has none (DeviceMatrix.has_bias).
-Several tokens (a short batch: a verify block, decode rows) of a quantized matrix: each weight word loaded once for
-up to MAX_TOKENS tokens, whose int8 x a lane keeps in registers (`_make_tokens_body`, same sums as one token's, bit
-for bit); f32 matrices, fused norms and attention inputs: grid rows of the one-token kernel, one per token.
+Several tokens (a short batch: a verify block, decode rows) of a quantized matrix big enough to fill the GPU
+(`several_tokens`): each weight word loaded once for up to TOKENS_PER_BLOCK tokens, whose int8 x, quantized once per
+block, a lane keeps in registers (`_make_tokens_body`, same sums as one token's, bit for bit); smaller ones, f32
+matrices, fused norms and attention inputs: grid rows of the one-token kernel, one per token.
 Fusions that save a launch and a pass over the activations each: the RMSNorm of x (`norm`), taken by every
 block from the 32 columns each lane loads anyway (one block-wide sum), and what the output rows receive
 (an `Epilogue`: split into separate arrays, plus a bias and a residual; or `AttentionInputs`: q and k rotated,
@@ -39,10 +40,12 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from lucekv.kernels.cuda._numba import (
+    ALIGN_16,
     SIMULATOR,
     WARP,
     await_grid,
@@ -52,8 +55,10 @@ from lucekv.kernels.cuda._numba import (
     dot4_u8s8,
     jit_bounded,
     jit_inlined,
+    load4,
     load_f32x4,
     load_u32x4,
+    store4,
     warp_shfl_xor,
     warp_sum,
 )
@@ -86,8 +91,8 @@ HI_STEPS = np.float32(127)  # |hi| <= 127, and |lo| <= 128 before it is clamped 
 
 
 def matvec(w: DeviceMatrix, x, out, stream=0, norm: tuple | None = None) -> None:
-    """out[n, rows] = x[n, cols] @ W.T, for n of 1 to a few: weights streamed once per MAX_TOKENS tokens where
-    `takes_tokens`, else once per token.
+    """out[n, rows] = x[n, cols] @ W.T, for n of 1 to a few: weights streamed `weight_reads(w, n)` times (once per
+    TOKENS_PER_BLOCK tokens where `takes_tokens`, else once per token).
 
     out: a device array, an Epilogue, or AttentionInputs (q/k/v rows rotated and stored). norm: (weight [cols],
     eps) to use RMSNorm(x) * weight for x, where `fuses_norm(w)`."""
@@ -95,15 +100,23 @@ def matvec(w: DeviceMatrix, x, out, stream=0, norm: tuple | None = None) -> None
 
 
 def takes_tokens(w: DeviceMatrix, out, n: int, norm: tuple | None = None) -> bool:
-    """Whether `matvec` runs a product of n tokens with the several-token kernels (one weight read per MAX_TOKENS
-    tokens): n > 1 of a quantized matrix of TOKEN_MIN_ROWS rows or more, into rows (not AttentionInputs), x
-    normalized by the caller."""
-    return n > 1 and norm is None and reads_once(w) and not isinstance(out, AttentionInputs)
+    """Whether `matvec` runs a product of n tokens with the several-token kernels: where `several_tokens`, into rows
+    (not AttentionInputs), x normalized by the caller."""
+    return norm is None and several_tokens(w, n) and not isinstance(out, AttentionInputs)
 
 
-def reads_once(w: DeviceMatrix) -> bool:
-    """Whether products of several tokens of w read its weights once per MAX_TOKENS tokens (else once per token)."""
-    return w.kind in TOKEN_KINDS and w.rows >= TOKEN_MIN_ROWS
+def several_tokens(w: DeviceMatrix, n: int) -> bool:
+    """Whether products of n > 1 tokens of w (into rows) take the several-token kernels: a quantized matrix of
+    TOKEN_MIN_ROWS rows or more, or one whose `token_plan` costs less than the one-token kernel's grid rows."""
+    if n < 2 or w.kind not in TOKEN_KINDS:
+        return False
+    return w.rows >= TOKEN_MIN_ROWS or token_plan(w, n, False).cost < _per_token_cost(w, n)
+
+
+def weight_reads(w: DeviceMatrix, n: int) -> int:
+    """How many times a product of n tokens of w (into rows) streams its weights: once per grid row of the
+    several-token kernels, else once per token."""
+    return token_plan(w, n, False).groups if several_tokens(w, n) else n
 
 
 def matvecs(products: Sequence[tuple[DeviceMatrix, object]], x, stream=0, norm: tuple | None = None) -> None:
@@ -120,6 +133,11 @@ def matvecs(products: Sequence[tuple[DeviceMatrix, object]], x, stream=0, norm: 
     for p in products:
         if p[0].kind == "f32":
             _launch([p], x, stream, norm)
+
+
+def matvec_tokens(w: DeviceMatrix, x, out, tokens: int, stream=0) -> None:
+    """`matvec` with the several-token kernels at up to `tokens` tokens a block whatever n (benchmarks compare)."""
+    _launch_tokens(w, x, as_epilogue(out), stream, tokens)
 
 
 def matvec_per_token(w: DeviceMatrix, x, out, stream=0) -> None:
@@ -173,17 +191,13 @@ def _warps_and_passes(cols: int) -> tuple[int, int]:
     return blocks(segments, n_pass), n_pass
 
 
-def _launch_tokens(w: DeviceMatrix, x, ep, stream) -> None:
-    """x's n > 1 rows in grid rows of up to MAX_TOKENS tokens (as few as cover n, evenly: a power of two each)."""
-    n = x.shape[0]
-    groups = blocks(n, MAX_TOKENS)
-    tokens = 1 << (blocks(n, groups) - 1).bit_length()
+def _launch_tokens(w: DeviceMatrix, x, ep, stream, tokens: int | None = None) -> None:
+    """x's rows as `token_plan` cuts them (tokens: at most that many a block)."""
+    plan = token_plan(w, x.shape[0], ep.gate != NO_GATE, tokens)
     n_warps, n_pass = _warps_and_passes(w.cols)
-    warps = blocks(n_warps, blocks(n_warps, TOKEN_WARPS))  # the fewest rounds, evenly shared
-    resident = TOKEN_BLOCKS_PER_SM * TOKEN_WARPS  # warps per SM at the kernels' launch bounds
-    rows = _rows_per_block([(w.rows, w.kind, ep.gate != NO_GATE)], warps, groups, TOKEN_ROWS_PER_BLOCK, resident)[0]
-    grid = (blocks(w.rows, rows), groups)
-    _tokens_kernel(w.kind, tokens)[grid, warps * WARP, stream](w.quant, x, ep, n_warps, n_pass, rows)
+    grid = (blocks(w.rows, TOKEN_WARPS * plan.rows_per_warp), plan.groups)
+    _tokens_kernel(w.kind, plan.tokens)[grid, TOKEN_WARPS * WARP, stream](w.quant, x, ep, n_warps, n_pass,
+                                                                           plan.rows_per_warp)
 
 
 def fuses_norm(w: DeviceMatrix) -> bool:
@@ -517,22 +531,86 @@ def _make_run_body(kind: str, load, row, words: int, dest: str):
 
 # ---- several tokens: each weight word loaded once for all of them ----------------------------------------------
 # A short batch (verify blocks, decode rows) as grid rows of the one-token kernel reads every weight once per token,
-# all but the first from L2, and runs a wave of blocks per token. The block of `_make_tokens_body` keeps the int8 x
-# of `tokens` tokens in registers (16 words each) and applies each row's words to all of them. Its warps take the
-# one-token kernel's warps ("logical warps", each a run of segments) in turn: a block of up to TOKEN_WARPS warps has
-# the registers for the tokens' x, and each output is the same sum in the same order as the one-token kernel's
-# (same partial per lane, same warp sums, a logical warp's passes added in order, then the warps' in order):
-# equal bit for bit to the token's own product.
+# all but the first from L2, and quantizes each token's x once per block of rows. The block of `_make_tokens_body`
+# takes `tokens` tokens: its warps split its rows (`rows_per_warp` each) and walk the one-token kernel's warps
+# ("logical warps", each a run of segments) together, one a round, so that a block's warps are all busy whatever the
+# columns (a 1536-column matrix has two logical warps, an 896-column one one). Each round the tokens' x over the
+# logical warp's columns is quantized once for the block (token j by warp j % warps, into shared memory), then every
+# warp keeps the int8 x of all the tokens in registers (16 words each) and applies each of its rows' words to all of
+# them. Each output is the same sum in the same order as the one-token kernel's (same partial per lane, same warp
+# sums, a logical warp's passes added in order, then the logical warps' in order): equal bit for bit to the token's
+# own product.
 
 TOKEN_WARPS = 4  # warps per block of the several-token kernels
 TOKEN_BLOCKS_PER_SM = 2  # their launch bounds: up to 255 registers per thread
-MAX_TOKENS = 8  # tokens per block: x takes 16 registers per token
-# Fewer rows: the one-token kernel with a grid row per token is faster, its small blocks filling the GPU where 32 rows
-# a block leave it idle. H100, 2 / 8 / 17 tokens: 1536x1536 Q4_K 8.4 / 21.8 / 27.7 us against 6.5 / 13.1 / 22.6;
-# 4096x4096 13.2 / 30.2 / 85.2 against 16.4 / 51.6 / 104.1 (bench/results/h100-matvec-rows.json).
-TOKEN_MIN_ROWS = 4096
+# tokens per block: x takes 16 registers per token; q6's 8-token kernel spills (ptxas, sm_90: 336 bytes of loads in
+# its loop), so q6 takes 4 (209 registers, none spilled) and 8 tokens run as two grid rows of 4
+TOKENS_PER_BLOCK = {"q4": 8, "q6": 4, "q8": 8}
+MAX_TOKENS = max(TOKENS_PER_BLOCK.values())
 TOKEN_ROWS_PER_BLOCK = 32
 TOKEN_PARTIALS = MAX_WARPS * TOKEN_ROWS_PER_BLOCK  # per token: one float per (logical warp, row) of a block
+X_FIELDS = 5  # per token and lane besides its 16 words of x: u, the sums of x over columns 0..15 and 16..31 and
+# their `_offset_sum`s (see _make_run_body)
+# Where the several-token kernels go and how they cut a product: by a cost model of the time of a product on a GPU
+# that products of a few tokens leave latency-bound, waves of resident blocks x the instructions of one warp's work,
+# counted in token-rows (a row's products for one token) with one token's quantized x over a lane's columns costing
+# QUANTIZE_ROWS of them (~600 instructions against ~35 for a q4 row, from the code), and the instructions of a warp
+# of T tokens 1 + log2(T) / 2 times as fast as the one-token kernel's (a row's products for its tokens are
+# independent: they interleave; `_token_ilp`). Fitted on the kernels before these (one warp per logical warp, every
+# token quantized by each warp; bench/results/h100-matvec-rows.json, H100), it names the faster path in 42 of the 50
+# several-token timings (mean error 17%), the others within 20% or at 4096 rows and more, where the per-token path's
+# weight reads also cost HBM bandwidth, which it does not count: matrices that big always take the several-token
+# kernels (there they won or tied at every count, TOKEN_MIN_ROWS). `lucekv bench matvec-speed --rows` times every
+# tokens-per-block against the per-token path.
+QUANTIZE_ROWS = 16
+TOKEN_MIN_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class TokenPlan:
+    """How a product of several tokens is cut: grid rows of `tokens` tokens (the last maybe padded), blocks of
+    TOKEN_WARPS warps of `rows_per_warp` rows each; cost: the model's estimate (token-rows of the one-token kernel)."""
+
+    tokens: int
+    groups: int
+    rows_per_warp: int
+    cost: float
+
+
+def token_plan(w: DeviceMatrix, n: int, gated: bool, tokens: int | None = None) -> TokenPlan:
+    """The several-token kernels' cheapest cut of a product of n tokens by the cost model: grid rows of a power of two
+    up to TOKENS_PER_BLOCK (or `tokens`) tokens each, as few as cover n; rows per warp of whole register buffers
+    (`GROUP`), blocks of whole gate/up groups."""
+    n_warps, n_pass = _warps_and_passes(w.cols)
+    step = GROUP[w.kind]
+    if gated:
+        step = max(step, 2 * GATE_ROWS // TOKEN_WARPS)
+    slots = _sm_count() * TOKEN_BLOCKS_PER_SM
+    best = None
+    most = 2
+    while most <= min(TOKENS_PER_BLOCK[w.kind], tokens or MAX_TOKENS):
+        groups = blocks(n, most)
+        per_block = 1 << (blocks(n, groups) - 1).bit_length()
+        for rows_per_warp in range(step, TOKEN_ROWS_PER_BLOCK // TOKEN_WARPS + 1, step):
+            waves = blocks(groups * blocks(w.rows, TOKEN_WARPS * rows_per_warp), slots)
+            chain = n_warps * n_pass * (blocks(per_block, TOKEN_WARPS) * QUANTIZE_ROWS + rows_per_warp * per_block)
+            plan = TokenPlan(per_block, groups, rows_per_warp, waves * chain / _token_ilp(per_block))
+            if best is None or plan.cost < best.cost:
+                best = plan
+        most *= 2
+    return best
+
+
+def _token_ilp(tokens: int) -> float:
+    return 1 + math.log2(tokens) / 2
+
+
+def _per_token_cost(w: DeviceMatrix, n: int) -> float:
+    """The cost model's estimate of the one-token kernel's grid rows for n tokens (see token_plan)."""
+    n_warps, n_pass = _warps_and_passes(w.cols)
+    rows = _rows_per_block([(w.rows, w.kind, False)], n_warps)[0]
+    waves = blocks(n * blocks(w.rows, rows), _sm_count() * max(RESIDENT_WARPS_PER_SM // n_warps, 1))
+    return waves * n_pass * (QUANTIZE_ROWS + rows)
 
 
 @functools.cache
@@ -562,10 +640,10 @@ def _make_tokens_body(kind: str, load, row, words: int, columns, tokens: int):
     halvings = tokens.bit_length() - 1
 
     @cuda.jit(device=True, inline=True)
-    def add_row(part, slot, n_warps, i, v):
-        """Warp-sum v, this lane's partials of row i for each token, into the warp's slot of `part`: the lanes
-        whose bit 16 is clear keep the first half of the tokens and add their partner's (16 lanes away), the others
-        the second half, and so on down to one token a lane, then a butterfly. Each lane adds exactly what
+    def add_row(part, slot, i, v):
+        """Warp-sum v, this lane's partials of row i for each token, into logical warp `slot`'s place in `part`: the
+        lanes whose bit 16 is clear keep the first half of the tokens and add their partner's (16 lanes away), the
+        others the second half, and so on down to one token a lane, then a butterfly. Each lane adds exactly what
         `warp_sum`'s butterfly adds there for its token (the same sum, bit for bit), in 2 (2^k - 1) + 5 - k
         shuffles for 2^k tokens instead of 5 * 2^k."""
         lane = cuda.threadIdx.x % WARP
@@ -584,7 +662,7 @@ def _make_tokens_body(kind: str, load, row, words: int, columns, tokens: int):
         total = v[0]
         for h in range(halvings, 5):
             total += warp_shfl_xor(total, 16 >> h)
-        if lane % (WARP >> halvings) == 0 and slot < n_warps:
+        if lane % (WARP >> halvings) == 0:
             part[((slot * TOKEN_ROWS_PER_BLOCK) + i) * tokens + j] += total
 
     @jit_inlined
@@ -596,61 +674,92 @@ def _make_tokens_body(kind: str, load, row, words: int, columns, tokens: int):
 
     @jit_inlined
     def group_row(args, i):
-        w, part, slot, n_warps, i0, buf, xq, xs, v = args
+        w, part, slot, i0, buf, xq, xs, v = args
         token_partials((w, buf, i, xq, xs, v), 0)
-        add_row(part, slot, n_warps, i0 + i, v)
+        add_row(part, slot, i0 + i, v)
 
-    add_group = _unrolled(group_row, group)  # add_group((w, part, slot, n_warps, i0, buf, xq, xs, v), 0)
+    add_group = _unrolled(group_row, group)  # add_group((w, part, slot, i0, buf, xq, xs, v), 0)
 
     @jit_inlined
-    def quantize_token(args, j):
-        """Token t0 + j's x over the lane's run (a real row's past x's end, never stored) into xq and xs."""
-        x, t0, run, xv, xq, xs = args
-        t = min(t0 + j, x.shape[0] - 1)
-        ca, cb = columns(run)
-        _load_x16(x, t, ca, xv, 0)
-        _load_x16(x, t, cb, xv, 16)
-        xs[j, 1] = _sum16(xv, 0)
-        xs[j, 2] = _sum16(xv, 16)
-        xs[j, 0] = _quantize_x(xv, xq, 16 * j)
-        xs[j, 3] = _offset_sum(xq, 16 * j, 0)
-        xs[j, 4] = _offset_sum(xq, 16 * j, 1)
+    def fetch_token(args, j):
+        """Token j's quantized x of the lane's run from the block's shared copy into xq and xs (a padding token past
+        x's rows: the last real one's, computed and stored nowhere)."""
+        xq_block, xs_block, real, xq, xs = args
+        lane = cuda.threadIdx.x % WARP
+        t = min(j, real - 1)
+        for q in range(4):
+            xq[16 * j + 4 * q], xq[16 * j + 4 * q + 1], xq[16 * j + 4 * q + 2], xq[16 * j + 4 * q + 3] = load4(
+                xq_block, ((t * 4 + q) * WARP + lane) * 4)
+        for f in range(X_FIELDS):
+            xs[j, f] = xs_block[(t * X_FIELDS + f) * WARP + lane]
 
-    quantize_tokens = _unrolled(quantize_token, tokens)
+    fetch_tokens = _unrolled(fetch_token, tokens)
 
     @cuda.jit(device=True, inline=True)
-    def body(w, x, tg, ep, n_warps, n_pass, rows_per_block, block, part):
+    def body(w, x, tg, ep, n_warps, n_pass, rows_per_warp, block, part, xq_block, xs_block):
         """Block `block` of the products of x's rows tg * tokens.. (those that exist) to their rows of ep; n_warps,
-        n_pass: the one-token kernel's layout of the columns."""
-        xv = cuda.local.array(32, np.float32)
+        n_pass: the one-token kernel's layout of the columns; xq_block, xs_block: the block's shared copy of the
+        tokens' quantized x over one logical warp's columns."""
         xq = cuda.local.array(x_words, np.uint32)
-        xs = cuda.local.array((tokens, 5), np.float32)  # per token (u, x sums, q6 offset sums), see _make_run_body
+        xs = cuda.local.array((tokens, X_FIELDS), np.float32)
         buf_a = cuda.local.array((group, words), np.uint32)
         buf_b = cuda.local.array((group, words), np.uint32)
         v = cuda.local.array(tokens, np.float32)  # a row's partials
         for i in range(cuda.threadIdx.x, TOKEN_PARTIALS * tokens, cuda.blockDim.x):
             part[i] = np.float32(0)
         cuda.syncthreads()
-        first_row = block * rows_per_block
         warps = cuda.blockDim.x // WARP
-        for r in range((n_warps + warps - 1) // warps):  # the same count in every warp: barriers stay block-wide
-            slot = r * warps + cuda.threadIdx.x // WARP  # this warp's logical warp (past n_warps: idle)
+        warp = cuda.threadIdx.x // WARP
+        first_row = block * warps * rows_per_warp
+        mine = warp * rows_per_warp  # this warp's first row in the block
+        for slot in range(n_warps):
             for p in range(n_pass):
-                run = (p * n_warps + slot) * WARP + cuda.threadIdx.x % WARP if slot < n_warps else 1 << 40
-                load_group(w, first_row, run, buf_a)  # in flight while x is read
-                if r == 0 and p == 0:
+                run = (p * n_warps + slot) * WARP + cuda.threadIdx.x % WARP
+                load_group(w, first_row + mine, run, buf_a)  # in flight while x is read
+                if slot == 0 and p == 0:
                     await_grid()
-                quantize_tokens((x, tg * tokens, run, xv, xq, xs), 0)
-                for i0 in range(0, rows_per_block, 2 * group):
-                    load_group(w, first_row + i0 + group, run, buf_b)
-                    add_group((w, part, slot, n_warps, i0, buf_a, xq, xs, v), 0)
-                    if i0 + 2 * group < rows_per_block:
-                        load_group(w, first_row + i0 + 2 * group, run, buf_a)
-                    add_group((w, part, slot, n_warps, i0 + group, buf_b, xq, xs, v), 0)
+                else:
+                    cuda.syncthreads()  # every warp has fetched the round before's x
+                real = min(tokens, x.shape[0] - tg * tokens)
+                for j in range(warp, real, warps):
+                    _quantize_to_block(x, tg * tokens + j, columns(run), j, xq_block, xs_block)
+                cuda.syncthreads()
+                fetch_tokens((xq_block, xs_block, real, xq, xs), 0)
+                for i0 in range(0, rows_per_warp, 2 * group):
+                    if i0 + group < rows_per_warp:
+                        load_group(w, first_row + mine + i0 + group, run, buf_b)
+                    add_group((w, part, slot, mine + i0, buf_a, xq, xs, v), 0)
+                    if i0 + 2 * group < rows_per_warp:
+                        load_group(w, first_row + mine + i0 + 2 * group, run, buf_a)
+                    if i0 + group < rows_per_warp:
+                        add_group((w, part, slot, mine + i0 + group, buf_b, xq, xs, v), 0)
         cuda.syncthreads()
-        _store_token_rows(part, tokens, tg, x.shape[0], first_row, rows_per_block, w.codes.shape[0], n_warps, ep)
+        _store_token_rows(part, tokens, tg, x.shape[0], first_row, warps * rows_per_warp, w.codes.shape[0], n_warps,
+                          ep)
 
     return body
+
+
+@cuda.jit(device=True, inline=True)
+def _quantize_to_block(x, t, cols, j, xq_block, xs_block):
+    """x[t] over this lane's columns cols = (ca, cb), 16 from each, quantized (`_quantize_x`) into the block's shared
+    copy as token j: 16 words, then u, the two sums of x and their `_offset_sum`s."""
+    xv = cuda.local.array(32, np.float32)
+    xq = cuda.local.array(16, np.uint32)
+    lane = cuda.threadIdx.x % WARP
+    _load_x16(x, t, cols[0], xv, 0)
+    _load_x16(x, t, cols[1], xv, 16)
+    sum0 = _sum16(xv, 0)
+    sum1 = _sum16(xv, 16)
+    u = _quantize_x(xv, xq, 0)
+    for q in range(4):
+        store4(xq_block, ((j * 4 + q) * WARP + lane) * 4, xq[4 * q], xq[4 * q + 1], xq[4 * q + 2], xq[4 * q + 3])
+    at = j * X_FIELDS * WARP + lane
+    xs_block[at] = u
+    xs_block[at + WARP] = sum0
+    xs_block[at + 2 * WARP] = sum1
+    xs_block[at + 3 * WARP] = _offset_sum(xq, 0, 0)
+    xs_block[at + 4 * WARP] = _offset_sum(xq, 0, 1)
 
 
 @cuda.jit(device=True, inline=True)
@@ -685,10 +794,13 @@ def _tokens_kernel(kind: str, tokens: int):
     x's rows g * tokens.."""
     body = _make_tokens_body(kind, *_TOKEN_PARTS[kind], tokens)
     partials = TOKEN_PARTIALS * tokens
+    x_words, x_fields = 16 * WARP * tokens, X_FIELDS * WARP * tokens
 
-    def kernel(w, x, ep, n_warps, n_pass, rows_per_block):
+    def kernel(w, x, ep, n_warps, n_pass, rows_per_warp):
         part = cuda.shared.array(partials, np.float32)
-        body(w, x, cuda.blockIdx.y, ep, n_warps, n_pass, rows_per_block, cuda.blockIdx.x, part)
+        xq_block = cuda.shared.array(x_words, np.uint32, alignment=ALIGN_16)
+        xs_block = cuda.shared.array(x_fields, np.float32)
+        body(w, x, cuda.blockIdx.y, ep, n_warps, n_pass, rows_per_warp, cuda.blockIdx.x, part, xq_block, xs_block)
 
     kernel.__name__ = kernel.__qualname__ = f"_matvec_{kind}_tokens{tokens}"
     return jit_bounded(kernel, TOKEN_WARPS * WARP, TOKEN_BLOCKS_PER_SM)
