@@ -2,6 +2,10 @@
 
     python -m lucekv.bench.matvec_speed [--json OUT] [--replays 20] [--rows 1,2,4,8,17,32]
 
+--rows: products of that many tokens (verify blocks, decode rows) at the 8B's, the 1.5B's and the 0.5B's layer
+shapes, each timed through every path: `matvec` as routed, the per-token grid rows, the several-token kernels at
+each tokens-per-block, the tensor-core matmul (`bench_rows`).
+
 Random GGUF blocks, packed and uploaded as the backend does (Q6_K becomes the device's q6 form). Each kernel
 is timed as the decode step runs it: `LAUNCHES` launches captured as one CUDA graph and replayed (no numba
 launch overhead), each launch on the next of several copies of the matrix (enough to exceed twice the L2
@@ -27,7 +31,14 @@ from gguf import GGMLQuantizationType as Q
 
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows, pack
 from lucekv.kernels.cuda._numba import cuda, load_u32x4
-from lucekv.kernels.cuda.matvec import matvec, matvec_per_token
+from lucekv.kernels.cuda.matvec import (
+    TOKENS_PER_BLOCK,
+    matvec,
+    matvec_per_token,
+    matvec_tokens,
+    several_tokens,
+    token_plan,
+)
 from lucekv.kernels.cuda.packed import upload
 
 LAUNCHES = 36  # per captured graph: as many as a decode step has of the big shapes
@@ -60,16 +71,25 @@ QWEN_15B = (
     Shape("1.5b down    1536x8960 Q6_K", 1536, 8960, Q.Q6_K, 0),
     Shape("1.5b down    1536x8960 Q4_K", 1536, 8960, Q.Q4_K, 0),
 )
-ROW_SHAPES = SHAPES[:-1] + QWEN_15B
-_D_FIELDS = {Q.Q4_K: (0.01, 0.005), Q.Q6_K: (0.01,)}  # the f16 d (and dmin) at the start / end of a block
+# and Qwen2.5-Coder-0.5B's (mostly Q5_0: the device's q6 form; gate and up stacked, half the downs Q6_K)
+QWEN_05B = (
+    Shape("0.5b q / o    896x896 Q5_0", 896, 896, Q.Q5_0, 0),
+    Shape("0.5b k / v    128x896 Q5_0", 128, 896, Q.Q5_0, 0),
+    Shape("0.5b gate/up 9728x896 Q5_0", 9728, 896, Q.Q5_0, 0),
+    Shape("0.5b down     896x4864 Q6_K", 896, 4864, Q.Q6_K, 0),
+)
+ROW_SHAPES = SHAPES[:-1] + QWEN_15B + QWEN_05B
+# the f16 d (and dmin) of a block and where they start (negative: from its end)
+_D_FIELDS = {Q.Q4_K: ((0.01, 0.005), 0), Q.Q6_K: ((0.01,), -2), Q.Q5_0: ((0.01,), 0)}
 
 
 def random_matrix(rng: np.random.Generator, s: Shape) -> PackedMatrix:
     """Random blocks of s.qtype (random codes and sub-scales, fixed small d, dmin)."""
     block, size = GGML_QUANT_SIZES[s.qtype]
     raw = rng.integers(0, 256, (s.rows * s.cols // block, size), dtype=np.uint8)
-    fields = np.frombuffer(np.float16(_D_FIELDS[s.qtype]).tobytes(), np.uint8)
-    at = 0 if s.qtype == Q.Q4_K else size - 2
+    d, at = _D_FIELDS[s.qtype]
+    fields = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+    at %= size
     raw[:, at:at + fields.size] = fields
     return pack(raw, s.qtype, (s.rows, s.cols))
 
@@ -169,14 +189,25 @@ def bench_shape(s: Shape, rng: np.random.Generator, replays: int, l2_bytes: int,
             "max_rel_err": float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))}
 
 
-def bench_rows(s: Shape, rng: np.random.Generator, rows: list[int], replays: int, l2_bytes: int, stream) -> list:
-    """Products of n tokens (decode rows, verify blocks) through the shape: µs per product of the matvec
-    (`matvec`: weights read once per MAX_TOKENS tokens), of the one-token kernel with a grid row per token
-    (`per_token`, the path before: each reads the weights, all but the first from L2) and of the tensor-core matmul
-    (each weight read once per 64 rows). The matvec's error against float64 and whether it equals the per-token
-    path bit for bit (it should)."""
+def row_products(w, n: int) -> dict:
+    """The products `bench_rows` times for n tokens of w: name -> product(w, x, out, stream=)."""
     from lucekv.kernels.cuda.matmul import matmul
 
+    products = {"matvec": matvec, "per_token": matvec_per_token, "matmul": matmul}
+    if n > 1:
+        for most in sorted({min(t, TOKENS_PER_BLOCK[w.kind]) for t in (2, 4, 8)}):
+            tokens = token_plan(w, n, False, most).tokens  # (distinct cuts only: 2 tokens cut at most 4 as at 2)
+            products.setdefault(f"tokens{tokens}", lambda m, x, y, stream, t=tokens: matvec_tokens(m, x, y, t, stream))
+    return products
+
+
+def bench_rows(s: Shape, rng: np.random.Generator, rows: list[int], replays: int, l2_bytes: int, stream) -> list:
+    """Products of n tokens (decode rows, verify blocks) through the shape: µs per product of the matvec as routed
+    (`matvec`: `several_tokens` or not, cut by `token_plan`), of the one-token kernel with a grid row per token
+    (`per_token`: each reads the weights, all but the first from L2), of the several-token kernels at each
+    tokens-per-block (`tokens2`.. : weights read once per grid row) and of the tensor-core matmul (each weight read
+    once per 64 rows); `best`, the fastest matvec path. The matvec's error against float64 and whether every matvec
+    path equals the per-token path bit for bit (they should)."""
     packed = random_matrix(rng, s)
     mats = [upload(packed)]
     mats += [upload(random_matrix(rng, s)) for _ in range(max(3, math.ceil(2 * l2_bytes / mats[0].nbytes)) - 1)]
@@ -185,17 +216,22 @@ def bench_rows(s: Shape, rng: np.random.Generator, rows: list[int], replays: int
     for n in rows:
         xs = [cuda.to_device(rng.standard_normal((n, s.cols)).astype(np.float32)) for _ in mats]
         outs = [cuda.device_array((n, s.rows), np.float32) for _ in mats]
-        row = {"shape": s.name, "rows": n}
+        plan = token_plan(mats[0], n, False) if n > 1 else None
+        row = {"shape": s.name, "rows": n, "several_tokens": several_tokens(mats[0], n),
+               "plan": None if plan is None else {"tokens": plan.tokens, "groups": plan.groups,
+                                                  "rows_per_warp": plan.rows_per_warp}}
         results = {}
-        for name, product in (("matvec", matvec), ("per_token", matvec_per_token), ("matmul", matmul)):
+        for name, product in row_products(mats[0], n).items():
             launches = [lambda st, w=mats[k], x=xs[k], y=outs[k], f=product: f(w, x, y, stream=st) for k in order]
             row[f"{name}_us"] = graph_us(stream, launches, replays)
             results[name] = outs[0].copy_to_host()
+        paths = [name for name in results if name != "matmul"]
+        row["best"] = min(paths, key=lambda name: row[f"{name}_us"])
         row["matmul_over_matvec"] = row["matmul_us"] / row["matvec_us"]
         row["per_token_over_matvec"] = row["per_token_us"] / row["matvec_us"]
         ref = xs[0].copy_to_host().astype(np.float64) @ dequantize_rows(packed, 0, s.rows).astype(np.float64).T
         row["max_rel_err"] = float(np.max(np.abs(results["matvec"] - ref)) / np.max(np.abs(ref)))
-        row["equals_per_token"] = bool(np.array_equal(results["matvec"], results["per_token"]))
+        row["equals_per_token"] = all(np.array_equal(results[name], results["per_token"]) for name in paths)
         out.append(row)
     return out
 
@@ -240,8 +276,12 @@ def main() -> None:
         counts = [int(n) for n in a.rows.split(",")]
         result["decode_rows"] = [r for s in ROW_SHAPES for r in bench_rows(s, rng, counts, a.replays, l2, stream)]
         for r in result["decode_rows"]:
-            print(f"{r['shape']:32s} rows {r['rows']:3d}: matvec {r['matvec_us']:8.1f} µs, per token "
-                  f"{r['per_token_us']:8.1f} µs, matmul {r['matmul_us']:8.1f} µs; err {r['max_rel_err']:.1e}"
+            several = " ".join(f"{k[:-3]} {v:6.1f}" for k, v in r.items() if k.startswith("tokens") and k[-3:] == "_us")
+            plan = r["plan"]
+            route = f"tokens{plan['tokens']}/{plan['rows_per_warp']}" if r["several_tokens"] else "per token"
+            print(f"{r['shape']:32s} rows {r['rows']:3d}: matvec {r['matvec_us']:7.1f} µs ({route}), per token "
+                  f"{r['per_token_us']:7.1f}, {several + ', ' if several else ''}matmul {r['matmul_us']:7.1f}; best "
+                  f"{r['best']}; err {r['max_rel_err']:.1e}"
                   f"{'' if r['equals_per_token'] else ' (NOT equal to the per-token path)'}", flush=True)
     write_json(a.json, result)
 
