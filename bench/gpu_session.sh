@@ -29,8 +29,13 @@
 #                                      --gil-probe; peak GPU memory (~1-2 min; smollm2/qwen05 need their pieces)
 #   bash bench/gpu_session.sh mvrows   products of several tokens (verify blocks, decode rows): the tests (gpu and
 #                                      tiny-shape) of the matvec, verify and batch paths, then matvec_speed
-#                                      --rows 1,2,4,8,17,32 at the 8B's and the 1.5B's layer shapes: several-token
-#                                      matvec vs per-token grid rows vs matmul, with errors (~6 min)
+#                                      --rows 1,2,4,8,17,32 at the 8B's, the 1.5B's and the 0.5B's layer shapes:
+#                                      the matvec as routed vs per-token grid rows vs the several-token kernels at
+#                                      2/4/8 tokens a block vs matmul, with errors (~7 min)
+#   bash bench/gpu_session.sh mvrows e2e  their end-to-end effect on Qwen2.5-1.5B's shape (the real file if its
+#                                      pieces reached /tmp, else random weights in its Q4_K_M mix, written here in
+#                                      ~1 min): the kernels of the verify forward at widths 1..32 (kernel_profile),
+#                                      and lucekv bench steps, the decode step at 1..32 concurrent requests (~5 min)
 #   bash bench/gpu_session.sh depth    decode tok/s at 4K..128K context, 8B shape, pool 4096 vs full cache vs
 #                                      llama-bench (~5 min); `depth build` first builds llama-bench (~4 min, a call
 #                                      of its own: /tmp survives while the machine stays warm)
@@ -123,6 +128,16 @@ spec)
     --json "$OUT/kernel-profile-verify17-$(basename $T .gguf).json" 2>&1 | grep -v -i warn | head -30
   ;;
 mvrows)
+  if [ "${2:-}" = e2e ]; then
+    M=/tmp/qwen2.5-coder-1.5b.gguf
+    [ -f $M ] || { M=/tmp/qwen2.5-1.5b-shape.gguf; [ -f $M ] || timeout 240 python3 -m lucekv.model.synth qwen2.5-1.5b $M; }
+    NAME=$(basename $M .gguf)
+    python3 -m lucekv.bench.kernel_profile $M --pool 4096 --verify 1,2,4,8,17,32 \
+      --json "$OUT/kernel-profile-verify-widths-$NAME.json" 2>&1 | grep -v -i warn | grep -E "^NVIDIA|^linear|ms by width"
+    python3 -m lucekv.cli bench steps --model $M --backend cuda --concurrency 1,2,4,8,16,32 --ttft-tokens 16 \
+      --json "$OUT/steps-$NAME.json" 2>&1 >/dev/null | grep --line-buffered -v -i warning | tail -15
+    exit 0
+  fi
   python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/kernels/test_cuda_matvec.py \
     tests/backends/test_cuda_verify.py tests/backends/test_cuda_batch.py 2>&1 | tail -5
   python3 -m lucekv.bench.matvec_speed --rows 1,2,4,8,17,32 --json "$OUT/matvec-rows.json" 2>&1 | grep -v -i warning

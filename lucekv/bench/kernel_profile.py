@@ -2,17 +2,18 @@
 overhead), or of one prefill forward.
 
     python -m lucekv.bench.kernel_profile MODEL.gguf [--pool 131072] [--prompt 512] [--replays 20] [--prefill]
-                                         [--verify N] [--json OUT]
+                                         [--verify N[,N..]] [--json OUT]
 
 After a prompt of `--prompt` tokens the one-token step is captured twice: as DecodeGraph captures it, and
 once more with a CUDA event recorded before every kernel launch and after the last (event nodes between
 the kernel nodes). Replaying the second gives each kernel's time at its place in the step (its run plus
 the gap to the next node); replaying the first gives the step's real time, so the table shows what the
 event nodes add. `--verify N` does the same for a speculative round's verify forward of N tokens (the graph of its
-bucket, RowsGraph: all rows' logits and argmax). `--prefill` times the `--prompt`-token forward instead, run eagerly
-with an event recorded before every launch (its kernels are long enough that the host stays ahead). Launches are
-labelled with the CudaOps op that made them (linears with their matrix shape and kind, and GB/s of the weight bytes
-they read) and grouped by (op, kernel).
+bucket, RowsGraph: all rows' logits and argmax); several widths (`--verify 1,2,4,8,17,32`, 1: the decode step) are
+profiled one after another on the same loaded model, and the JSON holds one result per width. `--prefill` times the
+`--prompt`-token forward instead, run eagerly with an event recorded before every launch (its kernels are long
+enough that the host stays ahead). Launches are labelled with the CudaOps op that made them (linears with their
+matrix shape and kind, and GB/s of the weight bytes they read) and grouped by (op, kernel).
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ def replay_ms(graph, stream, replays: int) -> float:
 
 def profile(path: str, pool: int, n_prompt: int, replays: int, verify: int = 1) -> dict:
     """The decode step's kernels, or with verify > 1 those of a verify forward of that many tokens."""
+    return profile_widths(path, pool, n_prompt, replays, [verify])[0]
+
+
+def profile_widths(path: str, pool: int, n_prompt: int, replays: int, widths: list[int]) -> list[dict]:
+    """`profile` of each width after one prompt, on one loaded model."""
     g = open_gguf(path)
     spec = ModelSpec.from_gguf(g)
     b = CudaBackend(g, spec, "f16", pool)
@@ -129,6 +135,11 @@ def profile(path: str, pool: int, n_prompt: int, replays: int, verify: int = 1) 
     prompt = rng.integers(3, spec.vocab_size, n_prompt).astype(np.int32)
     pos = np.arange(n_prompt, dtype=np.int32)
     logits = b.forward(prompt, pos, pos)
+    return [_profile_width(path, b, spec, rng, logits, pool, n_prompt, replays, w) for w in widths]
+
+
+def _profile_width(path: str, b: CudaBackend, spec: ModelSpec, rng, logits, pool: int, n_prompt: int, replays: int,
+                   verify: int) -> dict:
     if verify == 1:
         for i in range(2):  # the first step runs eagerly and captures b.graph, the second replays it
             p = np.array([n_prompt + i], np.int32)
@@ -255,17 +266,21 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--prefill", action="store_true", help="time the prompt's forward instead of a decode step")
-    ap.add_argument("--verify", type=int, default=1, help="time a verify forward of this many tokens instead")
+    ap.add_argument("--verify", default="1", help="time a verify forward of this many tokens instead, or of each of "
+                    "several widths (e.g. 1,2,4,8,17,32; 1: the decode step)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     if a.prefill:
-        r = profile_prefill(a.model, a.pool, a.prompt, a.replays)
+        results = [profile_prefill(a.model, a.pool, a.prompt, a.replays)]
     else:
-        r = profile(a.model, a.pool, a.prompt, a.replays, a.verify)
-    print_table(r)
+        results = profile_widths(a.model, a.pool, a.prompt, a.replays, [int(w) for w in a.verify.split(",")])
+    for r in results:
+        print_table(r)
+    if len(results) > 1:
+        print("ms by width: " + ", ".join(f"{r['tokens']}: {r['graph_step_ms']:.3f}" for r in results))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(r, indent=2) + "\n")
+        a.json.write_text(json.dumps(results[0] if len(results) == 1 else results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

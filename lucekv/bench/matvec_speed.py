@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from lucekv.bench.decode import git_commit
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows, pack
 from lucekv.kernels.cuda._numba import cuda, load_u32x4
 from lucekv.kernels.cuda.matvec import (
@@ -251,9 +253,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--rows", default="", help="also time products of several tokens, e.g. 1,2,4,8,17,32: the "
-                    "matvec with that many token rows against the per-token path and the tensor-core matmul, at the "
-                    "8B's layer shapes and the 1.5B's")
+    ap.add_argument("--rows", default="", help="also time products of several tokens, e.g. 1,2,4,8,17,32: every "
+                    "path of a product of that many token rows (see bench_rows), at the 8B's, the 1.5B's and the "
+                    "0.5B's layer shapes")
     a = ap.parse_args()
     dev = cuda.get_current_device()
     l2, sms = int(dev.L2_CACHE_SIZE), int(dev.MULTIPROCESSOR_COUNT)
@@ -261,7 +263,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = [bench_shape(s, rng, a.replays, l2, sms, stream) for s in SHAPES]
     name = device_name(dev)
-    result = {"device": name, "sm_count": sms, "l2_bytes": l2, "replays": a.replays, "launches_per_graph": LAUNCHES,
+    result = {"commit": git_commit(), "command": "python -m lucekv.bench.matvec_speed " + " ".join(sys.argv[1:]),
+              "device": name, "sm_count": sms, "l2_bytes": l2, "replays": a.replays, "launches_per_graph": LAUNCHES,
               "copy_gbps": copy_bandwidth(stream), "shapes": rows,
               "ms_per_token": sum(r["us"] * r["per_token"] for r in rows) / 1000,
               "stream_ms_per_token": sum(r["stream_us"] * r["per_token"] for r in rows) / 1000}

@@ -443,6 +443,18 @@ def q4_k_m_types(n_layer: int, experts: bool = True) -> dict[str, GGMLQuantizati
     return {"output.weight": Q.Q6_K, **{f"blk.{i}.{name}.weight": Q.Q6_K for i in more for name in ("attn_v", down)}}
 
 
+# Qwen2.5(-Coder)-1.5B's shape: the small real target's matrices (1536 columns; 1536, 256 and 8960 rows), its vocabulary
+QWEN25_15B = {"n_embd": 1536, "n_layer": 28, "n_head": 12, "n_kv_head": 2, "head_dim": 128, "n_ff": 8960,
+              "vocab": 151936, "n_ctx": 32768}
+
+
+def write_qwen25_15b_shape(path: str | Path, seed: int = 0) -> Path:
+    """Random weights in Qwen2.5-1.5B's shape and the Q4_K_M mix of its real file (`q4_k_m_types`, a Q6_K output
+    head): its products' speed without carrying the real file (about 1.1 GB) to the GPU machine."""
+    return write_synthetic_gguf(path, "qwen2", qtype=Q.Q4_K, seed=seed, tied_output=False,
+                                qtype_overrides=q4_k_m_types(QWEN25_15B["n_layer"], experts=False), **QWEN25_15B)
+
+
 def write_qwen3_30b_a3b_shape(path: str | Path, n_layer: int = QWEN3_30B_A3B["n_layer"], seed: int = 0,
                               router_zipf: float | None = None) -> Path:
     """Random weights in Qwen3-30B-A3B's shape and a Q4_K_M mix (`q4_k_m_types`): the MoE speed model (about 17 GB;
@@ -807,6 +819,7 @@ def _pad_vocab(tok: _SynthTokenizer, vocab: int | None) -> _SynthTokenizer:
 
 def main(argv: list[str] | None = None) -> int:
     """python -m lucekv.model.synth qwen3-30b-a3b OUT [--layers N] [--router zipf [--zipf-s S]]
+    | qwen2.5-1.5b OUT
     | upcycle DENSE OUT [--distinct] [--experts N --top-k K] [--router kmeans --corpus FILE ...]
     | dflash TARGET OUT [--layers L,..] [--block B] [--draft-layers N] [--seed S]"""
     import argparse
@@ -820,6 +833,7 @@ def main(argv: list[str] | None = None) -> int:
     a3b.add_argument("--router", choices=("random", "zipf"), default="random",
                      help="zipf: expert popularity skewed by Zipf's law (named so in general.name)")
     a3b.add_argument("--zipf-s", type=float, default=1.0, help="the Zipf exponent (default 1)")
+    sub.add_parser("qwen2.5-1.5b", help="random weights, Qwen2.5-1.5B's shape, Q4_K_M mix").add_argument("out")
     up = sub.add_parser("upcycle", help="a real dense llama GGUF as a Mixtral-style MoE (4 experts, top-2)")
     up.add_argument("dense")
     up.add_argument("out")
@@ -847,6 +861,9 @@ def main(argv: list[str] | None = None) -> int:
         layers = [int(i) for i in args.layers.split(",")] if args.layers else None
         print(write_dflash_gguf(args.out, args.target, target_layers=layers, n_layer=args.draft_layers,
                                 block_size=args.block, seed=args.seed))
+        return 0
+    if args.what == "qwen2.5-1.5b":
+        print(write_qwen25_15b_shape(args.out))
         return 0
     if args.what == "qwen3-30b-a3b":
         zipf = args.zipf_s if args.router == "zipf" else None
