@@ -560,8 +560,8 @@ X_FIELDS = 5  # per token and lane besides its 16 words of x: u, the sums of x o
 # token quantized by each warp; bench/results/h100-matvec-rows.json, H100), it names the faster path in 42 of the 50
 # several-token timings (mean error 17%), the others within 20% or at 4096 rows and more, where the per-token path's
 # weight reads also cost HBM bandwidth, which it does not count: matrices that big always take the several-token
-# kernels (there they won or tied at every count, TOKEN_MIN_ROWS). `lucekv bench matvec-speed --rows` times every
-# tokens-per-block against the per-token path.
+# kernels (there they won or tied at every count, TOKEN_MIN_ROWS). `python -m lucekv.bench.matvec_speed --rows`
+# times every tokens-per-block against the per-token path.
 QUANTIZE_ROWS = 16
 TOKEN_MIN_ROWS = 4096
 
