@@ -543,8 +543,8 @@ def _make_run_body(kind: str, load, row, words: int, dest: str):
 
 TOKEN_WARPS = 4  # warps per block of the several-token kernels
 TOKEN_BLOCKS_PER_SM = 2  # their launch bounds: up to 255 registers per thread
-# tokens per block: x takes 16 registers per token; q6's 8-token kernel spills (ptxas, sm_90: 336 bytes of loads in
-# its loop), so q6 takes 4 (209 registers, none spilled) and 8 tokens run as two grid rows of 4
+# tokens per block: x takes 16 registers per token; q6's 8-token kernel spills (ptxas, sm_90: 236 bytes of spill
+# loads; q4's and q8's 255 registers, none), so q6 takes 4 (241 registers, none spilled): 8 tokens in two grid rows
 TOKENS_PER_BLOCK = {"q4": 8, "q6": 4, "q8": 8}
 MAX_TOKENS = max(TOKENS_PER_BLOCK.values())
 TOKEN_ROWS_PER_BLOCK = 32
@@ -581,6 +581,8 @@ def token_plan(w: DeviceMatrix, n: int, gated: bool, tokens: int | None = None) 
     """The several-token kernels' cheapest cut of a product of n tokens by the cost model: grid rows of a power of two
     up to TOKENS_PER_BLOCK (or `tokens`) tokens each, as few as cover n; rows per warp of whole register buffers
     (`GROUP`), blocks of whole gate/up groups."""
+    if (tokens or MAX_TOKENS) < 2:
+        raise ValueError(f"the several-token kernels take 2 tokens a block or more, not {tokens}")
     n_warps, n_pass = _warps_and_passes(w.cols)
     step = GROUP[w.kind]
     if gated:
