@@ -82,6 +82,9 @@ def check_each_alone(product, x: np.ndarray, outs: list[int]) -> np.ndarray:
     (Q.Q8_0, 5, 1280, 3),  # q8 lanes' chunks c and c + 32: the second warp's second chunks past the row's end
     (Q.Q4_K, 40, 256, 8),  # 8 tokens a block, two register buffers a warp, the last block's rows mostly past the end
     (Q.Q6_K, 24, 256, 7),  # three buffers a warp (the first one twice), two grid rows, the second with a padding token
+    # 17 segments: two passes of 9 logical warps, the last one's lanes idle in the second (slow: a minute in the
+    # simulator, `-m slow` with NUMBA_ENABLE_CUDASIM=1)
+    pytest.param(Q.Q4_K, 2, 17408, 2, marks=pytest.mark.slow),
 ], ids=lambda v: getattr(v, "name", str(v)))
 def test_matvec_of_several_tokens_reads_each_weight_once_and_equals_each_tokens_own_product(qtype, rows, cols, n):
     """The several-token kernels (`_launch_tokens`, cut as `token_plan` chooses, the comments: in the simulator, one
