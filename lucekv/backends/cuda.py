@@ -520,9 +520,14 @@ class CudaOps:
 
     def _norm_for(self, x, p: list[Stacked], norm):
         """(x, norm) for the products of p: the norm left to them where they all fuse it, or x normalized here."""
-        if x.shape[0] > 1 or not all(fuses_norm(s.matrix) for s in p):
+        if not all(self._fuses_norm(s.matrix, x.shape[0]) for s in p):
             return self.rmsnorm(x, norm), None
         return x, norm
+
+    def _fuses_norm(self, w: DeviceMatrix, n: int) -> bool:
+        """Whether a product of n tokens of w normalizes x itself: a matvec (one token, or rows of a few: each token's
+        x normalized as its one-token product normalizes it) that `fuses_norm`; a matmul takes x normalized."""
+        return fuses_norm(w) and (n == 1 or self.as_matvec_rows(w, n))
 
     def gated_linear(self, x, g: list[Stacked], norm):
         outs = self.project(x, g, norm)
@@ -533,7 +538,7 @@ class CudaOps:
         return out
 
     def linear(self, w: DeviceMatrix, x, norm=None, residual=None):
-        if norm is not None and (x.shape[0] > 1 or not fuses_norm(w)):
+        if norm is not None and not self._fuses_norm(w, x.shape[0]):
             x, norm = self.rmsnorm(x, norm), None
         out = self._empty(x.shape[0], w.rows)
         self._products([(w, epilogue((out,), residual=residual))], x, norm)
@@ -541,8 +546,8 @@ class CudaOps:
 
     def _products(self, products: list[tuple[DeviceMatrix, Epilogue | AttentionInputs]], x, norm) -> None:
         """Each (W, destination) of x: for one token the decode matvecs (two matrices to a launch), normalizing x
-        themselves when `norm` is given; for more, tensor-core matmuls (the caller has normalized x), but for a few
-        tokens of a small matrix the matvecs with a grid row per token (`as_matvec_rows`)."""
+        themselves when `norm` is given (`_fuses_norm`); for more, tensor-core matmuls (the caller has normalized x),
+        but for a few tokens of a matrix small enough the matvecs (`as_matvec_rows`), which normalize x as for one."""
         n = x.shape[0]
         rows = [(w, ep) for w, ep in products if n == 1 or self.as_matvec_rows(w, n)]
         if rows:

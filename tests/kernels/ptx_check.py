@@ -69,7 +69,7 @@ CHECKS = {
     "matvec_q8_qkv": (matvec._KERNELS["q8", "qkv"], (Q8_0, F2, XNORM, QKV, I64, I64)),
     "matvec_q4_q6": (matvec._pair_kernel("q4", "q6", "rows"), (Q4_K, Q6_K, F2, XNORM, EP, EP, I64, I64, I64, I64)),
     "matvec_f32": (matvec._matvec_f32, (F2, F2, EP)),
-    **{f"matvec_{kind}_tokens{n}": (matvec._tokens_kernel(kind, n), (QUANTS[kind], F2, EP, I64, I64, I64))
+    **{f"matvec_{kind}_tokens{n}": (matvec._tokens_kernel(kind, n), (QUANTS[kind], F2, XNORM, EP, I64, I64, I64))
        for kind in matvec.TOKEN_KINDS for n in (2, 4, 8) if n <= matvec.TOKENS_PER_BLOCK[kind]},
     "rmsnorm": (norm._rmsnorm, (F2, F1, F32, F2)),
     "gated_act": (act._gated_act, (F2, F2, B, F2)),

@@ -106,6 +106,34 @@ def test_matvec_of_several_tokens_reads_each_weight_once_and_equals_each_tokens_
 
 
 @needs_kernels
+@pytest.mark.parametrize(("qtype", "rows", "cols", "n"), [
+    (Q.Q4_K, 16, 1280, 5),  # two logical warps summed in order; 4 tokens a block, the second grid row 1 real token
+    (Q.Q8_0, 8, 512, 3),  # q8's chunk columns
+], ids=lambda v: getattr(v, "name", str(v)))
+def test_matvec_of_several_tokens_normalizes_x_as_each_tokens_own_product(qtype, rows, cols, n):
+    """The several-token kernels with the RMSNorm fused (each block takes 1 / rms(x) of its tokens, summed as the
+    one-token kernel sums it): each token bit for bit its own fused one-token product, within 1e-3 of float64."""
+    from lucekv.kernels.cuda.matvec import matvec
+    from lucekv.kernels.cuda.packed import upload
+
+    rng = np.random.default_rng(rows)
+    m = random_packed(rng, qtype, rows, cols)
+    w = upload(m)
+    x = (rng.standard_normal((n, cols)) * 3).astype(np.float32)
+    weight = rng.standard_normal(cols).astype(np.float32)
+    norm = (cuda.to_device(weight), 1e-6)
+
+    def product(xd, outs):
+        matvec(w, xd, outs[0], norm=norm)
+        return outs[0].copy_to_host()
+
+    together = check_each_alone(product, x, [rows])
+    x64 = x.astype(np.float64)
+    normed = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + 1e-6) * weight
+    assert rel_err(together, normed @ dense(m).T) <= 1e-3
+
+
+@needs_kernels
 def test_matvec_of_several_tokens_epilogues():
     """Three outputs with a bias, one output plus a residual, gate and up rows to gelu(gate) * up: 3 tokens at once,
     each equal to its own one-token product and within 1e-3 of float64 (the store is the same for every kind)."""

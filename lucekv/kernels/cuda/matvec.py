@@ -99,10 +99,10 @@ def matvec(w: DeviceMatrix, x, out, stream=0, norm: tuple | None = None) -> None
     _launch([(w, out)], x, stream, norm)
 
 
-def takes_tokens(w: DeviceMatrix, out, n: int, norm: tuple | None = None) -> bool:
+def takes_tokens(w: DeviceMatrix, out, n: int) -> bool:
     """Whether `matvec` runs a product of n tokens with the several-token kernels: where `several_tokens`, into rows
-    (not AttentionInputs), x normalized by the caller."""
-    return norm is None and several_tokens(w, n) and not isinstance(out, AttentionInputs)
+    (not AttentionInputs)."""
+    return several_tokens(w, n) and not isinstance(out, AttentionInputs)
 
 
 def several_tokens(w: DeviceMatrix, n: int) -> bool:
@@ -125,9 +125,9 @@ def matvecs(products: Sequence[tuple[DeviceMatrix, object]], x, stream=0, norm: 
     more as a launch of its own than beside another. Products that `takes_tokens` have a launch each."""
     n = x.shape[0]
     for p in products:
-        if takes_tokens(*p, n, norm):
+        if takes_tokens(*p, n):
             _launch([p], x, stream, norm)
-    quantized = [p for p in products if p[0].kind != "f32" and not takes_tokens(*p, n, norm)]
+    quantized = [p for p in products if p[0].kind != "f32" and not takes_tokens(*p, n)]
     for i in range(0, len(quantized), 2):
         _launch(quantized[i:i + 2], x, stream, norm)
     for p in products:
@@ -137,7 +137,7 @@ def matvecs(products: Sequence[tuple[DeviceMatrix, object]], x, stream=0, norm: 
 
 def matvec_tokens(w: DeviceMatrix, x, out, tokens: int, stream=0) -> None:
     """`matvec` with the several-token kernels at up to `tokens` tokens a block whatever n (benchmarks compare)."""
-    _launch_tokens(w, x, as_epilogue(out), stream, tokens)
+    _launch_tokens(w, x, _xnorm(x, None), as_epilogue(out), stream, tokens)
 
 
 def matvec_per_token(w: DeviceMatrix, x, out, stream=0) -> None:
@@ -163,16 +163,14 @@ def _launch(products: list[tuple[DeviceMatrix, object]], x, stream, norm: tuple 
             raise ValueError(f"no fused RMSNorm for a {w.kind} matrix of {w.cols} columns")
         if (g or dest == "qkv") and w.kind == "f32":
             raise ValueError("gated products and products into attention's inputs take quantized matrices")
-    w = ws[0]
-    if len(ws) == 1 and not per_token and takes_tokens(w, eps[0], x.shape[0], norm):
-        _launch_tokens(w, x, eps[0], stream)
+    w, xnorm = ws[0], _xnorm(x, norm)
+    if len(ws) == 1 and not per_token and takes_tokens(w, eps[0], x.shape[0]):
+        _launch_tokens(w, x, xnorm, eps[0], stream)
         return
     if w.kind == "f32":
         grid = (blocks(w.rows, F32_ROWS_PER_BLOCK), x.shape[0])
         _matvec_f32[grid, F32_ROWS_PER_BLOCK * WARP, stream](w.codes, x, eps[0])
         return
-    # the norm's weight as a [1, cols] matrix (wide loads), or a stand-in of that type
-    xnorm = (x, np.float32(0), False) if norm is None else (norm[0].reshape(1, -1), np.float32(norm[1]), True)
     n_warps, n_pass = _warps_and_passes(w.cols)
     rows = _rows_per_block([(m.rows, m.kind, g) for m, g in zip(ws, gated, strict=True)], n_warps)
     grid = [blocks(m.rows, r) for m, r in zip(ws, rows, strict=True)]
@@ -184,6 +182,11 @@ def _launch(products: list[tuple[DeviceMatrix, object]], x, stream, norm: tuple 
                                                            grid[0])
 
 
+def _xnorm(x, norm: tuple | None) -> tuple:
+    """The kernels' norm argument: the norm's weight as a [1, cols] matrix (wide loads), or a stand-in of that type."""
+    return (x, np.float32(0), False) if norm is None else (norm[0].reshape(1, -1), np.float32(norm[1]), True)
+
+
 def _warps_and_passes(cols: int) -> tuple[int, int]:
     """Warps of a block and passes over the columns of a row of `cols`: a warp per segment, up to MAX_WARPS."""
     segments = blocks(cols, SEGMENT)
@@ -191,12 +194,12 @@ def _warps_and_passes(cols: int) -> tuple[int, int]:
     return blocks(segments, n_pass), n_pass
 
 
-def _launch_tokens(w: DeviceMatrix, x, ep, stream, tokens: int | None = None) -> None:
+def _launch_tokens(w: DeviceMatrix, x, xnorm: tuple, ep, stream, tokens: int | None = None) -> None:
     """x's rows as `token_plan` cuts them (tokens: at most that many a block)."""
     plan = token_plan(w, x.shape[0], ep.gate != NO_GATE, tokens)
     n_warps, n_pass = _warps_and_passes(w.cols)
     grid = (blocks(w.rows, TOKEN_WARPS * plan.rows_per_warp), plan.groups)
-    _tokens_kernel(w.kind, plan.tokens)[grid, TOKEN_WARPS * WARP, stream](w.quant, x, ep, n_warps, n_pass,
+    _tokens_kernel(w.kind, plan.tokens)[grid, TOKEN_WARPS * WARP, stream](w.quant, x, xnorm, ep, n_warps, n_pass,
                                                                            plan.rows_per_warp)
 
 
@@ -698,10 +701,36 @@ def _make_tokens_body(kind: str, load, row, words: int, columns, tokens: int):
     fetch_tokens = _unrolled(fetch_token, tokens)
 
     @cuda.jit(device=True, inline=True)
-    def body(w, x, tg, ep, n_warps, n_pass, rows_per_warp, block, part, xq_block, xs_block):
-        """Block `block` of the products of x's rows tg * tokens.. (those that exist) to their rows of ep; n_warps,
-        n_pass: the one-token kernel's layout of the columns; xq_block, xs_block: the block's shared copy of the
-        tokens' quantized x over one logical warp's columns."""
+    def inverse_rms(x, t0, real, n_warps, xnorm, scales):
+        """scales[j] = 1 / rms(x[t0 + j]) for the tokens j that this warp quantizes (j % warps == its warp), summed
+        as `_normalize` sums in the one-token kernel (each lane's 32 columns, the warp's butterfly, the logical warps
+        in order; rows of one pass). Every warp takes the same number of tokens (a padding one: x's last real row,
+        its scale stored nowhere), so that the warp sums stay block-uniform (the simulator's are barriers)."""
+        norm_w, eps, _ = xnorm
+        warps = cuda.blockDim.x // WARP
+        warp = cuda.threadIdx.x // WARP
+        xv = cuda.local.array(32, np.float32)
+        for k in range((tokens + warps - 1) // warps):
+            j = warp + k * warps
+            t = t0 + min(j, real - 1)
+            total = np.float32(0)
+            for slot in range(n_warps):
+                ca, cb = columns(slot * WARP + cuda.threadIdx.x % WARP)
+                _load_x16(x, t, ca, xv, 0)
+                _load_x16(x, t, cb, xv, 16)
+                ss = np.float32(0)
+                for c in range(32):
+                    ss += xv[c] * xv[c]
+                total += warp_sum(ss)
+            if j < real:
+                scales[j] = np.float32(1) / math.sqrt(total / np.float32(norm_w.shape[1]) + eps)
+
+    @cuda.jit(device=True, inline=True)
+    def body(w, x, tg, xnorm, ep, n_warps, n_pass, rows_per_warp, block, part, xq_block, xs_block, scales):
+        """Block `block` of the products of x's rows tg * tokens.. (those that exist) to their rows of ep, x
+        normalized first where xnorm says so (see _normalize); n_warps, n_pass: the one-token kernel's layout of the
+        columns; xq_block, xs_block: the block's shared copy of the tokens' quantized x over one logical warp's
+        columns; scales: the tokens' 1 / rms(x)."""
         xq = cuda.local.array(x_words, np.uint32)
         xs = cuda.local.array((tokens, X_FIELDS), np.float32)
         buf_a = cuda.local.array((group, words), np.uint32)
@@ -718,13 +747,15 @@ def _make_tokens_body(kind: str, load, row, words: int, columns, tokens: int):
             for p in range(n_pass):
                 run = (p * n_warps + slot) * WARP + cuda.threadIdx.x % WARP
                 load_group(w, first_row + mine, run, buf_a)  # in flight while x is read
+                real = min(tokens, x.shape[0] - tg * tokens)
                 if slot == 0 and p == 0:
                     await_grid()
+                    if xnorm[2]:
+                        inverse_rms(x, tg * tokens, real, n_warps, xnorm, scales)
                 else:
                     cuda.syncthreads()  # every warp has fetched the round before's x
-                real = min(tokens, x.shape[0] - tg * tokens)
                 for j in range(warp, real, warps):
-                    _quantize_to_block(x, tg * tokens + j, columns(run), j, xq_block, xs_block)
+                    _quantize_to_block(x, tg * tokens + j, columns(run), j, xq_block, xs_block, xnorm, scales)
                 cuda.syncthreads()
                 fetch_tokens((xq_block, xs_block, real, xq, xs), 0)
                 for i0 in range(0, rows_per_warp, 2 * group):
@@ -743,14 +774,23 @@ def _make_tokens_body(kind: str, load, row, words: int, columns, tokens: int):
 
 
 @cuda.jit(device=True, inline=True)
-def _quantize_to_block(x, t, cols, j, xq_block, xs_block):
-    """x[t] over this lane's columns cols = (ca, cb), 16 from each, quantized (`_quantize_x`) into the block's shared
-    copy as token j: 16 words, then u, the two sums of x and their `_offset_sum`s."""
+def _quantize_to_block(x, t, cols, j, xq_block, xs_block, xnorm, scales):
+    """x[t] over this lane's columns cols = (ca, cb), 16 from each, normalized where xnorm says so (scales[j]: its
+    1 / rms, see _normalize), quantized (`_quantize_x`) into the block's shared copy as token j: 16 words, then u,
+    the two sums of x and their `_offset_sum`s."""
     xv = cuda.local.array(32, np.float32)
     xq = cuda.local.array(16, np.uint32)
     lane = cuda.threadIdx.x % WARP
     _load_x16(x, t, cols[0], xv, 0)
     _load_x16(x, t, cols[1], xv, 16)
+    norm_w, _, on = xnorm
+    if on:
+        wv = cuda.local.array(32, np.float32)
+        _load_x16(norm_w, 0, cols[0], wv, 0)
+        _load_x16(norm_w, 0, cols[1], wv, 16)
+        inv = scales[j]
+        for c in range(32):
+            xv[c] *= inv * wv[c]
     sum0 = _sum16(xv, 0)
     sum1 = _sum16(xv, 16)
     u = _quantize_x(xv, xq, 0)
@@ -798,11 +838,13 @@ def _tokens_kernel(kind: str, tokens: int):
     partials = TOKEN_PARTIALS * tokens
     x_words, x_fields = 16 * WARP * tokens, X_FIELDS * WARP * tokens
 
-    def kernel(w, x, ep, n_warps, n_pass, rows_per_warp):
+    def kernel(w, x, xnorm, ep, n_warps, n_pass, rows_per_warp):
         part = cuda.shared.array(partials, np.float32)
         xq_block = cuda.shared.array(x_words, np.uint32, alignment=ALIGN_16)
         xs_block = cuda.shared.array(x_fields, np.float32)
-        body(w, x, cuda.blockIdx.y, ep, n_warps, n_pass, rows_per_warp, cuda.blockIdx.x, part, xq_block, xs_block)
+        scales = cuda.shared.array(tokens, np.float32)
+        body(w, x, cuda.blockIdx.y, xnorm, ep, n_warps, n_pass, rows_per_warp, cuda.blockIdx.x, part, xq_block,
+             xs_block, scales)
 
     kernel.__name__ = kernel.__qualname__ = f"_matvec_{kind}_tokens{tokens}"
     return jit_bounded(kernel, TOKEN_WARPS * WARP, TOKEN_BLOCKS_PER_SM)
