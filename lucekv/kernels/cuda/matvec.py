@@ -25,9 +25,10 @@ Decode reads every weight byte once per token, so these kernels stream HBM with 
 Bias costs no pass of its own: a column block contributes `scale * dot + bias * sum(x)`, sum(x) taken from
 the unquantized x, and no bytes when the matrix has none (DeviceMatrix.has_bias).
 Several tokens (a short batch: a verify block, decode rows) of a quantized matrix big enough to fill the GPU
-(`several_tokens`): each weight word loaded once for up to TOKENS_PER_BLOCK tokens, whose int8 x, quantized once per
-block, a lane keeps in registers (`_make_tokens_body`, same sums as one token's, bit for bit); smaller ones, f32
-matrices, fused norms and attention inputs: grid rows of the one-token kernel, one per token.
+(`several_tokens`): each weight word loaded once for up to TOKENS_PER_BLOCK tokens, whose int8 x (normalized first
+where the norm is fused), quantized once per block, a lane keeps in registers (`_make_tokens_body`, same sums as one
+token's, bit for bit); smaller ones, f32 matrices and attention inputs: grid rows of the one-token kernel, one per
+token.
 Fusions that save a launch and a pass over the activations each: the RMSNorm of x (`norm`), taken by every
 block from the 32 columns each lane loads anyway (one block-wide sum), and what the output rows receive
 (an `Epilogue`: split into separate arrays, plus a bias and a residual; or `AttentionInputs`: q and k rotated,
