@@ -224,6 +224,42 @@ def test_matvec_of_several_tokens_at_model_shapes_gpu(qtype, rows, cols):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize(("qtype", "rows", "cols"), [
+    (Q.Q4_K, 1536, 1536),  # Qwen2.5-1.5B q / o
+    (Q.Q4_K, 17920, 1536),  # its gate / up
+    (Q.Q5_0, 896, 896),  # Qwen2.5-0.5B q / o
+], ids=lambda v: getattr(v, "name", str(v)))
+def test_matvec_of_several_tokens_with_the_norm_fused_at_model_shapes_gpu(qtype, rows, cols):
+    """A verify block's normalized products (17 tokens) equal each token's fused one-token product bit for bit, on
+    the GPU's compiler (contractions to fma and all), at every tokens-per-block."""
+    from lucekv.kernels.cuda.matvec import matvec, matvec_tokens
+    from lucekv.kernels.cuda.packed import upload
+
+    rng = np.random.default_rng(5)
+    m = random_packed(rng, qtype, rows, cols)
+    w = upload(m)
+    n = 17
+    x = (rng.standard_normal((n, cols)) * 3).astype(np.float32)
+    weight = rng.standard_normal(cols).astype(np.float32)
+    norm = (cuda.to_device(weight), 1e-6)
+    for tokens in (None, 2, 4, 8):
+        out = cuda.device_array((n, rows), np.float32)
+        if tokens is None:
+            matvec(w, cuda.to_device(x), out, norm=norm)
+        else:
+            matvec_tokens(w, cuda.to_device(x), out, tokens, norm=norm)
+        got = out.copy_to_host()
+        for t in range(n):
+            alone = cuda.device_array((1, rows), np.float32)
+            matvec(w, cuda.to_device(x[t:t + 1]), alone, norm=norm)
+            np.testing.assert_array_equal(got[t], alone.copy_to_host()[0], err_msg=f"token {t}, {tokens} a block")
+    x64 = x.astype(np.float64)
+    normed = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + 1e-6) * weight
+    assert rel_err(got, normed @ dense(m).T) <= 1e-3
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_a_product_in_a_replayed_graph_reads_what_the_kernel_before_it_wrote():
     """RMSNorm then a product of its output x, captured as a graph: on sm_90+ the edge between them is
     programmatic, so the product's blocks start (and load their first weights) while the norm still runs. Each

@@ -136,9 +136,9 @@ def matvecs(products: Sequence[tuple[DeviceMatrix, object]], x, stream=0, norm: 
             _launch([p], x, stream, norm)
 
 
-def matvec_tokens(w: DeviceMatrix, x, out, tokens: int, stream=0) -> None:
+def matvec_tokens(w: DeviceMatrix, x, out, tokens: int, stream=0, norm: tuple | None = None) -> None:
     """`matvec` with the several-token kernels at up to `tokens` tokens a block whatever n (benchmarks compare)."""
-    _launch_tokens(w, x, _xnorm(x, None), as_epilogue(out), stream, tokens)
+    _launch_tokens(w, x, _xnorm(x, norm), as_epilogue(out), stream, tokens)
 
 
 def matvec_per_token(w: DeviceMatrix, x, out, stream=0) -> None:
