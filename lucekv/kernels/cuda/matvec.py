@@ -702,12 +702,13 @@ def _make_tokens_body(kind: str, load, row, words: int, columns, tokens: int):
     fetch_tokens = _unrolled(fetch_token, tokens)
 
     @cuda.jit(device=True, inline=True)
-    def inverse_rms(x, t0, real, n_warps, xnorm, scales):
+    def inverse_rms(x, t0, n_warps, xnorm, scales):
         """scales[j] = 1 / rms(x[t0 + j]) for the tokens j that this warp quantizes (j % warps == its warp), summed
         as `_normalize` sums in the one-token kernel (each lane's 32 columns, the warp's butterfly, the logical warps
         in order; rows of one pass). Every warp takes the same number of tokens (a padding one: x's last real row,
         its scale stored nowhere), so that the warp sums stay block-uniform (the simulator's are barriers)."""
         norm_w, eps, _ = xnorm
+        real = min(tokens, x.shape[0] - t0)
         warps = cuda.blockDim.x // WARP
         warp = cuda.threadIdx.x // WARP
         xv = cuda.local.array(32, np.float32)
@@ -748,13 +749,13 @@ def _make_tokens_body(kind: str, load, row, words: int, columns, tokens: int):
             for p in range(n_pass):
                 run = (p * n_warps + slot) * WARP + cuda.threadIdx.x % WARP
                 load_group(w, first_row + mine, run, buf_a)  # in flight while x is read
-                real = min(tokens, x.shape[0] - tg * tokens)
                 if slot == 0 and p == 0:
                     await_grid()
                     if xnorm[2]:
-                        inverse_rms(x, tg * tokens, real, n_warps, xnorm, scales)
+                        inverse_rms(x, tg * tokens, n_warps, xnorm, scales)
                 else:
                     cuda.syncthreads()  # every warp has fetched the round before's x
+                real = min(tokens, x.shape[0] - tg * tokens)
                 for j in range(warp, real, warps):
                     _quantize_to_block(x, tg * tokens + j, columns(run), j, xq_block, xs_block, xnorm, scales)
                 cuda.syncthreads()
