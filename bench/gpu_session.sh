@@ -31,7 +31,7 @@
 #                                      tiny-shape) of the matvec, verify and batch paths, then matvec_speed
 #                                      --rows 1,2,4,8,17,32 at the 8B's, the 1.5B's and the 0.5B's layer shapes:
 #                                      the matvec as routed vs per-token grid rows vs the several-token kernels at
-#                                      2/4/8 tokens a block vs matmul, with errors (~7 min)
+#                                      2/4/8 tokens a block vs matmul, with errors (~6-8 min)
 #   bash bench/gpu_session.sh mvrows e2e  their end-to-end effect on Qwen2.5-1.5B's shape (the real file if its
 #                                      pieces reached /tmp, else random weights in its Q4_K_M mix, written here in
 #                                      ~1 min): the kernels of the verify forward at widths 1..32 (kernel_profile),

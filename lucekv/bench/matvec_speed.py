@@ -2,8 +2,8 @@
 
     python -m lucekv.bench.matvec_speed [--json OUT] [--replays 20] [--rows 1,2,4,8,17,32]
 
---rows: products of that many tokens (verify blocks, decode rows) at the 8B's, the 1.5B's and the 0.5B's layer
-shapes, each timed through every path: `matvec` as routed, the per-token grid rows, the several-token kernels at
+--rows: instead, products of that many tokens (verify blocks, decode rows) at the 8B's, the 1.5B's and the 0.5B's
+layer shapes, each timed through every path: `matvec` as routed, the per-token grid rows, the several-token kernels at
 each tokens-per-block, the tensor-core matmul (`bench_rows`).
 
 Random GGUF blocks, packed and uploaded as the backend does (Q6_K becomes the device's q6 form). Each kernel
@@ -253,28 +253,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--rows", default="", help="also time products of several tokens, e.g. 1,2,4,8,17,32: every "
-                    "path of a product of that many token rows (see bench_rows), at the 8B's, the 1.5B's and the "
-                    "0.5B's layer shapes")
+    ap.add_argument("--rows", default="", help="instead, time products of several tokens, e.g. 1,2,4,8,17,32: "
+                    "every path of a product of that many token rows (see bench_rows), at the 8B's, the 1.5B's and "
+                    "the 0.5B's layer shapes")
     a = ap.parse_args()
     dev = cuda.get_current_device()
     l2, sms = int(dev.L2_CACHE_SIZE), int(dev.MULTIPROCESSOR_COUNT)
     stream = cuda.stream()
     rng = np.random.default_rng(0)
-    rows = [bench_shape(s, rng, a.replays, l2, sms, stream) for s in SHAPES]
     name = device_name(dev)
     result = {"commit": git_commit(), "command": "python -m lucekv.bench.matvec_speed " + " ".join(sys.argv[1:]),
-              "device": name, "sm_count": sms, "l2_bytes": l2, "replays": a.replays, "launches_per_graph": LAUNCHES,
-              "copy_gbps": copy_bandwidth(stream), "shapes": rows,
-              "ms_per_token": sum(r["us"] * r["per_token"] for r in rows) / 1000,
-              "stream_ms_per_token": sum(r["stream_us"] * r["per_token"] for r in rows) / 1000}
-    print(f"{name}: {sms} SMs, L2 {l2 / 2 ** 20:.0f} MiB, copy {result['copy_gbps']:.0f} GB/s (read + write), "
-          f"median of {a.replays} graph replays of {LAUNCHES}+ launches")
-    print(f"{'shape':32s} {'MB':>7s} {'matvec µs':>9s} {'GB/s':>7s} {'stream µs':>9s} {'GB/s':>7s} {'rel err':>8s}")
-    for r in rows:
-        print(f"{r['shape']:32s} {r['weight_bytes'] / 1e6:7.1f} {r['us']:9.2f} {r['gbps']:7.0f} "
-              f"{r['stream_us']:9.2f} {r['stream_gbps']:7.0f} {r['max_rel_err']:8.1e}")
-    print(f"matvec ms per Qwen3-8B token: {result['ms_per_token']:.3f} (stream {result['stream_ms_per_token']:.3f})")
+              "device": name, "sm_count": sms, "l2_bytes": l2, "replays": a.replays, "launches_per_graph": LAUNCHES}
+    print(f"{name}: {sms} SMs, L2 {l2 / 2 ** 20:.0f} MiB, median of {a.replays} graph replays of {LAUNCHES}+ launches")
     if a.rows:
         counts = [int(n) for n in a.rows.split(",")]
         result["decode_rows"] = [r for s in ROW_SHAPES for r in bench_rows(s, rng, counts, a.replays, l2, stream)]
@@ -286,6 +276,18 @@ def main() -> None:
                   f"{r['per_token_us']:7.1f}, {several + ', ' if several else ''}matmul {r['matmul_us']:7.1f}; best "
                   f"{r['best']}; err {r['max_rel_err']:.1e}"
                   f"{'' if r['equals_per_token'] else ' (NOT equal to the per-token path)'}", flush=True)
+        write_json(a.json, result)
+        return
+    rows = [bench_shape(s, rng, a.replays, l2, sms, stream) for s in SHAPES]
+    result.update({"copy_gbps": copy_bandwidth(stream), "shapes": rows,
+                   "ms_per_token": sum(r["us"] * r["per_token"] for r in rows) / 1000,
+                   "stream_ms_per_token": sum(r["stream_us"] * r["per_token"] for r in rows) / 1000})
+    print(f"copy {result['copy_gbps']:.0f} GB/s (read + write)")
+    print(f"{'shape':32s} {'MB':>7s} {'matvec µs':>9s} {'GB/s':>7s} {'stream µs':>9s} {'GB/s':>7s} {'rel err':>8s}")
+    for r in rows:
+        print(f"{r['shape']:32s} {r['weight_bytes'] / 1e6:7.1f} {r['us']:9.2f} {r['gbps']:7.0f} "
+              f"{r['stream_us']:9.2f} {r['stream_gbps']:7.0f} {r['max_rel_err']:8.1e}")
+    print(f"matvec ms per Qwen3-8B token: {result['ms_per_token']:.3f} (stream {result['stream_ms_per_token']:.3f})")
     write_json(a.json, result)
 
 
