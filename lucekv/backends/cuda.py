@@ -21,6 +21,7 @@ import numpy as np
 
 from lucekv.backends.ahead import RunAhead
 from lucekv.backends.cpu import KV_DTYPES
+from lucekv.backends.cuda_spark import SparkOptions, SparkStore
 from lucekv.backends.slots import SlotMap
 from lucekv.errors import UnsupportedModelError
 from lucekv.kernels.cpu.quants import (
@@ -204,14 +205,17 @@ class Stacked:
 @dataclass
 class CudaExperts:
     """One layer's router and experts, stacked (expert e's rows e * rows ..): gate and up interleaved into one matrix
-    whose products apply the activation (`gate_up`), or, for float experts, apart."""
+    whose products apply the activation (`gate_up`), or, for float experts, apart; each an ExpertTable (all on the
+    GPU, or Spark's slots and mapped host copy). `routed`: where a one-token step leaves its expert ids under Spark
+    (the cache reads them after the step), else None."""
 
     router: DeviceMatrix
-    gate_up: DeviceMatrix | None
-    gate: DeviceMatrix | None
-    up: DeviceMatrix | None
-    down: DeviceMatrix
+    gate_up: moe.ExpertTable | None
+    gate: moe.ExpertTable | None
+    up: moe.ExpertTable | None
+    down: moe.ExpertTable
     n_ff: int
+    routed: object | None = None
 
 
 class CudaOps:
@@ -258,6 +262,7 @@ class CudaOps:
         self._taken: dict[tuple, int] = {}  # arrays of each (shape, dtype) the current segment has taken
         self._pooled_tokens = 0  # the token count the pools' arrays are shaped for
         self._counter = None  # the MoE router's (see _route_counter)
+        self.spark: SparkStore | None = None  # where the experts live when not all on the GPU
         self._slot_row_maps: dict[tuple[int, int], object] = {}
         # block tables (attention.BlockTables) in one fixed device buffer, [start (max_rows), used (max_rows), flat
         # blocks], filled from pinned memory in two turns like the one-token inputs, and only when they changed
@@ -427,23 +432,33 @@ class CudaOps:
 
     def experts(self, router: TensorInfo, gate: TensorInfo, up: TensorInfo, down: TensorInfo) -> CudaExperts:
         g, u = pack_stacked(gate), pack_stacked(up)
-        n_ff = gate.shape[1]
-        put = functools.partial(upload, stream=self.stream)
+        n_expert, n_ff, n_embd = gate.shape
+        if self.spark is None:
+            def put(m: PackedMatrix, _rows: int) -> moe.ExpertTable:
+                return moe.resident(upload(m, stream=self.stream), n_expert, stream=self.stream)
+            routed = None
+        else:
+            layer = int(router.name.split(".")[1])  # blk.N.ffn_gate_inp.weight (load_weights goes layer by layer)
+            put = functools.partial(self.spark.experts, layer)
+            routed = self.spark.routed_rows[layer]
         # interleaving the whole stacks interleaves each expert's rows: its gate/up groups never cross an expert
         paired = _interleavable(g, u) and n_ff % GATE_ROWS == 0
-        return CudaExperts(put(pack_tensor(router)), put(interleave_rows(g, u, GATE_ROWS)) if paired else None,
-                           None if paired else put(g), None if paired else put(u), put(pack_stacked(down)), n_ff)
+        return CudaExperts(upload(pack_tensor(router), stream=self.stream),
+                           put(interleave_rows(g, u, GATE_ROWS), 2 * n_ff) if paired else None,
+                           None if paired else put(g, n_ff), None if paired else put(u, n_ff),
+                           put(pack_stacked(down), n_embd), n_ff, routed)
 
     def moe_ffn(self, x, m: MoeWeights, norm):
         """One token (or float experts): the chosen experts' products as matvecs, experts picked on the device.
         More: tokens grouped by expert on the device, each expert's run through the tensor-core tile."""
         spec, e, s = self.spec, m.experts, self.stream
         n, k, n_embd = x.shape[0], spec.n_expert_used, spec.n_embd
-        ids, weights = self._alloc((n, k), np.int32), self._empty(n, k)
+        ids = e.routed if n == 1 and e.routed is not None else self._alloc((n, k), np.int32)
+        weights = self._empty(n, k)
         logits = self._empty(n, spec.n_expert)
         gate = GELU if spec.arch.activation == "gelu_tanh" else SILU
         h = None  # norm(x), where a kernel does not normalize x itself
-        if n == 1 and e.gate_up is not None and fuses_norm(e.gate_up):
+        if n == 1 and e.gate_up is not None and fuses_norm(e.gate_up.table):
             moe.route(e.router, x, (norm, spec.rms_eps), logits, self._route_counter(n), ids, weights,
                       spec.arch.norm_topk, stream=s)
         else:
@@ -632,11 +647,12 @@ class CudaBackend(RunAhead):
     prefill_chunk = 512  # tokens per prefill forward: each reads every weight once (no score matrix here)
 
     def __init__(self, g: GGUFFile, spec: ModelSpec, kv_dtype: str = "f16", pool_size: int | None = None,
-                 use_graph: bool | None = None, max_rows: int = 1):
+                 use_graph: bool | None = None, max_rows: int = 1, spark: SparkOptions | None = None):
         """pool_size: KV slots (one block of them the backend's scratch); max_rows: the most sequences whose decode
         tokens share a forward (`decode_rows`). use_graph: replay decode steps, decode rows (one graph per batch
         size bucket: 2, 4, 8...) and prompt pieces (one graph per width bucket) from CUDA graphs; default: on a GPU
-        (the simulator has none)."""
+        (the simulator has none). spark: an MoE's experts placed and cached (cuda_spark), not all on the GPU; a
+        placement of another model is refused."""
         if why := attention.unsupported(spec.n_head, spec.n_kv_head, spec.head_dim):
             raise UnsupportedModelError(f"the CUDA backend cannot run {spec.name}: {why}")
         if spec.n_expert and (why := moe.unsupported(spec.n_expert, spec.n_expert_used)):
@@ -650,6 +666,11 @@ class CudaBackend(RunAhead):
         self.pool = CudaKVPool(spec, pool_size, kv_dtype, self.stream, self.max_rows)
         self.pool.compile_paging()  # sequences page (idle ones too): the kernels compile now, not in a session's step
         self.ops = CudaOps(spec, self.pool, self.stream, self.prefill_chunk, self.max_rows)
+        if spark is not None:
+            if not spec.n_expert:
+                raise UnsupportedModelError(f"{spec.name} has no experts to place (--spark-placement)")
+            self.ops.spark = SparkStore(spark, spec, g.fingerprint, self.stream)
+        self.spark = self.ops.spark
         self.weights: Weights = load_weights(g, spec, self.ops)
         self._graphs = not SIMULATOR if use_graph is None else use_graph
         self.graph = DecodeGraph(self) if self._graphs else None
@@ -690,13 +711,17 @@ class CudaBackend(RunAhead):
         self.ops.begin_step(tokens, positions, slots, mark=not replay, tables=tables)
         self.pool.padded_by(n)
         if replay:
-            return graph.replay(n)
-        logits = self._forward_eager(tokens, positions, slots, all_logits or rows)
-        if graph is not None:  # kernels are compiled and loaded now: capture the same forward for the next ones
-            graph.capture(tokens, positions, slots)
-        out = logits.copy_to_host(stream=self.stream)
-        self.stream.synchronize()
-        return out[len(out) - n :] if all_logits else out
+            out = graph.replay(n)
+        else:
+            logits = self._forward_eager(tokens, positions, slots, all_logits or rows)
+            if graph is not None:  # kernels are compiled and loaded now: capture the same forward for the next ones
+                graph.capture(tokens, positions, slots)
+            out = logits.copy_to_host(stream=self.stream)
+            self.stream.synchronize()
+            out = out[len(out) - n :] if all_logits else out
+        if self.spark is not None and n == 1 and not rows:
+            self.spark.observe_now()  # a one-token step: its experts feed the cache
+        return out
 
     def _graph_for(self, n: int, all_logits: bool) -> ForwardGraph | None:
         """The graph that runs an n-token forward of one sequence, if any (one token's logits are all its logits)."""
@@ -1004,11 +1029,15 @@ class DecodeGraph(ForwardGraph):
         t = self._turn
         _check(driver.cuMemcpyDtoHAsync(self._tokens_host[t:].ctypes.data, _device_pointer(b.ops.next_token_buffer), 4,
                                         driver.CUstream(int(b.stream.handle))))
+        if b.spark is not None:
+            b.spark.enqueue_readback(t)  # the step's expert ids, for the cache
         self._token_ready[t].record(b.stream)
         return TokenReadback(t)
 
     def token(self, r: TokenReadback) -> int:
         self._token_ready[r.turn].synchronize()
+        if self.backend.spark is not None:
+            self.backend.spark.step_done(r.turn)
         return int(self._tokens_host[r.turn])
 
 

@@ -76,6 +76,15 @@ class ExpertSlots:
             self.epoch += 1
         return fills
 
+    def visible(self, pending: Iterable[Fill]) -> np.ndarray:
+        """The remap a device step may read while the `pending` fills' copies are on their way: their experts still
+        COLD. A filled slot shows only once its copy has completed (the next step boundary's remap); an evicted
+        expert is COLD at once, so no step enqueued after this remap reads the slot being overwritten."""
+        remap = self.remap.copy()
+        for f in pending:
+            remap[f.layer, f.expert] = COLD
+        return remap
+
     def cold(self, layer: int, experts: Iterable[int]) -> list[int]:
         """The experts among `experts` no slot holds."""
         return [int(e) for e in experts if self.remap[layer, int(e)] == COLD]

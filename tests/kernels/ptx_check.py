@@ -92,10 +92,13 @@ for kind, quant in (*QUANTS.items(), ("f32", _quant(np.float32, np.uint8, np.uin
 for kind, quant in (("q4", Q4_K), ("f32", _quant(np.float32, np.uint8, np.uint8))):
     CHECKS[f"moe_route_{kind}"] = (moe._ROUTERS[kind], (quant, F2, XNORM, F2, I1, I2, F2, B, I64))
 for kind, quant in QUANTS.items():
-    CHECKS[f"moe_routed_{kind}"] = (moe._ROUTED[kind], (quant, I64, F2, XNORM, EP, I64, I64, I64, I2, B))
-for (kind, block), kernel in moe._GROUPED.items():
-    CHECKS[f"moe_grouped_{kind}_{block}"] = (kernel, (QUANTS[kind], I64, F32, F2, I1, I2, EP))
-CHECKS["moe_routed_f32"] = (moe._routed_f32, (F2, I64, F2, I2, B, EP))
+    routed = (quant, quant, I1, I64, F2, XNORM, EP, I64, I64, I64, I2, B)  # an ExpertTable's (table, host, remap)
+    for placed in (False, True):
+        CHECKS[f"moe_routed_{kind}" + "_placed" * placed] = (moe._ROUTED[kind, placed], routed)
+for (kind, block, placed), kernel in moe._GROUPED.items():
+    CHECKS[f"moe_grouped_{kind}_{block}" + "_placed" * placed] = (kernel, (QUANTS[kind], QUANTS[kind], I1, I64, F32,
+                                                                          F2, I1, I2, EP))
+CHECKS["moe_routed_f32"] = (moe._routed_f32, (F2, F2, I1, I64, F2, I2, B, EP))
 CHECKS["moe_group"] = (moe._group, (I2, I64, I1, I2, I1, I2))
 CHECKS["moe_gather"] = (moe._gather, (F2, I1, F2))
 CHECKS["moe_combine"] = (moe._combine, (F2, I2, F2, F2, F2, F2, B, F2))

@@ -64,6 +64,106 @@ def test_moe_ffn_matches_float64(tmp_path, arch, qtype, n_tokens):
     assert rel_err(out, ref) <= 2e-3
 
 
+@needs_kernels
+def test_spark_products_read_cold_experts_from_the_host_copy_and_filled_slots_exactly():
+    """The routed matvecs and the grouped matmul over Spark's storage (backends/cuda_spark): experts 5 and 1 placed
+    (slots 0, 1), one spare slot; every product equals the all-resident one bit for bit: hot, cold (read from the
+    host copy) and, after a step boundary's fill, cached experts. In the simulator a mapped array is a plain device
+    array: this checks the remap's indexing between the two tables, the fill copies and when the remap shows them."""
+    from types import SimpleNamespace
+
+    from gguf.quants import quantize
+
+    from lucekv.backends.cuda_spark import SparkOptions, SparkStore
+    from lucekv.kernels.cpu.quants import pack
+    from lucekv.kernels.cuda import moe
+    from lucekv.kernels.cuda.packed import upload
+    from lucekv.spark.cache import COLD
+    from lucekv.spark.placement import Placement
+
+    n_expert, rows, cols = 8, 32, 64
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((n_expert * rows, cols)).astype(np.float32)
+    packed = pack(quantize(w, Q.Q8_0), Q.Q8_0, w.shape)
+    resident = moe.resident(upload(packed), n_expert)
+    store = SparkStore(SparkOptions(Placement("fp", n_expert, ((5, 1),)), spare=1),
+                       SimpleNamespace(n_layer=1, n_expert=n_expert, n_expert_used=3), "fp", cuda.stream())
+    spark = store.experts(0, packed, rows)
+    x = cuda.to_device(rng.standard_normal((2, cols)).astype(np.float32))
+
+    def routed(table) -> np.ndarray:
+        out = cuda.device_array((3, rows), np.float32)
+        moe.routed_matvecs(table, rows, x[:1], store.routed_rows[0], out, x_per_slot=False)
+        return out.copy_to_host()
+
+    store.routed_rows[0].copy_to_device(np.array([[2, 5, 7]], np.int32))  # as a one-token step's router leaves them
+    want = routed(resident)
+    np.testing.assert_array_equal(routed(spark), want)  # 2, 7 cold
+    store.observe_now()  # the step boundary: 2 copied into the spare slot, not shown until its copy has completed
+    assert store.slots.remap[0, 2] == 2 and store.remap.copy_to_host()[0, 2] == COLD
+    store.observe_now()
+    assert store.remap.copy_to_host()[0].tolist() == [COLD, 1, 2, COLD, COLD, 0, COLD, COLD]
+    assert (store.stats.steps, store.stats.cold, store.stats.fills) == (2, 4, 1)
+    np.testing.assert_array_equal(routed(spark), want)  # 2 from its slot
+
+    ids = cuda.to_device(np.array([[2], [7]], np.int32))  # the grouped prefill: one token each of 2 and 7
+    starts, pos = cuda.device_array(n_expert + 1, np.int32), cuda.device_array((2, 1), np.int32)
+    src, tiles = cuda.device_array(2, np.int32), cuda.device_array((moe.max_tiles(2, n_expert), 2), np.int32)
+    moe.group(ids, n_expert, starts, pos, src, tiles)
+    gathered = cuda.to_device(x.copy_to_host()[src.copy_to_host()])
+    outs = []
+    for table in (resident, spark):
+        out = cuda.device_array((2, rows), np.float32)
+        moe.grouped_matmul(table, rows, gathered, starts, tiles, out)
+        outs.append(out.copy_to_host())
+    np.testing.assert_array_equal(*outs)
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_spark_experts_cold_and_cached_give_the_resident_output_exactly(tmp_path):
+    """Spark storage (backends/cuda_spark): experts 5 and 1 placed (slots 0, 1), one spare slot, the others read from
+    the host copy; moe_ffn gives the all-resident output bit for bit, for one token (routed matvecs) and five (grouped
+    matmul), and one token again after the cache has copied a cold expert of the step into its spare slot (slow: 60 s
+    of CPU in the simulator). (In the simulator a
+    mapped array is a plain device array: this checks the remap's indexing between the two tables and the copies.)"""
+    from lucekv.backends.cuda import CudaKVPool, CudaOps
+    from lucekv.backends.cuda_spark import SparkOptions, SparkStore
+    from lucekv.model.decoder import load_weights
+    from lucekv.spark.cache import COLD
+    from lucekv.spark.placement import Placement
+
+    g = open_gguf(write_synthetic_gguf(tmp_path / "m.gguf", "qwen3moe", qtype=Q.Q8_0, **TINY, n_ff_expert=32))
+    spec = ModelSpec.from_gguf(g)
+    x = np.random.default_rng(5).standard_normal((5, spec.n_embd)).astype(np.float32)
+
+    def ops_of(spark: SparkOptions | None):
+        stream = cuda.stream()
+        ops = CudaOps(spec, CudaKVPool(spec, 64, "f32", stream), stream)
+        if spark is not None:
+            ops.spark = SparkStore(spark, spec, g.fingerprint, stream)
+        return ops, load_weights(g, spec, ops).layers[0]
+
+    def moe_out(ops, layer, n: int) -> np.ndarray:
+        out = ops.moe_ffn(cuda.to_device(x[:n], stream=ops.stream), layer.moe, layer.ffn_norm)
+        return out.copy_to_host(stream=ops.stream)
+
+    resident, resident_layer = ops_of(None)
+    want = {n: moe_out(resident, resident_layer, n) for n in (1, 5)}
+    ops, layer = ops_of(SparkOptions(Placement(g.fingerprint, 8, ((5, 1),)), spare=1))
+    spark = ops.spark
+    for n in (5, 1):
+        np.testing.assert_array_equal(moe_out(ops, layer, n), want[n])
+    spark.observe_now()  # the one-token step's experts: a cold one is copied into the spare slot, not shown yet
+    chosen = spark.routed.copy_to_host().reshape(-1)
+    assert spark.stats.cold == len(set(chosen.tolist()) - {5, 1}) > 0 and spark.stats.fills == 1
+    filled = next(e for e in chosen if e not in (5, 1))
+    assert spark.slots.remap[0, filled] == 2 and spark.remap.copy_to_host()[0, filled] == COLD
+    spark.observe_now()  # the next boundary shows it (its copy has completed)
+    assert spark.remap.copy_to_host()[0, filled] == 2 and spark.stats.fills == 1
+    np.testing.assert_array_equal(moe_out(ops, layer, 1), want[1])
+
+
 @pytest.mark.slow
 @needs_kernels
 def test_cuda_backend_runs_an_moe_model_like_the_cpu_backend(tmp_path):

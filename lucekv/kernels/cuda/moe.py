@@ -15,11 +15,18 @@ takes expert e as a view of those rows (`expert_rows`), so the dense products' b
   last tile return at once: the grid is sized for the worst case, so a prefill graph replays whatever the routing).
 - `combine`: each token's expert outputs weighted and summed in rank order, plus the residual and, where the model
   has one, the shared expert scaled by the sigmoid of its gate: the weighted scatter back.
+
+The products take a layer's experts as an `ExpertTable` (Spark, DESIGN §7): a GPU table of slots, every expert in
+host memory mapped into the device's address space, and a device `remap` from expert to slot. A kernel reads
+`remap[e]` and takes the expert's rows from its slot, or, COLD, straight from the mapped host copy over PCIe: no
+sync, no host compute, the same launches whatever is resident, so a captured graph replays any residency (remap is
+data). All experts resident is the table alone with the identity remap.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -57,6 +64,54 @@ def expert_rows(w, e, rows):
     r0 = e * rows
     return Quant(w.codes[r0:r0 + rows], w.high[r0:r0 + rows], w.scales[r0:r0 + rows], w.subs[r0:r0 + rows],
                  w.block_log2, w.group_log2, w.sub_scaled, w.has_bias)
+
+
+@cuda.jit(device=True, inline=True)
+def resident_rows(table, host, remap, e, rows):
+    """Expert e's rows, as `expert_rows`: from its slot of the GPU table, or from the mapped host copy where the remap
+    says COLD (negative)."""
+    slot = remap[e]
+    if slot >= 0:
+        return expert_rows(table, slot, rows)
+    return expert_rows(host, e, rows)
+
+
+@dataclass
+class ExpertTable:
+    """One stacked expert matrix of a layer as the products read it: `table` holds slot s's expert at rows s * rows ..,
+    `host` every expert e at rows e * rows .. (mapped pinned host memory, or `table` itself when all are resident),
+    `remap` int32 [n_expert] on the device: expert e's slot, or COLD (< 0) to read it from `host`."""
+
+    table: DeviceMatrix
+    host: DeviceMatrix
+    remap: object
+
+    @property
+    def kind(self) -> str:
+        return self.table.kind
+
+    @property
+    def cols(self) -> int:
+        return self.table.cols
+
+    @property
+    def placed(self) -> bool:
+        """Whether some experts may be cold: the products then read the remap (kernels of their own: the choice
+        between two matrices costs registers, and spills, that all-resident products need not pay)."""
+        return self.host is not self.table
+
+    def args(self) -> tuple:
+        return self.table.quant, self.host.quant, self.remap
+
+
+_identities: dict[int, object] = {}
+
+
+def resident(w: DeviceMatrix, n_expert: int, stream=0) -> ExpertTable:
+    """Every expert of `w` on the GPU, slot e holding expert e."""
+    if n_expert not in _identities:
+        _identities[n_expert] = cuda.to_device(np.arange(n_expert, dtype=np.int32), stream=stream)
+    return ExpertTable(w, w, _identities[n_expert])
 
 
 # ---- the router -------------------------------------------------------------------------------------------
@@ -181,18 +236,20 @@ _ROUTERS = {kind: _make_router(kind) for kind in ("q4", "q6", "q8", "f32")}
 # ---- decode: the chosen experts' products ---------------------------------------------------------------------
 
 
-def routed_matvecs(w: DeviceMatrix, rows_per_expert: int, x, ids, out, x_per_slot: bool, stream=0,
+def routed_matvecs(experts: ExpertTable, rows_per_expert: int, x, ids, out, x_per_slot: bool, stream=0,
                    norm: tuple | None = None) -> None:
-    """out[t * k + s] = expert ids[t, s] of w (rows rows_per_expert) times x[t] (x[t * k + s] where `x_per_slot`),
-    for each token t of ids [n, k]; out: a device array or an Epilogue (a gated one for interleaved gate/up
-    experts). norm: (weight, eps) to normalize x first (`matvec.fuses_norm`)."""
+    """out[t * k + s] = expert ids[t, s] of the experts (rows rows_per_expert) times x[t] (x[t * k + s] where
+    `x_per_slot`), for each token t of ids [n, k]; out: a device array or an Epilogue (a gated one for interleaved
+    gate/up experts). norm: (weight, eps) to normalize x first (`matvec.fuses_norm`)."""
     n, k = ids.shape
     ep = as_epilogue(out)
+    w = experts.table
     if w.kind == "f32":
         if ep.gate or norm is not None:
             raise ValueError("float experts take plain products of normalized inputs")
         grid = (k * blocks(rows_per_expert, mv.F32_ROWS_PER_BLOCK), n)
-        _routed_f32[grid, mv.F32_ROWS_PER_BLOCK * WARP, stream](w.codes, rows_per_expert, x, ids, x_per_slot, ep)
+        _routed_f32[grid, mv.F32_ROWS_PER_BLOCK * WARP, stream](w.codes, experts.host.codes, experts.remap,
+                                                                rows_per_expert, x, ids, x_per_slot, ep)
         return
     if norm is not None and not mv.fuses_norm(w):
         raise ValueError(f"no fused RMSNorm for a {w.kind} matrix of {w.cols} columns")
@@ -202,32 +259,36 @@ def routed_matvecs(w: DeviceMatrix, rows_per_expert: int, x, ids, out, x_per_slo
     n_warps = blocks(segments, n_pass)
     rows = mv._rows_per_block([(k * rows_per_expert, w.kind, bool(ep.gate))], n_warps)[0]
     per_expert = blocks(rows_per_expert, rows)
-    _ROUTED[w.kind][(k * per_expert, n), n_warps * WARP, stream](w.quant, rows_per_expert, x, xnorm, ep, n_pass, rows,
-                                                              per_expert, ids, x_per_slot)
+    _ROUTED[w.kind, experts.placed][(k * per_expert, n), n_warps * WARP, stream](
+        *experts.args(), rows_per_expert, x, xnorm, ep, n_pass, rows, per_expert, ids, x_per_slot)
 
 
-def _make_routed(kind: str):
+def _make_routed(kind: str, placed: bool):
     body = mv._BODIES[kind, "rows"]
 
-    def kernel(w, rows_per_expert, x, xnorm, ep, n_pass, rows_per_block, per_expert, ids, x_per_slot):
+    def kernel(table, host, remap, rows_per_expert, x, xnorm, ep, n_pass, rows_per_block, per_expert, ids, x_per_slot):
         await_grid()  # the expert ids are the router's output: no weight can be loaded before
         part = cuda.shared.array(PARTIALS, np.float32)
         sums = cuda.shared.array(PRODUCT_WARPS, np.float32)
         t = cuda.blockIdx.y
         slot = cuda.blockIdx.x // per_expert
         row = t * ids.shape[1] + slot
-        body(expert_rows(w, ids[t, slot], rows_per_expert), x, row if x_per_slot else t, xnorm, ep, row, n_pass,
-             rows_per_block, cuda.blockIdx.x % per_expert, part, sums)
+        if placed:  # a constant: the other branch is compiled out
+            w = resident_rows(table, host, remap, ids[t, slot], rows_per_expert)
+        else:
+            w = expert_rows(table, ids[t, slot], rows_per_expert)
+        body(w, x, row if x_per_slot else t, xnorm, ep, row, n_pass, rows_per_block, cuda.blockIdx.x % per_expert,
+             part, sums)
 
-    kernel.__name__ = kernel.__qualname__ = f"_routed_{kind}"
+    kernel.__name__ = kernel.__qualname__ = f"_routed_{kind}" + ("_placed" if placed else "")
     return mv._bounded(kernel)
 
 
-_ROUTED = {kind: _make_routed(kind) for kind in ("q4", "q6", "q8")}
+_ROUTED = {(kind, placed): _make_routed(kind, placed) for kind in ("q4", "q6", "q8") for placed in (False, True)}
 
 
 @cuda.jit
-def _routed_f32(w, rows_per_expert, x, ids, x_per_slot, ep):
+def _routed_f32(table, host, remap, rows_per_expert, x, ids, x_per_slot, ep):
     # one warp per row, as matvec's f32 kernel: float experts are for tests and tiny models
     await_grid()
     t = cuda.blockIdx.y
@@ -237,7 +298,10 @@ def _routed_f32(w, rows_per_expert, x, ids, x_per_slot, ep):
     lane = cuda.threadIdx.x % WARP
     row = t * ids.shape[1] + slot
     tx = row if x_per_slot else t
-    base = ids[t, slot] * rows_per_expert
+    e = ids[t, slot]
+    at = remap[e]
+    w = table if at >= 0 else host
+    base = (at if at >= 0 else e) * rows_per_expert
     acc = np.float32(0)
     for c in range(lane, x.shape[1] if r < rows_per_expert else 0, WARP):
         acc += w[base + r, c] * x[tx, c]
@@ -315,32 +379,38 @@ def _gather(x, src, out):
         out[p, j] = x[src[p], j]
 
 
-def grouped_matmul(w: DeviceMatrix, rows_per_expert: int, x, starts, tiles, out, stream=0) -> None:
-    """out[p] = expert e of w times x[p] for each row p of expert e's run (see `group`), on tensor cores; out: a
-    device array or an Epilogue (a gated one for interleaved gate/up experts)."""
+def grouped_matmul(experts: ExpertTable, rows_per_expert: int, x, starts, tiles, out, stream=0) -> None:
+    """out[p] = expert e of the experts times x[p] for each row p of expert e's run (see `group`), on tensor cores
+    (a cold expert's tiles read it through the host mapping); out: a device array or an Epilogue (a gated one for
+    interleaved gate/up experts)."""
+    w = experts.table
     if w.kind == "f32" or w.cols % mm.K_STEP:
         raise ValueError(f"grouped matmul: {w.kind} experts of {w.cols} columns (quantized, a multiple of "
                          f"{mm.K_STEP})")
-    kernel = _GROUPED[w.kind, 1 << w.block_log2]
+    kernel = _GROUPED[w.kind, 1 << w.block_log2, experts.placed]
     kernel[(blocks(rows_per_expert, mm.ROWS), tiles.shape[0]), mm.THREADS, stream](
-        w.quant, rows_per_expert, np.float32(w.half_scale), x, starts, tiles, as_epilogue(out))
+        *experts.args(), rows_per_expert, np.float32(w.half_scale), x, starts, tiles, as_epilogue(out))
 
 
-def _make_grouped(kind: str, block: int):
+def _make_grouped(kind: str, block: int, placed: bool):
     tile = mm.TILES[kind, block]
 
-    def kernel(w, rows_per_expert, half_scale, x, starts, tiles, ep):
+    def kernel(table, host, remap, rows_per_expert, half_scale, x, starts, tiles, ep):
         await_grid()
         e = tiles[cuda.blockIdx.y, 0]
         if e >= 0:  # the same for the whole block
-            tile(expert_rows(w, e, rows_per_expert), rows_per_expert, half_scale, x, starts[e + 1], ep,
-                 cuda.blockIdx.x * mm.ROWS, tiles[cuda.blockIdx.y, 1])
+            if placed:  # a constant: the other branch is compiled out
+                w = resident_rows(table, host, remap, e, rows_per_expert)
+            else:
+                w = expert_rows(table, e, rows_per_expert)
+            tile(w, rows_per_expert, half_scale, x, starts[e + 1], ep, cuda.blockIdx.x * mm.ROWS,
+                 tiles[cuda.blockIdx.y, 1])
 
-    kernel.__name__ = kernel.__qualname__ = f"_grouped_{kind}_{block}"
+    kernel.__name__ = kernel.__qualname__ = f"_grouped_{kind}_{block}" + ("_placed" if placed else "")
     return jit_bounded(kernel, mm.THREADS, mm.BLOCKS_PER_SM)
 
 
-_GROUPED = {key: _make_grouped(*key) for key in mm.TILES}
+_GROUPED = {(*key, placed): _make_grouped(*key, placed) for key in mm.TILES for placed in (False, True)}
 
 
 # ---- the weighted sum back ------------------------------------------------------------------------------------

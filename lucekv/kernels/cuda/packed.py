@@ -76,10 +76,11 @@ HALF_TOP = 2.0**14  # where half_scale puts a matrix's largest |weight|: float16
 Q6_OFFSET = 32  # q6 codes are q8 codes + 32, in 0..63
 
 
-def upload(m: PackedMatrix, stream=0) -> DeviceMatrix:
-    """Copy `m` to the GPU once."""
+def upload(m: PackedMatrix, stream=0, place=None) -> DeviceMatrix:
+    """Copy `m` to the GPU once; `place(array)`: where each of its arrays goes instead (Spark's mapped host copy)."""
     def put(a):
-        return cuda.to_device(np.ascontiguousarray(a), stream=stream)
+        a = np.ascontiguousarray(a)
+        return cuda.to_device(a, stream=stream) if place is None else place(a)
 
     stand_in = np.zeros((1, 1), np.uint8)
     if m.kind == "f32":
