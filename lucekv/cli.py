@@ -28,7 +28,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lucekv.bench import decode, depth, niah, serve, sessions, spec, steps
+    from lucekv.bench import decode, depth, niah, serve, sessions, spark, spec, steps
 
     plots = {"depth-plot": depth.plot, "serve-plot": serve.plot, "spec-plot": spec.plot, "niah-plot": niah.plot}
     if args.bench in plots:  # a result JSON drawn again
@@ -38,7 +38,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench in special:
         return special[args.bench](args)
     benches = {"decode": decode, "serve": serve, "niah": niah, "sessions": sessions, "depth": depth, "spec": spec,
-               "steps": steps}
+               "steps": steps, "spark": spark}
     return benches[args.bench].main(args)
 
 
@@ -118,11 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     sessions.set_defaults(func=cmd_bench)
 
     add_depth_commands(bench_sub, DEFAULT_MODEL)
+    add_spark_bench(bench_sub)
     add_spec_commands(bench_sub, DEFAULT_MODEL)
     add_models_commands(sub)
     add_server_commands(sub)
     add_spark_commands(sub)
     return parser
+
+
+def add_spark_bench(bench_sub: argparse._SubParsersAction) -> None:
+    from lucekv.bench.spark import add_parser
+
+    add_parser(bench_sub)
+    bench_sub.choices["spark"].set_defaults(func=cmd_bench)
 
 
 def add_serve_bench(bench_sub: argparse._SubParsersAction, default_model: str) -> None:

@@ -875,6 +875,18 @@ class CudaBackend(RunAhead):
             graph.capture(tokens, positions, slots)  # and from now on replayed, this first time too
         return graph.replay_rows(n, sampled)
 
+    def place_experts(self, options: SparkOptions) -> None:
+        """Another expert placement and cache size (Spark) on the loaded model: new GPU tables, filled from the host
+        copy; the captured graphs, which hold the old tables' addresses, are captured again at their next use."""
+        if self.spark is None:
+            raise ValueError("this backend was loaded with every expert on the GPU (no SparkOptions)")
+        self.discard_ahead()
+        synchronize(self.stream)
+        self.spark.place(options)
+        if self._graphs:
+            self.graph = DecodeGraph(self)
+            self.prefill_graphs, self.verify_graphs, self.row_graphs = {}, {}, {}
+
     def decode_ahead(self, position: int, slot: int, token: int | None = None, table: np.ndarray | None = None
                      ) -> None:
         """RunAhead's step as a graph replay left running: inputs copied in, the replay and the copy out of its

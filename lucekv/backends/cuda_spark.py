@@ -32,7 +32,7 @@ from lucekv.kernels.cuda.packed import DeviceMatrix, upload
 from lucekv.model.arch import ModelSpec
 from lucekv.spark.cache import COLD, ExpertSlots, Fill
 from lucekv.spark.placement import Placement
-from lucekv.spark.trace import check_fingerprint
+from lucekv.spark.trace import RoutingTrace, check_fingerprint
 
 SYNC_TURN = 2  # the readback buffer of steps that ran synchronously (two turns are run-ahead steps')
 
@@ -64,12 +64,9 @@ class SparkStore:
     """The expert tables, the mapped host copy, the device remap and the cache's copies of one CUDA backend."""
 
     def __init__(self, options: SparkOptions, spec: ModelSpec, fingerprint: str, stream):
+        self.fingerprint = fingerprint
         p = options.placement
-        check_fingerprint(p.fingerprint, fingerprint, "expert placement")
-        if (p.n_layer, p.n_expert) != (spec.n_layer, spec.n_expert):
-            raise ConfigError(f"the expert placement has {p.n_layer} layers x {p.n_expert} experts, the model "
-                              f"{spec.n_layer} x {spec.n_expert}")
-        self.slots = ExpertSlots(p, options.spare)
+        self.slots = self._checked(options, spec.n_layer, spec.n_expert)
         self.stream = stream
         self.copies = cuda.stream()
         n_layer, k = spec.n_layer, spec.n_expert_used
@@ -90,11 +87,46 @@ class SparkStore:
         self.table_bytes = 0  # GPU bytes of the expert tables
         self.host_bytes = 0  # pinned host bytes of the experts' copy
         self.stats = SparkStats()
+        self.trace: RoutingTrace | None = None  # where set, one-token steps' selections are counted in it
+
+    def _checked(self, options: SparkOptions, n_layer: int, n_expert: int) -> ExpertSlots:
+        """The slots of a placement of this model (another model's, or another layout, is refused)."""
+        p = options.placement
+        check_fingerprint(p.fingerprint, self.fingerprint, "expert placement")
+        if (p.n_layer, p.n_expert) != (n_layer, n_expert):
+            raise ConfigError(f"the expert placement has {p.n_layer} layers x {p.n_expert} experts, the model "
+                              f"{n_layer} x {n_expert}")
+        return ExpertSlots(p, options.spare)
+
+    def place(self, options: SparkOptions) -> None:
+        """Another placement and cache size on the live store: new tables (the placed experts copied in from the host
+        copy), the remap and the counts from scratch. The caller has drained the streams and drops its captured
+        graphs (they hold the old tables' addresses)."""
+        self.slots = self._checked(options, len(self._tables), self.slots.placement.n_expert)
+        self.table_bytes = 0
+        for layer, tables in enumerate(self._tables):
+            for t, rows in tables:
+                t.table = self._table(layer, t.host, rows)
+                self.table_bytes += t.table.nbytes
+        self._visible = self.slots.remap.copy()
+        self.remap.copy_to_device(self._visible, stream=self.stream)
+        self._step_remap = [self._visible] * 3
+        self._pending, self._copies_done = [], None
+        self.stats = SparkStats()
+        self.stream.synchronize()
 
     def experts(self, layer: int, m: PackedMatrix, rows_per_expert: int) -> ExpertTable:
         """One stacked expert matrix of `layer`: all of it into mapped host memory, the placement's experts into the
         first slots of a GPU table of `slots(layer)` experts."""
         host = upload(m, place=_mapped)
+        t = ExpertTable(self._table(layer, host, rows_per_expert), host, self.remap_rows[layer])
+        self._tables[layer].append((t, rows_per_expert))
+        self.table_bytes += t.table.nbytes
+        self.host_bytes += host.nbytes
+        return t
+
+    def _table(self, layer: int, host: DeviceMatrix, rows_per_expert: int) -> DeviceMatrix:
+        """The GPU table of `layer`'s slots for the host copy's matrix, the placed experts copied into the first."""
         rows = max(self.slots.slots(layer), 1) * rows_per_expert
 
         def table_array(a):
@@ -105,13 +137,9 @@ class SparkStore:
         table = DeviceMatrix(host.kind, rows, host.cols, host.block_log2, host.group_log2,
                              *(table_array(a) for a in (host.codes, host.high, host.scales, host.subs)),
                              host.sub_scaled, host.has_bias, host.half_scale)
-        t = ExpertTable(table, host, self.remap_rows[layer])
-        self._tables[layer].append((t, rows_per_expert))
         for slot, e in enumerate(self.slots.placement.hot[layer]):
-            _copy_expert(t, rows_per_expert, e, slot, self.stream)
-        self.table_bytes += table.nbytes
-        self.host_bytes += host.nbytes
-        return t
+            _copy_expert(table, host, rows_per_expert, e, slot, self.stream)
+        return table
 
     # ---- step boundaries ----
 
@@ -128,6 +156,8 @@ class SparkStore:
         self.stats.steps += 1
         self.stats.selections += ids.size
         self.stats.cold += int(np.count_nonzero(remap[np.arange(len(ids))[:, None], ids] == COLD))
+        if self.trace is not None:
+            self.trace.counts[np.arange(len(ids))[:, None], ids] += 1  # a token's k experts are distinct
         if not self.slots.spare:
             return
         fills = [f for layer in range(len(ids)) for f in self.slots.admit(layer, ids[layer])]
@@ -159,7 +189,7 @@ class SparkStore:
             sent.wait(self.copies)  # every step enqueued before this remap has finished: evicted slots are free
             for f in fills:
                 for t, rows in self._tables[f.layer]:
-                    _copy_expert(t, rows, f.expert, f.slot, self.copies)
+                    _copy_expert(t.table, t.host, rows, f.expert, f.slot, self.copies)
             self._copies_done = ordering_event()
             self._copies_done.record(self.copies)
             self.stats.fills += len(fills)
@@ -176,11 +206,11 @@ def _mapped(a: np.ndarray):
     return m
 
 
-def _copy_expert(t: ExpertTable, rows: int, expert: int, slot: int, stream) -> None:
+def _copy_expert(table: DeviceMatrix, host: DeviceMatrix, rows: int, expert: int, slot: int, stream) -> None:
     """Expert `expert`'s rows of every array of the host copy into slot `slot` of the table, enqueued on `stream`."""
-    for dst, src in zip((t.table.codes, t.table.high, t.table.scales, t.table.subs),
-                        (t.host.codes, t.host.high, t.host.scales, t.host.subs), strict=True):
-        if dst.shape[0] != t.table.rows:
+    for dst, src in zip((table.codes, table.high, table.scales, table.subs),
+                        (host.codes, host.high, host.scales, host.subs), strict=True):
+        if dst.shape[0] != table.rows:
             continue  # a stand-in
         if SIMULATOR:
             dst[slot * rows:(slot + 1) * rows].copy_to_device(src[expert * rows:(expert + 1) * rows], stream=stream)

@@ -61,3 +61,33 @@ def test_random_traffic_keeps_the_slots_consistent_and_matches_a_plain_lru():
         assert sorted(resident.tolist()) == sorted([*hot, *lru])
         assert len(set(remap[resident].tolist())) == len(resident) < slots.slots(0) + 1  # one expert per slot
         assert all(remap[e] == i for i, e in enumerate(hot))  # the placement never moves
+
+
+def test_a_filled_expert_shows_only_at_the_next_boundary_and_an_evicted_one_at_once():
+    slots = ExpertSlots(Placement("fp", 8, ((0,),)), spare=1)
+    first = slots.admit(0, [3])
+    assert slots.visible(first)[0].tolist() == [0] + [COLD] * 7  # 3's copy is on its way
+    assert slots.visible([])[0, 3] == 1  # the next boundary: shown
+    second = slots.admit(0, [4])  # evicts 3 from slot 1
+    visible = slots.visible(second)
+    assert visible[0, 3] == COLD and visible[0, 4] == COLD
+
+
+def test_the_device_remap_never_shows_a_slot_whose_copy_may_be_unfinished_or_being_overwritten():
+    """The step-boundary protocol of backends/cuda_spark, replayed on random traffic: at boundary b the device remap
+    is visible(fills of b); the copies of b start after every step that read an earlier remap and have finished
+    before boundary b + 1's remap is uploaded. So a slot the remap shows must hold, by then, the expert it names
+    (its copy issued at an earlier boundary), and no copy of boundary b may write a slot that remap b shows."""
+    rng = np.random.default_rng(11)
+    n_expert, spare, hot = 12, 3, (0, 1)
+    slots = ExpertSlots(Placement("fp", n_expert, (hot,)), spare=spare)
+    landed = dict(enumerate(hot))  # slot -> the expert whose bytes it holds once the copies issued so far are done
+    for _ in range(400):
+        fills = slots.admit(0, rng.choice(n_expert, 3, replace=False, p=np.geomspace(4, 1, n_expert) / np.geomspace(
+            4, 1, n_expert).sum()))
+        remap = slots.visible(fills)[0]
+        shown = {int(remap[e]): e for e in range(n_expert) if remap[e] != COLD}
+        assert all(landed.get(slot) == e for slot, e in shown.items())  # copies of earlier boundaries: done
+        assert not {f.slot for f in fills} & set(shown)  # this boundary's copies write slots no step reads
+        for f in fills:
+            landed[f.slot] = f.expert
