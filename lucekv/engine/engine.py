@@ -91,7 +91,8 @@ class Engine:
                  kv_pool: int | str | None = None, kv_policy: str = "quest", kv_tau: int = 64,
                  kv_drafter: str | Path | None = None, max_sessions: int = 64, session_host_bytes: int = 16 << 30,
                  snapshot_store: SnapshotStore | None = None, speculation: SpecConfig | None = None,
-                 max_batch: int = 64, max_queue: int = 64, step_tokens: int | None = None, kv_cache: int | None = None):
+                 max_batch: int = 64, max_queue: int = 64, step_tokens: int | None = None, kv_cache: int | None = None,
+                 spark_placement: Path | None = None, spark_spare: int = 0):
         """kv_pool: each sequence's residency budget on the device in tokens (a multiple of 64); None holds its whole
         context; "auto" on the CUDA backend: the whole context if it fits the GPU memory free after the weights,
         else the largest budget that does (`auto_pool_tokens`); on the CPU backend (whose device memory is host RAM)
@@ -105,7 +106,9 @@ class Engine:
         store, new sessions are refused.
         kv_drafter: a small model with the same tokenizer (registry name or GGUF path) that reads the context for
         kv_policy "draft".
-        speculation: the default speculation mode and the drafters (default: off)."""
+        speculation: the default speculation mode and the drafters (default: off).
+        spark_placement / spark_spare: an MoE's experts placed (lucekv.spark, CUDA only): the placement JSON of this
+        model, and the spare GPU slots per layer that cache cold experts."""
         self.spec_config = (speculation or SpecConfig()).check()
         self.path = Path(path)
         g = open_gguf(path)
@@ -115,7 +118,7 @@ class Engine:
         if max_batch < 1:
             raise ConfigError(f"--max-batch must be >= 1 (got {max_batch})")
         self.backend, kv_pool = _make_backend(backend, g, self.spec, kv_dtype, self.n_ctx, kv_pool, kv_cache,
-                                              max_batch)
+                                              max_batch, _spark_options(g, spark_placement, spark_spare))
         self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, kv_tau
         self._drafter = self._load_drafter(kv_drafter, kv_dtype) if kv_pool and kv_policy == "draft" else None
         self.blocks: BlockPool = self.backend.pool.blocks  # the pool every sequence borrows from
@@ -797,8 +800,22 @@ class Engine:
                 self._spill(s)
 
 
+def _spark_options(g, placement: Path | None, spare: int):
+    """SparkOptions of --spark-placement (a placement of another model is refused, by name), or None."""
+    if placement is None:
+        if spare:
+            raise ConfigError("--spark-spare needs --spark-placement")
+        return None
+    from lucekv.backends.cuda_spark import SparkOptions
+    from lucekv.spark.placement import Placement
+
+    if spare < 0:
+        raise ConfigError(f"--spark-spare must be >= 0 (got {spare})")
+    return SparkOptions(Placement.load(placement, g.fingerprint), spare)
+
+
 def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_pool: int | str | None,
-                  kv_cache: int | None, max_batch: int):
+                  kv_cache: int | None, max_batch: int, spark=None):
     """The backend with its KV pool, and each sequence's residency budget in tokens (None: the whole context) with
     "auto" resolved. The pool: `kv_cache` tokens, or room for max_batch sequences at that budget, on CUDA within
     AUTO_POOL_SHARE of the GPU memory free after the weights; it always holds one sequence at least."""
@@ -821,9 +838,11 @@ def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_p
             total = _check_cache(kv_cache or max(min(room, max_batch * (kv_pool or whole)), kv_pool or whole),
                                  kv_pool or whole)
             # one block more: the backend's scratch (see CudaKVPool)
-            return CudaBackend(g, spec, kv_dtype, total + CHUNK_TOKENS, max_rows=max_batch), kv_pool
+            return CudaBackend(g, spec, kv_dtype, total + CHUNK_TOKENS, max_rows=max_batch, spark=spark), kv_pool
         if name == "cuda":
             raise ConfigError("--backend cuda: no CUDA GPU is available (numba.cuda found none)")
+    if spark is not None:
+        raise ConfigError("--spark-placement needs the CUDA backend (the CPU backend keeps every expert in RAM)")
     kv_pool = None if kv_pool == "auto" else kv_pool
     total = kv_cache or max_batch * (kv_pool or whole)
     return CpuBackend(g, spec, kv_dtype, _check_cache(total, kv_pool or whole)), kv_pool

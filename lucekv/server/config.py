@@ -70,6 +70,12 @@ class ServeConfig:
         "--max-batch sequences at their --kv-pool budget (on CUDA within 90%% of the GPU memory free after the "
         "weights)", optional_int, group="engine", metavar="TOKENS")
     max_batch: int = setting(64, "sequences that decode together in one step", int, group="engine")
+    spark_placement: Path | None = setting(
+        None, "CUDA, MoE models: an expert placement JSON (`lucekv spark calibrate`) of this model: its experts stay "
+        "on the GPU, the others in pinned host memory, read over PCIe; refused for another model", optional_path,
+        group="engine", metavar="FILE")
+    spark_spare: int = setting(0, "with --spark-placement: spare GPU slots per MoE layer caching cold experts (LRU)",
+                               int, group="engine")
     step_tokens: int | None = setting(
         None, "tokens per step: the running streams' decode tokens and pieces of new prompts (a long prompt is "
         "prefilled in pieces beside the running streams); off: the backend's prefill batch (256 CPU, 512 CUDA)",

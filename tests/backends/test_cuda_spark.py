@@ -69,3 +69,18 @@ def test_any_placement_and_cache_decode_the_tokens_of_all_experts_resident_gpu(t
             assert got == want, f"{share:.0%} {name}: first difference at {np.flatnonzero(np.array(got) != want)[0]}"
             assert stats["cold_per_token"] > 0
             assert (stats["fills"] > 0) == (options.spare > 0)
+
+
+def test_the_engine_refuses_a_placement_for_another_model_or_on_the_cpu_backend(tmp_path):
+    import lucekv
+    from lucekv.model.gguf import open_gguf
+    from lucekv.model.synth import write_synthetic_gguf
+
+    path = write_synthetic_gguf(tmp_path / "moe.gguf", "qwen3moe", n_layer=1, n_expert=4, n_expert_used=2, n_ff=64)
+    placement = tmp_path / "placement.json"
+    Placement("another model", 4, ((0, 1),)).save(placement)
+    with pytest.raises(ConfigError, match="expert placement is of another model"):
+        lucekv.load(str(path), backend="cpu", spark_placement=placement)
+    Placement(open_gguf(path).fingerprint, 4, ((0, 1),)).save(placement)
+    with pytest.raises(ConfigError, match="needs the CUDA backend"):
+        lucekv.load(str(path), backend="cpu", spark_placement=placement, spark_spare=1)
