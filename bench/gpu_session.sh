@@ -9,6 +9,12 @@
 #                                      smollm2 (needs its pieces); `moe write` writes the 30B-A3B-shaped Q4_K_M file
 #                                      (~17 GB in /tmp, a call of its own), then `moe bench` (lucekv decode/prefill
 #                                      beside llama-bench, GPU memory) and `moe profile` (the decode step's kernels)
+#   bash bench/gpu_session.sh spark    Spark (issue 24): `spark write` writes the 30B-A3B-shaped Q4_K_M file with a
+#                                      Zipf-skewed router (~5 min, a call of its own); `spark tests`: Spark's gpu and
+#                                      kernel tests (128 greedy tokens of the k-means-routed upcycled smollm2 at 30/50%
+#                                      + cache == all-GPU; needs smollm2's pieces; ~3 min); `spark bench`: lucekv bench
+#                                      spark at 30/50/70% resident (calibration trace recorded on the GPU) beside
+#                                      llama-bench -ncmoe at the same expert VRAM (built by `depth build`)
 #   bash bench/gpu_session.sh niah CTX [MODEL] [RES]  recall of the RULER-style tasks at CTX tokens (10 cases per
 #                                      task), full cache vs pools of RES (default 0.0625,0.125) under quest, lru and
 #                                      draft (drafter qwen2.5-coder-0.5b); MODEL qwen05 (default) or qwen15; needs
@@ -170,6 +176,22 @@ moe)
     python3 -m lucekv.bench.parity /tmp/smollm2-moe-$v.gguf --json "$OUT/parity-smollm2-moe-$v.json" 2>&1 \
       | grep -v -i warn | tail -22
   done
+  ;;
+spark)
+  A3BZ=/tmp/qwen3-30b-a3b-zipf.gguf
+  case "${2:-bench}" in
+  write) timeout 560 python3 -m lucekv.model.synth qwen3-30b-a3b $A3BZ --router zipf; ls -la $A3BZ ;;
+  tests)
+    LUCEKV_TEST_MODELS_DIR=/tmp python3 -m pytest -q -s -p no:cacheprovider -m "gpu or slow or not slow" -k spark \
+      tests/backends/test_cuda_spark.py tests/kernels/test_cuda_moe.py 2>&1 \
+      | tee "$OUT/spark-gpu-tests.log" | grep -E "error|passed|failed|FAIL|tok/s" | tail -30 ;;
+  bench)
+    [ -f $A3BZ ] || { echo "no $A3BZ: run 'spark write' first" >&2; exit 1; }
+    [ -x "$LB" ] || echo "no llama-bench at $LB (build it first: bench/gpu_session.sh depth build)" >&2
+    python3 -m lucekv.cli bench spark $A3BZ --resident 0.3,0.5,0.7 $([ -x "$LB" ] && echo --llama-bench "$LB") \
+      --json "$OUT/spark-qwen3-30b-a3b-zipf.json" 2>&1 | grep --line-buffered -v -i warning \
+      | tee "$OUT/spark-bench.log" | grep -v '^ ' ;;
+  esac
   ;;
 niah)
   CTX=${2:?context in tokens}; M=/tmp/$([ "${3:-qwen05}" = qwen15 ] && echo qwen2.5-coder-1.5b || echo qwen2.5-coder-0.5b).gguf
