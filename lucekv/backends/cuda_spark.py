@@ -31,7 +31,7 @@ from lucekv.kernels.cuda.moe import ExpertTable
 from lucekv.kernels.cuda.packed import DeviceMatrix, upload
 from lucekv.model.arch import ModelSpec
 from lucekv.spark.cache import COLD, ExpertSlots, Fill
-from lucekv.spark.placement import Placement
+from lucekv.spark.placement import Placement, Swap, promotions
 from lucekv.spark.trace import RoutingTrace, check_fingerprint
 
 SYNC_TURN = 2  # the readback buffer of steps that ran synchronously (two turns are run-ahead steps')
@@ -39,10 +39,12 @@ SYNC_TURN = 2  # the readback buffer of steps that ran synchronously (two turns 
 
 @dataclass(frozen=True)
 class SparkOptions:
-    """Which experts live on the GPU for good (`placement`) and how many spare slots per layer cache cold ones."""
+    """Which experts live on the GPU (`placement`), how many spare slots per layer cache cold ones, and how many placed
+    experts may be swapped for busier cold ones at each request's end (`promote`, see SparkStore.promote)."""
 
     placement: Placement
     spare: int = 0
+    promote: int = 0
 
 
 @dataclass
@@ -53,9 +55,11 @@ class SparkStats:
     selections: int = 0
     cold: int = 0
     fills: int = 0
+    promotions: int = 0
 
     def to_json(self) -> dict:
         return {"steps": self.steps, "selections": self.selections, "cold": self.cold, "fills": self.fills,
+                "promotions": self.promotions,
                 "cold_per_token": self.cold / self.steps if self.steps else 0.0,
                 "fills_per_token": self.fills / self.steps if self.steps else 0.0}
 
@@ -88,6 +92,8 @@ class SparkStore:
         self.host_bytes = 0  # pinned host bytes of the experts' copy
         self.stats = SparkStats()
         self.trace: RoutingTrace | None = None  # where set, one-token steps' selections are counted in it
+        self.max_swaps = options.promote
+        self.live = RoutingTrace.empty(fingerprint, n_layer, p.n_expert, k)  # selections since the last promotion
 
     def _checked(self, options: SparkOptions, n_layer: int, n_expert: int) -> ExpertSlots:
         """The slots of a placement of this model (another model's, or another layout, is refused)."""
@@ -113,6 +119,8 @@ class SparkStore:
         self._step_remap = [self._visible] * 3
         self._pending, self._copies_done = [], None
         self.stats = SparkStats()
+        self.max_swaps = options.promote
+        self.live.counts[:] = 0
         self.stream.synchronize()
 
     def experts(self, layer: int, m: PackedMatrix, rows_per_expert: int) -> ExpertTable:
@@ -156,13 +164,31 @@ class SparkStore:
         self.stats.steps += 1
         self.stats.selections += ids.size
         self.stats.cold += int(np.count_nonzero(remap[np.arange(len(ids))[:, None], ids] == COLD))
-        if self.trace is not None:
-            self.trace.counts[np.arange(len(ids))[:, None], ids] += 1  # a token's k experts are distinct
+        for trace in (self.trace, self.live if self.max_swaps else None):
+            if trace is not None:
+                trace.counts[np.arange(len(ids))[:, None], ids] += 1  # a token's k experts are distinct
         if not self.slots.spare:
+            if self._pending:  # a promotion's copies
+                self._publish([])
             return
         fills = [f for layer in range(len(ids)) for f in self.slots.admit(layer, ids[layer])]
+        self.stats.fills += len(fills)
         if fills or self._pending:
             self._publish(fills)
+
+    def promote(self) -> list[Swap]:
+        """Between requests: at most `max_swaps` placed experts swapped for cold ones the one-token steps since the
+        last call selected more (placement.promotions, largest gain first); their copies go as the cache's fills do,
+        shown from the next step boundary on. Returns the swaps."""
+        if not self.max_swaps or not self.live.tokens:
+            return []
+        _, swaps = promotions(self.slots.placement, self.live, self.max_swaps)
+        fills = self.slots.promote(swaps)
+        if fills:
+            self._publish(fills)
+        self.stats.promotions += len(swaps)
+        self.live.counts[:] = 0
+        return swaps
 
     def observe_now(self) -> None:
         """A one-token step that ran synchronously (its stream drained): its readback and boundary now."""
@@ -192,7 +218,6 @@ class SparkStore:
                     _copy_expert(t.table, t.host, rows, f.expert, f.slot, self.copies)
             self._copies_done = ordering_event()
             self._copies_done.record(self.copies)
-            self.stats.fills += len(fills)
         self._pending = fills
 
 

@@ -92,7 +92,7 @@ class Engine:
                  kv_drafter: str | Path | None = None, max_sessions: int = 64, session_host_bytes: int = 16 << 30,
                  snapshot_store: SnapshotStore | None = None, speculation: SpecConfig | None = None,
                  max_batch: int = 64, max_queue: int = 64, step_tokens: int | None = None, kv_cache: int | None = None,
-                 spark_placement: Path | None = None, spark_spare: int = 0):
+                 spark_placement: Path | None = None, spark_spare: int = 0, spark_promote: int = 0):
         """kv_pool: each sequence's residency budget on the device in tokens (a multiple of 64); None holds its whole
         context; "auto" on the CUDA backend: the whole context if it fits the GPU memory free after the weights,
         else the largest budget that does (`auto_pool_tokens`); on the CPU backend (whose device memory is host RAM)
@@ -107,8 +107,9 @@ class Engine:
         kv_drafter: a small model with the same tokenizer (registry name or GGUF path) that reads the context for
         kv_policy "draft".
         speculation: the default speculation mode and the drafters (default: off).
-        spark_placement / spark_spare: an MoE's experts placed (lucekv.spark, CUDA only): the placement JSON of this
-        model, and the spare GPU slots per layer that cache cold experts."""
+        spark_placement / spark_spare / spark_promote: an MoE's experts placed (lucekv.spark, CUDA only): the placement
+        JSON of this model, the spare GPU slots per layer that cache cold experts, and the most placed experts swapped
+        for busier cold ones at each request's end."""
         self.spec_config = (speculation or SpecConfig()).check()
         self.path = Path(path)
         g = open_gguf(path)
@@ -118,7 +119,8 @@ class Engine:
         if max_batch < 1:
             raise ConfigError(f"--max-batch must be >= 1 (got {max_batch})")
         self.backend, kv_pool = _make_backend(backend, g, self.spec, kv_dtype, self.n_ctx, kv_pool, kv_cache,
-                                              max_batch, _spark_options(g, spark_placement, spark_spare))
+                                              max_batch, _spark_options(g, spark_placement, spark_spare, spark_promote))
+        self._spark_promote = spark_promote > 0
         self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, kv_tau
         self._drafter = self._load_drafter(kv_drafter, kv_dtype) if kv_pool and kv_policy == "draft" else None
         self.blocks: BlockPool = self.backend.pool.blocks  # the pool every sequence borrows from
@@ -517,6 +519,8 @@ class Engine:
         if r is self._ahead:
             self._drain()
             self._ahead = None
+        if self._spark_promote:
+            self.backend.spark.promote()  # between requests: busier cold experts into the placement
         self.scheduler.remove(r)
         s = r.session
         if s.request is not r:
@@ -800,18 +804,18 @@ class Engine:
                 self._spill(s)
 
 
-def _spark_options(g, placement: Path | None, spare: int):
+def _spark_options(g, placement: Path | None, spare: int, promote: int):
     """SparkOptions of --spark-placement (a placement of another model is refused, by name), or None."""
     if placement is None:
-        if spare:
-            raise ConfigError("--spark-spare needs --spark-placement")
+        if spare or promote:
+            raise ConfigError("--spark-spare and --spark-promote need --spark-placement")
         return None
     from lucekv.backends.cuda_spark import SparkOptions
     from lucekv.spark.placement import Placement
 
-    if spare < 0:
-        raise ConfigError(f"--spark-spare must be >= 0 (got {spare})")
-    return SparkOptions(Placement.load(placement, g.fingerprint), spare)
+    if spare < 0 or promote < 0:
+        raise ConfigError(f"--spark-spare and --spark-promote must be >= 0 (got {spare}, {promote})")
+    return SparkOptions(Placement.load(placement, g.fingerprint), spare, promote)
 
 
 def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_pool: int | str | None,

@@ -76,6 +76,8 @@ class ServeConfig:
         group="engine", metavar="FILE")
     spark_spare: int = setting(0, "with --spark-placement: spare GPU slots per MoE layer caching cold experts (LRU)",
                                int, group="engine")
+    spark_promote: int = setting(0, "with --spark-placement: at each request's end, swap at most N placed experts for "
+                                 "cold ones the traffic since selected more", int, group="engine")
     step_tokens: int | None = setting(
         None, "tokens per step: the running streams' decode tokens and pieces of new prompts (a long prompt is "
         "prefilled in pieces beside the running streams); off: the backend's prefill batch (256 CPU, 512 CUDA)",

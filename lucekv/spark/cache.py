@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lucekv.spark.placement import Placement
+from lucekv.spark.placement import Placement, Swap
 
 COLD = -1  # remap entry of an expert no slot holds
 
@@ -73,6 +73,27 @@ class ExpertSlots:
             self.remap[layer, e] = slot
             fills.append(Fill(layer, e, slot, evicted))
         if fills:
+            self.epoch += 1
+        return fills
+
+    def promote(self, swaps: Iterable[Swap]) -> list[Fill]:
+        """Promotions (placement.promotions) on the live slots: each promoted expert takes its demoted one's placed
+        slot, and the placement changes with it; a promoted expert a spare slot was caching frees that slot. Returns
+        the copies to make, as `admit` does."""
+        hot = [list(ids) for ids in self.placement.hot]
+        fills = []
+        for s in swaps:
+            slot = int(self.remap[s.layer, s.demoted])
+            if s.demoted not in hot[s.layer] or s.promoted in hot[s.layer]:
+                raise ValueError(f"layer {s.layer}: {s.demoted} is not placed or {s.promoted} already is")
+            if s.promoted in self._cached[s.layer]:
+                self._free[s.layer].append(self._cached[s.layer].pop(s.promoted))
+            self.remap[s.layer, s.demoted] = COLD
+            self.remap[s.layer, s.promoted] = slot
+            hot[s.layer][hot[s.layer].index(s.demoted)] = s.promoted
+            fills.append(Fill(s.layer, s.promoted, slot, s.demoted))
+        if fills:
+            self.placement = Placement(self.placement.fingerprint, self.placement.n_expert, tuple(map(tuple, hot)))
             self.epoch += 1
         return fills
 

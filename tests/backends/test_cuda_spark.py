@@ -29,7 +29,8 @@ def test_any_placement_and_cache_decode_the_tokens_of_all_experts_resident_gpu(t
     """The k-means-routed upcycled smollm2 (8 distinct experts, top-2, routers fitted to its own FFN inputs on code and
     prose): 128 greedy tokens after a 64-token prose prompt (prefill: the grouped matmul, reading cold experts through
     the mapping) with 30% and 50% of the experts' bytes placed uniformly, calibrated (on a trace of code decoded on the
-    GPU), and calibrated with a spare slot per layer: identical to every expert on the GPU, cold experts served."""
+    GPU), and calibrated with a spare slot per layer (then again after promotions): identical to every expert on the
+    GPU, cold experts served."""
     from lucekv.backends.cuda import CudaBackend
     from lucekv.bench.spark import CALIBRATION, MEASURED, greedy_decode
     from lucekv.model.arch import ModelSpec
@@ -60,7 +61,7 @@ def test_any_placement_and_cache_decode_the_tokens_of_all_experts_resident_gpu(t
         budget = int(share * 8 * sum(sizes))
         for name, options in {"uniform": SparkOptions(uniform(g.fingerprint, 8, sizes, budget)),
                               "calibrated": SparkOptions(calibrated(trace, sizes, budget)),
-                              "calibrated+cache": SparkOptions(calibrated(trace, sizes, budget - sum(sizes)), 1)
+                              "calibrated+cache": SparkOptions(calibrated(trace, sizes, budget - sum(sizes)), 1, 4)
                               }.items():
             backend.place_experts(options)
             got, speed = greedy_decode(backend, prompt, 128)
@@ -69,6 +70,10 @@ def test_any_placement_and_cache_decode_the_tokens_of_all_experts_resident_gpu(t
             assert got == want, f"{share:.0%} {name}: first difference at {np.flatnonzero(np.array(got) != want)[0]}"
             assert stats["cold_per_token"] > 0
             assert (stats["fills"] > 0) == (options.spare > 0)
+            if options.promote:  # a request's end: busier cold experts placed, then the same tokens again
+                assert backend.spark.promote()
+                again, _ = greedy_decode(backend, prompt, 128)
+                assert again == want, f"{share:.0%} {name} after promotions"
 
 
 def test_the_engine_refuses_a_placement_for_another_model_or_on_the_cpu_backend(tmp_path):

@@ -68,8 +68,9 @@ def test_moe_ffn_matches_float64(tmp_path, arch, qtype, n_tokens):
 def test_spark_products_read_cold_experts_from_the_host_copy_and_filled_slots_exactly():
     """The routed matvecs and the grouped matmul over Spark's storage (backends/cuda_spark): experts 5 and 1 placed
     (slots 0, 1), one spare slot; every product equals the all-resident one bit for bit: hot, cold (read from the
-    host copy) and, after a step boundary's fill, cached experts. In the simulator a mapped array is a plain device
-    array: this checks the remap's indexing between the two tables, the fill copies and when the remap shows them."""
+    host copy), after a step boundary's fill cached, and after a promotion placed in the demoted expert's slot. In
+    the simulator a mapped array is a plain device array: this checks the remap's indexing between the two tables,
+    the copies and when the remap shows them."""
     from types import SimpleNamespace
 
     from gguf.quants import quantize
@@ -86,7 +87,7 @@ def test_spark_products_read_cold_experts_from_the_host_copy_and_filled_slots_ex
     w = rng.standard_normal((n_expert * rows, cols)).astype(np.float32)
     packed = pack(quantize(w, Q.Q8_0), Q.Q8_0, w.shape)
     resident = moe.resident(upload(packed), n_expert)
-    store = SparkStore(SparkOptions(Placement("fp", n_expert, ((5, 1),)), spare=1),
+    store = SparkStore(SparkOptions(Placement("fp", n_expert, ((5, 1),)), spare=1, promote=1),
                        SimpleNamespace(n_layer=1, n_expert=n_expert, n_expert_used=3), "fp", cuda.stream())
     spark = store.experts(0, packed, rows)
     x = cuda.to_device(rng.standard_normal((2, cols)).astype(np.float32))
@@ -105,6 +106,11 @@ def test_spark_products_read_cold_experts_from_the_host_copy_and_filled_slots_ex
     assert store.remap.copy_to_host()[0].tolist() == [COLD, 1, 2, COLD, COLD, 0, COLD, COLD]
     assert (store.stats.steps, store.stats.cold, store.stats.fills) == (2, 4, 1)
     np.testing.assert_array_equal(routed(spark), want)  # 2 from its slot
+    swaps = store.promote()  # a request's end: 2 (selected twice) takes the place of 1 (never), in slot 1
+    assert [(s.demoted, s.promoted) for s in swaps] == [(1, 2)] and store.slots.placement.hot == ((5, 2),)
+    store.observe_now()
+    assert store.remap.copy_to_host()[0].tolist() == [COLD, COLD, 1, COLD, COLD, 0, COLD, COLD]
+    np.testing.assert_array_equal(routed(spark), want)  # 2 from its placed slot
 
     ids = cuda.to_device(np.array([[2], [7]], np.int32))  # the grouped prefill: one token each of 2 and 7
     starts, pos = cuda.device_array(n_expert + 1, np.int32), cuda.device_array((2, 1), np.int32)

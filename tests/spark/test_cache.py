@@ -1,7 +1,8 @@
 import numpy as np
+import pytest
 
 from lucekv.spark.cache import COLD, ExpertSlots, Fill
-from lucekv.spark.placement import Placement
+from lucekv.spark.placement import Placement, Swap
 
 
 def test_the_placement_is_pinned_and_cold_experts_fill_spare_slots_least_recent_out_first():
@@ -82,12 +83,27 @@ def test_the_device_remap_never_shows_a_slot_whose_copy_may_be_unfinished_or_bei
     n_expert, spare, hot = 12, 3, (0, 1)
     slots = ExpertSlots(Placement("fp", n_expert, (hot,)), spare=spare)
     landed = dict(enumerate(hot))  # slot -> the expert whose bytes it holds once the copies issued so far are done
-    for _ in range(400):
-        fills = slots.admit(0, rng.choice(n_expert, 3, replace=False, p=np.geomspace(4, 1, n_expert) / np.geomspace(
-            4, 1, n_expert).sum()))
+    for step in range(400):
+        if step % 40 == 39:  # a request's end: a promotion (of a cached expert or a cold one)
+            placed = slots.placement.hot[0]
+            fills = slots.promote([Swap(0, placed[step % 2], int(rng.choice(
+                [e for e in range(n_expert) if e not in placed])), 1)])
+        else:
+            fills = slots.admit(0, rng.choice(n_expert, 3, replace=False, p=np.geomspace(4, 1, n_expert)
+                                              / np.geomspace(4, 1, n_expert).sum()))
         remap = slots.visible(fills)[0]
         shown = {int(remap[e]): e for e in range(n_expert) if remap[e] != COLD}
         assert all(landed.get(slot) == e for slot, e in shown.items())  # copies of earlier boundaries: done
         assert not {f.slot for f in fills} & set(shown)  # this boundary's copies write slots no step reads
         for f in fills:
             landed[f.slot] = f.expert
+
+
+def test_a_promotion_takes_the_demoted_experts_slot_and_frees_the_spare_that_cached_it():
+    slots = ExpertSlots(Placement("fp", 8, ((0, 1),)), spare=1)
+    slots.admit(0, [5])  # cached in spare slot 2
+    assert slots.promote([Swap(0, 1, 5, 3)]) == [Fill(0, 5, 1, 1)]
+    assert slots.placement.hot == ((0, 5),) and slots.remap[0].tolist() == [0, COLD, COLD, COLD, COLD, 1, COLD, COLD]
+    assert slots.admit(0, [6]) == [Fill(0, 6, 2, COLD)]  # the freed spare
+    with pytest.raises(ValueError, match="not placed"):
+        slots.promote([Swap(0, 1, 7, 1)])
