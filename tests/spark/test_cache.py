@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from lucekv.spark.cache import COLD, ExpertSlots, Fill
+from lucekv.spark.cache import COLD, DECAY_STEPS, ExpertSlots, Fill
 from lucekv.spark.placement import Placement, Swap
 
 
@@ -11,7 +11,8 @@ def test_the_placement_is_pinned_and_cold_experts_fill_spare_slots_least_recent_
     assert slots.admit(0, [5, 3]) == [Fill(0, 3, 2, COLD)]
     assert slots.admit(0, [0]) == [Fill(0, 0, 3, COLD)]
     assert slots.admit(0, [3]) == []  # cached: now the most recent
-    assert slots.admit(0, [7, 2]) == [Fill(0, 7, 3, 0)]  # expert 0 was the least recent spare
+    assert slots.admit(0, [7, 2]) == []  # the gate: 7 (once) is not busier than the least recent spare's 0 (once)
+    assert slots.admit(0, [7, 2]) == [Fill(0, 7, 3, 0)]  # now it is: expert 0, the least recent spare, goes
     assert slots.remap[0, 0] == COLD and slots.remap[0, 7] == 3 and slots.remap[0, 3] == 2
     assert slots.cold(0, [0, 3, 5, 6]) == [0, 6]
 
@@ -35,16 +36,20 @@ def test_epoch_changes_exactly_when_the_remap_does():
     assert slots.epoch == 1
 
 
-def test_random_traffic_keeps_the_slots_consistent_and_matches_a_plain_lru():
+def test_random_traffic_keeps_the_slots_consistent_and_matches_a_plain_gated_lru():
     rng = np.random.default_rng(3)
     n_expert, spare = 16, 3
     hot = (0, 1, 2, 3)
     slots = ExpertSlots(Placement("fp", n_expert, (hot,)), spare=spare)
     lru: list[int] = []  # reference: cached experts, least recent first
-    for _ in range(500):
+    counts = np.zeros(n_expert)  # the gate's, decayed
+    for step in range(1, 501):
         chosen = list(rng.choice(n_expert, 4, replace=False, p=np.linspace(2, 1, n_expert) / 24))
         slots.admit(0, chosen)
-        for e in chosen:  # the same rule, written plainly
+        counts[chosen] += 1  # the same rule, written plainly
+        if step % DECAY_STEPS == 0:
+            counts /= 2
+        for e in chosen:
             if e in lru:
                 lru.remove(e)
                 lru.append(e)
@@ -55,6 +60,8 @@ def test_random_traffic_keeps_the_slots_consistent_and_matches_a_plain_lru():
                 victims = [old for old in lru if old not in chosen]
                 if not victims:
                     break
+                if counts[e] <= counts[victims[0]]:
+                    continue
                 lru.remove(victims[0])
             lru.append(e)
         remap = slots.remap[0]
@@ -69,7 +76,8 @@ def test_a_filled_expert_shows_only_at_the_next_boundary_and_an_evicted_one_at_o
     first = slots.admit(0, [3])
     assert slots.visible(first)[0].tolist() == [0] + [COLD] * 7  # 3's copy is on its way
     assert slots.visible([])[0, 3] == 1  # the next boundary: shown
-    second = slots.admit(0, [4])  # evicts 3 from slot 1
+    assert slots.admit(0, [4]) == []  # the gate: 4 is not busier than 3 yet
+    second = slots.admit(0, [4])  # now it is: evicts 3 from slot 1
     visible = slots.visible(second)
     assert visible[0, 3] == COLD and visible[0, 4] == COLD
 
