@@ -92,7 +92,8 @@ def run(model: str, shares: list[float], prompt_tokens: int, gen_tokens: int, sp
     result: dict = {"bench": "spark", "commit": git_commit(), "gpu": _gpu_name(), "model": Path(path).name,
                     "model_name": spec.name, "fingerprint": g.fingerprint, "n_layer": spec.n_layer,
                     "n_expert": n_expert, "top_k": spec.n_expert_used, "prompt_tokens": len(measured),
-                    "gen_tokens": gen_tokens, "spare_slots_per_layer": spare, "all_experts_gib": total / GIB}
+                    "gen_tokens": gen_tokens, "spare_slots_per_layer": spare, "all_experts_gib": total / GIB,
+                    "expert_mib": total / n_expert / spec.n_layer / (1 << 20)}  # one expert, GGUF bytes
 
     started = time.perf_counter()
     backend = CudaBackend(g, spec, "f16", pool)
