@@ -39,6 +39,9 @@ from lucekv.kvflash.sequence import PagedSequence
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
 from lucekv.model.tokenizer import Tokenizer
+from lucekv.pflash import PromptAlias
+from lucekv.pflash.compressor import DEFAULT_THRESHOLD, PromptCompressor
+from lucekv.pflash.selection import check_keep_ratio
 from lucekv.snapshot.blob import (
     FLAG_PARTIAL,
     KVLayout,
@@ -80,6 +83,9 @@ class EngineInfo:
     kv_cache_tokens: int  # the one pool every sequence borrows from
     spec_modes: tuple[str, ...]  # speculation modes a request may ask for
     spec_default: str  # the mode of requests that do not choose
+    prefill_compression: bool = False  # requests may ask for prompt compression (a drafter is loaded)
+    prefill_keep_ratio: float = 0.0  # the keep ratio of requests that do not choose; 0: they are not compressed
+    prefill_threshold: int = 0  # prompts (their part to compute) no longer than this are never compressed
 
 
 class Engine:
@@ -92,7 +98,9 @@ class Engine:
                  kv_drafter: str | Path | None = None, max_sessions: int = 64, session_host_bytes: int = 16 << 30,
                  snapshot_store: SnapshotStore | None = None, speculation: SpecConfig | None = None,
                  max_batch: int = 64, max_queue: int = 64, step_tokens: int | None = None, kv_cache: int | None = None,
-                 spark_placement: Path | None = None, spark_spare: int = 0, spark_promote: int = 0):
+                 spark_placement: Path | None = None, spark_spare: int = 0, spark_promote: int = 0,
+                 prefill_compression: float | None = None, prefill_threshold: int = DEFAULT_THRESHOLD,
+                 prefill_drafter: str | Path | None = None):
         """kv_pool: each sequence's residency budget on the device in tokens (a multiple of 64); None holds its whole
         context; "auto" on the CUDA backend: the whole context if it fits the GPU memory free after the weights,
         else the largest budget that does (`auto_pool_tokens`); on the CPU backend (whose device memory is host RAM)
@@ -109,7 +117,10 @@ class Engine:
         speculation: the default speculation mode and the drafters (default: off).
         spark_placement / spark_spare / spark_promote: an MoE's experts placed (lucekv.spark, CUDA only): the placement
         JSON of this model, the spare GPU slots per layer that cache cold experts, and the most placed experts swapped
-        for busier cold ones at each request's end."""
+        for busier cold ones at each request's end.
+        prefill_compression: the keep ratio of prompts longer than prefill_threshold tokens that do not choose one
+        (lucekv.pflash; None: not compressed). prefill_drafter: the model that selects what they keep (default
+        kv_drafter); with either set, or the draft policy's drafter loaded, requests may ask for compression."""
         self.spec_config = (speculation or SpecConfig()).check()
         self.path = Path(path)
         g = open_gguf(path)
@@ -118,11 +129,19 @@ class Engine:
         self.n_ctx = min(n_ctx or self.spec.n_ctx, self.spec.n_ctx)
         if max_batch < 1:
             raise ConfigError(f"--max-batch must be >= 1 (got {max_batch})")
+        # before the backend: on CUDA the target's pool is sized in the GPU memory the drafter leaves
+        wanted = prefill_compression is not None or prefill_drafter or (kv_pool and kv_policy == "draft")
+        self.compressor = self._compressor(prefill_compression, prefill_threshold,
+                                           (prefill_drafter or kv_drafter) if wanted else None, backend, kv_dtype)
+        self.prefill_keep = prefill_compression
         self.backend, kv_pool = _make_backend(backend, g, self.spec, kv_dtype, self.n_ctx, kv_pool, kv_cache,
                                               max_batch, _spark_options(g, spark_placement, spark_spare, spark_promote))
         self._spark_promote = spark_promote > 0
         self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, kv_tau
-        self._drafter = self._load_drafter(kv_drafter, kv_dtype) if kv_pool and kv_policy == "draft" else None
+        self._drafter = None
+        if kv_pool and kv_policy == "draft":
+            same = self.compressor is not None and (prefill_drafter or kv_drafter) == kv_drafter
+            self._drafter = self.compressor.reader if same else self._load_drafter(kv_drafter, kv_dtype)
         self.blocks: BlockPool = self.backend.pool.blocks  # the pool every sequence borrows from
         self.backend.prepare_verify(self.spec_config.max_draft + 1)  # any request may speculate
         self.backend.prepare_prefill()  # a short prompt's first token never waits for a graph's capture
@@ -156,15 +175,18 @@ class Engine:
         self.info = EngineInfo(self.spec.name, self.spec.arch.name, g.fingerprint, self.n_ctx,
                                self.spec.vocab_size, self.backend.name, self.spec.n_layer, self.spec.n_embd,
                                kv_pool or 0, kv_policy if kv_pool else "", max_batch,
-                               self.blocks.n_blocks * CHUNK_TOKENS, self.spec_config.available(), self.spec_config.mode)
+                               self.blocks.n_blocks * CHUNK_TOKENS, self.spec_config.available(), self.spec_config.mode,
+                               self.compressor is not None, prefill_compression or 0.0,
+                               prefill_threshold if self.compressor is not None else 0)
 
     # ---- requests -------------------------------------------------------------------------------
 
     def prepare(self, prompt: Prompt, params: SamplingParams, pin_prefix: int | None = None,
-                speculation: str | None = None) -> list[int]:
+                speculation: str | None = None, prefill_keep: float | None = None) -> list[int]:
         """Validate and tokenize; raises InvalidRequestError before any compute."""
         params.validate(self.spec.vocab_size)
         self.spec_config.resolve(speculation)
+        self._prefill_keep(prefill_keep)
         ids = self._tokenize_prompt(prompt)
         if pin_prefix is not None and not 0 <= pin_prefix <= len(ids):
             raise InvalidRequestError("pin_prefix_tokens", f"must be in [0, {len(ids)}], the prompt's tokens "
@@ -194,15 +216,17 @@ class Engine:
         return [int(t) for t in items]
 
     def generate(self, prompt: Prompt, params: SamplingParams, session_id: str = "",
-                 pin_prefix: int | None = None, speculation: str | None = None) -> Iterator[GenerationDelta]:
+                 pin_prefix: int | None = None, speculation: str | None = None,
+                 prefill_keep: float | None = None) -> Iterator[GenerationDelta]:
         """Stream the completion of `prompt`, stepping the engine (and whatever else it runs) until it is done. With
         a session id, the session (created if new) keeps the K/V for the next turn: a prompt that starts with its
         history only computes what is new. `pin_prefix`: with a bounded pool, the prompt's first tokens that are
         never paged out (None keeps the session's pins). `speculation`: a mode of `SpecConfig` (None: the engine's
         default); the output is the same either way (greedy: token for token; sampling: in distribution). Closing
-        the iterator early cancels the request."""
-        ids = self.prepare(prompt, params, pin_prefix, speculation)
-        request = self.submit(ids, params, session_id, pin_prefix, speculation)
+        the iterator early cancels the request. `prefill_keep`: the keep ratio of a long prompt's compression
+        (lucekv.pflash; 1.0: none; None: the engine's default)."""
+        ids = self.prepare(prompt, params, pin_prefix, speculation, prefill_keep)
+        request = self.submit(ids, params, session_id, pin_prefix, speculation, prefill_keep=prefill_keep)
         return self._stream(request)
 
     def prefill(self, prompt: Prompt, session_id: str = "") -> int:
@@ -231,7 +255,8 @@ class Engine:
             self.cancel(request)
 
     def submit(self, ids: list[int], params: SamplingParams, session_id: str = "", pin_prefix: int | None = None,
-               speculation: str | None = None, arrived: float | None = None) -> Request:
+               speculation: str | None = None, arrived: float | None = None,
+               prefill_keep: float | None = None) -> Request:
         """Queue a prepared request (see `prepare`); its deltas collect in `Request.out` as steps run. `arrived`: when
         it arrived (perf_counter), if before now. `speculation`: a mode of `SpecConfig` (None: the engine's default).
         Raises QueueFullError when the queue is full, ResourceLimitError when a new session finds no room. max_tokens 0:
@@ -240,8 +265,9 @@ class Engine:
             check_session_id(session_id)
         self.scheduler.check_room(extra=sum(len(d) for d in self._deferred.values()) + 1)
         mode = self.spec_config.resolve(speculation)
+        keep = self._prefill_keep(prefill_keep)
         session = self._session_for(session_id, ids)
-        request = self._request(ids, params, session, pin_prefix, mode, arrived)
+        request = self._request(ids, params, session, pin_prefix, mode, arrived, keep)
         if session.request is not None:  # its session is in use: it waits for that request to end
             self._deferred.setdefault(session_id, deque()).append(request)
             return request
@@ -252,14 +278,28 @@ class Engine:
         return request
 
     def _request(self, ids: list[int], params: SamplingParams, session: Session, pin_prefix: int | None, mode: str,
-                 arrived: float | None) -> Request:
+                 arrived: float | None, keep: float | None = None) -> Request:
         speculator = None if mode == "off" or params.max_tokens == 0 else lambda: self._speculator(mode, session)
         r = Request(ids, params, session, self.tokenizer, self.spec.vocab_size, pin_prefix, self._piece,
-                    0 if session.paged.holds_all else PROMPT_TAIL, speculator)
+                    0 if session.paged.holds_all else PROMPT_TAIL, speculator, keep)
         if speculator is not None and mode == "dflash":  # the session's drafter sees the target's features
             r.capture = self._session_drafter(mode, session).take_features
         r.submitted = arrived or r.submitted
         return r
+
+    def _prefill_keep(self, keep: float | None) -> float | None:
+        """A request's keep ratio (None: the engine's default) as the engine applies it: None for no compression.
+        Raises InvalidRequestError for a ratio outside (0, 1], or one below 1 where no drafter is loaded."""
+        if keep is None:
+            return self.prefill_keep
+        try:
+            check_keep_ratio(keep)
+        except ValueError as e:
+            raise InvalidRequestError("prefill_keep_ratio", str(e)) from None
+        if keep < 1 and self.compressor is None:
+            raise InvalidRequestError("prefill_keep_ratio", "prompt compression is not available on this server "
+                                      "(start it with --prefill-compression KEEP or --prefill-drafter MODEL)")
+        return keep if keep < 1 else None
 
     def _speculator(self, mode: str, session: Session) -> Speculator:
         """A turn's speculation: its own gate (mode auto) and the session's drafter of that kind, kept across its turns
@@ -342,7 +382,10 @@ class Engine:
             self._reclaim(step.reclaim)
             works = [w for w in step.works if w.seq.computed == w.start and self._admitted(w.seq, step)]
             for w in works:
-                if w.prefill:
+                if w.prefill and w.seq.compress is not None:
+                    self._compress(w.seq)
+                    self._prefill(w.seq, w.start, w.seq.next_work()[1])  # no longer than the piece scheduled
+                elif w.prefill:
                     self._prefill(w.seq, w.start, w.n)
                 elif w.seq.speculating:
                     self._round(w.seq, len(works))
@@ -378,7 +421,19 @@ class Engine:
             return False
         s.paged.truncate(r.cached)
         del s.tokens[r.cached :]
+        if s.prompt_alias is not None and tuple(r.ids[: len(s.prompt_alias.held)]) != s.prompt_alias.held:
+            s.prompt_alias = None  # the session will hold something else
         return True
+
+    def _compress(self, r: Request) -> None:
+        """Before a prompt's first piece: compress the part to compute if it is long (lucekv.pflash). In the step,
+        after the request was admitted: the drafter's time counts in its first token's."""
+        keep, r.compress = r.compress, None
+        if not self.compressor.wants(len(r.ids) - r.cached):
+            return
+        kept, usage = self.compressor.compress(r.ids, r.cached, keep)
+        r.compressed(kept, usage)
+        r.session.prompt_alias = PromptAlias(tuple(r.client_ids), tuple(kept))
 
     def _prefill(self, r: Request, start: int, n: int) -> None:
         """A piece of the prompt; after the last one, the first token.
@@ -727,15 +782,32 @@ class Engine:
         shared = self.backend.weights if self.backend.name == "cpu" else None
         return DFlashModel(self.spec_config.dflash_drafter, self.spec, target, shared, CpuDraftOps)
 
-    def _load_drafter(self, model: str | Path | None, kv_dtype: str) -> DraftReader:
-        """The draft policy's reader: the drafter on this engine's backend, holding the whole context (one sequence
-        at a time: its pool holds one)."""
+    def _compressor(self, keep: float | None, threshold: int, model: str | Path | None, backend: str,
+                    kv_dtype: str) -> PromptCompressor | None:
+        """The prompt compressor when compression is on by default (keep) or a drafter is named for it."""
+        if keep is not None:
+            try:
+                check_keep_ratio(keep)
+            except ValueError as e:
+                raise ConfigError(f"--prefill-compression: {e}") from None
+        if threshold < 0:
+            raise ConfigError(f"--prefill-threshold must be >= 0 (got {threshold})")
+        if keep is None and not model:
+            return None
+        if not model:
+            raise ConfigError("--prefill-compression needs a drafter: --prefill-drafter (or --kv-drafter) MODEL")
+        return PromptCompressor(self._load_drafter(model, kv_dtype, backend, "prefill compression"), threshold)
+
+    def _load_drafter(self, model: str | Path | None, kv_dtype: str, backend: str | None = None,
+                      use: str = "kv policy draft") -> DraftReader:
+        """The draft policy's (or the prompt compressor's) reader: the drafter on this engine's backend, holding the
+        whole context (one sequence at a time: its pool holds one)."""
         from lucekv.model.registry import resolve_model
 
         if not model:
-            raise ConfigError("kv policy draft needs a drafter model (--kv-drafter)")
-        drafter = Engine(resolve_model(str(model)), backend=self.backend.name, kv_dtype=kv_dtype, n_ctx=self.n_ctx,
-                         max_batch=1)
+            raise ConfigError(f"{use} needs a drafter model (--kv-drafter)")
+        drafter = Engine(resolve_model(str(model)), backend=backend or self.backend.name, kv_dtype=kv_dtype,
+                         n_ctx=self.n_ctx, max_batch=1)
         if drafter.tokenizer.pieces != self.tokenizer.pieces:
             raise ConfigError(f"the drafter {drafter.spec.name!r} does not share {self.spec.name!r}'s tokenizer")
         if drafter.n_ctx < self.n_ctx:

@@ -16,18 +16,24 @@ from lucekv.engine.sessions import Session
 from lucekv.engine.types import GenerationDelta, TokenLogprob, Usage
 from lucekv.kvflash.sequence import PagedSequence
 from lucekv.model.tokenizer import Tokenizer
+from lucekv.pflash import CompressionUsage
 from lucekv.spec.speculator import Block, Speculator
 
 
 class Request:
     def __init__(self, ids: list[int], params: SamplingParams, session: Session, tokenizer: Tokenizer,
                  vocab_size: int, pin_prefix: int | None, piece: Callable[[PagedSequence, int, int], int],
-                 prompt_tail: int = 0, speculator: Callable[[], Speculator] | None = None):
+                 prompt_tail: int = 0, speculator: Callable[[], Speculator] | None = None,
+                 compress: float | None = None):
         """piece(sequence, start, n): the tokens of the prompt piece from `start` (at most n), the sequence's own.
         prompt_tail: the prompt's last tokens that go as a piece of their own (a pooled prompt's, whose queries rank
         the chunks to recall: see Engine._prefill); 0: none. speculator: makes the turn's speculation once the
-        first token is known (None: speculation off)."""
+        first token is known (None: speculation off). compress: the keep ratio of the prompt's compression
+        (lucekv.pflash), done by the engine before its first piece; None: none."""
+        self.client_ids = ids  # the prompt as sent; `ids` is what the session computes (lucekv.pflash aliases)
         self.ids = ids
+        self.compress = compress
+        self.compression: CompressionUsage | None = None
         self.params = params
         self.session = session
         self.pin_prefix = pin_prefix
@@ -51,13 +57,21 @@ class Request:
 
     def reuse(self, held: list[int]) -> None:
         """The prompt's first position to compute: what the session holds of it (`held`) is reused, but never the
-        last token (its logits are the first sample's)."""
+        last token (its logits are the first sample's). A session that holds a compressed prompt reads the client's
+        prompt through its alias."""
+        alias = self.session.prompt_alias
+        self.ids = alias.rewrite(self.client_ids) if alias is not None else self.client_ids
         limit = min(len(self.ids) - 1, len(held))
         reused = 0
         while reused < limit and held[reused] == self.ids[reused]:
             reused += 1
         self.cached = self.computed = reused  # computed: positions whose K/V the sequence holds for this request
         self.tail_start = len(self.ids) - min(len(self.ids) - reused, self._prompt_tail)
+
+    def compressed(self, kept: list[int], usage: CompressionUsage) -> None:
+        """The prompt to compute is `kept` now (its reused prefix unchanged)."""
+        self.ids, self.compression = kept, usage
+        self.tail_start = len(kept) - min(len(kept) - self.cached, self._prompt_tail)
 
     # ---- Schedulable -----------------------------------------------------------------------------
 
@@ -154,9 +168,10 @@ class Request:
 
     def _usage(self) -> Usage:
         elapsed = time.perf_counter() - self.t_first
-        usage = Usage(len(self.ids), self.cached, self.n_out, self.t_first - self.t_start,
+        usage = Usage(len(self.client_ids), self.cached, self.n_out, self.t_first - self.t_start,
                       (self.n_out - 1) / elapsed if elapsed > 0 else 0.0, queue_time_s=self.t_start - self.submitted,
-                      batch_size=self.rows / self.steps)
+                      batch_size=self.rows / self.steps, prefilled_tokens=len(self.ids) - self.cached,
+                      compression=self.compression)
         seq = self.session.paged
         if not seq.holds_all:
             kv = seq.usage()

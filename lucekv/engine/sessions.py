@@ -16,6 +16,7 @@ from typing import Literal
 
 from lucekv.errors import NotFoundError, PreconditionError
 from lucekv.kvflash.sequence import PagedSequence
+from lucekv.pflash import PromptAlias
 
 SessionState = Literal["live", "parked", "stored"]
 
@@ -32,6 +33,7 @@ class Session:
     in_store: bool = False  # the snapshot store holds it as it is here (spilling it writes nothing)
     request: object | None = None  # the engine's request using it (one at a time)
     drafters: dict = field(default_factory=dict)  # speculation's drafters by kind, kept across turns (lucekv.spec)
+    prompt_alias: PromptAlias | None = None  # its latest compressed prompt as the client sent it (lucekv.pflash)
 
     @property
     def host_bytes(self) -> int:
@@ -82,6 +84,7 @@ class SessionTable:
         with self._lock:
             self._stored_tokens[s.id] = len(s.tokens)
             s.tokens, s.paged, s.drafters, s.stored_bytes = [], None, {}, nbytes
+            s.prompt_alias = None  # a reloaded session is the blob's: its tokens, no alias
 
     def in_memory(self) -> list[Session]:
         with self._lock:

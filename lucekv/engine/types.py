@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, TypedDict
 
+from lucekv.pflash import CompressionUsage
 from lucekv.spec.speculator import SpecUsage
 
 FinishReason = Literal["stop", "length", "eos"]
@@ -35,6 +36,8 @@ class Usage:
     queue_time_s: float = 0.0  # from the request's arrival to its first step
     batch_size: float = 1.0  # sequences per step, on average over the steps that made its tokens
     speculation: SpecUsage | None = None  # rounds, drafted and accepted tokens, the gate's decisions; None: off
+    prefilled_tokens: int = 0  # prompt tokens the model computed (fewer than prompt - cached when compressed)
+    compression: CompressionUsage | None = None  # the prompt's compression (lucekv.pflash); None: not compressed
 
 
 @dataclass

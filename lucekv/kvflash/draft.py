@@ -152,23 +152,8 @@ class DraftScorer(WithoutAttention):
         if len(inputs) == 2:
             return inputs[1]
         steps, queries, sealed, rest = inputs
-        rows, n_layer, n_head, d = queries.shape
-        n = sealed.shape[1] + rest.shape[1]
-        n_kv = sealed.shape[2]
-        mass = np.zeros((rows, n), np.float32)  # per query and position: the probability summed over heads
-        for layer in range(first_scored_layer(n_layer), n_layer):
-            k = np.concatenate([sealed[layer], rest[layer]]).astype(np.float32).transpose(1, 2, 0)  # [n_kv, d, n]
-            q = queries[:, layer].reshape(rows, n_kv, n_head // n_kv, d).transpose(1, 2, 0, 3)  # [n_kv, g, rows, d]
-            p = (q.reshape(n_kv, -1, d) @ k).reshape(n_head, rows, n)  # logits, BLAS; softmax in place
-            for r in range(rows - 1):  # query r sits at position n - rows + r: what follows is not visible
-                p[:, r, n - rows + r + 1 :] = -np.inf
-            p -= p.max(axis=-1, keepdims=True)
-            p *= np.float32(1 / np.sqrt(d))
-            np.exp(p, out=p)
-            p /= p.sum(axis=-1, keepdims=True)
-            mass += p.sum(axis=0)
-        token = np.convolve(mass.mean(axis=0, dtype=np.float64), np.ones(SMOOTH) / SMOOTH, mode="same")
-        scores = np.add.reduceat(token, np.arange(0, n, CHUNK_TOKENS))
+        token = token_scores(queries, sealed, rest)
+        scores = np.add.reduceat(token, np.arange(0, len(token), CHUNK_TOKENS))
         self._last = (steps, scores)
         return scores
 
@@ -185,3 +170,24 @@ class DraftScorer(WithoutAttention):
         if any(n <= 0 for n in steps) or any(a >= b for a, b in zip(steps, steps[1:], strict=False)):
             raise ValueError(f"draft scorer steps {steps[:8]} are not increasing positive lengths")
         self.steps, self._last = steps, None
+
+
+def token_scores(queries: np.ndarray, sealed: np.ndarray, rest: np.ndarray) -> np.ndarray:
+    """Per position of the read sequence (DraftReader.inputs): the attention probability the drafter's heads give it,
+    summed over the heads of the scored layers, averaged over the queries, smoothed over SMOOTH positions (float64)."""
+    rows, n_layer, n_head, d = queries.shape
+    n = sealed.shape[1] + rest.shape[1]
+    n_kv = sealed.shape[2]
+    mass = np.zeros((rows, n), np.float32)  # per query and position: the probability summed over heads
+    for layer in range(first_scored_layer(n_layer), n_layer):
+        k = np.concatenate([sealed[layer], rest[layer]]).astype(np.float32).transpose(1, 2, 0)  # [n_kv, d, n]
+        q = queries[:, layer].reshape(rows, n_kv, n_head // n_kv, d).transpose(1, 2, 0, 3)  # [n_kv, g, rows, d]
+        p = (q.reshape(n_kv, -1, d) @ k).reshape(n_head, rows, n)  # logits, BLAS; softmax in place
+        for r in range(rows - 1):  # query r sits at position n - rows + r: what follows is not visible
+            p[:, r, n - rows + r + 1 :] = -np.inf
+        p -= p.max(axis=-1, keepdims=True)
+        p *= np.float32(1 / np.sqrt(d))
+        np.exp(p, out=p)
+        p /= p.sum(axis=-1, keepdims=True)
+        mass += p.sum(axis=0)
+    return np.convolve(mass.mean(axis=0, dtype=np.float64), np.ones(SMOOTH) / SMOOTH, mode="same")

@@ -40,6 +40,19 @@ def optional_int(value: str) -> int | None:
     return int(value) if value else None
 
 
+def keep_ratio_value(value: str) -> float | None:
+    """--prefill-compression: a keep ratio in (0, 1], or "off" (None)."""
+    if value in ("off", ""):
+        return None
+    try:
+        keep = float(value)
+    except ValueError:
+        raise ValueError(f"expected a keep ratio in (0, 1] or 'off', not {value!r}") from None
+    if not 0 < keep <= 1:
+        raise ValueError(f"expected a keep ratio in (0, 1] or 'off', not {value!r}")
+    return keep
+
+
 def setting(default: Any, help: str, parse: Callable[[str], Any] = str, choices: tuple[str, ...] = (),
             group: str = "serve", metavar: str | None = None) -> Any:
     """A field of ServeConfig: `parse` turns a flag's or a variable's text into the value."""
@@ -82,6 +95,16 @@ class ServeConfig:
         None, "tokens per step: the running streams' decode tokens and pieces of new prompts (a long prompt is "
         "prefilled in pieces beside the running streams); off: the backend's prefill batch (256 CPU, 512 CUDA)",
         optional_int, group="engine", metavar="TOKENS")
+    prefill_compression: float | None = setting(
+        None, "PFlash: a drafter reads prompts longer than --prefill-threshold and the model prefills only the "
+        "spans it selects, this share of them (requests may choose their own ratio, 1 for none); off: requests "
+        "are compressed only when they ask", keep_ratio_value, group="engine", metavar="KEEP|off")
+    prefill_threshold: int = setting(2048, "prompts (their part not reused from the session) no longer than this "
+                                     "are never compressed", int, group="engine", metavar="TOKENS")
+    prefill_drafter: str = setting("", "the model that selects what compressed prompts keep (same tokenizer, e.g. "
+                                   "qwen2.5-coder-0.5b for the 1.5b); default --kv-drafter. With it, "
+                                   "--prefill-compression or the draft policy's drafter, requests may ask for "
+                                   "compression", group="engine", metavar="MODEL")
 
     spec: str = setting("auto", "speculative decoding, the mode of requests that leave it unset: auto lets a gate "
                         "turn the suffix drafter on where it pays; suffix / draft / dflash always use that drafter; "

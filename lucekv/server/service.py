@@ -80,14 +80,15 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
                 # the engine thread nothing.
                 pin = request.pin_prefix_tokens if request.HasField("pin_prefix_tokens") else None
                 speculation = speculation_from_proto(request.speculation)
+                keep = request.prefill_keep_ratio if request.HasField("prefill_keep_ratio") else None
                 prompt_ids = await asyncio.to_thread(self._engine.prepare, prompt_from_request(request), params, pin,
-                                                     speculation)
+                                                     speculation, keep)
                 limit = self._config.max_prompt_tokens
                 if limit and len(prompt_ids) > limit:
                     raise InvalidRequestError("prompt", f"{len(prompt_ids)} tokens, more than the server's limit of "
                                                         f"{limit} (--max-prompt-tokens)")
                 lease = await take_lease(self._engine.store, session_id) if session_id else None
-                job = GenerationJob(prompt_ids, params, request_id, session_id, pin, lease, speculation)
+                job = GenerationJob(prompt_ids, params, request_id, session_id, pin, lease, speculation, keep)
                 self._worker.submit_or_release(job)
                 try:
                     async for delta in job.deltas():
@@ -124,7 +125,8 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
     ) -> pb.ServerInfo:
         async with self._rpc(context, "GetServerInfo"):
             info = self._engine.info
-            features = ["logprobs"] + (["chat_template"] if self._engine.tokenizer.chat_template else [])
+            features = ["logprobs"] + (["chat_template"] if self._engine.tokenizer.chat_template else []) \
+                + (["prefill_compression"] if info.prefill_compression else [])
             return pb.ServerInfo(
                 model_name=info.model_name,
                 arch=info.arch,
@@ -146,6 +148,8 @@ class LuceKVServicer(lucekv_pb2_grpc.LuceKVServicer):
                 kv_cache_tokens=info.kv_cache_tokens,
                 running_requests=len(self._engine.scheduler.running),
                 waiting_requests=len(self._engine.scheduler.waiting),
+                prefill_keep_ratio=info.prefill_keep_ratio,
+                prefill_threshold=info.prefill_threshold,
             )
 
 
@@ -364,8 +368,13 @@ def response_from_delta(delta: GenerationDelta, request_id: str) -> pb.GenerateR
                 kv_resident_chunks=u.kv_resident_chunks,
                 kv_paged_chunks=u.kv_paged_chunks,
                 kv_bytes_moved=u.kv_bytes_moved,
+                prefilled_tokens=u.prefilled_tokens,
             )
         )
+        if c := u.compression:
+            response.usage.compression.CopyFrom(pb.PrefillCompression(
+                keep_ratio=c.keep_ratio, scored_tokens=c.scored_tokens, kept_tokens=c.kept_tokens,
+                score_ms=c.score_s * 1e3))
         if s := u.speculation:
             response.usage.speculation.CopyFrom(pb.SpeculationUsage(
                 mode=s.mode, drafter=s.drafter, rounds=s.rounds, drafted_tokens=s.drafted, accepted_tokens=s.accepted,

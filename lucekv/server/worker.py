@@ -91,13 +91,14 @@ class GenerationJob(Job):
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, session_id: str = "",
                  pin_prefix: int | None = None, lease: Lease | None = None,
-                 speculation: str | None = None):
+                 speculation: str | None = None, prefill_keep: float | None = None):
         super().__init__(request_id, lease)
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.session_id = session_id
         self.pin_prefix = pin_prefix
         self.speculation = speculation
+        self.prefill_keep = prefill_keep
         self.request: Request | None = None
         self.held: GenerationDelta | None = None  # the last delta, until the session is idle (and written back)
 
@@ -264,7 +265,7 @@ class EngineWorker:
                 job.deliver(result)
                 return
             job.request = self.engine.submit(job.prompt_ids, job.params, job.session_id, job.pin_prefix,
-                                             job.speculation, arrived=job.submitted_at)
+                                             job.speculation, arrived=job.submitted_at, prefill_keep=job.prefill_keep)
         except Exception as e:  # the handler maps it to a status code; the worker keeps serving
             self._release(job)
             job.deliver(e)

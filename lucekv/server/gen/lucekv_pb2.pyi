@@ -88,7 +88,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "messages", "sampling", "request_id", "session_id", "pin_prefix_tokens", "speculation")
+    __slots__ = ("text", "token_ids", "messages", "sampling", "request_id", "session_id", "pin_prefix_tokens", "speculation", "prefill_keep_ratio")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class GenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PIN_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_KEEP_RATIO_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     messages: ChatMessages
@@ -105,7 +106,8 @@ class GenerateRequest(_message.Message):
     session_id: str
     pin_prefix_tokens: int
     speculation: SpeculationMode
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pin_prefix_tokens: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationMode, str]] = ...) -> None: ...
+    prefill_keep_ratio: float
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., pin_prefix_tokens: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationMode, str]] = ..., prefill_keep_ratio: _Optional[float] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -126,7 +128,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "time_to_first_token_ms", "decode_tokens_per_second", "queue_time_ms", "kv_resident_chunks", "kv_paged_chunks", "kv_bytes_moved", "speculation", "batch_size")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "time_to_first_token_ms", "decode_tokens_per_second", "queue_time_ms", "kv_resident_chunks", "kv_paged_chunks", "kv_bytes_moved", "speculation", "batch_size", "prefilled_tokens", "compression")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +140,8 @@ class Usage(_message.Message):
     KV_BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -149,7 +153,21 @@ class Usage(_message.Message):
     kv_bytes_moved: int
     speculation: SpeculationUsage
     batch_size: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., queue_time_ms: _Optional[float] = ..., kv_resident_chunks: _Optional[int] = ..., kv_paged_chunks: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationUsage, _Mapping]] = ..., batch_size: _Optional[float] = ...) -> None: ...
+    prefilled_tokens: int
+    compression: PrefillCompression
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., queue_time_ms: _Optional[float] = ..., kv_resident_chunks: _Optional[int] = ..., kv_paged_chunks: _Optional[int] = ..., kv_bytes_moved: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationUsage, _Mapping]] = ..., batch_size: _Optional[float] = ..., prefilled_tokens: _Optional[int] = ..., compression: _Optional[_Union[PrefillCompression, _Mapping]] = ...) -> None: ...
+
+class PrefillCompression(_message.Message):
+    __slots__ = ("keep_ratio", "scored_tokens", "kept_tokens", "score_ms")
+    KEEP_RATIO_FIELD_NUMBER: _ClassVar[int]
+    SCORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_MS_FIELD_NUMBER: _ClassVar[int]
+    keep_ratio: float
+    scored_tokens: int
+    kept_tokens: int
+    score_ms: float
+    def __init__(self, keep_ratio: _Optional[float] = ..., scored_tokens: _Optional[int] = ..., kept_tokens: _Optional[int] = ..., score_ms: _Optional[float] = ...) -> None: ...
 
 class SpeculationUsage(_message.Message):
     __slots__ = ("mode", "drafter", "rounds", "drafted_tokens", "accepted_tokens", "plain_steps", "gate_decisions")
@@ -226,7 +244,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model_name", "arch", "fingerprint", "context_length", "vocab_size", "backend", "n_layer", "n_embd", "features", "max_queued_requests", "version", "max_top_logprobs", "kv_pool_tokens", "kv_policy", "speculation_modes", "speculation_default", "max_batch", "kv_cache_tokens", "running_requests", "waiting_requests")
+    __slots__ = ("model_name", "arch", "fingerprint", "context_length", "vocab_size", "backend", "n_layer", "n_embd", "features", "max_queued_requests", "version", "max_top_logprobs", "kv_pool_tokens", "kv_policy", "speculation_modes", "speculation_default", "max_batch", "kv_cache_tokens", "running_requests", "waiting_requests", "prefill_keep_ratio", "prefill_threshold")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +265,8 @@ class ServerInfo(_message.Message):
     KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_KEEP_RATIO_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     arch: str
     fingerprint: str
@@ -267,7 +287,9 @@ class ServerInfo(_message.Message):
     kv_cache_tokens: int
     running_requests: int
     waiting_requests: int
-    def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., fingerprint: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., n_layer: _Optional[int] = ..., n_embd: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., max_queued_requests: _Optional[int] = ..., version: _Optional[str] = ..., max_top_logprobs: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_policy: _Optional[str] = ..., speculation_modes: _Optional[_Iterable[str]] = ..., speculation_default: _Optional[str] = ..., max_batch: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...
+    prefill_keep_ratio: float
+    prefill_threshold: int
+    def __init__(self, model_name: _Optional[str] = ..., arch: _Optional[str] = ..., fingerprint: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., backend: _Optional[str] = ..., n_layer: _Optional[int] = ..., n_embd: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., max_queued_requests: _Optional[int] = ..., version: _Optional[str] = ..., max_top_logprobs: _Optional[int] = ..., kv_pool_tokens: _Optional[int] = ..., kv_policy: _Optional[str] = ..., speculation_modes: _Optional[_Iterable[str]] = ..., speculation_default: _Optional[str] = ..., max_batch: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., prefill_keep_ratio: _Optional[float] = ..., prefill_threshold: _Optional[int] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id",)
