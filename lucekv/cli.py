@@ -93,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     niah.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="depths of the asked needle, cycled over cases")
     niah.add_argument("--residencies", default="0.0625,0.125,0.25")
     niah.add_argument("--policies", default="lru,quest,meankey", help="lru, quest, meankey, draft")
-    niah.add_argument("--kv-drafter", help="the draft policy's model (same tokenizer as --model)")
+    niah.add_argument("--kv-drafter", help="the draft policy's model (same tokenizer as --model), and pflash's")
+    niah.add_argument("--prefill-compression", type=float, metavar="KEEP", help="also run the full cache with its "
+                      "prompts compressed to this keep ratio (PFlash, drafter --kv-drafter): recall and time to "
+                      "first token beside the full prefill's")
+    niah.add_argument("--prefill-threshold", type=int, default=2048, metavar="TOKENS",
+                      help="prompts no longer than this are not compressed (default 2048)")
     niah.add_argument("--json", help="also write the result here")
     niah.add_argument("--plot", help="PNG of recall against residency")
     niah.set_defaults(func=cmd_bench)

@@ -5,6 +5,10 @@ spots), and the RULER-style tasks of `lucekv.bench.ruler` over real haystacks (m
 generated from a corpus file (`lucekv bench niah-corpus`). Greedy completions, exact scoring: a case scores the
 share of its expected strings in the completion; a configuration's recall is the mean over its cases.
 
+With `--prefill-compression KEEP`, a "pflash" configuration runs beside the full cache on the same cases: its prompts
+compressed (lucekv.pflash, the drafter --kv-drafter), each case's time to first token beside the full prefill's (both
+engines hold one sequence, max_batch 1), and the summary gives their medians and the ratio.
+
 Per case the JSON also says, for a pooled run, where the chunks holding the needles the answer needs stand after
 the answer: resident or not (and when its first token was sampled: `needle_resident_at_answer`), and their rank among
 the evictable chunks in the policy's last scores (0 = best): a miss with the needle resident is the model's, a miss
@@ -29,6 +33,7 @@ from lucekv.engine.sampling import SamplingParams
 from lucekv.errors import ConfigError
 from lucekv.kvflash.pager import CHUNK_TOKENS
 from lucekv.model.registry import resolve_model
+from lucekv.pflash.compressor import DEFAULT_THRESHOLD
 from lucekv.snapshot.blob import Snapshot
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -71,8 +76,12 @@ def run_case(engine: lucekv.Engine, case: ruler.Case, session_id: str = "") -> d
         if at_answer is None and engine.paged is not None:  # the residency the answer's first token saw
             at_answer = engine.paged.pager.block_of[: engine.paged.pager.n_chunks] >= 0
         pieces.append(d.text)
-    text = "".join(pieces)
-    row = {"index": case.index, "kind": case.kind, "depth": case.depth, "score": case.score(text), "output": text}
+    text, usage = "".join(pieces), d.usage
+    row = {"index": case.index, "kind": case.kind, "depth": case.depth, "score": case.score(text), "output": text,
+           "ttft_s": round(usage.time_to_first_token_s, 4), "prompt_tokens": usage.prompt_tokens,
+           "prefilled_tokens": usage.prefilled_tokens}
+    if usage.compression is not None:
+        row["kept_tokens"], row["score_s"] = usage.compression.kept_tokens, round(usage.compression.score_s, 4)
     if engine.paged is not None:
         row.update(needle_placement(engine, case))
         row["needle_resident_at_answer"] = [bool(at_answer[c]) for c in row["needle_chunks"]]
@@ -97,20 +106,25 @@ def needle_placement(engine: lucekv.Engine, case: ruler.Case) -> dict:
 
 def run(model: str, backend: str, contexts: list[int], tasks: list[str], n_cases: int, depths: list[float],
         residencies: list[float], policies: list[str], corpus_path: str | None, json_path: str | None = None,
-        plot_path: str | None = None, drafter: str | None = None) -> dict:
+        plot_path: str | None = None, drafter: str | None = None, keep: float | None = None,
+        threshold: int = DEFAULT_THRESHOLD) -> dict:
     """The recall table; with `json_path`, rewritten there after every configuration (a long run that is
     stopped keeps what it measured).
 
     A pooled prompt is computed alike under every policy up to its tail (victims by recency: nothing is scored
     before the tail ranks the chunks), so per case and pool that part is computed once, by the first policy's
     engine, and the others take it over as a snapshot: each policy then ranks, recalls, recomputes the tail and
-    answers."""
+    answers.
+
+    keep: besides the full cache, a "pflash" engine compressing prompts longer than `threshold` to this keep ratio
+    (drafter: `drafter`)."""
     path = resolve_model(model)
     corpus = ruler.load_corpus(corpus_path) if corpus_path else None
     head = {"bench": "niah", "commit": git_commit(), "machine": machine(), "backend": backend,
             "model": {"file": path.name, "sha256": file_sha256(path)}, "command": "lucekv " + " ".join(sys.argv[1:]),
             "corpus": {"file": Path(corpus_path).name, "sha256": ruler.corpus_sha256(corpus_path)} if corpus_path
-            else None, "drafter": drafter, "contexts": contexts, "tasks": tasks, "cases": n_cases, "depths": depths,
+            else None, "drafter": drafter, "prefill_keep_ratio": keep, "prefill_threshold": threshold if keep else None,
+            "contexts": contexts, "tasks": tasks, "cases": n_cases, "depths": depths,
             "results": []}
     rows = head["results"]
     for context in contexts:
@@ -118,11 +132,16 @@ def run(model: str, backend: str, contexts: list[int], tasks: list[str], n_cases
         for residency in [None, *residencies]:
             pool = None if residency is None else int(context * residency) // CHUNK_TOKENS * CHUNK_TOKENS
             engines, errors = {}, {}
-            for policy in ["full"] if pool is None else policies:
+            for policy in (["full", *(["pflash"] if keep else [])]) if pool is None else policies:
+                # beside a pflash engine, each holds one sequence's pool (on a GPU both fit)
+                alone = {"max_batch": 1} if keep and pool is None else {}
+                compress = {"prefill_compression": keep, "prefill_threshold": threshold,
+                            "prefill_drafter": drafter} if policy == "pflash" else {}
                 try:
                     engines[policy] = lucekv.load(path, backend=backend, kv_pool=pool,
                                                   kv_policy=policy if pool else "quest",
-                                                  kv_drafter=drafter if policy == "draft" else None)
+                                                  kv_drafter=drafter if policy == "draft" else None, **alone,
+                                                  **compress)
                 except ConfigError as e:
                     errors[policy] = str(e)
                     rows.append({"context": context, "policy": policy, "residency": residency, "pool_tokens": pool,
@@ -172,17 +191,27 @@ def run_policies(engines: dict[str, lucekv.Engine], case: ruler.Case) -> dict[st
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per context, task and pooled configuration: recall and its share of the full cache's."""
-    full = {(r["context"], r["task"]): r["recall"] for r in rows if r["policy"] == "full" and "recall" in r}
+    """Per context, task and pooled configuration: recall and its share of the full cache's; for pflash also the
+    median time to first token, the full prefill's, and their ratio."""
+    full = {(r["context"], r["task"]): r for r in rows if r["policy"] == "full" and "recall" in r}
     out = []
     for r in rows:
         if "recall" not in r:
             continue
         base = full.get((r["context"], r["task"]))
-        out.append({"context": r["context"], "task": r["task"], "policy": r["policy"], "residency": r["residency"],
-                    "recall": round(r["recall"], 3),
-                    "of_full": round(r["recall"] / base, 3) if base else None})
+        line = {"context": r["context"], "task": r["task"], "policy": r["policy"], "residency": r["residency"],
+                "recall": round(r["recall"], 3),
+                "of_full": round(r["recall"] / base["recall"], 3) if base and base["recall"] else None}
+        if r["policy"] == "pflash":
+            ttft = float(np.median([c["ttft_s"] for c in r["cases"]]))
+            full_ttft = float(np.median([c["ttft_s"] for c in base["cases"]])) if base else None
+            kept = sum(c.get("kept_tokens", c["prefilled_tokens"]) for c in r["cases"])
+            line.update(kept_share=round(kept / sum(c["prompt_tokens"] for c in r["cases"]), 4),
+                        ttft_median_s=round(ttft, 4), full_ttft_median_s=full_ttft and round(full_ttft, 4),
+                        ttft_speedup=full_ttft and round(full_ttft / ttft, 2))
+        out.append(line)
     return out
+
 
 
 def plot(result: dict, png: str | Path) -> None:
@@ -233,14 +262,14 @@ def _progress(text: str) -> None:
 
 
 def main(args) -> int:
-    floats = lambda text: [float(v) for v in text.split(",")]  # noqa: E731
+    floats = lambda text: [float(v) for v in text.split(",") if v]  # noqa: E731
     tasks = args.tasks.split(",")
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ConfigError(f"unknown niah task(s) {', '.join(unknown)} (choose {', '.join(TASKS)})")
     report(run(args.model, args.backend, [int(c) for c in args.contexts.split(",")], tasks, args.cases,
                floats(args.depths), floats(args.residencies), args.policies.split(","), args.corpus, args.json,
-               args.plot, args.kv_drafter), args.json)
+               args.plot, args.kv_drafter, args.prefill_compression, args.prefill_threshold), args.json)
     return 0
 
 

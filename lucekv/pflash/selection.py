@@ -1,7 +1,7 @@
 """Which spans of a long prompt the target prefills (PFlash, lucebox §5; written anew). Pure numpy bookkeeping.
 
-The region to compress is cut into SPAN_TOKENS-token spans from its start. A budget of `max(1, round(spans * keep))`
-spans is filled in this order:
+The region to compress is cut into SPAN_TOKENS-token spans from its start. A budget of max(1, spans * keep rounded
+half up) spans is filled in this order:
 1. the head (HEAD_SPANS) and the tail (TAIL_SPANS: the question) always, both scaled down together when they would
    take the whole budget (one span is then left for the rest);
 2. anchors: every 4-gram of the prompt's last QUERY_TOKENS tokens that occurs earlier in the region between 1 and
@@ -63,7 +63,7 @@ def select_spans(scores: np.ndarray, ids: list[int], start: int, keep: float) ->
     if len(scores) != n:
         raise ValueError(f"{len(scores)} token scores for a region of {n} tokens")
     n_spans = -(-n // SPAN_TOKENS)
-    budget = max(1, round(n_spans * keep))
+    budget = max(1, int(n_spans * keep + 0.5))  # rounded half up
     kept = np.zeros(n_spans, bool)
     head, tail = _forced_ends(budget, n_spans)
     kept[:head] = True
