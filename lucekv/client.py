@@ -152,12 +152,13 @@ class Client:
         request_id: str = "",
         session_id: str = "",
         speculation: str | None = None,
+        prefill_keep_ratio: float | None = None,
         timeout: float | None = None,
     ) -> Completion:
         """Generate and collect the whole completion."""
         text, token_ids, logprobs = [], [], []
         for chunk in self.generate(prompt, sampling, request_id=request_id, session_id=session_id,
-                                   speculation=speculation, timeout=timeout):
+                                   speculation=speculation, prefill_keep_ratio=prefill_keep_ratio, timeout=timeout):
             text.append(chunk.text)
             token_ids.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs)

@@ -211,6 +211,10 @@ BAD_GENERATE_REQUESTS = [  # (case, request, expected code, text the status mess
     ("prompt beyond the context", _req("fox " * 600, max_tokens=1), INVALID, "exceeds the context of 512"),
     ("session_id with a path", pb.GenerateRequest(text=PROMPT, session_id="../etc"), INVALID, "session_id: "),
     ("session_id too long", pb.GenerateRequest(text=PROMPT, session_id="s" * 129), INVALID, "session_id: "),
+    ("keep ratio above one", pb.GenerateRequest(text=PROMPT, prefill_keep_ratio=1.5), INVALID,
+     "prefill_keep_ratio: a keep ratio must be in (0, 1]"),
+    ("compression the server lacks", pb.GenerateRequest(text=PROMPT, prefill_keep_ratio=0.5), INVALID,
+     "prefill_keep_ratio: prompt compression is not available"),
 ]
 
 
