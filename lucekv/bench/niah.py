@@ -7,7 +7,8 @@ share of its expected strings in the completion; a configuration's recall is the
 
 With `--prefill-compression KEEP`, a "pflash" configuration runs beside the full cache on the same cases: its prompts
 compressed (lucekv.pflash, the drafter --kv-drafter), each case's time to first token beside the full prefill's (both
-engines hold one sequence, max_batch 1), and the summary gives their medians and the ratio.
+engines hold one sequence, max_batch 1) and the share of each needle's tokens kept (`needle_kept`), and the summary
+gives the medians and their ratio.
 
 Per case the JSON also says, for a pooled run, where the chunks holding the needles the answer needs stand after
 the answer: resident or not (and when its first token was sampled: `needle_resident_at_answer`), and their rank among
@@ -82,10 +83,20 @@ def run_case(engine: lucekv.Engine, case: ruler.Case, session_id: str = "") -> d
            "prefilled_tokens": usage.prefilled_tokens}
     if usage.compression is not None:
         row["kept_tokens"], row["score_s"] = usage.compression.kept_tokens, round(usage.compression.score_s, 4)
+        row["needle_kept"] = needles_kept(engine, case, usage)
     if engine.paged is not None:
         row.update(needle_placement(engine, case))
         row["needle_resident_at_answer"] = [bool(at_answer[c]) for c in row["needle_chunks"]]
     return row
+
+
+def needles_kept(engine: lucekv.Engine, case: ruler.Case, usage) -> list[float]:
+    """Per needle the answer needs, the share of its tokens a compressed prompt kept: a miss with the needle kept is
+    the model's, a miss with it dropped the selection's. The selection is made again (the drafter still holds the
+    prompt: only the scores are computed again, to the same spans)."""
+    kept = set(engine.compressor.select(case.ids, usage.cached_tokens, usage.compression.keep_ratio)
+               .positions().tolist())
+    return [round(sum(p in kept for p in range(a, b)) / (b - a), 3) for a, b in case.needles]
 
 
 def needle_placement(engine: lucekv.Engine, case: ruler.Case) -> dict:

@@ -23,6 +23,7 @@ def test_niah_runs_pflash_beside_the_full_cache(tmp_path):
     for case in pflash["cases"]:
         assert case["prompt_tokens"] == 800 and case["kept_tokens"] == case["prefilled_tokens"] == 13 * 32
         assert case["ttft_s"] > case["score_s"] > 0
+        assert len(case["needle_kept"]) == 1 and 0 <= case["needle_kept"][0] <= 1
     assert all(c["prefilled_tokens"] == 800 and "kept_tokens" not in c for c in full["cases"])
     line = result["summary"][1]
     assert line["policy"] == "pflash" and line["kept_share"] == 0.52
