@@ -22,8 +22,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if args.verbose:
         u = delta.usage
-        print(f"[{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens, "
-              f"{u.decode_tokens_per_s:.1f} tok/s; speculation: {u.speculation}]", file=sys.stderr)
+        kept = f", {u.compression.kept_tokens} of {u.compression.scored_tokens} kept" if u.compression else ""
+        print(f"[{u.prompt_tokens} prompt{kept} + {u.completion_tokens} completion tokens, first after "
+              f"{u.time_to_first_token_s:.2f} s, {u.decode_tokens_per_s:.1f} tok/s; speculation: {u.speculation}]",
+              file=sys.stderr)
     return 0
 
 

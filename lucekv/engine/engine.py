@@ -239,7 +239,7 @@ class Engine:
         request = self.submit(ids, SamplingParams(max_tokens=0), session_id)
         for _ in self._stream(request):
             pass
-        return len(ids) - request.cached
+        return len(request.ids) - request.cached  # a compressed prompt: its kept tokens
 
     def _stream(self, request: Request) -> Iterator[GenerationDelta]:
         try:
