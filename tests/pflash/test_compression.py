@@ -13,6 +13,7 @@ from lucekv.errors import ConfigError, InvalidRequestError
 from lucekv.model.synth import write_synthetic_gguf
 from lucekv.server.service import response_from_delta
 from lucekv.snapshot.blob import read_snapshot, write_snapshot
+from tests.kernels.cuda_sim import needs_gpu
 
 THRESHOLD = 512
 
@@ -115,3 +116,18 @@ def test_a_drafter_with_another_tokenizer_is_refused(model, tmp_path):
     other = write_synthetic_gguf(tmp_path / "other.gguf", "llama", n_ctx=4096, vocab=600)
     with pytest.raises(ConfigError, match="tokenizer"):
         lucekv.load(model, backend="cpu", prefill_compression=0.1, prefill_drafter=other)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_on_cuda_a_compressed_prompt_is_its_kept_tokens_and_the_spans_are_the_cpus(model, compressing):
+    """The same engine path on the CUDA backend (drafter and target): the compressed prompt is its kept tokens
+    prefilled alone, and the drafter keeps the spans the CPU's does (float16 K/V may reorder a near-tie: 90%)."""
+    cuda = lucekv.load(model, backend="cuda", kv_dtype="f32", prefill_compression=0.25, prefill_threshold=THRESHOLD,
+                       prefill_drafter=model, max_batch=4)
+    ids = prompt(1500, seed=7)
+    out, usage = generate(cuda, ids, "a")
+    kept = cuda.sessions.get("a").tokens[: usage.compression.kept_tokens]
+    assert generate(cuda, kept)[0] == out
+    kept_at = [set(e.compressor.select(ids, 0, 0.25).positions().tolist()) for e in (cuda, compressing)]
+    assert len(kept_at[0]) == len(kept_at[1]) == len(kept) and len(kept_at[0] & kept_at[1]) >= 0.9 * len(kept)
