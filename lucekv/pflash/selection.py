@@ -2,11 +2,12 @@
 
 The region to compress is cut into SPAN_TOKENS-token spans from its start. A budget of max(1, spans * keep rounded
 half up) spans is filled in this order:
-1. the head (HEAD_SPANS) and the tail (TAIL_SPANS: the question) always, both scaled down together when they would
-   take the whole budget (one span is then left for the rest);
+1. the head (HEAD_SPANS) and the tail (TAIL_SPANS: the question) always, but no more than an eighth and a quarter
+   of the budget;
 2. anchors: every 4-gram of the prompt's last QUERY_TOKENS tokens that occurs earlier in the region between 1 and
    `max_hits` times marks the spans within `radius` spans of each occurrence (a question naming its key finds the
-   needle that names it; a 4-gram found everywhere names nothing). Rarer 4-grams go first, while the budget lasts;
+   needle that names it; a 4-gram found everywhere names nothing). Rarer 4-grams first, and of equally rare ones the
+   latest (the question ends the prompt), while half of the budget left lasts;
 3. the spans of the highest drafter score (the sum of its tokens' scores), while the budget lasts.
 The kept spans are emitted in their original order.
 """
@@ -65,11 +66,12 @@ def select_spans(scores: np.ndarray, ids: list[int], start: int, keep: float) ->
     n_spans = -(-n // SPAN_TOKENS)
     budget = max(1, int(n_spans * keep + 0.5))  # rounded half up
     kept = np.zeros(n_spans, bool)
-    head, tail = _forced_ends(budget, n_spans)
+    head, tail = _forced_ends(budget)
     kept[:head] = True
     kept[n_spans - tail :] = True
+    anchor_budget = kept.sum() + (budget - kept.sum()) // 2
     for span in _anchor_spans(ids, start, n_spans):
-        if kept.sum() >= budget:
+        if kept.sum() >= anchor_budget:
             break
         kept[span] = True
     if kept.sum() < budget:
@@ -81,15 +83,13 @@ def select_spans(scores: np.ndarray, ids: list[int], start: int, keep: float) ->
     return Selection(start, len(ids), _runs(kept, start, len(ids)))
 
 
-def _forced_ends(budget: int, n_spans: int) -> tuple[int, int]:
-    """Head and tail spans always kept: HEAD_SPANS and TAIL_SPANS, scaled down together to leave a span of the budget
-    (each keeps one at least where the budget has room: the tail holds the question, the head the prompt's start)."""
-    head, tail = min(HEAD_SPANS, n_spans), min(TAIL_SPANS, n_spans)
-    if head + tail >= budget:
-        room = max(budget - 1, 1)
-        head = max(1, room * HEAD_SPANS // (HEAD_SPANS + TAIL_SPANS)) if room > 1 else 0
-        tail = room - head
-    return head, tail
+def _forced_ends(budget: int) -> tuple[int, int]:
+    """Head and tail spans always kept: HEAD_SPANS and TAIL_SPANS, but no more than an eighth and a quarter of the
+    budget (one each at least), so that at least half of it goes to anchors and scores whatever the prompt's length
+    (lucebox's 8 + 24 are for budgets of hundreds of spans; a 4K prompt at keep 0.25 has 32)."""
+    if budget == 1:
+        return 0, 1  # the question
+    return min(HEAD_SPANS, max(1, budget // 8)), min(TAIL_SPANS, max(1, budget // 4))
 
 
 def _anchor_spans(ids: list[int], start: int, n_spans: int) -> list[int]:
@@ -102,11 +102,11 @@ def _anchor_spans(ids: list[int], start: int, n_spans: int) -> list[int]:
     grams = np.lib.stride_tricks.sliding_window_view(arr, NGRAM)
     searched = grams[: max(0, query_from - start - NGRAM + 1)]  # 4-grams wholly before the question
     hits: dict[tuple[int, ...], np.ndarray] = {}
-    for g in map(tuple, grams[query_from - start :]):
+    for g in map(tuple, grams[query_from - start :][::-1]):  # the latest first: the question ends the prompt
         if g not in hits:
             hits[g] = np.flatnonzero((searched == g).all(axis=1))
     spans: list[int] = []
-    for found in sorted((h for h in hits.values() if 1 <= len(h) <= max_hits), key=len):
+    for found in sorted((h for h in hits.values() if 1 <= len(h) <= max_hits), key=len):  # stable: latest first
         for at in found:
             first, last = at // SPAN_TOKENS, (at + NGRAM - 1) // SPAN_TOKENS
             spans.extend(range(max(0, first - radius), min(n_spans, last + radius + 1)))

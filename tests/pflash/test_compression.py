@@ -51,7 +51,7 @@ def test_a_compressed_prompt_is_its_kept_tokens_prefilled_alone(compressing, pla
     assert (c.keep_ratio, c.scored_tokens) == (0.25, 1500) and c.kept_tokens == 11 * 32 + 28  # round(47 * 0.25)
     assert (usage.prompt_tokens, usage.prefilled_tokens) == (1500, c.kept_tokens)
     kept = compressing.sessions.get("a").tokens[: c.kept_tokens]
-    assert kept[:64] == ids[:64] and kept[-284:] == ids[-284:]  # head and tail: 2 and 9 spans of a budget of 12
+    assert kept[:32] == ids[:32] and kept[-92:] == ids[-92:]  # head and tail: 1 and 3 spans of a budget of 12
     assert generate(plain, kept)[0] == out
 
 
@@ -83,7 +83,7 @@ def test_a_compressed_sessions_next_turn_reuses_what_was_kept_and_a_restored_one
                                 vocab_size=other.spec.vocab_size), "s")
     assert other.sessions.get("s").tokens == kept + out[:-1]
     out3, usage3 = generate(other, turn, "s")
-    assert 64 <= usage3.cached_tokens < len(kept) and out3 == generate(plain, turn)[0]
+    assert 32 <= usage3.cached_tokens < len(kept) and out3 == generate(plain, turn)[0]
 
 
 def test_the_usage_reaches_the_client(compressing):

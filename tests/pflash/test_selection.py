@@ -29,29 +29,30 @@ def kept_spans(selection) -> list[int]:
 
 
 def test_the_budget_is_filled_with_head_tail_and_the_best_scored_spans_in_their_order():
-    n_spans = 100
+    n_spans = 200
     ids = haystack(n_spans * S - 5)  # the last span is short
     scores = np.zeros(len(ids))
-    for span, value in [(40, 3.0), (60, 2.0), (50, 1.0)]:
-        scores[span * S : (span + 1) * S] = value
-    sel = select_spans(scores, ids, 0, keep=0.35)  # a budget of 35 spans: 8 head + 24 tail + the best 3
-    assert kept_spans(sel) == [*range(HEAD_SPANS), 40, 50, 60, *range(n_spans - TAIL_SPANS, n_spans)]
-    assert sel.kept_tokens == 35 * S - 5
-    assert sel.spans == [(0, HEAD_SPANS * S), (40 * S, 41 * S), (50 * S, 51 * S), (60 * S, 61 * S),
-                         ((n_spans - TAIL_SPANS) * S, len(ids))]  # neighbours joined, in order
+    scores[100 * S : 125 * S] = 1.0
+    scores[110 * S : 111 * S] = 2.0
+    sel = select_spans(scores, ids, 0, keep=0.2)  # 40 spans: head 40 // 8, tail 40 // 4, the best 25
+    assert kept_spans(sel) == [*range(5), *range(100, 125), *range(190, 200)]
+    assert sel.kept_tokens == 40 * S - 5
+    assert sel.spans == [(0, 5 * S), (100 * S, 125 * S), (190 * S, len(ids))]  # neighbours joined, in order
     assert np.all(np.diff(sel.positions()) > 0)
+    sel = select_spans(scores, ids, 0, keep=1.0)  # head and tail at most HEAD_SPANS and TAIL_SPANS
+    assert sel.spans == [(0, len(ids))]
+    scores = np.zeros(2000 * S)
+    scores[1000 * S : 1168 * S] = 1.0
+    long = kept_spans(select_spans(scores, haystack(2000 * S), 0, keep=0.1))  # 200: 8 + 24 + the best 168
+    assert long == [*range(HEAD_SPANS), *range(1000, 1168), *range(2000 - TAIL_SPANS, 2000)]
 
 
-def test_head_and_tail_shrink_to_leave_the_scores_a_span():
+def test_head_and_tail_take_an_eighth_and_a_quarter_of_a_small_budget():
     ids = haystack(200 * S)
     scores = np.zeros(len(ids))
     scores[100 * S : 101 * S] = 1.0
-    sel = select_spans(scores, ids, 0, keep=0.05)  # a budget of 10 < 8 + 24
-    spans = kept_spans(sel)
-    assert len(spans) == 10 and 100 in spans and spans[0] == 0 and spans[-1] == 199
-    head = [s for s in spans if s < 100]
-    tail = [s for s in spans if s > 100]
-    assert head == list(range(len(head))) and tail == list(range(200 - len(tail), 200)) and len(head) == 2
+    spans = kept_spans(select_spans(scores, ids, 0, keep=0.05))  # a budget of 10
+    assert spans == [0, *range(1, 7), 100, 198, 199]  # head 1, tail 2, the best 7 (ties: the first)
     assert kept_spans(select_spans(scores, ids, 0, keep=0.001)) == [199]  # a budget of one: the question
 
 
@@ -71,9 +72,24 @@ def test_a_rare_four_gram_of_the_question_anchors_its_neighbourhood_and_a_common
     sel = select_spans(scores, ids, 0, keep=0.2)
     spans = kept_spans(sel)
     assert set(range(150 - radius, 150 + radius + 1)) <= set(spans)
-    assert not {20, 40, 60} & set(spans) and len(spans) == int(n_spans * 0.2)
-    assert set(spans) - set(range(150 - radius, 150 + radius + 1)) == \
-        {*range(HEAD_SPANS), *range(200, 223), *range(n_spans - TAIL_SPANS, n_spans)}
+    assert not {20, 40, 60} & set(spans) and len(spans) == 60  # head 7, tail 15, the anchors, the best 33
+    assert set(spans) - set(range(150 - radius, 150 + radius + 1)) == {*range(7), *range(200, 233), *range(285, 300)}
+
+
+def test_anchors_take_half_of_the_budget_left_at_most_the_rarest_and_latest_first():
+    n_spans = 400
+    ids = haystack(n_spans * S)
+    grams = [[7 + 4 * g + j for j in range(4)] for g in range(20)]  # 20 rare 4-grams of the question...
+    for g, gram in enumerate(grams):
+        ids[(20 + 15 * g) * S : (20 + 15 * g) * S + 4] = gram  # ...each once in the haystack
+        ids[-QUERY_TOKENS + 4 * g : -QUERY_TOKENS + 4 * g + 4] = gram
+    ids[-QUERY_TOKENS + 80 : -QUERY_TOKENS + 84] = grams[0]  # the first also latest of all, and twice
+    ids[(20 + 15 * 19) * S + 8 : (20 + 15 * 19) * S + 12] = grams[0]
+    scores = np.zeros(len(ids))
+    scores[330 * S : 376 * S] = 1.0  # where the rest goes
+    spans = set(kept_spans(select_spans(scores, ids, 0, keep=0.25)))  # 100: head 8, tail 24, 68 left
+    assert len(spans & set(range(8, 330))) == 34 and len(spans & set(range(330, 376))) == 34  # anchors: half
+    assert [g for g in range(20) if 20 + 15 * g in spans] == list(range(13, 20))  # the latest rare ones
 
 
 def test_a_region_after_a_reused_prefix_is_selected_alone_in_positions_of_the_prompt():
@@ -82,7 +98,7 @@ def test_a_region_after_a_reused_prefix_is_selected_alone_in_positions_of_the_pr
     scores[30 * S : 31 * S] = 1.0
     sel = select_spans(scores, ids, 64, keep=33 / 60)  # head 8 + tail 24 + the best
     assert (sel.start, sel.end) == (64, len(ids))
-    assert sel.spans[0][0] == 64 and (64 + 30 * S, 64 + 31 * S) in sel.spans
+    assert sel.spans[0][0] == 64 and (64 + 30 * S, 64 + 31 * S) in sel.spans and sel.kept_tokens == 33 * S
 
 
 def test_keep_one_keeps_everything_and_bad_ratios_are_refused():
