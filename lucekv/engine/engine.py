@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -100,7 +100,8 @@ class Engine:
                  max_batch: int = 64, max_queue: int = 64, step_tokens: int | None = None, kv_cache: int | None = None,
                  spark_placement: Path | None = None, spark_spare: int = 0, spark_promote: int = 0,
                  prefill_compression: float | None = None, prefill_threshold: int = DEFAULT_THRESHOLD,
-                 prefill_drafter: str | Path | None = None):
+                 prefill_drafter: str | Path | None = None, prefill_drafter_layers: int = 0,
+                 layers: int | None = None):
         """kv_pool: each sequence's residency budget on the device in tokens (a multiple of 64); None holds its whole
         context; "auto" on the CUDA backend: the whole context if it fits the GPU memory free after the weights,
         else the largest budget that does (`auto_pool_tokens`); on the CPU backend (whose device memory is host RAM)
@@ -120,11 +121,16 @@ class Engine:
         for busier cold ones at each request's end.
         prefill_compression: the keep ratio of prompts longer than prefill_threshold tokens that do not choose one
         (lucekv.pflash; None: not compressed). prefill_drafter: the model that selects what they keep (default
-        kv_drafter); with either set, or the draft policy's drafter loaded, requests may ask for compression."""
+        kv_drafter); with either set, or the draft policy's drafter loaded, requests may ask for compression.
+        prefill_drafter_layers: the compressor's drafter reads with its first layers only (0: all of them).
+        layers: compute only the model's first `layers` layers: a drafter that reads for a scorer, whose keys and
+        queries are the whole model's but whose logits are not (None: all of them)."""
         self.spec_config = (speculation or SpecConfig()).check()
         self.path = Path(path)
         g = open_gguf(path)
         self.spec = ModelSpec.from_gguf(g)
+        if layers is not None:
+            self.spec = _first_layers(g, self.spec, layers)
         self.tokenizer = Tokenizer.from_metadata(g.metadata)
         self.n_ctx = min(n_ctx or self.spec.n_ctx, self.spec.n_ctx)
         if max_batch < 1:
@@ -132,7 +138,8 @@ class Engine:
         # before the backend: on CUDA the target's pool is sized in the GPU memory the drafter leaves
         wanted = prefill_compression is not None or prefill_drafter or (kv_pool and kv_policy == "draft")
         self.compressor = self._compressor(prefill_compression, prefill_threshold,
-                                           (prefill_drafter or kv_drafter) if wanted else None, backend, kv_dtype)
+                                           (prefill_drafter or kv_drafter) if wanted else None, backend, kv_dtype,
+                                           prefill_drafter_layers)
         self.prefill_keep = prefill_compression
         self.backend, kv_pool = _make_backend(backend, g, self.spec, kv_dtype, self.n_ctx, kv_pool, kv_cache,
                                               max_batch, _spark_options(g, spark_placement, spark_spare, spark_promote))
@@ -140,7 +147,8 @@ class Engine:
         self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, kv_tau
         self._drafter = None
         if kv_pool and kv_policy == "draft":
-            same = self.compressor is not None and (prefill_drafter or kv_drafter) == kv_drafter
+            same = self.compressor is not None and (prefill_drafter or kv_drafter) == kv_drafter \
+                and not prefill_drafter_layers
             self._drafter = self.compressor.reader if same else self._load_drafter(kv_drafter, kv_dtype)
         self.blocks: BlockPool = self.backend.pool.blocks  # the pool every sequence borrows from
         self.backend.prepare_verify(self.spec_config.max_draft + 1)  # any request may speculate
@@ -783,7 +791,7 @@ class Engine:
         return DFlashModel(self.spec_config.dflash_drafter, self.spec, target, shared, CpuDraftOps)
 
     def _compressor(self, keep: float | None, threshold: int, model: str | Path | None, backend: str,
-                    kv_dtype: str) -> PromptCompressor | None:
+                    kv_dtype: str, layers: int) -> PromptCompressor | None:
         """The prompt compressor when compression is on by default (keep) or a drafter is named for it."""
         if keep is not None:
             try:
@@ -796,10 +804,11 @@ class Engine:
             return None
         if not model:
             raise ConfigError("--prefill-compression needs a drafter: --prefill-drafter (or --kv-drafter) MODEL")
-        return PromptCompressor(self._load_drafter(model, kv_dtype, backend, "prefill compression"), threshold)
+        return PromptCompressor(self._load_drafter(model, kv_dtype, backend, "prefill compression", layers or None),
+                                threshold)
 
     def _load_drafter(self, model: str | Path | None, kv_dtype: str, backend: str | None = None,
-                      use: str = "kv policy draft") -> DraftReader:
+                      use: str = "kv policy draft", layers: int | None = None) -> DraftReader:
         """The draft policy's (or the prompt compressor's) reader: the drafter on this engine's backend, holding the
         whole context (one sequence at a time: its pool holds one)."""
         from lucekv.model.registry import resolve_model
@@ -807,7 +816,7 @@ class Engine:
         if not model:
             raise ConfigError(f"{use} needs a drafter model (--kv-drafter)")
         drafter = Engine(resolve_model(str(model)), backend=backend or self.backend.name, kv_dtype=kv_dtype,
-                         n_ctx=self.n_ctx, max_batch=1)
+                         n_ctx=self.n_ctx, max_batch=1, layers=layers)
         if drafter.tokenizer.pieces != self.tokenizer.pieces:
             raise ConfigError(f"the drafter {drafter.spec.name!r} does not share {self.spec.name!r}'s tokenizer")
         if drafter.n_ctx < self.n_ctx:
@@ -922,6 +931,14 @@ def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_p
     kv_pool = None if kv_pool == "auto" else kv_pool
     total = kv_cache or max_batch * (kv_pool or whole)
     return CpuBackend(g, spec, kv_dtype, _check_cache(total, kv_pool or whole)), kv_pool
+
+
+def _first_layers(g, spec: ModelSpec, layers: int) -> ModelSpec:
+    """The spec of the model's first `layers` layers; the tensors of the others are left unread on purpose."""
+    if not 0 < layers <= spec.n_layer:
+        raise ConfigError(f"{spec.name} has {spec.n_layer} layers: cannot read with its first {layers}")
+    g.used.update(n for n in g.tensors if n.startswith("blk.") and int(n.split(".")[1]) >= layers)
+    return replace(spec, n_layer=layers)
 
 
 def _check_cache(tokens: int, sequence: int) -> int:

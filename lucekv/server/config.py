@@ -105,6 +105,9 @@ class ServeConfig:
                                    "qwen2.5-coder-0.5b for the 1.5b); default --kv-drafter. With it, "
                                    "--prefill-compression or the draft policy's drafter, requests may ask for "
                                    "compression", group="engine", metavar="MODEL")
+    prefill_drafter_layers: int = setting(0, "the prompt compressor's drafter reads with its first N layers only, "
+                                          "scoring those past the first third of them (0: all layers)", int,
+                                          group="engine")
 
     spec: str = setting("auto", "speculative decoding, the mode of requests that leave it unset: auto lets a gate "
                         "turn the suffix drafter on where it pays; suffix / draft / dflash always use that drafter; "

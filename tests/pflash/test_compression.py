@@ -131,3 +131,20 @@ def test_on_cuda_a_compressed_prompt_is_its_kept_tokens_and_the_spans_are_the_cp
     assert generate(cuda, kept)[0] == out
     kept_at = [set(e.compressor.select(ids, 0, 0.25).positions().tolist()) for e in (cuda, compressing)]
     assert len(kept_at[0]) == len(kept_at[1]) == len(kept) and len(kept_at[0] & kept_at[1]) >= 0.9 * len(kept)
+
+
+def test_a_drafter_cut_to_its_first_layers_reads_them_as_the_whole_one_does(model, compressing):
+    cut = lucekv.load(model, backend="cpu", kv_dtype="f32", prefill_compression=0.25, prefill_threshold=THRESHOLD,
+                      prefill_drafter=model, prefill_drafter_layers=1)
+    assert cut.compressor.reader.engine.spec.n_layer == 1
+    ids = prompt(1000, seed=5)
+    inputs = []
+    for reader in (compressing.compressor.reader, cut.compressor.reader):
+        reader.read(object(), ids, [len(ids)])
+        inputs.append(reader.inputs())
+    (q, sealed, rest), (q1, sealed1, rest1) = inputs
+    np.testing.assert_array_equal(sealed1, sealed[:1])
+    np.testing.assert_array_equal(rest1, rest[:1])
+    np.testing.assert_array_equal(q1, q[:, :1])
+    with pytest.raises(ConfigError, match="first 3"):
+        lucekv.load(model, backend="cpu", prefill_compression=0.25, prefill_drafter=model, prefill_drafter_layers=3)

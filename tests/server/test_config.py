@@ -29,7 +29,8 @@ def test_a_flag_beats_its_variable_which_beats_the_default():
                                        "kv_tau": 64, "kv_drafter": "", "kv_cache": None,
                                        "max_batch": 64, "spark_placement": None, "spark_spare": 0,
                                        "spark_promote": 0, "step_tokens": None, "prefill_compression": None,
-                                       "prefill_threshold": 2048, "prefill_drafter": ""}
+                                       "prefill_threshold": 2048, "prefill_drafter": "",
+                                       "prefill_drafter_layers": 0}
 
 
 def test_every_field_has_a_flag_and_a_variable():
