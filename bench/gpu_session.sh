@@ -24,8 +24,9 @@
 #                                      10 cases per task at CTX tokens and a POOL-token pool: draft and the oracles
 #                                      (asked needles, every needle), on pool vs full K/V; ~5 min; needs the corpus
 #                                      and /tmp/qwen2.5-coder-0.5b.gguf as niah does
-#   bash bench/gpu_session.sh pflash CTX [KEEP]  PFlash (issue 27): lucekv bench niah on qwen2.5-coder-1.5b, full prefill
-#                                      vs prompts compressed to KEEP (default 0.1) by the 0.5b drafter: recall and
+#   bash bench/gpu_session.sh pflash CTX [KEEP] [LAYERS]  PFlash (issue 27): lucekv bench niah on qwen2.5-coder-1.5b,
+#                                      full prefill vs prompts compressed to KEEP (default 0.1) by the 0.5b drafter
+#                                      (reading with its first LAYERS layers; default all 24): recall and
 #                                      time to first token per case, PFLASH_N (5) cases per task at depths 0.1..0.9,
 #                                      one JSON; CTX 16000 or 32000 (~4 and ~7 min: a call each); needs both models'
 #                                      pieces and .data/niah-corpus.json carried
@@ -207,12 +208,14 @@ niah)
     --json "$OUT/niah-$(basename "$M" .gguf)-$CTX-${4:-all}.json" 2>&1 >/dev/null | grep --line-buffered -v -i warning
   ;;
 pflash)
-  CTX=${2:?context in tokens}; KEEP=${3:-0.1}; M=/tmp/qwen2.5-coder-1.5b.gguf; D=/tmp/qwen2.5-coder-0.5b.gguf
+  CTX=${2:?context in tokens}; KEEP=${3:-0.1}; LAYERS=${4:-0}; M=/tmp/qwen2.5-coder-1.5b.gguf
+  D=/tmp/qwen2.5-coder-0.5b.gguf
   [ -f "$M" ] && [ -f "$D" ] && [ -f .data/niah-corpus.json ] || { echo "needs $M, $D and .data/niah-corpus.json" >&2; exit 1; }
   timeout 560 python3 -m lucekv.cli bench niah --model "$M" --backend cuda --contexts "$CTX" \
     --tasks multikey,multivalue,vartrack --cases "${PFLASH_N:-5}" --residencies "" --kv-drafter "$D" \
-    --prefill-compression "$KEEP" --corpus .data/niah-corpus.json \
-    --json "$OUT/niah-pflash-qwen2.5-coder-1.5b-$CTX-keep$KEEP.json" 2>&1 >/dev/null | grep --line-buffered -v -i warning
+    --prefill-compression "$KEEP" --prefill-drafter-layers "$LAYERS" --corpus .data/niah-corpus.json \
+    --json "$OUT/niah-pflash-qwen2.5-coder-1.5b-$CTX-keep$KEEP-layers$LAYERS.json" 2>&1 >/dev/null \
+    | grep --line-buffered -v -i warning
   ;;
 niah-diagnose)
   CTX=${2:?context in tokens}; POOL=${3:?pool tokens}; M=/tmp/qwen2.5-coder-0.5b.gguf

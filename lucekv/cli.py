@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "first token beside the full prefill's")
     niah.add_argument("--prefill-threshold", type=int, default=2048, metavar="TOKENS",
                       help="prompts no longer than this are not compressed (default 2048)")
+    niah.add_argument("--prefill-drafter-layers", type=int, default=0, metavar="N",
+                      help="pflash's drafter reads with its first N layers only (default 0: all)")
     niah.add_argument("--json", help="also write the result here")
     niah.add_argument("--plot", help="PNG of recall against residency")
     niah.set_defaults(func=cmd_bench)

@@ -118,7 +118,7 @@ def needle_placement(engine: lucekv.Engine, case: ruler.Case) -> dict:
 def run(model: str, backend: str, contexts: list[int], tasks: list[str], n_cases: int, depths: list[float],
         residencies: list[float], policies: list[str], corpus_path: str | None, json_path: str | None = None,
         plot_path: str | None = None, drafter: str | None = None, keep: float | None = None,
-        threshold: int = DEFAULT_THRESHOLD) -> dict:
+        threshold: int = DEFAULT_THRESHOLD, drafter_layers: int = 0) -> dict:
     """The recall table; with `json_path`, rewritten there after every configuration (a long run that is
     stopped keeps what it measured).
 
@@ -128,13 +128,14 @@ def run(model: str, backend: str, contexts: list[int], tasks: list[str], n_cases
     answers.
 
     keep: besides the full cache, a "pflash" engine compressing prompts longer than `threshold` to this keep ratio
-    (drafter: `drafter`)."""
+    (drafter: `drafter`, read with its first `drafter_layers` layers, 0: all)."""
     path = resolve_model(model)
     corpus = ruler.load_corpus(corpus_path) if corpus_path else None
     head = {"bench": "niah", "commit": git_commit(), "machine": machine(), "backend": backend,
             "model": {"file": path.name, "sha256": file_sha256(path)}, "command": "lucekv " + " ".join(sys.argv[1:]),
             "corpus": {"file": Path(corpus_path).name, "sha256": ruler.corpus_sha256(corpus_path)} if corpus_path
             else None, "drafter": drafter, "prefill_keep_ratio": keep, "prefill_threshold": threshold if keep else None,
+            "prefill_drafter_layers": drafter_layers if keep else None,
             "contexts": contexts, "tasks": tasks, "cases": n_cases, "depths": depths,
             "results": []}
     rows = head["results"]
@@ -146,8 +147,8 @@ def run(model: str, backend: str, contexts: list[int], tasks: list[str], n_cases
             for policy in (["full", *(["pflash"] if keep else [])]) if pool is None else policies:
                 # beside a pflash engine, each holds one sequence's pool (on a GPU both fit)
                 alone = {"max_batch": 1} if keep and pool is None else {}
-                compress = {"prefill_compression": keep, "prefill_threshold": threshold,
-                            "prefill_drafter": drafter} if policy == "pflash" else {}
+                compress = {"prefill_compression": keep, "prefill_threshold": threshold, "prefill_drafter": drafter,
+                            "prefill_drafter_layers": drafter_layers} if policy == "pflash" else {}
                 try:
                     engines[policy] = lucekv.load(path, backend=backend, kv_pool=pool,
                                                   kv_policy=policy if pool else "quest",
@@ -280,7 +281,8 @@ def main(args) -> int:
         raise ConfigError(f"unknown niah task(s) {', '.join(unknown)} (choose {', '.join(TASKS)})")
     report(run(args.model, args.backend, [int(c) for c in args.contexts.split(",")], tasks, args.cases,
                floats(args.depths), floats(args.residencies), args.policies.split(","), args.corpus, args.json,
-               args.plot, args.kv_drafter, args.prefill_compression, args.prefill_threshold), args.json)
+               args.plot, args.kv_drafter, args.prefill_compression, args.prefill_threshold,
+               args.prefill_drafter_layers), args.json)
     return 0
 
 
