@@ -140,7 +140,7 @@ class Engine:
         self.compressor = self._compressor(prefill_compression, prefill_threshold,
                                            (prefill_drafter or kv_drafter) if wanted else None, backend, kv_dtype,
                                            prefill_drafter_layers)
-        self.prefill_keep = prefill_compression
+        self.prefill_keep = prefill_compression if prefill_compression != 1 else None  # keeping all: none
         self.backend, kv_pool = _make_backend(backend, g, self.spec, kv_dtype, self.n_ctx, kv_pool, kv_cache,
                                               max_batch, _spark_options(g, spark_placement, spark_spare, spark_promote))
         self._spark_promote = spark_promote > 0

@@ -55,7 +55,7 @@ def test_a_compressed_prompt_is_its_kept_tokens_prefilled_alone(compressing, pla
     assert generate(plain, kept)[0] == out
 
 
-def test_keeping_everything_is_plain_prefill_token_for_token(compressing, plain):
+def test_keeping_everything_is_plain_prefill_token_for_token(model, compressing, plain):
     ids = prompt(900, seed=1)
     want, _ = generate(plain, ids)
     out, usage = generate(compressing, ids, prefill_keep=0.99)  # round(29 * 0.99) = 29 spans: all of them
@@ -64,6 +64,10 @@ def test_keeping_everything_is_plain_prefill_token_for_token(compressing, plain)
     assert out == want and usage.compression is None
     out, usage = generate(compressing, prompt(THRESHOLD, seed=9))  # not longer than the threshold
     assert usage.compression is None and usage.prefilled_tokens == THRESHOLD
+    keep_all = lucekv.load(model, backend="cpu", kv_dtype="f32", prefill_compression=1.0, prefill_drafter=model,
+                           prefill_threshold=THRESHOLD)
+    out, usage = generate(keep_all, ids)  # the default 1: no compression either
+    assert out == want and usage.compression is None and keep_all.info.prefill_keep_ratio == 1.0
 
 
 def test_a_compressed_sessions_next_turn_reuses_what_was_kept_and_a_restored_one_stays_coherent(
