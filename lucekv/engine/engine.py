@@ -697,8 +697,11 @@ class Engine:
         partial = n < len(s.tokens)
         # the residency only fits the whole session (a partial one starts afresh with the policy)
         pager = s.paged.state() if not partial else None
+        alias = s.prompt_alias
+        held = alias is not None and len(alias.held) <= n and tuple(s.tokens[: len(alias.held)]) == alias.held
+        alias = (alias.client, len(alias.held)) if held else None
         header = SnapshotHeader(self.layout, tuple(s.tokens[:n]), s.id, s.sampler, FLAG_PARTIAL if partial else 0,
-                                time.time(), pager)
+                                time.time(), pager, alias)
         return header, chunks
 
     def restore(self, snap: Snapshot, session_id: str = "") -> SessionInfo:
@@ -826,6 +829,9 @@ class Engine:
     def _session_from(self, session_id: str, header: SnapshotHeader, chunks: list[np.ndarray]) -> Session:
         s = self._new_session(session_id)
         s.tokens, s.sampler = list(header.token_ids), dict(header.sampler)
+        if header.prompt_alias is not None:
+            client, held = header.prompt_alias
+            s.prompt_alias = PromptAlias(client, tuple(s.tokens[:held]))
         try:
             s.paged.restore(len(s.tokens), chunks, header.pager)
         except (KeyError, TypeError, ValueError, OverflowError) as e:

@@ -84,7 +84,7 @@ class SessionTable:
         with self._lock:
             self._stored_tokens[s.id] = len(s.tokens)
             s.tokens, s.paged, s.drafters, s.stored_bytes = [], None, {}, nbytes
-            s.prompt_alias = None  # a reloaded session is the blob's: its tokens, no alias
+            s.prompt_alias = None  # the blob keeps it
 
     def in_memory(self) -> list[Session]:
         with self._lock:

@@ -15,10 +15,11 @@ them stay as they are, and a compressed session is an ordinary one holding fewer
 
 What the session holds then differs from what the client sent. A session remembers its latest compression as a
 `PromptAlias`: a later prompt that begins with the client's compressed prompt is read as the kept tokens followed by
-the rest, so a second turn (which resends the history) reuses the session's K/V instead of prefilling it again. The
-alias lives with the session in memory; a snapshot holds the session's own tokens (the kept ones) and their K/V, so
-a restored (or spilled and reloaded) session is coherent but has no alias: a turn that resends the full history
-reuses the common prefix (up to the first dropped span) and computes the rest, compressed again if it is long.
+the rest, so a second turn (which resends the history) reuses the session's K/V instead of prefilling it again. A
+snapshot holds the session's own tokens (the kept ones), their K/V and the alias (the blob header's optional
+`prompt_alias`), so a restored or spilled and reloaded session goes on the same way. A turn that diverges from the
+client's compressed prompt drops the alias: it reuses the common prefix (up to the first dropped span) and computes
+the rest, compressed again if it is long.
 """
 
 from __future__ import annotations

@@ -96,6 +96,9 @@ class SnapshotHeader:
     flags: int = 0
     created_unix: float = 0.0
     pager: dict | None = None  # JSON-safe residency and policy state of a paged session (kvflash); None: none
+    # a session holding a compressed prompt (lucekv.pflash): the prompt as the client sent it, and the length of the
+    # prefix of token_ids it stands for; None: none
+    prompt_alias: tuple[tuple[int, ...], int] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -163,6 +166,9 @@ def _encode_header(header: SnapshotHeader) -> bytes:
         "created_unix": header.created_unix,
         "pager": header.pager,
     }
+    if header.prompt_alias is not None:  # optional: a blob without one reads as before
+        client, held = header.prompt_alias
+        doc["prompt_alias"] = {"client": [int(t) for t in client], "held": held}
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
@@ -308,11 +314,12 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "fingerprint": (str,), "arch": (str,), "kv_dtype": (str,), "session_id": (str,),
     "n_layer": (int,), "n_kv_head": (int,), "head_dim": (int,), "chunk_tokens": (int,), "n_tokens": (int,),
     "n_chunks": (int,), "flags": (int,), "created_unix": (int, float), "layout": (dict,), "sampler": (dict,),
-    "token_ids": (list,), "pager": (dict, type(None)),
+    "token_ids": (list,), "pager": (dict, type(None)), "client": (list,), "held": (int,),
 }
 
 
 def _header_from(doc: dict[str, Any], expect: KVLayout, max_tokens: int, vocab_size: int) -> SnapshotHeader:
+    alias = doc.pop("prompt_alias", None)
     _check_fields(doc, _HEADER_FIELDS, "header")
     _check_fields(doc["layout"], _LAYOUT_FIELDS, "header layout")
     _check_layout(doc["layout"], expect)
@@ -332,7 +339,21 @@ def _header_from(doc: dict[str, Any], expect: KVLayout, max_tokens: int, vocab_s
     if flags & FLAG_PARTIAL and n_tokens % chunk:
         raise SnapshotError(f"a partial snapshot must end at a chunk boundary; it has {n_tokens} tokens")
     return SnapshotHeader(expect, token_ids, _session_id(doc["session_id"]), doc["sampler"], flags,
-                          _unix_time(doc["created_unix"]), doc["pager"])
+                          _unix_time(doc["created_unix"]), doc["pager"],
+                          None if alias is None else _prompt_alias(alias, n_tokens, max_tokens, vocab_size))
+
+
+def _prompt_alias(alias: Any, n_tokens: int, max_tokens: int, vocab_size: int) -> tuple[tuple[int, ...], int]:
+    if not isinstance(alias, dict):
+        raise SnapshotError(f"header field 'prompt_alias' must be an object, got {type(alias).__name__}")
+    _check_fields(alias, ("client", "held"), "header prompt_alias")
+    held = alias["held"]
+    if not 0 < held <= n_tokens:
+        raise SnapshotError(f"the prompt alias stands for {held} tokens; the blob holds {n_tokens}")
+    if len(alias["client"]) > max_tokens:
+        raise SnapshotError(f"the prompt alias's client prompt has {len(alias['client'])} tokens, more than this "
+                            f"server's context of {max_tokens}")
+    return _token_ids(alias["client"], len(alias["client"]), vocab_size), held
 
 
 def _check_fields(obj: dict[str, Any], names: tuple[str, ...], where: str) -> None:

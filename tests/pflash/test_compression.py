@@ -70,24 +70,43 @@ def test_keeping_everything_is_plain_prefill_token_for_token(model, compressing,
     assert out == want and usage.compression is None and keep_all.info.prefill_keep_ratio == 1.0
 
 
-def test_a_compressed_sessions_next_turn_reuses_what_was_kept_and_a_restored_one_stays_coherent(
+def test_a_compressed_sessions_next_turn_reuses_what_was_kept_also_after_a_snapshot_and_restore(
         model, compressing, plain):
     ids = prompt(1500, seed=2)
     out, usage = generate(compressing, ids, "s")
     kept = compressing.sessions.get("s").tokens[: usage.compression.kept_tokens]
     turn = ids + out + prompt(40, seed=3)  # the client resends the history
     header, chunks = compressing.snapshot("s")
+    assert header.prompt_alias == (tuple(ids), len(kept))
     out2, usage2 = generate(compressing, turn, "s")
     assert usage2.cached_tokens == len(kept) + len(out) - 1 and usage2.compression is None
     assert usage2.prefilled_tokens == 41 and usage2.prompt_tokens == len(turn)
     assert out2 == generate(plain, kept + out + turn[len(ids) + len(out) :])[0]
-    # restored elsewhere: the blob holds the kept tokens; the full history reuses its prefix up to the first gap
+    # restored elsewhere: the blob holds the kept tokens and the alias, so the turn reuses them there too
+    blob = b"".join(write_snapshot(header, chunks.__getitem__))
     other = lucekv.load(model, backend="cpu", kv_dtype="f32")
-    other.restore(read_snapshot(write_snapshot(header, chunks.__getitem__), other.layout, max_tokens=other.n_ctx,
-                                vocab_size=other.spec.vocab_size), "s")
+    other.restore(read_snapshot([blob], other.layout, max_tokens=other.n_ctx, vocab_size=other.spec.vocab_size),
+                  "s")
     assert other.sessions.get("s").tokens == kept + out[:-1]
     out3, usage3 = generate(other, turn, "s")
-    assert 32 <= usage3.cached_tokens < len(kept) and out3 == generate(plain, turn)[0]
+    assert out3 == out2 and (usage3.cached_tokens, usage3.prefilled_tokens) == (usage2.cached_tokens, 41)
+    # a blob of a session whose alias no longer holds (a turn that diverged) has none
+    generate(other, turn[:100] + prompt(10, seed=8), "s")
+    assert other.snapshot("s")[0].prompt_alias is None
+
+
+def test_a_blobs_prompt_alias_is_checked(model, compressing):
+    from lucekv.snapshot.blob import SnapshotError
+
+    ids = prompt(900, seed=6)
+    generate(compressing, ids, "b", prefill_keep=0.5)
+    header, chunks = compressing.snapshot("b")
+    n = header.n_tokens
+    for alias, message in [(((1, 2), n + 1), "stands for"), (((1, 10**6), 5), "token id"), (((1,), 0), "stands")]:
+        bad = header.__class__(**{**header.__dict__, "prompt_alias": alias})
+        with pytest.raises(SnapshotError, match=message):
+            read_snapshot(write_snapshot(bad, chunks.__getitem__), compressing.layout, max_tokens=compressing.n_ctx,
+                          vocab_size=compressing.spec.vocab_size)
 
 
 def test_the_usage_reaches_the_client(compressing):
