@@ -26,7 +26,8 @@
 #                                      and /tmp/qwen2.5-coder-0.5b.gguf as niah does
 #   bash bench/gpu_session.sh pflash CTX [KEEP] [LAYERS]  PFlash (issue 27): lucekv bench niah on qwen2.5-coder-1.5b,
 #                                      full prefill vs prompts compressed to KEEP (default 0.1) by the 0.5b drafter
-#                                      (reading with its first LAYERS layers; default all 24): recall and
+#                                      (reading with its first LAYERS layers; default all 24; 16 selected as 24 on
+#                                      the CPU, bench/results/cpu-pflash-layers-*, for 2/3 of the time): recall and
 #                                      time to first token per case, PFLASH_N (5) cases per task at depths 0.1..0.9,
 #                                      one JSON; CTX 16000 or 32000 (~4 and ~7 min: a call each); needs both models'
 #                                      pieces and .data/niah-corpus.json carried
