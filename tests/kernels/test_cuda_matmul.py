@@ -15,9 +15,16 @@ from gguf import GGMLQuantizationType as Q
 
 from lucekv.kernels.cpu.quants import PackedMatrix
 from lucekv.kernels.cuda import available, cuda
-from lucekv.kernels.cuda._numba import fma_f16x2, mma_f16_16816, pack_half2, sub_f16x2
+from lucekv.kernels.cuda._numba import ALIGN_16, fma_f16x2, load_matrix_x4, mma_f16_16816, pack_half2, sub_f16x2
 from tests.kernels.cuda_sim import needs_gpu, needs_kernels, run_in_simulator
-from tests.kernels.test_cuda_kernels import check_fused_product, check_gated_product, check_product, random_packed
+from tests.kernels.test_cuda_kernels import (
+    check_fused_product,
+    check_gated_product,
+    check_product,
+    dense,
+    random_packed,
+    rel_err,
+)
 
 
 @pytest.mark.skipif(available(), reason="kernels run directly in this process")
@@ -63,6 +70,33 @@ def test_mma_fragment_layout():
 
 
 @cuda.jit
+def _ldmatrix_kernel(words, rows, cols, out):
+    lane = cuda.threadIdx.x
+    tile = cuda.shared.array((2, 16, 20), np.uint32, alignment=ALIGN_16)
+    for i in range(lane, 2 * 16 * 20, 32):
+        tile[i // 320, (i // 20) % 16, i % 20] = words[i]
+    cuda.syncthreads()
+    got = load_matrix_x4(tile, 1, rows[lane], cols[lane])
+    for m in range(4):
+        out[lane, m] = got[m]
+
+
+@needs_kernels
+def test_ldmatrix_gives_each_lane_its_row_and_word():
+    # distinct words; lanes name the rows of 4 matrices in a scrambled order, at word offsets 0, 4, 8, 12, 16
+    rng = np.random.default_rng(13)
+    words = rng.permutation(2 * 16 * 20).astype(np.uint32) + np.uint32(1000)
+    rows, cols = rng.integers(0, 16, 32).astype(np.int32), 4 * rng.integers(0, 5, 32).astype(np.int32)
+    out = cuda.device_array((32, 4), np.uint32)
+    _ldmatrix_kernel[1, 32](cuda.to_device(words), cuda.to_device(rows), cuda.to_device(cols), out)
+    tile = words.reshape(2, 16, 20)
+    lane = np.arange(32)
+    # matrix m's row lane // 4 starts where lane 8m + lane // 4 points; this lane holds its word lane % 4
+    ref = np.stack([tile[1, rows[8 * m + lane // 4], cols[8 * m + lane // 4] + lane % 4] for m in range(4)], axis=1)
+    assert np.array_equal(out.copy_to_host(), ref)
+
+
+@cuda.jit
 def _half2_kernel(lo, hi, packed, diff, fused):
     i = cuda.threadIdx.x
     a, b = pack_half2(lo[i], hi[i]), pack_half2(hi[i], lo[i])
@@ -92,8 +126,18 @@ def test_pack_subtract_and_fma_half2():
 # ---- products --------------------------------------------------------------------------------------------
 
 
-def check_matmul(m: PackedMatrix, n: int, bound: float, seed: int = 8) -> None:
-    check_product("matmul", m, n, bound, seed)
+def check_matmul(m: PackedMatrix, n: int, bound: float, seed: int = 8, tokens: int | None = None) -> None:
+    """The product against float64 numpy; `tokens`: force that block tile (the long one for a few tokens)."""
+    if tokens is None:
+        check_product("matmul", m, n, bound, seed)
+        return
+    from lucekv.kernels.cuda.matmul import matmul
+    from lucekv.kernels.cuda.packed import upload
+
+    x = np.random.default_rng(seed).standard_normal((n, m.cols)).astype(np.float32)
+    out = cuda.device_array((n, m.rows), np.float32)
+    matmul(upload(m), cuda.to_device(x), out, tokens=tokens)
+    assert rel_err(out.copy_to_host(), x.astype(np.float64) @ dense(m).T) <= bound
 
 
 @needs_kernels
@@ -108,6 +152,17 @@ def check_matmul(m: PackedMatrix, n: int, bound: float, seed: int = 8) -> None:
 def test_matmul(qtype, rows, cols, n):
     # float16 operands (measured 3.4e-4 for Q4_K); the f32 kernel is exact to float32
     check_matmul(random_packed(np.random.default_rng(2), qtype, rows, cols), n, bound=1e-5 if qtype == Q.F32 else 1e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("qtype", "rows", "cols", "n"), [
+    (Q.Q4_1, 20, 64, 5),  # quarter rows of q4: one code word per thread
+    (Q.Q8_0, 20, 64, 3),  # q8: two code words per thread (q6 and 16-blocks: test_matmul_16_blocks_with_bias)
+], ids=lambda v: getattr(v, "name", str(v)))
+def test_matmul_long_tile(qtype, rows, cols, n):
+    from lucekv.kernels.cuda.matmul import LONG_TOKENS
+
+    check_matmul(random_packed(np.random.default_rng(5), qtype, rows, cols), n, bound=1e-3, tokens=LONG_TOKENS)
 
 
 @needs_kernels
@@ -130,8 +185,9 @@ def test_matmul_gated():
 
 
 @needs_kernels
-@pytest.mark.parametrize("codes", [(-128, 128), (0, 4)], ids=["q8", "q6"])
-def test_matmul_16_blocks_with_bias(codes):
+@pytest.mark.parametrize(("codes", "tokens"), [((-128, 128), None), ((0, 4), None), ((0, 4), 128)],
+                         ids=["q8", "q6", "q6-long_tile"])
+def test_matmul_16_blocks_with_bias(codes, tokens):
     # sub-scaled 16-blocks with a bias, as Q2_K packs (its 256-column super-blocks would cost the simulator 8
     # steps): byte codes (device q8), or Q2_K's own 2-bit codes (device q6)
     rng = np.random.default_rng(12)
@@ -141,7 +197,7 @@ def test_matmul_16_blocks_with_bias(codes):
     sub_scale, sub_min = (rng.integers(1, 64, (rows, cols // 16), dtype=np.int8) for _ in range(2))
     m = PackedMatrix("q8", rows, cols, 16, rng.integers(*codes, (rows, cols), dtype=np.int8), d, dmin, sub_scale,
                      sub_min)
-    check_matmul(m, n=5, bound=1e-3)
+    check_matmul(m, n=5, bound=1e-3, tokens=tokens)
 
 
 def test_matmul_rejects_ragged_quantized_width():
@@ -163,6 +219,8 @@ def test_matmul_rejects_ragged_quantized_width():
     (Q.Q6_K, 4096, 12288, 100),  # its down projection
     (Q.Q4_K, 12288, 4096, 77),  # gate / up: many row tiles, a partial token tile
     (Q.Q8_0, 1000, 4096, 129),  # rows not a multiple of the tile
+    (Q.Q4_K, 5120, 4096, 515),  # the long tile: a partial token tile
+    (Q.Q6_K, 1000, 4096, 300),
     (Q.F32, 1000, 896, 77),
 ], ids=lambda v: getattr(v, "name", str(v)))
 def test_matmul_gpu(qtype, rows, cols, n):

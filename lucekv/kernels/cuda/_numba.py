@@ -24,7 +24,11 @@ Compatibility shims live here and nowhere else:
   (operands as words of two float16, low half first, in the PTX ISA's fragment layout); its simulator twin
   gathers the warp's fragments through a scratch array between barriers, like the reductions above (so it
   too is called in block-uniform control flow). `pack_half2` (two float32 to one word of float16),
-  `sub_f16x2` and `fma_f16x2` (halfwise float16 a - b, a * b + c) build the operand words; `warp_shfl_xor` is lane
+  `sub_f16x2` and `fma_f16x2` (halfwise float16 a - b, a * b + c) build the operand words. `load_matrix_x4` is
+  `ldmatrix.sync.aligned.m8n8.x4.shared.b16`: four 8 x 8 float16 matrices of a 3-D shared array, matrix m's rows
+  at the addresses of lanes 8m .. 8m + 7, into one word per matrix and lane (lane l: row l // 4, word l % 4, as
+  mma's fragments want them); its twin swaps the lanes' addresses through a scratch array between barriers, as
+  `mma_f16_16816`'s does (block-uniform control flow again). `warp_shfl_xor` is lane
   `lane ^ lane_mask`'s value (a reduction over a few neighbouring lanes).
 - Asynchronous copies (sm_80+): `copy_async16` puts 16 bytes of a global matrix into shared memory without
   passing through registers (`cp.async.cg`), `copy_async_commit` closes a group of them, `copy_async_wait_all`
@@ -223,6 +227,26 @@ if SIMULATOR:
         b[_MMA_B] = halves[:, 8:]
         d = (a @ b)[_MMA_C[0][t - first], _MMA_C[1][t - first]] + np.array([c0, c1, c2, c3], np.float64)
         return np.float32(d[0]), np.float32(d[1]), np.float32(d[2]), np.float32(d[3])
+
+    _ldmatrix_thread = threading.local()
+
+    @cuda.jit(device=True)
+    def load_matrix_x4(tile, b, r, c):
+        # one barrier per call, two scratch buffers used in turn (see mma_f16_16816)
+        mine = _ldmatrix_thread
+        if getattr(mine, "calls", None) is None:
+            mine.scratch, mine.calls = cuda.shared.array((2, _SCRATCH, 3), np.int64), 0
+        buffer = mine.scratch[mine.calls % 2]
+        mine.calls += 1
+        t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        buffer[t] = (b, r, c)
+        cuda.syncthreads()
+        first, lane = t - t % WARP, t % WARP
+        words = []
+        for m in range(4):  # matrix m: its row lane // 4 from lane 8m + lane // 4's address, word lane % 4
+            mb, mr, mc = buffer[first + 8 * m + lane // 4]
+            words.append(tile[mb, mr, mc + lane % 4])
+        return words[0], words[1], words[2], words[3]
 
     @cuda.jit(device=True)
     def warp_broadcast(v, src):
@@ -450,6 +474,26 @@ else:
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, i) for i in range(4)])
 
         return types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
+
+    @intrinsic
+    def load_matrix_x4(typingctx, tile, b, r, c):
+        """ldmatrix .x4 for the warp: this lane's word of each of four 8 x 8 float16 matrices, whose rows (8
+        float16, 16 bytes) start at tile[b, r, c] of lanes 8m .. 8m + 7 for matrix m. tile: a uint32 shared array
+        [., ., words], 16-byte aligned, c a multiple of 4 and the row stride a multiple of 4 words."""
+        def codegen(context, builder, sig, args):
+            tile_type = sig.args[0]
+            array = context.make_array(tile_type)(context, builder, value=args[0])
+            index = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:], strict=True)]
+            ptr = cgutils.get_item_pointer(context, builder, tile_type, array, index)
+            ptx = ("{ .reg .u64 a; .reg .u32 s; cvta.to.shared.u64 a, $4; cvt.u32.u64 s, a; "
+                   "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [s]; }")
+            fn = ir.FunctionType(ir.LiteralStructType([I32] * 4), [ptr.type])
+            # reads what other threads stored before a barrier: a memory clobber keeps it after the barrier and
+            # every loop iteration's load its own
+            loaded = builder.call(ir.InlineAsm(fn, ptx, "=r,=r,=r,=r,l,~{memory}", side_effect=True), [ptr])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, i) for i in range(4)])
+
+        return types.UniTuple(types.uint32, 4)(tile, b, r, c), codegen
 
     @cuda.jit(device=True, inline=True)
     def warp_shfl_xor(v, lane_mask):

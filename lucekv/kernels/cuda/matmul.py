@@ -8,12 +8,15 @@ FMAs cannot come near the tensor cores' rate on prefill-sized products).
   weight overflows or falls into f16's subnormals, each matrix is staged times a power of two that brings its
   largest weight near 2^14 (`DeviceMatrix.half_scale`), divided out of the float32 sums at the store (exact).
   |x| must stay below 65504.
-- A block of 8 warps computes 128 rows x 64 tokens, per K_STEP = 32 columns; each warp 32 rows x 32 tokens,
-  2 m16 x 4 n8 tiles of 4 float32 accumulators per thread. Shared memory holds two steps (double buffering:
-  one barrier per step): 128 rows of weights and 64 tokens of x, rows of PAIRS words padded to STRIDE so that
-  the fragment loads, rows g = lane / 4 at word lane % 4, hit 32 distinct banks. Each step's global loads
+- A block computes 128 rows x 64 tokens (8 warps) or, for long prompts (n >= LONG_PROMPT), 128 rows x 128
+  tokens (16 warps: each weight is dequantized once per 128 tokens, and a thread stages a quarter row instead
+  of a half), per K_STEP = 32 columns; each warp 32 rows x 32 tokens, 2 m16 x 4 n8 tiles of 4 float32
+  accumulators per thread. Shared memory holds two steps (double buffering: one barrier per step): 128 rows of
+  weights and the tokens of x, rows of PAIRS words padded to STRIDE (16-byte aligned rows) so that the
+  fragment loads hit 32 distinct banks. Fragments come from shared memory through `ldmatrix` .x4: per k16
+  slice, one per m-tile (A) and one per two n-tiles (B), 4 instructions for 8 mma. Each step's global loads
   are issued two steps ahead (two register sets, even and odd steps). Registers are capped at 128 per
-  thread: two blocks per SM.
+  thread: two 8-warp blocks per SM, or one 16-warp block.
 - The order of k inside a step is free as long as A and B share it, so codes are staged in the order the
   packed bytes give them: a word with two 4-bit (8-bit) fields at bits 0 and 16, or'ed into the exponent
   of float16 1024, is two exact f16 codes after one `sub.f16x2`. Staged word j holds the columns
@@ -30,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from lucekv.kernels.cuda._numba import (
+    ALIGN_16,
     WARP,
     await_grid,
     blocks,
@@ -37,6 +41,7 @@ from lucekv.kernels.cuda._numba import (
     fma_f16x2,
     jit_bounded,
     load_f32x4,
+    load_matrix_x4,
     load_u32x4,
     mma_f16_16816,
     pack_half2,
@@ -54,13 +59,16 @@ from lucekv.kernels.cuda.packed import (
 )
 
 ROWS = 128  # weight rows per block tile
-TOKENS = 64  # tokens per block tile
+TOKENS = 64  # tokens per block tile (the grouped MoE products use this tile too)
+LONG_TOKENS = 128  # tokens per block tile for long prompts
+LONG_PROMPT = 256  # from this many tokens on, the long tile
 K_STEP = 32  # columns per step: one q4 block, one or two q8 blocks
 THREADS = 256
 BLOCKS_PER_SM = 2  # registers capped at 128 per thread
-ROW_WARPS = 4  # warps side by side over the rows; 2 over the tokens
+ROW_WARPS = 4  # warps side by side over the rows; the rest over the tokens
 WARP_ROWS = ROWS // ROW_WARPS
-WARP_TOKENS = TOKENS * ROW_WARPS * WARP // THREADS
+WARP_TOKENS = 32
+THREADS_PER_TOKEN = 4  # x staging: a quarter of a token's step per thread
 M_TILES = WARP_ROWS // 16
 N_TILES = WARP_TOKENS // 8
 PAIRS = K_STEP // 2  # f16 pairs per staged row and step
@@ -74,79 +82,93 @@ BYTE_PAIRS = np.uint32(0x00FF00FF)
 ZERO = np.uint32(0)
 
 
-def _make_tile(kind: str, block: int):
+def threads_for(tokens: int) -> int:
+    """Threads of a block tile of 128 rows and `tokens` tokens (a warp per 32 x 32)."""
+    return THREADS_PER_TOKEN * tokens
+
+
+def _make_tile(kind: str, block: int, tokens: int = TOKENS):
     """A block's tile for `kind` codes with (scale, bias) per `block` columns: rows r0.. of w (`rows` in all) times
-    tokens t0.. of x, those below t_end."""
-    load_codes, stage_codes = {"q4": (_load_q4, _stage_q4), "q6": (_load_q6, _stage_q6),
-                               "q8": (_load_q8, _stage_q8)}[kind]
+    tokens t0.. of x (`tokens` of them), those below t_end."""
+    threads = threads_for(tokens)
+    split = threads // ROWS  # threads staging one row of weights: 2 (halves) or 4 (quarters)
+    load_codes, stage_codes = {("q4", 2): (_load_q4, _stage_q4), ("q6", 2): (_load_q6, _stage_q6),
+                               ("q8", 2): (_load_q8, _stage_q8), ("q4", 4): (_load_q4_quarter, _stage_q4),
+                               ("q6", 4): (_load_q6_quarter, _stage_q6),
+                               ("q8", 4): (_load_q8_quarter, _stage_q8)}[kind, split]
     x_span, x_gap = (4, 16) if kind == "q4" else (8, 4)  # columns of x part p: span p .., span p + gap ..
     per_step = K_STEP // block  # (scale, bias) blocks per step
     block_log2 = block.bit_length() - 1
+    split_log2 = split.bit_length() - 1
 
     @cuda.jit(device=True, inline=True)
     def tile(w, rows, half_scale, x, t_end, ep, r0, t0):
         tid = cuda.threadIdx.x
         n, cols = t_end, x.shape[1]
-        a_tile = cuda.shared.array((2, ROWS, STRIDE), np.uint32)  # [step parity, row, pair]
-        x_tile = cuda.shared.array((2, TOKENS, STRIDE), np.uint32)
+        a_tile = cuda.shared.array((2, ROWS, STRIDE), np.uint32, alignment=ALIGN_16)  # [step parity, row, pair]
+        x_tile = cuda.shared.array((2, tokens, STRIDE), np.uint32, alignment=ALIGN_16)
         acc = cuda.local.array((M_TILES, N_TILES, 4), np.float32)
         for i in range(M_TILES):
             for j in range(N_TILES):
                 for c in range(4):
                     acc[i, j, c] = np.float32(0)
-        # staging: thread (a_row, a_half) decodes half a row's codes; (x_tok, x_part) a quarter of a token's x.
-        # Thread indices come from masks and shifts: LLVM then knows them non-negative, drops numba's negative
-        # index wraparound and folds the shared fragment addresses into a base plus constant offsets.
-        a_row, a_half = (tid >> 1) & (ROWS - 1), tid & 1
-        x_tok, x_part = (tid >> 2) & (TOKENS - 1), tid & 3
+        # staging: thread (a_row, a_part) decodes a half or a quarter of a row's codes; (x_tok, x_part) a quarter
+        # of a token's x. Thread indices come from masks and shifts: LLVM then knows them non-negative, drops
+        # numba's negative index wraparound and folds the shared fragment addresses into a base plus constant
+        # offsets.
+        a_row, a_part = (tid >> split_log2) & (ROWS - 1), tid & (split - 1)
+        x_tok, x_part = (tid >> 2) & (tokens - 1), tid & 3
         r, t = r0 + a_row, t0 + x_tok
-        sub = a_half if per_step == 2 else 0  # the (scale, bias) block of this thread's half row
+        sub = a_part >> (split_log2 - 1) if per_step == 2 else 0  # the (scale, bias) block of this thread's part
         x_col = x_span * x_part
         # two register sets of loads in flight, for even and odd steps: a step's loads are issued two steps
         # (two rounds of mmas) before they are staged
         k1 = min(K_STEP, cols - K_STEP)
-        words0 = load_codes(w, rows, r, 0, a_half)
+        words0 = load_codes(w, rows, r, 0, a_part)
         sw0 = _load_block_words(w, rows, r, sub)
         x_first0, x_second0 = _load_x(x, n, t, x_col, x_gap)
-        words1 = load_codes(w, rows, r, k1, a_half)
+        words1 = load_codes(w, rows, r, k1, a_part)
         sw1 = _load_block_words(w, rows, r, (k1 >> block_log2) + sub)
         x_first1, x_second1 = _load_x(x, n, t, k1 + x_col, x_gap)
         # mma: warp (wr, wt) computes rows wr.., tokens wt.. of the tile; lane in group g, index tig
-        warp, lane = (tid >> 5) & (THREADS // WARP - 1), tid & (WARP - 1)
+        warp, lane = (tid >> 5) & (threads // WARP - 1), tid & (WARP - 1)
         wr, wt = (warp % ROW_WARPS) * WARP_ROWS, (warp // ROW_WARPS) * WARP_TOKENS
         for k0 in range(0, cols, 2 * K_STEP):
             # even step, buffer 0 (the last step loads its own columns again, unused)
             s2, m2 = _half_scale_bias(w, sw0, half_scale)
-            stage_codes(words0, s2, m2, a_tile, 0, a_row, a_half)
+            stage_codes(words0, s2, m2, a_tile, 0, a_row, a_part)
             _stage_x(x_first0, x_second0, x_tile, 0, x_tok, x_part)
             cuda.syncthreads()  # this step is staged; every warp is done with the step before (the other buffer)
             k_next = min(k0 + 2 * K_STEP, cols - K_STEP)
-            words0 = load_codes(w, rows, r, k_next, a_half)
+            words0 = load_codes(w, rows, r, k_next, a_part)
             sw0 = _load_block_words(w, rows, r, (k_next >> block_log2) + sub)
             x_first0, x_second0 = _load_x(x, n, t, k_next + x_col, x_gap)
-            _mma_step(a_tile, x_tile, 0, acc, wr, wt, lane >> 2, lane & 3)
+            _mma_step(a_tile, x_tile, 0, acc, wr, wt, lane)
             if k0 + K_STEP < cols:  # odd step, buffer 1
                 s2, m2 = _half_scale_bias(w, sw1, half_scale)
-                stage_codes(words1, s2, m2, a_tile, 1, a_row, a_half)
+                stage_codes(words1, s2, m2, a_tile, 1, a_row, a_part)
                 _stage_x(x_first1, x_second1, x_tile, 1, x_tok, x_part)
                 cuda.syncthreads()
                 k_next = min(k0 + 3 * K_STEP, cols - K_STEP)
-                words1 = load_codes(w, rows, r, k_next, a_half)
+                words1 = load_codes(w, rows, r, k_next, a_part)
                 sw1 = _load_block_words(w, rows, r, (k_next >> block_log2) + sub)
                 x_first1, x_second1 = _load_x(x, n, t, k_next + x_col, x_gap)
-                _mma_step(a_tile, x_tile, 1, acc, wr, wt, lane >> 2, lane & 3)
+                _mma_step(a_tile, x_tile, 1, acc, wr, wt, lane)
         _store(acc, np.float32(1) / half_scale, ep, rows, n, r0 + wr, t0 + wt, lane >> 2, lane & 3)
 
     return tile
 
 
-def _make_tensor_matmul(tile, kind: str, block: int):
+def _make_tensor_matmul(kind: str, block: int, tokens: int):
+    tile = _make_tile(kind, block, tokens) if tokens != TOKENS else TILES[kind, block]
+
     def kernel(w, rows, half_scale, x, ep):
         await_grid()
-        tile(w, rows, half_scale, x, x.shape[0], ep, cuda.blockIdx.x * ROWS, cuda.blockIdx.y * TOKENS)
+        tile(w, rows, half_scale, x, x.shape[0], ep, cuda.blockIdx.x * ROWS, cuda.blockIdx.y * tokens)
 
-    kernel.__name__ = kernel.__qualname__ = f"_matmul_{kind}_{block}"
-    return jit_bounded(kernel, THREADS, BLOCKS_PER_SM)
+    kernel.__name__ = kernel.__qualname__ = f"_matmul_{kind}_{block}" + ("" if tokens == TOKENS else f"_t{tokens}")
+    threads = threads_for(tokens)
+    return jit_bounded(kernel, threads, BLOCKS_PER_SM * THREADS // threads)
 
 
 @cuda.jit(device=True, inline=True)
@@ -156,6 +178,14 @@ def _load_q4(w, rows, r, k0, half):
         c = 4 * (k0 >> 5) + 2 * half
         return w.codes[r, c], w.codes[r, c + 1]
     return ZERO, ZERO
+
+
+@cuda.jit(device=True, inline=True)
+def _load_q4_quarter(w, rows, r, k0, quarter):
+    """Code word `quarter` of row r's 32-block at k0 (zero past the last row)."""
+    if r < rows:
+        return (w.codes[r, 4 * (k0 >> 5) + quarter],)
+    return (ZERO,)
 
 
 @cuda.jit(device=True, inline=True)
@@ -171,6 +201,16 @@ def _load_q6(w, rows, r, k0, half):
 
 
 @cuda.jit(device=True, inline=True)
+def _load_q6_quarter(w, rows, r, k0, quarter):
+    """Columns k0 + 8 quarter .. + 7 of row r as 2 words of 6-bit codes + 32 (zeros past the last row)."""
+    if r < rows:
+        low = 4 * (k0 >> 5) + 2 * (quarter & 1)
+        high = w.high[r, 2 * (k0 >> 5) + (quarter >> 1)]
+        return (q6_word(w.codes[r, low], high, 2 * quarter), q6_word(w.codes[r, low + 1], high, 2 * quarter + 1))
+    return ZERO, ZERO
+
+
+@cuda.jit(device=True, inline=True)
 def _load_q8(w, rows, r, k0, half):
     """Columns k0 + 16 half .. + 15 of row r: 4 words of signed bytes (zeros past the last row)."""
     if r < rows:
@@ -179,33 +219,44 @@ def _load_q8(w, rows, r, k0, half):
 
 
 @cuda.jit(device=True, inline=True)
-def _stage_q4(words, s2, m2, a_tile, buf, row, half):
-    # code word w = 2 half + i, shift 0, 8, 4, 12: columns (4w, 4w + 2), (4w + 1, 4w + 3), then + 16
-    for i in range(2):
-        for v in range(4):
-            fields = (words[i] >> np.uint32(8 * (v & 1) + 4 * (v >> 1))) & NIBBLE_PAIRS
-            a_tile[buf, row, 8 * half + 4 * i + v] = fma_f16x2(sub_f16x2(fields | MAGIC, MAGIC), s2, m2)
+def _load_q8_quarter(w, rows, r, k0, quarter):
+    """Columns k0 + 8 quarter .. + 7 of row r: 2 words of signed bytes (zeros past the last row)."""
+    if r < rows:
+        c = (k0 >> 2) + 2 * quarter
+        return w.codes[r, c], w.codes[r, c + 1]
+    return ZERO, ZERO
 
 
 @cuda.jit(device=True, inline=True)
-def _stage_bytes(words, flip, offset, s2, m2, a_tile, buf, row, half):
+def _stage_q4(words, s2, m2, a_tile, buf, row, part):
+    # this part's code words w = len(words) part + i (of the block's 4), shift 0, 8, 4, 12: columns (4w, 4w + 2),
+    # (4w + 1, 4w + 3), then + 16
+    for i in range(len(words)):
+        for v in range(4):
+            fields = (words[i] >> np.uint32(8 * (v & 1) + 4 * (v >> 1))) & NIBBLE_PAIRS
+            a_tile[buf, row, 4 * (len(words) * part + i) + v] = fma_f16x2(sub_f16x2(fields | MAGIC, MAGIC), s2, m2)
+
+
+@cuda.jit(device=True, inline=True)
+def _stage_bytes(words, flip, offset, s2, m2, a_tile, buf, row, part):
     """Byte codes (each c ^ flip is c + offset - 1024 over MAGIC's 1024) as float16 pairs times scale plus bias.
-    Code word w = 4 half + i, bytes (0, 2) then (1, 3): columns (4w, 4w + 2), (4w + 1, 4w + 3)."""
-    for i in range(4):
+    Code word w = len(words) part + i (of the step's 8), bytes (0, 2) then (1, 3): columns (4w, 4w + 2),
+    (4w + 1, 4w + 3)."""
+    for i in range(len(words)):
         unsigned = words[i] ^ flip
         for v in range(2):
             fields = (unsigned >> np.uint32(8 * v)) & BYTE_PAIRS
-            a_tile[buf, row, 8 * half + 2 * i + v] = fma_f16x2(sub_f16x2(fields | MAGIC, offset), s2, m2)
+            a_tile[buf, row, 2 * (len(words) * part + i) + v] = fma_f16x2(sub_f16x2(fields | MAGIC, offset), s2, m2)
 
 
 @cuda.jit(device=True, inline=True)
-def _stage_q8(words, s2, m2, a_tile, buf, row, half):
-    _stage_bytes(words, SIGN_BITS, MAGIC_SIGNED, s2, m2, a_tile, buf, row, half)
+def _stage_q8(words, s2, m2, a_tile, buf, row, part):
+    _stage_bytes(words, SIGN_BITS, MAGIC_SIGNED, s2, m2, a_tile, buf, row, part)
 
 
 @cuda.jit(device=True, inline=True)
-def _stage_q6(words, s2, m2, a_tile, buf, row, half):
-    _stage_bytes(words, ZERO, MAGIC_Q6, s2, m2, a_tile, buf, row, half)
+def _stage_q6(words, s2, m2, a_tile, buf, row, part):
+    _stage_bytes(words, ZERO, MAGIC_Q6, s2, m2, a_tile, buf, row, part)
 
 
 @cuda.jit(device=True, inline=True)
@@ -242,24 +293,26 @@ def _stage_x(first, second, x_tile, buf, tok, part):
 
 
 @cuda.jit(device=True, inline=True)
-def _mma_step(a_tile, x_tile, buf, acc, wr, wt, g, tig):
-    """One step's products of the warp's M_TILES x N_TILES tiles, into acc: per k16 slice the m-tiles' A
-    fragments stay in registers while the n-tiles' B fragments stream past."""
+def _mma_step(a_tile, x_tile, buf, acc, wr, wt, lane):
+    """One step's products of the warp's M_TILES x N_TILES tiles, into acc. Per k16 slice (staged words
+    8 kk .. 8 kk + 7) the fragments come through ldmatrix .x4, each lane naming one 8-word row start: for an
+    m-tile, matrices (rows 0-7, words 0-3), (rows 8-15, words 0-3), (rows 0-7, words 4-7), (rows 8-15, words 4-7)
+    are A's a0..a3; for two n-tiles, (tokens 0-7, words 0-3), (0-7, 4-7), (8-15, 0-3), (8-15, 4-7) are the
+    first n-tile's b0, b1, then the second's."""
     a = cuda.local.array((M_TILES, 4), np.uint32)
+    b = cuda.local.array((N_TILES, 2), np.uint32)
+    a_row, a_word = lane & 15, 4 * (lane >> 4)
+    b_tok, b_word = (lane & 7) + 8 * (lane >> 4), 4 * ((lane >> 3) & 1)
     for kk in range(K_STEP // 16):
-        col = 8 * kk + tig
         for i in range(M_TILES):
-            row = wr + 16 * i + g
-            a[i, 0] = a_tile[buf, row, col]
-            a[i, 1] = a_tile[buf, row + 8, col]
-            a[i, 2] = a_tile[buf, row, col + 4]
-            a[i, 3] = a_tile[buf, row + 8, col + 4]
+            a[i, 0], a[i, 1], a[i, 2], a[i, 3] = load_matrix_x4(a_tile, buf, wr + 16 * i + a_row, 8 * kk + a_word)
+        for j in range(0, N_TILES, 2):
+            b[j, 0], b[j, 1], b[j + 1, 0], b[j + 1, 1] = load_matrix_x4(x_tile, buf, wt + 8 * j + b_tok,
+                                                                          8 * kk + b_word)
         for j in range(N_TILES):
-            tok = wt + 8 * j + g  # B's column
-            b0, b1 = x_tile[buf, tok, col], x_tile[buf, tok, col + 4]
             for i in range(M_TILES):
                 acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma_f16_16816(
-                    a[i, 0], a[i, 1], a[i, 2], a[i, 3], b0, b1, acc[i, j, 0], acc[i, j, 1], acc[i, j, 2],
+                    a[i, 0], a[i, 1], a[i, 2], a[i, 3], b[j, 0], b[j, 1], acc[i, j, 0], acc[i, j, 1], acc[i, j, 2],
                     acc[i, j, 3])
 
 
@@ -280,7 +333,7 @@ def _store(acc, unscale, ep, rows, n, r0, t0, g, tig):
 
 TILES = {(kind, block): _make_tile(kind, block) for kind, block in (("q4", 32), ("q6", 32), ("q6", 16), ("q8", 32),
                                                                    ("q8", 16))}
-_KERNELS = {key: _make_tensor_matmul(tile, *key) for key, tile in TILES.items()}
+_KERNELS = {(*key, tokens): _make_tensor_matmul(*key, tokens) for key in TILES for tokens in (TOKENS, LONG_TOKENS)}
 
 F32_TILE = 64  # tokens and rows per block tile of the float32 kernel
 F32_THREADS = 256  # 16 x 16 threads, 4 x 4 outputs each
@@ -330,8 +383,9 @@ def _matmul_f32(w, x, ep):
                 put(ep, t, r, acc[i, j])
 
 
-def matmul(w: DeviceMatrix, x, out, stream=0) -> None:
-    """out[n, rows] = x[n, cols] @ W.T; out: a device array or an Epilogue."""
+def matmul(w: DeviceMatrix, x, out, stream=0, tokens: int | None = None) -> None:
+    """out[n, rows] = x[n, cols] @ W.T; out: a device array or an Epilogue. `tokens`: the block tile's tokens
+    (TOKENS or LONG_TOKENS; by default the long one from LONG_PROMPT tokens on), for benchmarks and tests."""
     n = x.shape[0]
     if w.kind != "f32" and w.cols % K_STEP:
         raise ValueError(f"matmul: {w.kind} weights need a multiple of {K_STEP} columns, got {w.cols}")
@@ -341,6 +395,8 @@ def matmul(w: DeviceMatrix, x, out, stream=0) -> None:
     if w.kind == "f32":
         _matmul_f32[(blocks(w.rows, F32_TILE), blocks(n, F32_TILE)), F32_THREADS, stream](w.codes, x, ep)
         return
-    kernel = _KERNELS[w.kind, 1 << w.block_log2]
-    kernel[(blocks(w.rows, ROWS), blocks(n, TOKENS)), THREADS, stream](w.quant, w.rows, np.float32(w.half_scale),
-                                                                        x, ep)
+    if tokens is None:
+        tokens = LONG_TOKENS if n >= LONG_PROMPT else TOKENS
+    kernel = _KERNELS[w.kind, 1 << w.block_log2, tokens]
+    kernel[(blocks(w.rows, ROWS), blocks(n, tokens)), threads_for(tokens), stream](
+        w.quant, w.rows, np.float32(w.half_scale), x, ep)
