@@ -1,0 +1,104 @@
+"""GPU timing of the prefill matmul at Qwen3-8B shapes (Q4_K_M), both block tiles, by prompt length.
+
+    python -m lucekv.bench.matmul_speed [--json OUT] [--tokens 16,64,128,512,2048] [--replays 10]
+
+For each shape and token count: µs per product of the 64-token tile (`tile`) and of the 128-token tile
+(`long_tile`, which `matmul` takes from LONG_PROMPT tokens on), TFLOP/s (2 rows cols n per product), which one
+`matmul` routes to, and the largest difference between the two tiles' outputs relative to the largest output (the
+same products in another order of k and tiles: float32 sums of float16 operands). Per shape, both tiles' error
+against float64 numpy over the first REF_ROWS rows at one token count. Timing as matvec_speed's: launches captured
+as one CUDA graph and replayed, over enough copies of the matrix that no launch reads weights another left in L2;
+the median over replays, per launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from lucekv.bench.decode import git_commit
+from lucekv.bench.matvec_speed import Shape, device_name, graph_us, random_matrix, write_json
+from lucekv.kernels.cpu.quants import dequantize_rows
+from lucekv.kernels.cuda._numba import cuda
+from lucekv.kernels.cuda.matmul import LONG_PROMPT, LONG_TOKENS, TOKENS, matmul
+from lucekv.kernels.cuda.packed import upload
+
+SHAPES = (  # one Qwen3-8B layer's products as CudaOps runs them (k and v stacked with q by kind)
+    Shape("ffn gate/up 24576x4096 Q4_K", 24576, 4096, Q.Q4_K, 1),
+    Shape("ffn down     4096x12288 Q6_K", 4096, 12288, Q.Q6_K, 1),
+    Shape("attn qk      5120x4096 Q4_K", 5120, 4096, Q.Q4_K, 1),
+    Shape("attn o       4096x4096 Q4_K", 4096, 4096, Q.Q4_K, 1),
+    Shape("attn v       1024x4096 Q6_K", 1024, 4096, Q.Q6_K, 1),
+)
+TILES = {"tile": TOKENS, "long_tile": LONG_TOKENS}
+REF_ROWS = 512  # rows of the float64 reference
+REF_TOKENS = 128  # token count of the float64 reference (or the largest asked below it)
+MIN_LAUNCHES = 8  # per captured graph
+
+
+def bench_shape(s: Shape, counts: list[int], rng: np.random.Generator, replays: int, l2_bytes: int, stream) -> list:
+    packed = random_matrix(rng, s)
+    mats = [upload(packed)]
+    mats += [upload(random_matrix(rng, s)) for _ in range(max(2, math.ceil(2 * l2_bytes / mats[0].nbytes)) - 1)]
+    order = [i % len(mats) for i in range(max(MIN_LAUNCHES, len(mats)))]
+    ref_n = max([n for n in counts if n <= REF_TOKENS] or [min(counts)])
+    rows = []
+    for n in counts:
+        xs = [cuda.to_device(rng.standard_normal((n, s.cols)).astype(np.float32)) for _ in mats]
+        outs = [cuda.device_array((n, s.rows), np.float32) for _ in mats]
+        row = {"shape": s.name, "rows": s.rows, "cols": s.cols, "qtype": s.qtype.name, "tokens": n,
+               "routed_to": "long_tile" if n >= LONG_PROMPT else "tile"}
+        results = {}
+        for name, tokens in TILES.items():
+            launches = [lambda st, w=mats[k], x=xs[k], y=outs[k], t=tokens: matmul(w, x, y, stream=st, tokens=t)
+                        for k in order]
+            us = graph_us(stream, launches, replays)
+            row[f"{name}_us"], row[f"{name}_tflops"] = us, 2 * s.rows * s.cols * n / (us * 1e6)
+            results[name] = outs[0].copy_to_host().astype(np.float64)
+        row["long_over_tile"] = row["long_tile_us"] / row["tile_us"]
+        row["tiles_max_rel_diff"] = float(np.max(np.abs(results["long_tile"] - results["tile"]))
+                                          / np.max(np.abs(results["tile"])))
+        if n == ref_n:
+            ref_rows = min(REF_ROWS, s.rows)
+            ref = xs[0].copy_to_host().astype(np.float64) @ dequantize_rows(packed, 0, ref_rows).astype(np.float64).T
+            for name, got in results.items():
+                row[f"{name}_max_rel_err"] = float(np.max(np.abs(got[:, :ref_rows] - ref)) / np.max(np.abs(ref)))
+        rows.append(row)
+        print(f"{s.name:30s} n {n:5d}: tile {row['tile_us']:8.1f} µs {row['tile_tflops']:6.1f} TFLOP/s, long tile "
+              f"{row['long_tile_us']:8.1f} µs {row['long_tile_tflops']:6.1f} TFLOP/s ({row['long_over_tile']:.2f}x "
+              f"time), tiles differ {row['tiles_max_rel_diff']:.1e}"
+              + (f"; vs float64 {row['tile_max_rel_err']:.1e} / {row['long_tile_max_rel_err']:.1e}"
+                 if n == ref_n else ""), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--tokens", default="16,64,128,512,2048", help="token counts (prompt lengths)")
+    ap.add_argument("--replays", type=int, default=10)
+    a = ap.parse_args()
+    counts = [int(n) for n in a.tokens.split(",")]
+    dev = cuda.get_current_device()
+    l2 = int(dev.L2_CACHE_SIZE)
+    stream = cuda.stream()
+    rng = np.random.default_rng(0)
+    print(f"{device_name(dev)}: tile {TOKENS} tokens, long tile {LONG_TOKENS} (routed from {LONG_PROMPT} tokens), "
+          f"median of {a.replays} graph replays")
+    products = [r for s in SHAPES for r in bench_shape(s, counts, rng, a.replays, l2, stream)]
+    layer_us = {n: sum(r[f"{r['routed_to']}_us"] for r in products if r["tokens"] == n) for n in counts}
+    for n, us in layer_us.items():
+        print(f"n {n:5d}: one 8B layer's products {us:8.1f} µs as routed ({36 * us / 1000:.1f} ms for 36 layers)")
+    write_json(a.json, {"bench": "matmul_speed", "commit": git_commit(), "device": device_name(dev),
+                        "command": "python -m lucekv.bench.matmul_speed --tokens " + a.tokens,
+                        "model": "random weights, qwen3-8b shapes", "replays": a.replays, "tile_tokens": TOKENS,
+                        "long_tile_tokens": LONG_TOKENS, "long_prompt": LONG_PROMPT, "products": products,
+                        "layer_us_as_routed": layer_us})
+
+
+if __name__ == "__main__":
+    main()
