@@ -84,8 +84,8 @@ CHECKS = {
     "set_slot_pos": (attention._set_slot_pos, (I1, I1, I1)),
     "argmax": (sample._argmax, (F2, I64, F2, types.int32[:, ::1], I1, I1)),
 }
-for (kind, block), kernel in matmul._KERNELS.items():
-    CHECKS[f"matmul_{kind}_{block}"] = (kernel, (QUANTS[kind], I64, F32, F2, EP))
+for (kind, block, tokens), kernel in matmul._KERNELS.items():
+    CHECKS[f"matmul_{kind}_{block}_t{tokens}"] = (kernel, (QUANTS[kind], I64, F32, F2, EP))
 CHECKS["matmul_f32"] = (matmul._matmul_f32, (F2, F2, EP))
 for kind, quant in (*QUANTS.items(), ("f32", _quant(np.float32, np.uint8, np.uint8))):
     CHECKS[f"embed_{kind}"] = (embed._KERNELS[kind], (quant, I1, F32, F2))
