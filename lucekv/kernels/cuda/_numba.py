@@ -485,12 +485,15 @@ else:
             array = context.make_array(tile_type)(context, builder, value=args[0])
             index = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:], strict=True)]
             ptr = cgutils.get_item_pointer(context, builder, tile_type, array, index)
-            ptx = ("{ .reg .u64 a; .reg .u32 s; cvta.to.shared.u64 a, $4; cvt.u32.u64 s, a; "
-                   "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [s]; }")
-            fn = ir.FunctionType(ir.LiteralStructType([I32] * 4), [ptr.type])
+            # the 32-bit shared address, computed where LLVM sees it: the cast folds into the shared array's own
+            # address space, so that a base register plus constant offsets remain
+            shared = builder.addrspacecast(ptr, ir.PointerType(I32, addrspace=3))
+            address = builder.trunc(builder.ptrtoint(shared, ir.IntType(64)), I32)
+            ptx = "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];"
+            fn = ir.FunctionType(ir.LiteralStructType([I32] * 4), [I32])
             # reads what other threads stored before a barrier: a memory clobber keeps it after the barrier and
             # every loop iteration's load its own
-            loaded = builder.call(ir.InlineAsm(fn, ptx, "=r,=r,=r,=r,l,~{memory}", side_effect=True), [ptr])
+            loaded = builder.call(ir.InlineAsm(fn, ptx, "=r,=r,=r,=r,r,~{memory}", side_effect=True), [address])
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, i) for i in range(4)])
 
         return types.UniTuple(types.uint32, 4)(tile, b, r, c), codegen

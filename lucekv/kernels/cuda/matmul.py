@@ -300,20 +300,20 @@ def _mma_step(a_tile, x_tile, buf, acc, wr, wt, lane):
     are A's a0..a3; for two n-tiles, (tokens 0-7, words 0-3), (0-7, 4-7), (8-15, 0-3), (8-15, 4-7) are the
     first n-tile's b0, b1, then the second's."""
     a = cuda.local.array((M_TILES, 4), np.uint32)
-    b = cuda.local.array((N_TILES, 2), np.uint32)
+    b = cuda.local.array(4, np.uint32)
     a_row, a_word = lane & 15, 4 * (lane >> 4)
     b_tok, b_word = (lane & 7) + 8 * (lane >> 4), 4 * ((lane >> 3) & 1)
     for kk in range(K_STEP // 16):
         for i in range(M_TILES):
             a[i, 0], a[i, 1], a[i, 2], a[i, 3] = load_matrix_x4(a_tile, buf, wr + 16 * i + a_row, 8 * kk + a_word)
-        for j in range(0, N_TILES, 2):
-            b[j, 0], b[j, 1], b[j + 1, 0], b[j + 1, 1] = load_matrix_x4(x_tile, buf, wt + 8 * j + b_tok,
-                                                                          8 * kk + b_word)
-        for j in range(N_TILES):
-            for i in range(M_TILES):
-                acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma_f16_16816(
-                    a[i, 0], a[i, 1], a[i, 2], a[i, 3], b[j, 0], b[j, 1], acc[i, j, 0], acc[i, j, 1], acc[i, j, 2],
-                    acc[i, j, 3])
+        for jj in range(0, N_TILES, 2):  # B streams past, two n-tiles at a time (no more registers than that)
+            b[0], b[1], b[2], b[3] = load_matrix_x4(x_tile, buf, wt + 8 * jj + b_tok, 8 * kk + b_word)
+            for j in range(2):
+                for i in range(M_TILES):
+                    t = jj + j
+                    acc[i, t, 0], acc[i, t, 1], acc[i, t, 2], acc[i, t, 3] = mma_f16_16816(
+                        a[i, 0], a[i, 1], a[i, 2], a[i, 3], b[2 * j], b[2 * j + 1], acc[i, t, 0], acc[i, t, 1],
+                        acc[i, t, 2], acc[i, t, 3])
 
 
 @cuda.jit(device=True, inline=True)
