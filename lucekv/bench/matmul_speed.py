@@ -3,12 +3,12 @@
     python -m lucekv.bench.matmul_speed [--json OUT] [--tokens 16,64,128,512,2048] [--replays 10]
 
 For each shape and token count: µs per product of the 64-token tile (`tile`) and of the 128-token tile
-(`long_tile`, which `matmul` takes from LONG_PROMPT tokens on), TFLOP/s (2 rows cols n per product), which one
-`matmul` routes to, and the largest difference between the two tiles' outputs relative to the largest output (the
-same products in another order of k and tiles: float32 sums of float16 operands). Per shape, both tiles' error
-against float64 numpy over the first REF_ROWS rows at one token count. Timing as matvec_speed's: launches captured
-as one CUDA graph and replayed, over enough copies of the matrix that no launch reads weights another left in L2;
-the median over replays, per launch.
+(`long_tile`, which `matmul` takes from LONG_PROMPT tokens on where its blocks fill the GPU), TFLOP/s (2 rows cols
+n per product), which one `matmul` routes to, and the largest difference between the two tiles' outputs relative
+to the largest output (the same products in another order of k and tiles: float32 sums of float16 operands). Per
+shape, both tiles' error against float64 numpy over the first REF_ROWS rows at one token count. Timing as
+matvec_speed's: launches captured as one CUDA graph and replayed, over enough copies of the matrix that no launch
+reads weights another left in L2; the median over replays, per launch.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lucekv.bench.decode import git_commit
 from lucekv.bench.matvec_speed import Shape, device_name, graph_us, random_matrix, write_json
 from lucekv.kernels.cpu.quants import dequantize_rows
 from lucekv.kernels.cuda._numba import cuda
-from lucekv.kernels.cuda.matmul import LONG_PROMPT, LONG_TOKENS, TOKENS, matmul
+from lucekv.kernels.cuda.matmul import LONG_PROMPT, LONG_TOKENS, TOKENS, matmul, tile_tokens
 from lucekv.kernels.cuda.packed import upload
 
 SHAPES = (  # one Qwen3-8B layer's products as CudaOps runs them (k and v stacked with q by kind)
@@ -51,7 +51,7 @@ def bench_shape(s: Shape, counts: list[int], rng: np.random.Generator, replays: 
         xs = [cuda.to_device(rng.standard_normal((n, s.cols)).astype(np.float32)) for _ in mats]
         outs = [cuda.device_array((n, s.rows), np.float32) for _ in mats]
         row = {"shape": s.name, "rows": s.rows, "cols": s.cols, "qtype": s.qtype.name, "tokens": n,
-               "routed_to": "long_tile" if n >= LONG_PROMPT else "tile"}
+               "routed_to": "long_tile" if tile_tokens(s.rows, n) == LONG_TOKENS else "tile"}
         results = {}
         for name, tokens in TILES.items():
             launches = [lambda st, w=mats[k], x=xs[k], y=outs[k], t=tokens: matmul(w, x, y, stream=st, tokens=t)

@@ -209,6 +209,17 @@ def test_matmul_rejects_ragged_quantized_width():
                None)
 
 
+def test_long_prompts_take_the_long_tile_where_its_blocks_fill_the_gpu(monkeypatch):
+    from lucekv.kernels.cuda import matmul as mm
+
+    monkeypatch.setattr(mm, "sm_count", lambda: 132)  # an H100
+    assert mm.tile_tokens(24576, 255) == mm.TOKENS  # a prompt piece below LONG_PROMPT
+    assert mm.tile_tokens(24576, 256) == mm.LONG_TOKENS  # 192 x 2 blocks
+    assert mm.tile_tokens(4096, 512) == mm.LONG_TOKENS  # 32 x 4 = 128 blocks: 97% of the SMs
+    assert mm.tile_tokens(4096, 256) == mm.TOKENS  # 64 blocks would leave half the SMs idle
+    assert mm.tile_tokens(896, 512) == mm.TOKENS  # a 0.5b's attention at pp512: 7 x 4 blocks
+
+
 # ---- real shapes, GPU only -------------------------------------------------------------------------------
 
 
@@ -219,8 +230,8 @@ def test_matmul_rejects_ragged_quantized_width():
     (Q.Q6_K, 4096, 12288, 100),  # its down projection
     (Q.Q4_K, 12288, 4096, 77),  # gate / up: many row tiles, a partial token tile
     (Q.Q8_0, 1000, 4096, 129),  # rows not a multiple of the tile
-    (Q.Q4_K, 5120, 4096, 515),  # the long tile: a partial token tile
-    (Q.Q6_K, 1000, 4096, 300),
+    (Q.Q4_K, 5120, 4096, 515),  # the long tile (40 x 5 blocks), a partial token tile
+    (Q.Q6_K, 12288, 4096, 300),  # the long tile: 96 x 3 blocks
     (Q.F32, 1000, 896, 77),
 ], ids=lambda v: getattr(v, "name", str(v)))
 def test_matmul_gpu(qtype, rows, cols, n):

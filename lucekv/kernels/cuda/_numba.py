@@ -49,6 +49,7 @@ Compatibility shims live here and nowhere else:
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 
@@ -538,6 +539,12 @@ def jit_inlined(fn):
     where its own inlining (`inline=True`) types a callee again at every call site, which for the several-token
     matvec's unrolled calls took minutes. The simulator takes no such option."""
     return cuda.jit(fn, device=True) if SIMULATOR else cuda.jit(fn, device=True, forceinline=True)
+
+
+@functools.cache
+def sm_count() -> int:
+    """Multiprocessors of the current device (1 in the simulator)."""
+    return 1 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
 def blocks(n: int, per_block: int) -> int:

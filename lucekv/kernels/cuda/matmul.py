@@ -45,6 +45,7 @@ from lucekv.kernels.cuda._numba import (
     load_u32x4,
     mma_f16_16816,
     pack_half2,
+    sm_count,
     sub_f16x2,
 )
 from lucekv.kernels.cuda.packed import (
@@ -61,7 +62,7 @@ from lucekv.kernels.cuda.packed import (
 ROWS = 128  # weight rows per block tile
 TOKENS = 64  # tokens per block tile (the grouped MoE products use this tile too)
 LONG_TOKENS = 128  # tokens per block tile for long prompts
-LONG_PROMPT = 256  # from this many tokens on, the long tile
+LONG_PROMPT = 256  # from this many tokens on, the long tile where its blocks fill the GPU (see `tile_tokens`)
 K_STEP = 32  # columns per step: one q4 block, one or two q8 blocks
 THREADS = 256
 BLOCKS_PER_SM = 2  # registers capped at 128 per thread
@@ -80,6 +81,15 @@ SIGN_BITS = np.uint32(0x80808080)  # flips each signed byte c to the unsigned c 
 NIBBLE_PAIRS = np.uint32(0x000F000F)
 BYTE_PAIRS = np.uint32(0x00FF00FF)
 ZERO = np.uint32(0)
+
+
+def tile_tokens(rows: int, n: int) -> int:
+    """The block tile's tokens for a product of `rows` weight rows and n tokens: the long tile from LONG_PROMPT
+    tokens on, where its blocks (one per SM at a time) fill at least three quarters of the GPU; small matrices (a
+    0.5b's attention) keep the short tile's twice as many blocks, two per SM."""
+    if n >= LONG_PROMPT and 4 * blocks(rows, ROWS) * blocks(n, LONG_TOKENS) >= 3 * sm_count():
+        return LONG_TOKENS
+    return TOKENS
 
 
 def threads_for(tokens: int) -> int:
@@ -385,7 +395,7 @@ def _matmul_f32(w, x, ep):
 
 def matmul(w: DeviceMatrix, x, out, stream=0, tokens: int | None = None) -> None:
     """out[n, rows] = x[n, cols] @ W.T; out: a device array or an Epilogue. `tokens`: the block tile's tokens
-    (TOKENS or LONG_TOKENS; by default the long one from LONG_PROMPT tokens on), for benchmarks and tests."""
+    (TOKENS or LONG_TOKENS; by default `tile_tokens`'s choice), for benchmarks and tests."""
     n = x.shape[0]
     if w.kind != "f32" and w.cols % K_STEP:
         raise ValueError(f"matmul: {w.kind} weights need a multiple of {K_STEP} columns, got {w.cols}")
@@ -396,7 +406,7 @@ def matmul(w: DeviceMatrix, x, out, stream=0, tokens: int | None = None) -> None
         _matmul_f32[(blocks(w.rows, F32_TILE), blocks(n, F32_TILE)), F32_THREADS, stream](w.codes, x, ep)
         return
     if tokens is None:
-        tokens = LONG_TOKENS if n >= LONG_PROMPT else TOKENS
+        tokens = tile_tokens(w.rows, n)
     kernel = _KERNELS[w.kind, 1 << w.block_log2, tokens]
     kernel[(blocks(w.rows, ROWS), blocks(n, tokens)), threads_for(tokens), stream](
         w.quant, w.rows, np.float32(w.half_scale), x, ep)
