@@ -8,9 +8,9 @@ FMAs cannot come near the tensor cores' rate on prefill-sized products).
   weight overflows or falls into f16's subnormals, each matrix is staged times a power of two that brings its
   largest weight near 2^14 (`DeviceMatrix.half_scale`), divided out of the float32 sums at the store (exact).
   |x| must stay below 65504.
-- A block computes 128 rows x 64 tokens (8 warps) or, for long prompts (n >= LONG_PROMPT), 128 rows x 128
-  tokens (16 warps: each weight is dequantized once per 128 tokens, and a thread stages a quarter row instead
-  of a half), per K_STEP = 32 columns; each warp 32 rows x 32 tokens, 2 m16 x 4 n8 tiles of 4 float32
+- A block computes 128 rows x 64 tokens (8 warps) or, for long prompts (`tile_tokens`), 128 rows x 128 tokens
+  (16 warps: each weight is dequantized once per 128 tokens, and a thread stages a quarter row instead of a
+  half), per K_STEP = 32 columns; each warp 32 rows x 32 tokens, 2 m16 x 4 n8 tiles of 4 float32
   accumulators per thread. Shared memory holds two steps (double buffering: one barrier per step): 128 rows of
   weights and the tokens of x, rows of PAIRS words padded to STRIDE (16-byte aligned rows) so that the
   fragment loads hit 32 distinct banks. Fragments come from shared memory through `ldmatrix` .x4: per k16
@@ -140,7 +140,7 @@ def _make_tile(kind: str, block: int, tokens: int = TOKENS):
         words1 = load_codes(w, rows, r, k1, a_part)
         sw1 = _load_block_words(w, rows, r, (k1 >> block_log2) + sub)
         x_first1, x_second1 = _load_x(x, n, t, k1 + x_col, x_gap)
-        # mma: warp (wr, wt) computes rows wr.., tokens wt.. of the tile; lane in group g, index tig
+        # mma: warp (wr, wt) computes rows wr.., tokens wt.. of the tile
         warp, lane = (tid >> 5) & (threads // WARP - 1), tid & (WARP - 1)
         wr, wt = (warp % ROW_WARPS) * WARP_ROWS, (warp // ROW_WARPS) * WARP_TOKENS
         for k0 in range(0, cols, 2 * K_STEP):
