@@ -27,7 +27,8 @@ Compatibility shims live here and nowhere else:
   `sub_f16x2` and `fma_f16x2` (halfwise float16 a - b, a * b + c) build the operand words. `load_matrix_x4` is
   `ldmatrix.sync.aligned.m8n8.x4.shared.b16`: four 8 x 8 float16 matrices of a 3-D shared array, matrix m's rows
   at the addresses of lanes 8m .. 8m + 7, into one word per matrix and lane (lane l: row l // 4, word l % 4, as
-  mma's fragments want them); its twin swaps the lanes' addresses through a scratch array between barriers, as
+  mma's fragments want them), and `store_u32x4` its staging stores (four words of a row of such an array in one
+  16-byte store); the ldmatrix twin swaps the lanes' addresses through a scratch array between barriers, as
   `mma_f16_16816`'s does (block-uniform control flow again). `warp_shfl_xor` is lane
   `lane ^ lane_mask`'s value (a reduction over a few neighbouring lanes).
 - Asynchronous copies (sm_80+): `copy_async16` puts 16 bytes of a global matrix into shared memory without
@@ -97,6 +98,9 @@ if SIMULATOR:
 
     def load1(a, i):
         return a[i]
+
+    def store_u32x4(tile, b, r, c, v0, v1, v2, v3):
+        tile[b, r, c], tile[b, r, c + 1], tile[b, r, c + 2], tile[b, r, c + 3] = v0, v1, v2, v3
 
     def copy_async16(tile, i, words, r, c):
         tile[i], tile[i + 1], tile[i + 2], tile[i + 3] = words[r, c], words[r, c + 1], words[r, c + 2], words[r, c + 3]
@@ -498,6 +502,24 @@ else:
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, i) for i in range(4)])
 
         return types.UniTuple(types.uint32, 4)(tile, b, r, c), codegen
+
+    @intrinsic
+    def store_u32x4(typingctx, tile, b, r, c, v0, v1, v2, v3):
+        """tile[b, r, c:c+4] = v0..v3 in one 16-byte store: tile a 3-D uint32 array, 16-byte aligned, c and the row
+        stride multiples of 4."""
+        def codegen(context, builder, sig, args):
+            tile_type = sig.args[0]
+            array = context.make_array(tile_type)(context, builder, value=args[0])
+            index = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:4], sig.args[1:4], strict=True)]
+            ptr = cgutils.get_item_pointer(context, builder, tile_type, array, index)
+            vector = ir.VectorType(I32, 4)
+            packed = ir.Constant(vector, ir.Undefined)
+            for j, (v, t) in enumerate(zip(args[4:], sig.args[4:], strict=True)):
+                packed = builder.insert_element(packed, context.cast(builder, v, t, types.uint32), ir.Constant(I32, j))
+            builder.store(packed, builder.bitcast(ptr, vector.as_pointer()), align=16)
+            return context.get_dummy_value()
+
+        return types.none(tile, b, r, c, v0, v1, v2, v3), codegen
 
     @cuda.jit(device=True, inline=True)
     def warp_shfl_xor(v, lane_mask):

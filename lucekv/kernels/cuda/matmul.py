@@ -46,6 +46,7 @@ from lucekv.kernels.cuda._numba import (
     mma_f16_16816,
     pack_half2,
     sm_count,
+    store_u32x4,
     sub_f16x2,
 )
 from lucekv.kernels.cuda.packed import (
@@ -238,13 +239,24 @@ def _load_q8_quarter(w, rows, r, k0, quarter):
 
 
 @cuda.jit(device=True, inline=True)
+def _q4_pair(word, shift, s2, m2):
+    fields = (word >> np.uint32(shift)) & NIBBLE_PAIRS
+    return fma_f16x2(sub_f16x2(fields | MAGIC, MAGIC), s2, m2)
+
+
+@cuda.jit(device=True, inline=True)
 def _stage_q4(words, s2, m2, a_tile, buf, row, part):
     # this part's code words w = len(words) part + i (of the block's 4), shift 0, 8, 4, 12: columns (4w, 4w + 2),
-    # (4w + 1, 4w + 3), then + 16
+    # (4w + 1, 4w + 3), then + 16; one 16-byte store each
     for i in range(len(words)):
-        for v in range(4):
-            fields = (words[i] >> np.uint32(8 * (v & 1) + 4 * (v >> 1))) & NIBBLE_PAIRS
-            a_tile[buf, row, 4 * (len(words) * part + i) + v] = fma_f16x2(sub_f16x2(fields | MAGIC, MAGIC), s2, m2)
+        store_u32x4(a_tile, buf, row, 4 * (len(words) * part + i), _q4_pair(words[i], 0, s2, m2),
+                    _q4_pair(words[i], 8, s2, m2), _q4_pair(words[i], 4, s2, m2), _q4_pair(words[i], 12, s2, m2))
+
+
+@cuda.jit(device=True, inline=True)
+def _byte_pair(word, shift, flip, offset, s2, m2):
+    fields = ((word ^ flip) >> np.uint32(shift)) & BYTE_PAIRS
+    return fma_f16x2(sub_f16x2(fields | MAGIC, offset), s2, m2)
 
 
 @cuda.jit(device=True, inline=True)
@@ -252,11 +264,10 @@ def _stage_bytes(words, flip, offset, s2, m2, a_tile, buf, row, part):
     """Byte codes (each c ^ flip is c + offset - 1024 over MAGIC's 1024) as float16 pairs times scale plus bias.
     Code word w = len(words) part + i (of the step's 8), bytes (0, 2) then (1, 3): columns (4w, 4w + 2),
     (4w + 1, 4w + 3)."""
-    for i in range(len(words)):
-        unsigned = words[i] ^ flip
-        for v in range(2):
-            fields = (unsigned >> np.uint32(8 * v)) & BYTE_PAIRS
-            a_tile[buf, row, 2 * (len(words) * part + i) + v] = fma_f16x2(sub_f16x2(fields | MAGIC, offset), s2, m2)
+    for i in range(0, len(words), 2):  # two code words: one 16-byte store
+        store_u32x4(a_tile, buf, row, 2 * (len(words) * part + i), _byte_pair(words[i], 0, flip, offset, s2, m2),
+                    _byte_pair(words[i], 8, flip, offset, s2, m2), _byte_pair(words[i + 1], 0, flip, offset, s2, m2),
+                    _byte_pair(words[i + 1], 8, flip, offset, s2, m2))
 
 
 @cuda.jit(device=True, inline=True)
@@ -296,10 +307,8 @@ def _load_x(x, n, t, k, gap):
 @cuda.jit(device=True, inline=True)
 def _stage_x(first, second, x_tile, buf, tok, part):
     """Staged words 4 part .. 4 part + 3 of token `tok` from its two runs of 4 columns."""
-    x_tile[buf, tok, 4 * part] = pack_half2(first[0], first[2])
-    x_tile[buf, tok, 4 * part + 1] = pack_half2(first[1], first[3])
-    x_tile[buf, tok, 4 * part + 2] = pack_half2(second[0], second[2])
-    x_tile[buf, tok, 4 * part + 3] = pack_half2(second[1], second[3])
+    store_u32x4(x_tile, buf, tok, 4 * part, pack_half2(first[0], first[2]), pack_half2(first[1], first[3]),
+                pack_half2(second[0], second[2]), pack_half2(second[1], second[3]))
 
 
 @cuda.jit(device=True, inline=True)
