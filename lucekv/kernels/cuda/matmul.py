@@ -149,21 +149,23 @@ def _make_tile(kind: str, block: int, tokens: int = TOKENS):
             s2, m2 = _half_scale_bias(w, sw0, half_scale)
             stage_codes(words0, s2, m2, a_tile, 0, a_row, a_part)
             _stage_x(x_first0, x_second0, x_tile, 0, x_tok, x_part)
-            cuda.syncthreads()  # this step is staged; every warp is done with the step before (the other buffer)
+            # the registers just staged take the loads of two steps on, issued before the barrier: its wait hides
+            # some of their latency too
             k_next = min(k0 + 2 * K_STEP, cols - K_STEP)
             words0 = load_codes(w, rows, r, k_next, a_part)
             sw0 = _load_block_words(w, rows, r, (k_next >> block_log2) + sub)
             x_first0, x_second0 = _load_x(x, n, t, k_next + x_col, x_gap)
+            cuda.syncthreads()  # this step is staged; every warp is done with the step before (the other buffer)
             _mma_step(a_tile, x_tile, 0, acc, wr, wt, lane)
             if k0 + K_STEP < cols:  # odd step, buffer 1
                 s2, m2 = _half_scale_bias(w, sw1, half_scale)
                 stage_codes(words1, s2, m2, a_tile, 1, a_row, a_part)
                 _stage_x(x_first1, x_second1, x_tile, 1, x_tok, x_part)
-                cuda.syncthreads()
                 k_next = min(k0 + 3 * K_STEP, cols - K_STEP)
                 words1 = load_codes(w, rows, r, k_next, a_part)
                 sw1 = _load_block_words(w, rows, r, (k_next >> block_log2) + sub)
                 x_first1, x_second1 = _load_x(x, n, t, k_next + x_col, x_gap)
+                cuda.syncthreads()
                 _mma_step(a_tile, x_tile, 1, acc, wr, wt, lane)
         _store(acc, np.float32(1) / half_scale, ep, rows, n, r0 + wr, t0 + wt, lane >> 2, lane & 3)
 
