@@ -12,31 +12,36 @@ a wrong draft), and a match is confirmed on the tokens anyway.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from lucekv.engine.sampling import SamplingParams
 from lucekv.spec.drafter import Draft
+from lucekv.spec.tree import DraftTree, best_first
 
 NGRAMS = (2, 3, 4, 6, 8)  # suffix lengths looked up, longest first; 1-grams match too much to be worth a verify
 MAX_MATCH = 64  # a match is measured backwards this far at most
 BASE = 0x100000001B3  # odd, so invertible mod 2^64 (the bulk hashing divides by it)
 MASK = (1 << 64) - 1
 _BULK = 64  # appends of this many tokens or more are hashed with numpy
+TREE_OCCURRENCES = 8  # earlier occurrences of the suffix a tree proposal reads at most
 _COMPACT_MIN = 4096  # a table's recent entries merge into its sorted arrays past this many (and half of those)
 
 
 class _Table:
     """One n's hash -> latest continuation start: sorted numpy arrays for the bulk, a dict for the appends since
-    (12 bytes an entry instead of a Python dict's ~100: a 100K-token session's index stays a few MB)."""
+    (12 bytes an entry instead of a Python dict's ~100: a 100K-token session's index stays a few MB). `earlier[s]`:
+    the continuation start before s of the same hash (-1: none), so a tree walks a suffix's earlier occurrences."""
 
     def __init__(self) -> None:
         self.keys = np.empty(0, np.uint64)
         self.starts = np.empty(0, np.int64)
         self.recent: dict[int, int] = {}
         self._limit = _COMPACT_MIN  # recent entries past this merge into the arrays
+        self.earlier = np.full(1024, -1, np.int32)
+        self._unresolved: list[tuple[int, int]] = []  # (hash, start) put whose earlier start the arrays hold
 
     def get(self, h: int) -> int | None:
         start = self.recent.get(h)
@@ -48,27 +53,65 @@ class _Table:
         return None
 
     def put(self, h: int, start: int) -> None:
+        before = self.recent.get(h)
+        if before is None:  # the arrays' entry, if any: looked up in bulk when wanted (a searchsorted costs ~2 us)
+            self._unresolved.append((h, start))
+        else:
+            self._grow(start + 1)
+            self.earlier[start] = before
         self.recent[h] = start  # starts only grow: the latest occurrence wins
         if len(self.recent) > self._limit:
             self.put_many(np.empty(0, np.uint64), np.empty(0, np.int64))
 
     def put_many(self, hashes: np.ndarray, starts: np.ndarray) -> None:
         """Merge `hashes` (continuations `starts`, later than every entry held) and the recent dict into the arrays."""
+        self._resolve()
         recent_keys = np.fromiter(self.recent.keys(), np.uint64, len(self.recent))
         recent_starts = np.fromiter(self.recent.values(), np.int64, len(self.recent))
+        new = len(self.keys) + len(recent_keys)  # entries from here on are `hashes`
         keys = np.concatenate([self.keys, recent_keys, hashes])
         starts = np.concatenate([self.starts, recent_starts, starts])
         order = np.lexsort((starts, keys))  # by key, then start: each key's latest start comes last
         keys, starts = keys[order], starts[order]
         last = np.ones(len(keys), bool)
         last[:-1] = keys[1:] != keys[:-1]
+        if len(hashes):  # each new start's predecessor of the same key is the entry just before it
+            is_new = order >= new
+            before = np.full(len(keys), -1, np.int64)
+            before[1:] = np.where(keys[1:] == keys[:-1], starts[:-1], -1)
+            self._grow(int(starts[is_new].max()) + 1)
+            self.earlier[starts[is_new]] = before[is_new]
         self.keys, self.starts = keys[last], starts[last]
         self.recent = {}
         self._limit = max(_COMPACT_MIN, len(self.keys) // 2)
 
+    def occurrences(self, start: int) -> Iterator[int]:
+        """`start` and the continuation starts of the same hash before it, latest first."""
+        self._resolve()
+        while start >= 0:
+            yield start
+            start = int(self.earlier[start])
+
+    def _resolve(self) -> None:
+        """The earlier starts of the puts that found none in `recent`: the arrays' entries of their hashes."""
+        if not self._unresolved:
+            return
+        hashes = np.array([h for h, _ in self._unresolved], np.uint64)
+        starts = np.array([st for _, st in self._unresolved], np.int64)
+        self._unresolved = []
+        at = np.minimum(np.searchsorted(self.keys, hashes), max(len(self.keys) - 1, 0))
+        found = (self.keys[at] == hashes) if len(self.keys) else np.zeros(len(hashes), bool)
+        self._grow(int(starts.max()) + 1)
+        self.earlier[starts] = np.where(found, self.starts[at] if len(self.keys) else -1, -1)
+
+    def _grow(self, size: int) -> None:
+        if size > len(self.earlier):
+            more = np.full(max(size, 2 * len(self.earlier)) - len(self.earlier), -1, np.int32)
+            self.earlier = np.concatenate([self.earlier, more])
+
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.starts.nbytes + 100 * len(self.recent)
+        return self.keys.nbytes + self.starts.nbytes + self.earlier.nbytes + 100 * len(self.recent)
 
 
 @dataclass(frozen=True)
@@ -125,6 +168,22 @@ class SuffixIndex:
             return Match(self, start, length)
         return None
 
+    def occurrences(self, query: SuffixIndex, limit: int) -> list[tuple[int, int]]:
+        """Up to `limit` places where this sequence continued one of `query`'s suffix n-grams, as (start, n): the
+        longest n-grams' first, each n's latest first, every start once."""
+        q, out, seen = query.tokens, [], set()
+        for n in self.ngrams:
+            if len(q) < n:
+                continue
+            first = self._tables[n].get(query.suffix_hash(n))
+            for start in self._tables[n].occurrences(-1 if first is None else first):
+                if len(out) == limit:
+                    return out
+                if start not in seen and self.tokens[start - n : start] == q[len(q) - n :]:
+                    seen.add(start)
+                    out.append((start, n))
+        return out
+
     def continuation(self, start: int, k: int, query: SuffixIndex) -> list[int]:
         """k tokens from `start` on. Where they run past this sequence's end and the match is in `query`'s own
         history, the sequence repeats with the period the match shows (a loop in the output continues)."""
@@ -177,15 +236,19 @@ class SuffixIndex:
 
 class SuffixDrafter:
     """Drafts from the sequence's own history (prompt and output) and, where that has no match, from a shared index
-    of recent outputs (`RecentOutputs`, server-wide). Draft length grows with the match: k = ceil(per_match * m)."""
+    of recent outputs (`RecentOutputs`, server-wide). Draft length grows with the match: k = ceil(per_match * m).
 
-    name = "suffix"
-    cheap = True
+    With `tree`, a proposal is a DraftTree of up to max_len nodes: the chain above first, then best-first over what
+    followed the suffix's earlier occurrences (up to TREE_OCCURRENCES of them, weighted by the n-gram they match),
+    a next token's probability being its share of the occurrences that reach it."""
 
-    def __init__(self, shared: RecentOutputs | None = None, per_match: float = 1.0):
+    def __init__(self, shared: RecentOutputs | None = None, per_match: float = 1.0, tree: bool = False):
         self.index = SuffixIndex()
         self.shared = shared
         self.per_match = per_match
+        self.tree = tree
+        self.name = "suffix-tree" if tree else "suffix"
+        self.cheap = not tree  # the gate's shadow scores chains
         self._turn_start = 0
 
     def begin(self, tokens: Sequence[int], params: SamplingParams | None = None) -> None:
@@ -196,7 +259,11 @@ class SuffixDrafter:
         self.index.extend(tokens[n:])
         self._turn_start = len(tokens)
 
-    def propose(self, max_len: int) -> Draft:
+    def propose(self, max_len: int) -> Draft | DraftTree:
+        chain = self._chain(max_len)
+        return self._tree(chain.tokens, max_len) if self.tree else chain
+
+    def _chain(self, max_len: int) -> Draft:
         if max_len <= 0:
             return Draft()
         match = self.index.find(self.index)
@@ -208,6 +275,23 @@ class SuffixDrafter:
             return Draft()
         k = min(max_len, math.ceil(self.per_match * match.length))
         return Draft(match.index.continuation(match.start, k, self.index))
+
+    def _tree(self, chain: list[int], budget: int) -> DraftTree:
+        if budget <= 0:
+            return DraftTree()
+        followers = [(self.index.continuation(start, budget, self.index), n)
+                     for start, n in self.index.occurrences(self.index, TREE_OCCURRENCES)]
+
+        def expand(path: Sequence[int]) -> list[tuple[int, float]]:
+            d = len(path)
+            weights: dict[int, float] = {}
+            for tokens, n in followers:
+                if len(tokens) > d and tokens[:d] == list(path):
+                    weights[tokens[d]] = weights.get(tokens[d], 0) + n
+            total = sum(weights.values())
+            return [(t, w / total) for t, w in weights.items()]
+
+        return best_first(expand, budget, seed=chain)
 
     def accept(self, tokens: Sequence[int]) -> None:
         self.index.extend(tokens)
