@@ -43,6 +43,21 @@ class KVPool(SlotMap):
         self.v = list(self.v_all)
 
 
+def tree_positions(slot_pos: np.ndarray, run: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+                   ancestors: np.ndarray) -> np.ndarray:
+    """int32 [n, len(run)]: the positions each token of a tree's verify block sees at the slots of `run` (its
+    sequence's, logical order): the slot map's outside the block, the node's position at its own ancestors' slots
+    (itself included), -1 (out of view) at the block's other slots. See CpuOps.begin_tree."""
+    which = np.full(len(slot_pos), -1, np.int64)
+    which[slots] = np.arange(len(slots))
+    node = which[run]  # the block index a run entry holds, -1 outside the block
+    seen = np.tile(slot_pos[run], (len(slots), 1))
+    at = np.flatnonzero(node >= 0)
+    bits = (ancestors[:, None] >> node[at].astype(np.uint64)[None, :]) & np.uint64(1)
+    seen[:, at] = np.where(bits == 1, positions[node[at]][None, :], -1)
+    return seen
+
+
 def lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
     """Zeros whose pages are mapped as they are first touched, so a pool sized to every sequence's whole context
     costs what is used. Mapped without reserving swap: Linux's default overcommit refuses one reserved mapping
@@ -80,6 +95,7 @@ class CpuOps:
         self._slots = np.zeros(0, np.intp)  # the slots the forward's tokens attend over, one run per sequence
         self._offsets: np.ndarray | None = None  # decode rows: token t reads run offsets[t] .. offsets[t + 1]
         self.runs = np.zeros((0, 2), np.int64)  # [n_tokens, 2]: token t reads _slots[runs[t, 0]:runs[t, 1]]
+        self._attended_pos: np.ndarray | None = None  # positions of _slots as seen, where not slot_pos's (a tree)
         # post-RoPE queries [n_tokens, n_head, head_dim] of each layer's latest forward, for relevance scorers (a decode
         # row's, or a prompt's last RECENT_QUERIES)
         self.queries = [np.zeros((1, spec.n_head, spec.head_dim), np.float32) for _ in range(spec.n_layer)]
@@ -104,11 +120,26 @@ class CpuOps:
         self._offsets = np.cumsum([0] + [len(r) for r in runs]) if n_tokens == len(runs) else None
         self.runs = (np.stack([self._offsets[:-1], self._offsets[1:]], axis=1) if self._offsets is not None
                      else np.tile([0, len(self._slots)], (n_tokens, 1)))
+        self._attended_pos = None
+
+    def begin_tree(self, table: np.ndarray, slots: np.ndarray, positions: np.ndarray, ancestors: np.ndarray) -> None:
+        """A draft tree's verify block (lucekv.spec.tree): token j, at `positions[j]` (the root's plus its depth) and
+        written to slots[j], attends to its sequence's slots (table: its blocks in logical order) outside the block
+        and to the block's slots whose bits ancestors[j] sets, at their tokens' positions. Each token is a row of
+        its own: its run of the slots, in logical order as a plain step reads them, with the positions it sees."""
+        self.begin_step(len(slots), [table] * len(slots))
+        self._attended_pos = tree_positions(self.pool.slot_pos, self._slots[: self.runs[0, 1]], slots, positions,
+                                            ancestors).ravel()
 
     @property
     def attended(self) -> np.ndarray:
         """The slots the forward's tokens attend over, in logical order (one sequence's; see begin_step)."""
         return self._slots
+
+    @property
+    def attended_pos(self) -> np.ndarray | None:
+        """The positions of `attended` as the tokens see them where they are not the slot map's (a tree's block)."""
+        return self._attended_pos
 
     def matrix(self, t: TensorInfo) -> PackedMatrix:
         return pack_tensor(t)
@@ -201,7 +232,8 @@ class CpuOps:
         qh = q.reshape(len(q), spec.n_head, spec.head_dim)
         self.queries[layer] = qh
         # numba's CPU target has no float16: the slots read are gathered and widened here (numpy uses F16C for it)
-        k, v, sp = kp[self._slots].astype(np.float32), vp[self._slots].astype(np.float32), pool.slot_pos[self._slots]
+        k, v = kp[self._slots].astype(np.float32), vp[self._slots].astype(np.float32)
+        sp = pool.slot_pos[self._slots] if self._attended_pos is None else self._attended_pos
         if self._offsets is not None:
             out = attend_rows(qh, k, v, sp, self._offsets, positions, window, rope.attn_scale)
         else:  # the kv heads (and their groups of q heads) split among the threads
@@ -354,6 +386,29 @@ class CpuBackend(RunAhead):
         round's verify forward."""
         logits = self.forward(tokens, positions, slots, all_logits=True, tables=tables)
         return np.argmax(logits[:, : self.spec.vocab_size], axis=1).astype(np.int32)
+
+    def forward_tree(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, ancestors: np.ndarray,
+                     table: np.ndarray) -> np.ndarray:
+        """Logits [n, vocab] of a draft tree's verify block of one sequence (lucekv.spec.tree): token j at
+        positions[j] (the root's, positions[0], plus its depth), its K/V written to slots[j], which the slot map
+        gives position positions[0] + j (a rejected node then falls out of view by position, as a chain's
+        draft); it attends to the sequence's slots before the block and to the block's whose bits ancestors[j]
+        (uint64) sets. A node's numbers are those of the same token at the same position in plain decoding of
+        its path: its row reads the same slots in the same order (table: the sequence's blocks)."""
+        self.pool.assign(slots, positions[0] + np.arange(len(slots), dtype=np.int32))
+        self.ops.begin_tree(table, slots, positions, ancestors)
+        if self.decode_step is not None:
+            logits, queries = self.decode_step(np.asarray(tokens), positions, slots, self.ops.attended, self.ops.runs,
+                                               len(tokens), attended_pos=self.ops.attended_pos)
+            self.ops.queries = list(queries)
+            return logits
+        return forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, True)
+
+    def copy_kv(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Every layer's K and V of slots `src` into slots `dst` (an accepted tree path to its positions' slots; the
+        slot map already gives dst their positions)."""
+        self.pool.k_all[:, dst] = self.pool.k_all[:, src]
+        self.pool.v_all[:, dst] = self.pool.v_all[:, src]
 
     def prepare_verify(self, width: int) -> None:
         """Verify forwards of up to `width` tokens need nothing prepared here (the CUDA backend captures graphs)."""

@@ -130,7 +130,9 @@ class DecodeStep:
 
     def __call__(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, attended: np.ndarray,
                  runs: np.ndarray, n_logits: int, capture_at: np.ndarray | None = None,
-                 captured: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 captured: np.ndarray | None = None, attended_pos: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """attended_pos: the positions the rows see at `attended` (None: the slot map's; a draft tree's block)."""
         n, n_rows = numba.get_num_threads(), len(tokens)
         self._scratch(n, n_rows)
         x = np.ascontiguousarray(self.embed(tokens), np.float32)
@@ -144,7 +146,9 @@ class DecodeStep:
             kp, vp = kp.view(np.uint16), vp.view(np.uint16)
         a = self.arenas
         args = (a.codes, a.scales, a.table, self.vecs, self.layers, self.attn_scales, self.dims, self.eps, rope_cs,
-                kp, vp, attended, self.pool.slot_pos[attended], np.ascontiguousarray(runs, np.int64),
+                kp, vp, attended,
+                self.pool.slot_pos[attended] if attended_pos is None else np.asarray(attended_pos, np.int32),
+                np.ascontiguousarray(runs, np.int64),
                 np.asarray(positions, np.int64), np.asarray(slots, np.int64), x, self.shared, self.private,
                 self.private_q, self.scores, self.kv_rows, logits, queries,
                 self._no_capture if capture_at is None else capture_at,

@@ -60,11 +60,13 @@ from lucekv.spec.drafter import Drafter
 from lucekv.spec.gate import Gate, StepClock
 from lucekv.spec.speculator import Speculator
 from lucekv.spec.suffix import RecentOutputs, SuffixDrafter
+from lucekv.spec.tree import MAX_NODES, DraftTree
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 AUTO_POOL_SHARE = 0.9  # of the GPU memory free after the weights, for the KV pool
 PROMPT_TAIL = RECENT_QUERIES  # a pooled prompt's last tokens, recomputed after the chunks they rank are recalled
 RECALL_ROUNDS = 2  # rank, recall and recompute the tail at most this often per prompt
+MAX_TREE_BLOCK = MAX_NODES + 1  # a draft tree's verify block: the root and its nodes
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,8 @@ class Engine:
         self._step_clock = StepClock()  # the gate's measured step times, for the engine's life
         # speculation mode -> a new drafter ("auto" gates the suffix drafter); a session keeps its drafters
         recent = RecentOutputs() if self.spec_config.shared_outputs else None
-        self.drafters: dict[str, Callable[[], Drafter]] = {"suffix": lambda: SuffixDrafter(recent)}
+        self.drafters: dict[str, Callable[[], Drafter]] = {"suffix": lambda: SuffixDrafter(recent),
+                                                           "suffix-tree": lambda: SuffixDrafter(recent, tree=True)}
         if self.spec_config.draft_model is not None:
             draft_model = self._draft_model(g, kv_dtype)
             self.drafters["draft"] = lambda: DraftModelDrafter(draft_model)
@@ -1001,8 +1004,11 @@ class _RequestTarget:
 
     def __init__(self, engine: Engine, r: Request):
         self._engine, self._r = engine, r
+        self._tree_slots = np.zeros(0, np.int32)  # where a tree's verify block went
 
-    def verify_greedy(self, tokens: list[int], start: int) -> np.ndarray:
+    def verify_greedy(self, tokens: list[int], start: int, tree: DraftTree | None = None) -> np.ndarray:
+        if tree is not None:
+            return np.argmax(self._tree(tokens, start, tree)[:, : self._engine.spec.vocab_size], axis=1)
         out, at = [], 0
         for piece in self._pieces(tokens, start, greedy=True):
             out.append(piece)
@@ -1011,11 +1017,39 @@ class _RequestTarget:
                 break  # a draft of this piece is rejected: no query reaches the next chunk
         return np.concatenate(out)
 
-    def verify_logits(self, tokens: list[int], start: int) -> _Rows:
+    def verify_logits(self, tokens: list[int], start: int, tree: DraftTree | None = None) -> np.ndarray:
+        if tree is not None:
+            return self._tree(tokens, start, tree)
         return _Rows(self._pieces(tokens, start, all_logits=True))
 
-    def keep(self, n_tokens: int) -> None:
-        del self._r.session.tokens[n_tokens:]
+    def tree_width(self, start: int) -> int:
+        """With a budget, a tree's block stays in its chunk: a node past it would take the next chunk's block (and
+        evict one) before any query of plain decoding reached it."""
+        return CHUNK_TOKENS - start % CHUNK_TOKENS if not self._r.session.paged.holds_all else MAX_TREE_BLOCK
+
+    def keep(self, start: int, path: list[int]) -> None:
+        tokens = self._r.session.tokens
+        moved = [(j, i) for i, j in enumerate(path) if j != i]
+        if moved:  # a tree's accepted nodes to their positions' slots (the slot map gives those their positions)
+            src, dst = (self._tree_slots[list(idx)] for idx in zip(*moved, strict=True))
+            self._engine.backend.copy_kv(src, dst)
+        tokens[start:] = [tokens[start + j] for j in path]
+
+    def _tree(self, tokens: list[int], start: int, tree: DraftTree) -> np.ndarray:
+        """Logits [n, vocab] of a tree's verify block, every node at the root's position plus its depth, seeing its
+        ancestors only (Backend.forward_tree)."""
+        r, engine = self._r, self._engine
+        if r.capture is not None:
+            raise ValueError("a dflash turn's target features come from chains, not trees")
+        seq = r.session.paged
+        slots = self._tree_slots = seq.alloc(start, len(tokens))
+        positions = start + tree.depths()
+        logits = engine.backend.forward_tree(np.asarray(tokens, np.int32), positions, slots, tree.ancestors(),
+                                             seq.table())
+        r.session.tokens.extend(tokens)
+        r.computed = max(r.computed, start + len(tokens))
+        seq.after_forward(decoded=len(tokens))
+        return logits
 
     def _pieces(self, tokens: list[int], start: int, **kw) -> Iterator[np.ndarray]:
         """The forwards of the block, one per chunk it touches (with a budget), each run when the next is asked for."""

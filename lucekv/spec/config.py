@@ -8,8 +8,8 @@ from pathlib import Path
 from lucekv.errors import ConfigError, InvalidRequestError
 
 # off: plain decoding; auto: the gate decides, round by round, whether the suffix drafter pays; suffix / draft /
-# dflash: always that drafter
-MODES = ("off", "auto", "suffix", "draft", "dflash")
+# dflash: always that drafter; suffix-tree: the suffix drafter's trees (several candidates per depth, lucekv.spec.tree)
+MODES = ("off", "auto", "suffix", "suffix-tree", "draft", "dflash")
 MAX_DRAFT = 16  # draft tokens a round verifies at most
 
 

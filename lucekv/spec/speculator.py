@@ -18,22 +18,29 @@ import numpy as np
 from lucekv.engine.sampling import SamplingParams
 from lucekv.spec.drafter import Drafter
 from lucekv.spec.gate import Gate
+from lucekv.spec.tree import DraftTree, accept_tree_greedy, accept_tree_sampled
 from lucekv.spec.verify import TargetSampler, accept_greedy, accept_rejection, accept_sampled
 
 HostSampling = Callable[[np.ndarray], TargetSampler]  # the request's sampler over a verify block's logits
 
 
 class Target(Protocol):
-    def verify_greedy(self, tokens: list[int], start: int) -> np.ndarray:
+    def verify_greedy(self, tokens: list[int], start: int, tree: DraftTree | None = None) -> np.ndarray:
         """The greedy token after each of `tokens` (written at positions start, start + 1, ...), int32 [n]; it may
-        stop after the first that differs from the next draft (the rest would be rejected anyway)."""
+        stop after the first that differs from the next draft (the rest would be rejected anyway). With `tree`,
+        tokens are its verify block (lucekv.spec.tree), in one forward."""
 
-    def verify_logits(self, tokens: list[int], start: int) -> np.ndarray:
+    def verify_logits(self, tokens: list[int], start: int, tree: DraftTree | None = None) -> np.ndarray:
         """The logits after each of `tokens`, float32 [n, vocab], read by row index (`[i]`) in increasing order or
-        by a leading slice (`[:k]`): a target may compute rows as they are first read."""
+        by a leading slice (`[:k]`): a target may compute rows as they are first read. `tree`: as verify_greedy."""
 
-    def keep(self, n_tokens: int) -> None:
-        """The sequence is its first n_tokens again (later positions are out of view)."""
+    def tree_width(self, start: int) -> int:
+        """The most tokens a tree's verify block from `start` may hold (it is one forward)."""
+
+    def keep(self, start: int, path: list[int]) -> None:
+        """The sequence from `start` on is the verify block's tokens at indices `path` (increasing, from 0), in that
+        order; later positions are out of view. A chain keeps a prefix (path j = j); a tree moves its accepted
+        nodes' K/V to their positions."""
 
 
 @dataclass
@@ -86,19 +93,26 @@ class Speculator:
         else on the host with the request's sampler: the rejection rule where the drafter gave its distributions,
         sample-and-match where its drafts are deterministic."""
         draft = self.drafter.propose(self.max_draft_for(budget))
+        tree = None
+        if isinstance(draft, DraftTree):  # its first nodes are a tree too (parents come first), and the best ones
+            draft = tree = draft.prefix(target.tree_width(position) - 1)
         inputs = [last, *draft.tokens]
         u = self.usage
         t_verify = time.perf_counter()
-        verified = target.verify_greedy(inputs, position) if host is None else target.verify_logits(inputs, position)
+        verify = target.verify_greedy if host is None else target.verify_logits
+        verified = verify(inputs, position, tree)
         u.verify_seconds += time.perf_counter() - t_verify
-        logits = None
-        if host is None:
+        if tree is not None:
+            path, tokens = (accept_tree_greedy(tree, verified) if host is None
+                            else accept_tree_sampled(tree, verified, host))
+        elif host is None:
             tokens = accept_greedy(draft, verified)
         else:
             accept = accept_sampled if draft.probs is None else accept_rejection
             tokens = accept(draft, host(verified))
-            logits = verified[: len(tokens)]
-        target.keep(position + len(tokens))  # `last` and the accepted drafts
+        path = path if tree is not None else list(range(len(tokens)))  # block indices of `last` and the accepted
+        logits = None if host is None else np.stack([verified[j] for j in path])
+        target.keep(position, path)
         self.drafter.accept(tokens)
         u.rounds += 1
         u.drafted += len(draft)

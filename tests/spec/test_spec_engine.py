@@ -182,7 +182,7 @@ def test_auto_mode_gates_and_reports_its_decisions(model):
 
 def test_modes_are_checked_before_any_compute(model):
     engine = load(model, None, speculation=SpecConfig(mode="auto"))
-    assert engine.info.spec_modes == ("off", "auto", "suffix") and engine.info.spec_default == "auto"
+    assert engine.info.spec_modes == ("off", "auto", "suffix", "suffix-tree") and engine.info.spec_default == "auto"
     for mode, message in (("draft", "draft model"), ("dflash", "DFlash"), ("fast", "unknown mode")):
         with pytest.raises(InvalidRequestError, match=message):
             engine.generate(prompt(5), SamplingParams(), speculation=mode)
