@@ -133,15 +133,15 @@ class Client:
         prefill_keep_ratio: float | None = None,
         timeout: float | None = None,
     ) -> GenerateStream:
-        """speculation: "off", "auto", "suffix", "draft" or "dflash" (None: the server's default). prefill_keep_ratio:
-        a long prompt's compression (PFlash; 1: none; None: the server's default)."""
+        """speculation: "off", "auto", "suffix", "suffix-tree", "draft", "dflash" or "dflash-tree" (None: the server's
+        default). prefill_keep_ratio: a long prompt's compression (PFlash; 1: none; None: the server's default)."""
         request = generate_request(prompt, sampling or SamplingOptions(), request_id, session_id)
         if pin_prefix_tokens is not None:
             request.pin_prefix_tokens = pin_prefix_tokens
         if prefill_keep_ratio is not None:
             request.prefill_keep_ratio = prefill_keep_ratio
         if speculation is not None:
-            request.speculation = pb.SpeculationMode.Value(f"SPECULATION_MODE_{speculation.upper()}")
+            request.speculation = pb.SpeculationMode.Value(f"SPECULATION_MODE_{speculation.upper().replace('-', '_')}")
         return GenerateStream(self._stub.Generate(request, timeout=timeout, metadata=self._metadata(session_id)))
 
     def complete(

@@ -147,6 +147,7 @@ class Engine:
                                               max_batch, _spark_options(g, spark_placement, spark_spare, spark_promote))
         self._spark_promote = spark_promote > 0
         self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, kv_tau
+        self.spec_config = replace(self.spec_config, tree_verify=hasattr(self.backend, "forward_tree")).check()
         self._drafter = None
         if kv_pool and kv_policy == "draft":
             same = self.compressor is not None and (prefill_drafter or kv_drafter) == kv_drafter \

@@ -20,10 +20,11 @@ class SpecConfig:
     shared_outputs: bool = True  # the suffix drafter also matches the recent outputs of every session
     draft_model: Path | None = None  # a GGUF with the target's tokenizer, for mode "draft"
     dflash_drafter: Path | None = None  # a DFlash drafter GGUF made for the target (lucekv.spec.dflash), mode "dflash"
+    tree_verify: bool = True  # the backend verifies draft trees (the engine sets it), mode "suffix-tree"
 
     def available(self) -> tuple[str, ...]:
         """The modes a request may ask for."""
-        needs = {"draft": self.draft_model, "dflash": self.dflash_drafter}
+        needs = {"draft": self.draft_model, "dflash": self.dflash_drafter, "suffix-tree": self.tree_verify or None}
         return tuple(m for m in MODES if m not in needs or needs[m] is not None)
 
     def check(self) -> SpecConfig:
@@ -48,4 +49,5 @@ class SpecConfig:
 
 def _needs(mode: str) -> str:
     return {"draft": "a draft model (--draft-model)",
-            "dflash": "a DFlash drafter (--dflash-drafter)"}[mode]
+            "dflash": "a DFlash drafter (--dflash-drafter)",
+            "suffix-tree": "a backend that verifies draft trees"}[mode]

@@ -41,7 +41,13 @@ def client(spec_probe):
 
 def test_server_info_lists_the_modes_and_the_default(client):
     info = client.server_info(timeout=10)
-    assert list(info.speculation_modes) == ["off", "auto", "suffix"] and info.speculation_default == "auto"
+    assert list(info.speculation_modes) == ["off", "auto", "suffix", "suffix-tree"]
+    assert info.speculation_default == "auto"
+
+
+def test_the_suffix_tree_mode_over_the_wire(client, plain):
+    reply = client.complete(PROMPT, SamplingOptions(**GREEDY), speculation="suffix-tree")
+    assert reply.token_ids == plain and reply.usage.speculation.drafter == "suffix-tree"
 
 
 def test_an_accepted_block_arrives_as_one_chunk_and_usage_counts_the_rounds(client, plain):
