@@ -53,7 +53,7 @@ def tree_positions(slot_pos: np.ndarray, run: np.ndarray, slots: np.ndarray, pos
     node = which[run]  # the block index a run entry holds, -1 outside the block
     seen = np.tile(slot_pos[run], (len(slots), 1))
     at = np.flatnonzero(node >= 0)
-    bits = (ancestors[:, None] >> node[at].astype(np.uint64)[None, :]) & np.uint64(1)
+    bits = (np.asarray(ancestors, np.int64)[:, None] >> node[at][None, :]) & 1
     seen[:, at] = np.where(bits == 1, positions[node[at]][None, :], -1)
     return seen
 
@@ -325,6 +325,7 @@ class CpuDraftOps(CpuOps):
 class CpuBackend(RunAhead):
     name = "cpu"
     prefill_chunk = 256  # tokens per prefill forward: bounds the attention score matrix
+    max_tree_block = 63  # a draft tree's verify block: its ancestor masks are int64 (bits 0 .. 62)
 
     def __init__(self, g: GGUFFile, spec: ModelSpec, kv_dtype: str = "f16", pool_size: int | None = None):
         # The backend's own threads split every product (Workers): BLAS runs single-threaded in each. (BLAS
@@ -388,12 +389,13 @@ class CpuBackend(RunAhead):
         return np.argmax(logits[:, : self.spec.vocab_size], axis=1).astype(np.int32)
 
     def forward_tree(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, ancestors: np.ndarray,
-                     table: np.ndarray) -> np.ndarray:
-        """Logits [n, vocab] of a draft tree's verify block of one sequence (lucekv.spec.tree): token j at
+                     table: np.ndarray, greedy: bool = False) -> np.ndarray:
+        """Logits [n, vocab] (with `greedy`: each row's argmax, int32 [n]) of a draft tree's verify block of one
+        sequence (lucekv.spec.tree): token j at
         positions[j] (the root's, positions[0], plus its depth), its K/V written to slots[j], which the slot map
         gives position positions[0] + j (a rejected node then falls out of view by position, as a chain's
         draft); it attends to the sequence's slots before the block and to the block's whose bits ancestors[j]
-        (uint64) sets. A node's numbers are those of the same token at the same position in plain decoding of
+        (int64) sets. A node's numbers are those of the same token at the same position in plain decoding of
         its path: its row reads the same slots in the same order (table: the sequence's blocks)."""
         self.pool.assign(slots, positions[0] + np.arange(len(slots), dtype=np.int32))
         self.ops.begin_tree(table, slots, positions, ancestors)
@@ -401,8 +403,9 @@ class CpuBackend(RunAhead):
             logits, queries = self.decode_step(np.asarray(tokens), positions, slots, self.ops.attended, self.ops.runs,
                                                len(tokens), attended_pos=self.ops.attended_pos)
             self.ops.queries = list(queries)
-            return logits
-        return forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, True)
+        else:
+            logits = forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, True)
+        return np.argmax(logits[:, : self.spec.vocab_size], axis=1).astype(np.int32) if greedy else logits
 
     def copy_kv(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Every layer's K and V of slots `src` into slots `dst` (an accepted tree path to its positions' slots; the

@@ -33,7 +33,7 @@ from lucekv.kernels.cpu.quants import (
     permute_rows,
     stack_rows,
 )
-from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, kv_copy, moe, norm, sample
+from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, flash, kv_copy, moe, norm, sample
 from lucekv.kernels.cuda._numba import device_zeros, ordering_event, overlapped_launches
 from lucekv.kernels.cuda.embed import embed
 from lucekv.kernels.cuda.matmul import matmul
@@ -252,6 +252,7 @@ class CudaOps:
         self._one_dev = cuda.to_device(np.zeros(3, np.int32), stream=stream)
         self._one = {name: self._one_dev[i:i + 1] for i, name in enumerate(("tokens", "positions", "slots"))}
         self.tokens = self.positions = self.slots = None
+        self.marks = self.tree = None  # the positions the slots take, and a draft tree's masks (see begin_step)
         self._kept: set[int] = set()  # token counts whose pools and input buffers stay (see keep_pools)
         # token count > 1 in _kept -> its inputs' buffers, pinned [3, n] and device [3, n], and the device rows' views
         # (tokens, positions, slots): made once, as a numba view costs tens of microseconds of host time
@@ -283,9 +284,13 @@ class CudaOps:
         self.matvec_token_rows = MATVEC_TOKEN_ROWS  # see as_matvec_rows (0: every product of n > 1 tokens a matmul)
 
     def begin_step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, mark: bool = True,
-                   tables: Sequence[np.ndarray] | None = None) -> None:
+                   tables: Sequence[np.ndarray] | None = None, marks: np.ndarray | None = None,
+                   tree: np.ndarray | None = None) -> None:
         """Upload the step's inputs (those of a one-token step or of a kept token count into fixed buffers) and block
-        tables (see `set_tables`) and, with `mark`, mark their slots (a replayed graph marks them itself)."""
+        tables (see `set_tables`) and, with `mark`, mark their slots (a replayed graph marks them itself).
+        A draft tree's verify block (CudaBackend.forward_tree): `marks`, the positions its slots take in the slot map
+        (None: `positions`), and `tree`, its ancestor rows (attention.tree_rows); a kept width below the tensor-core
+        attention's (the verify graphs') holds both in its fixed buffers, a chain's with no tree."""
         n = len(tokens)
         self.set_tables(n, tables)
         if n != self._pooled_tokens:
@@ -293,21 +298,36 @@ class CudaOps:
             self._pools, self._pooled_tokens = self._pools_by_tokens.setdefault(n, {}), n
         self.rewind()
         inputs = {"tokens": tokens, "positions": positions, "slots": slots}
+        marks = positions if marks is None else marks
         if n == 1:
+            if tree is not None:
+                raise ValueError("a draft tree's verify block holds its root and a node at least")
             self.upload_one(*(int(np.asarray(v).reshape(-1)[0]) for v in inputs.values()))
             for name in inputs:
                 setattr(self, name, self._one[name])
+            self.marks, self.tree = self.positions, None
         elif n in self._kept:  # a graph's inputs: fixed buffers, filled by one copy
             if n not in self._inputs:
-                device = cuda.device_array((3, n), np.int32, stream=self.stream)
-                self._inputs[n] = cuda.pinned_array((3, n), np.int32), device, (device[0], device[1], device[2])
+                device = cuda.device_array((7, n), np.int32, stream=self.stream)
+                self._inputs[n] = (cuda.pinned_array((7, n), np.int32), device,
+                                   (device[0], device[1], device[2], device[3], device[4:7]))
             host, device, views = self._inputs[n]
-            host[0], host[1], host[2] = tokens, positions, slots  # (the forward before has finished: host is free)
+            host[0], host[1], host[2], host[3] = tokens, positions, slots, marks  # (the forward before has finished)
+            if tree is None:
+                host[4], host[5:7] = attention.NOT_IN_TREE, 0
+            else:
+                host[4:7] = tree
             copy_to_device_async(device, host, self.stream)
-            self.tokens, self.positions, self.slots = views
+            self.tokens, self.positions, self.slots, self.marks, self.tree = views
+            if flash.MIN_TOKENS <= n:  # a prompt piece (or a chain's wide verify block): the tensor-core attention
+                if tree is not None:
+                    raise ValueError(f"a draft tree's verify block of {n} tokens is wider than a tree's")
+                self.tree = None
         else:
             for name, host in inputs.items():
                 setattr(self, name, cuda.to_device(np.ascontiguousarray(host, np.int32), stream=self.stream))
+            self.marks = cuda.to_device(np.ascontiguousarray(marks, np.int32), stream=self.stream)
+            self.tree = None if tree is None else cuda.to_device(np.ascontiguousarray(tree), stream=self.stream)
         if mark:
             self.mark_slots()
 
@@ -377,8 +397,8 @@ class CudaOps:
         return self._one_dev[0:1]
 
     def mark_slots(self) -> None:
-        """The step's slots hold its positions in the device slot map."""
-        attention.set_slot_pos(self.pool.d_slot_pos, self.slots, self.positions, stream=self.stream)
+        """The step's slots hold their positions (`marks`) in the device slot map."""
+        attention.set_slot_pos(self.pool.d_slot_pos, self.slots, self.marks, stream=self.stream)
 
     def _empty(self, n: int, width: int):
         return self._alloc((n, width), np.float32)
@@ -613,7 +633,7 @@ class CudaOps:
         parts = attention.partials(n, spec.n_head, spec.n_kv_head, spec.head_dim, pool.size, self._alloc)
         out = self._empty(n, spec.n_head * spec.head_dim)
         attention.attend(q, pool.k[layer], pool.v[layer], pool.d_slot_pos, self.tables, self.positions, window,
-                         layer_rope.attn_scale, parts, out, stream=s, one_sequence=self.one_sequence)
+                         layer_rope.attn_scale, parts, out, stream=s, one_sequence=self.one_sequence, tree=self.tree)
         return out
 
     def add(self, x, y):
@@ -645,6 +665,9 @@ def _interleavable(g: PackedMatrix, u: PackedMatrix) -> bool:
 class CudaBackend(RunAhead):
     name = "cuda"
     prefill_chunk = 512  # tokens per prefill forward: each reads every weight once (no score matrix here)
+    # a draft tree's verify block: its graph's width (a multiple of VERIFY_STEP) stays below the tensor-core
+    # attention's queries, which take no tree masks
+    max_tree_block = (flash.MIN_TOKENS - 1) // VERIFY_STEP * VERIFY_STEP
 
     def __init__(self, g: GGUFFile, spec: ModelSpec, kv_dtype: str = "f16", pool_size: int | None = None,
                  use_graph: bool | None = None, max_rows: int = 1, spark: SparkOptions | None = None):
@@ -806,6 +829,48 @@ class CudaBackend(RunAhead):
             graph.capture(tokens, positions, slots)  # and from now on replayed, this first time too
         return graph.replay_rows(n, [], first=width - n)[0]
 
+    def forward_tree(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, ancestors: np.ndarray,
+                     table: np.ndarray, greedy: bool = False) -> np.ndarray:
+        """A draft tree's verify block of one sequence, as the CPU backend's `forward_tree` (which see): the logits
+        [n, vocab] on the host, or with `greedy` each row's argmax (int32 [n], taken on the device). The verify graph
+        of its width's bucket replays it (padding first, as `forward_argmax`'s), its masks in the graph's fixed
+        buffers (CudaOps.begin_step); without graphs it runs eagerly."""
+        n = len(tokens)
+        if not 1 < n <= self.max_tree_block:
+            raise ValueError(f"a draft tree's verify block of {n} tokens (2 to {self.max_tree_block})")
+        marks = positions[0] + np.arange(n, dtype=np.int32)
+        tree = attention.tree_rows(int(positions[0]), ancestors)
+        self._chained = False
+        self.pool.assign(slots, marks)
+        graph = self._verify_graph(n)
+        if graph is None:
+            self.ops.begin_step(tokens, positions, slots, tables=[table], marks=marks, tree=tree)
+            logits = self._forward_eager(tokens, positions, slots, all_logits=True)
+            if greedy:
+                return self._argmax_rows(logits, n)
+            out = logits.copy_to_host(stream=self.stream)
+            self.stream.synchronize()
+            return out
+        width = graph.n_tokens
+        pad = width - n
+        tokens, positions, slots = self._padded(width, tokens, positions, slots, first=True)
+        marks = np.concatenate([np.full(pad, -1, np.int32), marks])
+        padding = attention.tree_rows(attention.NOT_IN_TREE, np.zeros(pad, np.int64))
+        self.ops.begin_step(tokens, positions, slots, mark=not graph.ready, tables=[table], marks=marks,
+                            tree=np.concatenate([padding, tree], axis=1))
+        self.pool.padded_by(n)
+        if not graph.ready:
+            with cuda.defer_cleanup():
+                forward(self.spec, self.weights, self.ops, tokens, positions, slots, all_logits=True)
+            graph.capture(tokens, positions, slots)
+        greedy_tokens, logits = graph.replay_rows(n, [] if greedy else range(pad, width), first=pad)
+        return greedy_tokens if greedy else logits
+
+    def copy_kv(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Every layer's K and V of slots `src` into slots `dst` (see CpuBackend.copy_kv): one launch."""
+        kv_copy.copy_slots(self.pool.kv, cuda.to_device(np.stack([src, dst]).astype(np.int32), stream=self.stream),
+                           stream=self.stream)
+
     def prepare_verify(self, width: int) -> None:
         """Capture the graphs of verify blocks of up to `width` tokens now, each from a forward of padding rows only
         (`_padded`: they see nothing and write the scratch block), so that no speculative round pays a capture
@@ -825,11 +890,14 @@ class CudaBackend(RunAhead):
         n = len(tokens)
         self.pool.assign(slots, positions)
         self.ops.begin_step(tokens, positions, slots, tables=tables)
+        return self._argmax_rows(self._forward_eager(tokens, positions, slots, all_logits=True), n)
+
+    def _argmax_rows(self, logits, n: int) -> np.ndarray:
+        """Each row's argmax of device logits [n, vocab], on the host."""
         if n not in self._argmax_scratch:
             self._argmax_scratch[n] = (cuda.device_array(n, np.int32, stream=self.stream),
                                        sample.argmax_scratch(n, stream=self.stream))
         out, scratch = self._argmax_scratch[n]
-        logits = self._forward_eager(tokens, positions, slots, all_logits=True)
         sample.argmax(logits, self.spec.vocab_size, out, scratch, stream=self.stream)
         tokens_out = out.copy_to_host(stream=self.stream)
         self.stream.synchronize()

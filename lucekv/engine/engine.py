@@ -60,13 +60,12 @@ from lucekv.spec.drafter import Drafter
 from lucekv.spec.gate import Gate, StepClock
 from lucekv.spec.speculator import Speculator
 from lucekv.spec.suffix import RecentOutputs, SuffixDrafter
-from lucekv.spec.tree import MAX_NODES, DraftTree
+from lucekv.spec.tree import DraftTree
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 AUTO_POOL_SHARE = 0.9  # of the GPU memory free after the weights, for the KV pool
 PROMPT_TAIL = RECENT_QUERIES  # a pooled prompt's last tokens, recomputed after the chunks they rank are recalled
 RECALL_ROUNDS = 2  # rank, recall and recompute the tail at most this often per prompt
-MAX_TREE_BLOCK = MAX_NODES + 1  # a draft tree's verify block: the root and its nodes
 
 
 @dataclass(frozen=True)
@@ -1009,7 +1008,7 @@ class _RequestTarget:
 
     def verify_greedy(self, tokens: list[int], start: int, tree: DraftTree | None = None) -> np.ndarray:
         if tree is not None:
-            return np.argmax(self._tree(tokens, start, tree)[:, : self._engine.spec.vocab_size], axis=1)
+            return self._tree(tokens, start, tree, greedy=True)
         out, at = [], 0
         for piece in self._pieces(tokens, start, greedy=True):
             out.append(piece)
@@ -1026,7 +1025,8 @@ class _RequestTarget:
     def tree_width(self, start: int) -> int:
         """With a budget, a tree's block stays in its chunk: a node past it would take the next chunk's block (and
         evict one) before any query of plain decoding reached it."""
-        return CHUNK_TOKENS - start % CHUNK_TOKENS if not self._r.session.paged.holds_all else MAX_TREE_BLOCK
+        widest = self._engine.backend.max_tree_block
+        return min(widest, CHUNK_TOKENS - start % CHUNK_TOKENS) if not self._r.session.paged.holds_all else widest
 
     def keep(self, start: int, path: list[int]) -> None:
         tokens = self._r.session.tokens
@@ -1036,21 +1036,21 @@ class _RequestTarget:
             self._engine.backend.copy_kv(src, dst)
         tokens[start:] = [tokens[start + j] for j in path]
 
-    def _tree(self, tokens: list[int], start: int, tree: DraftTree) -> np.ndarray:
-        """Logits [n, vocab] of a tree's verify block, every node at the root's position plus its depth, seeing its
-        ancestors only (Backend.forward_tree)."""
+    def _tree(self, tokens: list[int], start: int, tree: DraftTree, greedy: bool = False) -> np.ndarray:
+        """Logits [n, vocab] of a tree's verify block (or with `greedy` each node's greedy token), every node at the
+        root's position plus its depth, seeing its ancestors only (Backend.forward_tree)."""
         r, engine = self._r, self._engine
         if r.capture is not None:
             raise ValueError("a dflash turn's target features come from chains, not trees")
         seq = r.session.paged
         slots = self._tree_slots = seq.alloc(start, len(tokens))
         positions = start + tree.depths()
-        logits = engine.backend.forward_tree(np.asarray(tokens, np.int32), positions, slots, tree.ancestors(),
-                                             seq.table())
+        out = engine.backend.forward_tree(np.asarray(tokens, np.int32), positions, slots, tree.ancestors(),
+                                          seq.table(), greedy)
         r.session.tokens.extend(tokens)
         r.computed = max(r.computed, start + len(tokens))
         seq.after_forward(decoded=len(tokens))
-        return logits
+        return out
 
     def _pieces(self, tokens: list[int], start: int, **kw) -> Iterator[np.ndarray]:
         """The forwards of the block, one per chunk it touches (with a budget), each run when the next is asked for."""

@@ -23,7 +23,7 @@ import numpy as np
 
 from lucekv.spec.verify import TargetSampler
 
-MAX_NODES = 63  # a node's ancestors fit one uint64 bit mask with the root's bit
+MAX_NODES = 62  # a node's ancestors fit one int64 bit mask (bits 0..62) with the root's bit
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,12 @@ class DraftTree:
         return d
 
     def ancestors(self) -> np.ndarray:
-        """uint64 [1 + len]: bit i of entry j is set iff block index i is j or one of its ancestors (what j sees of
+        """int64 [1 + len]: bit i of entry j is set iff block index i is j or one of its ancestors (what j sees of
         the block)."""
-        m = np.zeros(1 + len(self), np.uint64)
+        m = np.zeros(1 + len(self), np.int64)
         m[0] = 1
         for j, p in enumerate(self.parents, start=1):
-            m[j] = m[p] | np.uint64(1 << j)
+            m[j] = m[p] | (1 << j)
         return m
 
     def child(self, node: int, token: int) -> int | None:

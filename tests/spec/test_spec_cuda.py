@@ -196,3 +196,87 @@ def test_greedy_with_a_dflash_drafter_beside_a_gpu_target_equals_plain_greedy(mo
         b.forward(np.array(ids[:40], np.int32), np.arange(40, dtype=np.int32), np.arange(40, dtype=np.int32))
     gpu_features, cpu_features = (b.captured for b in backends)
     assert np.max(np.abs(gpu_features - cpu_features)) < 1e-3 * np.max(np.abs(cpu_features))
+
+
+# ---- draft trees (lucekv.spec.tree) ---------------------------------------------------------------------------
+
+
+@needs_kernels
+def test_forward_tree_marks_its_block_by_index_and_hands_its_masks_to_attention(model, monkeypatch):
+    """With a stand-in forward: node j's slot takes position start + j (host and device maps), its query the root's
+    position plus its depth, the attention its ancestor rows; greedy takes each row's argmax on the device. Then an
+    accepted path's K/V moves (copy_kv) as numpy's moves in order."""
+    import lucekv.backends.cuda as cuda_module
+    from lucekv.kernels.cuda.attention import tree_rows
+    from lucekv.spec.tree import DraftTree
+
+    backend = cuda_backend(model, use_graph=False)
+    tree = DraftTree([5, 6, 7, 8], [0, 0, 1, 3])
+    logits = np.random.default_rng(2).standard_normal((5, VOCAB)).astype(np.float32)
+    seen = {}
+
+    def stand_in(spec, weights, ops, tokens, positions, slots, all_logits, **kw):
+        seen["tree"], seen["positions"] = ops.tree.copy_to_host(), ops.positions.copy_to_host()
+        return cuda.to_device(logits)
+    monkeypatch.setattr(cuda_module, "forward", stand_in)
+    start, slots = 100, np.arange(100, 105, dtype=np.int32)
+    got = backend.forward_tree(np.arange(1, 6, dtype=np.int32), start + tree.depths(), slots, tree.ancestors(),
+                               np.array([0, 1], np.int32), greedy=True)
+    assert got.tolist() == np.argmax(logits, axis=1).tolist()
+    assert backend.pool.slot_pos[slots].tolist() == backend.pool.d_slot_pos.copy_to_host()[slots].tolist() == list(
+        range(100, 105))
+    assert seen["positions"].tolist() == [100, 101, 101, 102, 103]
+    np.testing.assert_array_equal(seen["tree"], tree_rows(start, tree.ancestors()))
+    kv = np.random.default_rng(3).standard_normal(backend.pool.kv.shape).astype(backend.pool.kv.dtype)
+    backend.pool.kv.copy_to_device(kv)
+    backend.copy_kv(np.array([102, 104], np.int32), np.array([101, 102], np.int32))  # path [0, 2, 4]
+    kv[:, :, 101] = kv[:, :, 102].copy()
+    kv[:, :, 102] = kv[:, :, 104]
+    np.testing.assert_array_equal(backend.pool.kv.copy_to_host(), kv)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("pool", [None, 512], ids=["whole", "paged"])
+def test_greedy_tree_rounds_on_the_gpu_equal_its_plain_greedy(model, pool):
+    """Tree verify blocks replayed from the verify graphs (masks in their fixed buffers), accepted paths moved."""
+    from tests.spec.test_tree_engine import OracleTreeDrafter
+
+    ids = np.random.default_rng(7).integers(10, 500, 700).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+
+    def run(speculation, reference=None):
+        engine = lucekv.load(model, backend="cuda", kv_dtype="f32", kv_pool=pool, kv_policy="lru")
+        if reference is not None:
+            engine.drafters["suffix-tree"] = lambda: OracleTreeDrafter(reference)
+        out = list(engine.generate(ids, params, speculation=speculation))
+        return [t for d in out for t in d.token_ids], out[-1].usage
+
+    plain, _ = run("off")
+    tree, usage = run("suffix-tree", ids + plain)
+    assert tree == plain
+    assert usage.speculation.rounds < len(plain) / 2
+
+
+@gpu
+@needs_gpu
+def test_a_tree_forward_on_the_gpu_equals_the_cpus(model):
+    """The same tree block after the same context: CUDA (graph replay, and eager) against the CPU backend's logits."""
+    from lucekv.backends.cpu import CpuBackend
+    from lucekv.spec.tree import DraftTree
+    from tests.kernels.test_cuda_kernels import rel_err
+
+    g = open_gguf(model)
+    spec = ModelSpec.from_gguf(g)
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(10, 500, 70).astype(np.int32)
+    tree = DraftTree(rng.integers(10, 500, 11).tolist(), [0, 0, 1, 1, 2, 3, 3, 5, 7, 7, 9])
+    tokens = np.array([int(prefix[-1]), *tree.tokens], np.int32)
+    pos = np.arange(69, dtype=np.int32)
+    slots = 69 + np.arange(len(tokens), dtype=np.int32)
+    table = np.array([0, 1], np.int32)
+    results = []
+    for backend in (CpuBackend(g, spec, "f32", 512), cuda_backend(model), cuda_backend(model, use_graph=False)):
+        backend.forward(prefix[:-1], pos, pos, tables=[table])
+        results.append(backend.forward_tree(tokens, 69 + tree.depths(), slots, tree.ancestors(), table))
+    assert rel_err(results[1], results[0]) <= 1e-3 and rel_err(results[2], results[0]) <= 1e-3

@@ -1,7 +1,9 @@
 """Attention of queries against the KV slot pool, position-exact in slot space (DESIGN §4).
 
 Slot s is visible to a query at position q iff 0 <= slot_pos[s] <= q and, for a sliding window w > 0,
-slot_pos[s] > q - w. Free slots hold slot_pos = -1.
+slot_pos[s] > q - w. Free slots hold slot_pos = -1. A draft tree's verify block (lucekv.spec.tree) adds masks
+(`tree_rows`): its node j sits in the slot of position root + j, and a node's query sees the slots below the root and
+its ancestors' in the block (the split kernel; a tree's block is narrower than the tensor-core kernel's queries).
 
 Each query reads its own sequence's slots (`BlockTables`): the pool's 64-slot blocks a sequence holds, in logical
 order, so that queries of several sequences share a launch (decode rows) and a query's sums run in the same order
@@ -117,15 +119,17 @@ def rope_and_store(q, k, v, positions, slots, rope: Rotary, k_pool, v_pool, q_ou
 
 
 def attend(q, k_pool, v_pool, slot_pos, tables: BlockTables, positions, window: int, scale: float, parts, out,
-           stream=0, one_sequence: bool = False) -> None:
+           stream=0, one_sequence: bool = False, tree=None) -> None:
     """out[n, n_head * head_dim] for queries q [n, n_head * head_dim] at `positions` (int32 [n]), each over its
     sequence's slots (`tables`); parts: `partials(n, n_head, n_kv, head_dim, slots)`. `one_sequence`: every query is
     of one sequence (a prompt's), which the tensor-core kernel may then take.
+    `tree` (device int32 [3, n], or None: `no_tree`): a draft tree's ancestor masks (`tree_rows`), whose queries the
+    split kernel takes (the tensor-core kernel's MIN_TOKENS queries are more than a tree's block holds).
     Pools: float16 or float32 [slots, n_kv, head_dim], rows a multiple of 16 bytes (see `unsupported`).
     """
     n = q.shape[0]
     size, n_kv, head_dim = k_pool.shape
-    if one_sequence and flash.serves(n, k_pool.dtype, head_dim):
+    if one_sequence and tree is None and flash.serves(n, k_pool.dtype, head_dim):
         flash.attend(q, k_pool, v_pool, slot_pos, tables, positions, window, scale, out, stream)
         return
     group = q.shape[1] // head_dim // n_kv
@@ -133,12 +137,47 @@ def attend(q, k_pool, v_pool, slot_pos, tables: BlockTables, positions, window: 
     k_words = k_pool.view(np.uint32).reshape(size * n_kv, -1)  # row s * n_kv + h: slot s, KV head h
     v_words = v_pool.view(np.uint32).reshape(size * n_kv, -1)
     kernel = _split_kernel(4 // k_pool.dtype.itemsize, k_words.shape[1])
-    kernel[(n_kv, part_m.shape[2], n), group * WARP, stream](q, k_words, v_words, slot_pos, tables, positions,
+    tree = no_tree(n) if tree is None else tree
+    kernel[(n_kv, part_m.shape[2], n), group * WARP, stream](q, k_words, v_words, slot_pos, tables, positions, tree,
                                                             window, np.float32(scale), part_m, part_l, part_acc,
                                                             out)
     if part_m.shape[2] > 1:
         _combine[(q.shape[1] // head_dim, n), COMBINE_WARPS * WARP, stream](part_m, part_l,
                                                                             part_acc.reshape(-1, head_dim), out)
+
+
+NOT_IN_TREE = np.iinfo(np.int32).max  # a query's tree base when it is no draft tree's: every slot below it
+_no_trees: dict[int, object] = {}
+
+
+def tree_rows(base: int, ancestors: np.ndarray) -> np.ndarray:
+    """Host int32 [3, n] for `attend`'s `tree`: a draft tree's verify block whose root is at position `base`, node j's
+    K/V in the slot whose slot_pos is base + j, seeing nodes whose bits ancestors[j] (int64, < 2^63) sets and
+    the slots below base; rows (base, low 32 bits, high 32 bits)."""
+    a = np.asarray(ancestors, np.int64)
+    return np.stack([np.full(len(a), base, np.int64), a & 0xFFFFFFFF, a >> 32]).astype(np.uint32).view(np.int32)
+
+
+def no_tree(n: int):
+    """Device int32 [3, n] of queries that are no tree's (kept: a captured graph may hold its address)."""
+    if n not in _no_trees:
+        rows = np.zeros((3, n), np.int32)
+        rows[0] = NOT_IN_TREE
+        _no_trees[n] = cuda.to_device(rows)
+    return _no_trees[n]
+
+
+@cuda.jit(device=True, inline=True)
+def tree_visible(sp, pos, window, tree, t):
+    """slot_visible, and for a draft tree's query (tree[0, t] its root's position): a slot of the tree's block (slot
+    position root + j) only if bit j of its ancestor mask (tree[1, t] low, tree[2, t] high 32 bits) is set."""
+    base = tree[0, t]
+    if sp < base:
+        return slot_visible(sp, pos, window)
+    j = sp - base
+    if j < 32:
+        return (tree[1, t] >> j) & 1 != 0
+    return j < 64 and (tree[2, t] >> (j - 32)) & 1 != 0
 
 
 def unsupported(n_head: int, n_kv_head: int, head_dim: int) -> str | None:
@@ -257,7 +296,8 @@ def _split_kernel(dims_per_word: int, row_words: int):
         else:
             acc[k] += w * bits_f32(word)
 
-    def kernel(q, k_words, v_words, slot_pos, tables, positions, window, scale, part_m, part_l, part_acc, out):
+    def kernel(q, k_words, v_words, slot_pos, tables, positions, tree, window, scale, part_m, part_l, part_acc,
+               out):
         await_grid()
         kvh = cuda.blockIdx.x
         split = cuda.blockIdx.y
@@ -283,7 +323,7 @@ def _split_kernel(dims_per_word: int, row_words: int):
         # visibility: lane i's slot of a tile, the same for every warp of the block (measured on an H200: copying
         # the first tile before its visibility is known was 4% slower)
         sp_next = slot_position(slot_pos, tables, first, start + TILE + lane, end)
-        visible = slot_visible(slot_position(slot_pos, tables, first, start + lane, end), pos, window)
+        visible = tree_visible(slot_position(slot_pos, tables, first, start + lane, end), pos, window, tree, t)
         for d in range(lane, head_dim, WARP):
             qs[q_at + d] = q[t, h * head_dim + d] * scale
         for j in range(lane_dims):
@@ -297,7 +337,7 @@ def _split_kernel(dims_per_word: int, row_words: int):
         for base in range(start, end, TILE):
             n_in = min(TILE, end - base)
             nxt = base + TILE
-            visible_next = slot_visible(sp_next, pos, window)
+            visible_next = tree_visible(sp_next, pos, window, tree, t)
             sp_next = slot_position(slot_pos, tables, first, nxt + TILE + lane, end)  # two tiles ahead
             # every warp is done with the previous tile (its buffer is copied into next); nothing visible in the
             # next tile: it is not copied

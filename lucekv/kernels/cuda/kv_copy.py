@@ -42,6 +42,17 @@ def gather_keys_f32(kv, first_slot: int, out, stream=0) -> None:
                                                      flat_out)
 
 
+def copy_slots(kv, moves, stream=0) -> None:
+    """kv[l, w, moves[1, i]] = kv[l, w, moves[0, i]] for every layer l and w in (K, V), the moves (device int32 [2,
+    m]) made in order: a move reads what the moves before it left (a draft tree's accepted path to its positions:
+    node slots after the ones written, so each is read before any move writes it)."""
+    n_layer, halves, slots = kv.shape[:3]
+    words = _row_words(kv)
+    flat = kv.reshape(n_layer, halves, slots * kv.shape[3] * kv.shape[4]).view(np.uint32)
+    x = 1 if SIMULATOR else blocks(words, THREADS)
+    _copy_slots[(x, n_layer, halves), THREADS, stream](flat, words, moves)
+
+
 def _row_words(kv) -> int:
     """32-bit words in one slot's row (every KV head of one layer and half)."""
     return kv.shape[3] * kv.shape[4] * kv.dtype.itemsize // 4
@@ -83,3 +94,12 @@ def _gather_keys_f32(kv, offset, out):
     layer = cuda.blockIdx.y
     for i in range(cuda.grid(1), out.shape[1], cuda.gridDim.x * cuda.blockDim.x):
         out[layer, i] = np.float32(kv[layer, 0, offset + i])
+
+
+@cuda.jit
+def _copy_slots(kv, words, moves):
+    await_grid()
+    layer, half = cuda.blockIdx.y, cuda.blockIdx.z
+    for c in range(cuda.grid(1), words, cuda.gridDim.x * cuda.blockDim.x):  # one word of a row, every move in order
+        for i in range(moves.shape[1]):
+            kv[layer, half, moves[1, i] * words + c] = kv[layer, half, moves[0, i] * words + c]
