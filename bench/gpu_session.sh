@@ -32,7 +32,8 @@
 #                                      one JSON; CTX 16000 or 32000 (~4 and ~7 min: a call each); needs both models'
 #                                      pieces and .data/niah-corpus.json carried
 #   bash bench/gpu_session.sh spec [WORKLOADS] [qwen15|qwen05]  lucekv bench spec: qwen2.5-coder-1.5b target, 0.5b draft
-#                                      (or the 0.5b alone: suffix and auto), greedy, verify forward ms by width
+#                                      (or the 0.5b alone: suffix, suffix-tree and auto; SPEC_MODES overrides), greedy,
+#                                      verify forward ms by width
 #                                      (matvec rows vs all matmul) and the kernels of a 17-token verify forward,
 #                                      SPEC_N (20) prompts per workload (default code,edit,chat; ~2-3 min each), needs both
 #                                      models' pieces (.models/qwen15.part*, .models/qwen05.part*) and
@@ -132,7 +133,8 @@ spec)
   # MODEL qwen15 (default): the 1.5b with the 0.5b drafting; qwen05: the 0.5b alone (suffix and auto: no smaller
   # drafter shares its tokenizer)
   Q15=/tmp/qwen2.5-coder-1.5b.gguf Q05=/tmp/qwen2.5-coder-0.5b.gguf W=${2:-code,edit,chat}
-  if [ "${3:-qwen15}" = qwen05 ]; then T=$Q05 MODES=suffix,auto DRAFT=; else T=$Q15 MODES=suffix,auto,draft DRAFT="--draft-model $Q05"; fi
+  if [ "${3:-qwen15}" = qwen05 ]; then T=$Q05 MODES=suffix,suffix-tree,auto DRAFT=; else T=$Q15 MODES=suffix,suffix-tree,auto,draft DRAFT="--draft-model $Q05"; fi
+  MODES=${SPEC_MODES:-$MODES}  # suffix-tree: the suffix drafter's trees at the chain's verify width (tau, tok/s)
   [ -f $T ] && [ -f $Q05 ] && [ -f bench/prompts/spec.json ] || { echo "spec: needs $T, $Q05 and bench/prompts/spec.json"; exit 1; }
   # (the JSON's verify_forward_ms: a verify forward's ms by width, products of few tokens as matvec rows vs all
   # tensor-core matmuls; each mode's round_ms / verify_ms / host_ms_per_round against plain decoding's step_ms)
