@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from lucekv.engine.sampling import SamplingParams
-from lucekv.spec.drafter import Drafter
+from lucekv.spec.drafter import Draft, Drafter
 from lucekv.spec.gate import Gate
 from lucekv.spec.tree import DraftTree, accept_tree_greedy, accept_tree_sampled
 from lucekv.spec.verify import TargetSampler, accept_greedy, accept_rejection, accept_sampled
@@ -95,7 +95,8 @@ class Speculator:
         draft = self.drafter.propose(self.max_draft_for(budget))
         tree = None
         if isinstance(draft, DraftTree):  # its first nodes are a tree too (parents come first), and the best ones
-            draft = tree = draft.prefix(target.tree_width(position) - 1)
+            tree = draft.prefix(target.tree_width(position) - 1)
+            draft, tree = (Draft(tree.tokens), None) if tree.is_chain else (tree, tree)  # a chain verifies as one
         inputs = [last, *draft.tokens]
         u = self.usage
         t_verify = time.perf_counter()
@@ -105,12 +106,12 @@ class Speculator:
         if tree is not None:
             path, tokens = (accept_tree_greedy(tree, verified) if host is None
                             else accept_tree_sampled(tree, verified, host))
-        elif host is None:
-            tokens = accept_greedy(draft, verified)
         else:
-            accept = accept_sampled if draft.probs is None else accept_rejection
-            tokens = accept(draft, host(verified))
-        path = path if tree is not None else list(range(len(tokens)))  # block indices of `last` and the accepted
+            if host is None:
+                tokens = accept_greedy(draft, verified)
+            else:
+                tokens = (accept_sampled if draft.probs is None else accept_rejection)(draft, host(verified))
+            path = list(range(len(tokens)))  # the block indices of `last` and the accepted drafts
         logits = None if host is None else np.stack([verified[j] for j in path])
         target.keep(position, path)
         self.drafter.accept(tokens)

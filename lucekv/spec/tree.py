@@ -47,6 +47,11 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def is_chain(self) -> bool:
+        """Each node the child of the one before (no node at all included)."""
+        return self.parents == list(range(len(self)))
+
     def prefix(self, n: int) -> DraftTree:
         """Its first n nodes: a tree too, as parents come first."""
         return self if n >= len(self) else DraftTree(self.tokens[:n], self.parents[:n])

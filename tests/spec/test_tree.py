@@ -18,6 +18,7 @@ def test_depths_ancestors_and_children():
     assert tree.prefix(3) == DraftTree([5, 6, 7], [0, 0, 1])
     chain = DraftTree.chain([4, 4, 4])
     assert chain.parents == [0, 1, 2] and chain.depths().tolist() == [0, 1, 2, 3]
+    assert chain.is_chain and DraftTree().is_chain and not tree.is_chain
 
 
 @pytest.mark.parametrize("tokens, parents", [([1, 2], [0, 2]), ([1, 1], [0, 0]), ([1], [])])
