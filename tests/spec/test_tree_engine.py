@@ -136,3 +136,32 @@ def test_the_suffix_tree_mode_is_offered_and_exact_on_repetitive_text(model):  #
     tree, out = generate(engine, ids, "suffix-tree", n=60)
     assert tree == plain
     assert out[-1].usage.speculation.drafter == "suffix-tree"
+
+
+def test_tree_rounds_share_steps_with_other_sequences_decode_rows(model):  # noqa: F811
+    """A greedy tree request (paging), a seeded sampled one and a plain one submitted together: rounds beside the
+    others' decode rows, and each gets its tokens alone (plain decoding's)."""
+    prompts = [prompt(600, seed=20), prompt(80, seed=21), prompt(50, seed=22)]
+    params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)]
+    solo = load(model, 512)
+    alone = [[t for d in solo.generate(ids, p) for t in d.token_ids] for ids, p in zip(prompts, params, strict=True)]
+    references = [ids + out for ids, out in zip(prompts, alone, strict=True)]
+
+    class Oracle(OracleTreeDrafter):
+        def begin(self, tokens, params=None):
+            super().begin(tokens, params)
+            self.reference = next(r for r in references if r[: len(tokens)] == list(tokens))
+
+    engine = load(model, 512, max_batch=4)
+    engine.drafters["suffix-tree"] = lambda: Oracle([])
+    requests = [engine.submit(ids, p, speculation=mode)
+                for ids, p, mode in zip(prompts, params, ("suffix-tree", "suffix-tree", "off"), strict=True)]
+    mixed = 0
+    while engine.has_work:
+        running = [r for r in requests if not r.done and r.started]
+        mixed += any(r.speculating for r in running) and any(r.spec is None and r.n_out for r in running)
+        engine.step()
+    assert [[t for d in r.out for t in d.token_ids] for r in requests] == alone
+    assert mixed > 0 and all(r.out[-1].usage.speculation.rounds > 0 for r in requests[:2])
