@@ -27,6 +27,7 @@ BASE = 0x100000001B3  # odd, so invertible mod 2^64 (the bulk hashing divides by
 MASK = (1 << 64) - 1
 _BULK = 64  # appends of this many tokens or more are hashed with numpy
 TREE_OCCURRENCES = 8  # earlier occurrences of the suffix a tree proposal reads at most
+MIN_PATH_PROB = 0.1  # a tree's paths less likely than this (by the occurrences' shares) are not proposed
 _COMPACT_MIN = 4096  # a table's recent entries merge into its sorted arrays past this many (and half of those)
 
 
@@ -161,16 +162,12 @@ class SuffixIndex:
             start = self._tables[n].get(query.suffix_hash(n))
             if start is None or self.tokens[start - n : start] != q[len(q) - n :]:
                 continue
-            length = n
-            while (length < MAX_MATCH and start - length > 0 and length < len(q)
-                   and self.tokens[start - length - 1] == q[len(q) - length - 1]):
-                length += 1
-            return Match(self, start, length)
+            return Match(self, start, self._match_length(start, n, q))
         return None
 
-    def occurrences(self, query: SuffixIndex, limit: int) -> list[tuple[int, int]]:
-        """Up to `limit` places where this sequence continued one of `query`'s suffix n-grams, as (start, n): the
-        longest n-grams' first, each n's latest first, every start once."""
+    def occurrences(self, query: SuffixIndex, limit: int) -> list[Match]:
+        """Up to `limit` places where this sequence continued one of `query`'s suffix n-grams: the longest n-grams'
+        first, each n's latest first, every start once."""
         q, out, seen = query.tokens, [], set()
         for n in self.ngrams:
             if len(q) < n:
@@ -181,8 +178,16 @@ class SuffixIndex:
                     return out
                 if start not in seen and self.tokens[start - n : start] == q[len(q) - n :]:
                     seen.add(start)
-                    out.append((start, n))
+                    out.append(Match(self, start, self._match_length(start, n, q)))
         return out
+
+    def _match_length(self, start: int, n: int, q: list[int]) -> int:
+        """How far the n tokens before `start` extend backwards as a match of q's suffix (MAX_MATCH at most)."""
+        length = n
+        while (length < MAX_MATCH and start - length > 0 and length < len(q)
+               and self.tokens[start - length - 1] == q[len(q) - length - 1]):
+            length += 1
+        return length
 
     def continuation(self, start: int, k: int, query: SuffixIndex) -> list[int]:
         """k tokens from `start` on. Where they run past this sequence's end and the match is in `query`'s own
@@ -239,8 +244,10 @@ class SuffixDrafter:
     of recent outputs (`RecentOutputs`, server-wide). Draft length grows with the match: k = ceil(per_match * m).
 
     With `tree`, a proposal is a DraftTree of up to max_len nodes: the chain above first, then best-first over what
-    followed the suffix's earlier occurrences (up to TREE_OCCURRENCES of them, weighted by the n-gram they match),
-    a next token's probability being its share of the occurrences that reach it."""
+    followed the suffix's earlier occurrences (up to TREE_OCCURRENCES of them, each continued as far as the chain
+    rule lets its own match: ceil(per_match * its match length)), a next token's probability being its share of
+    the occurrences that reach it, weighted by their match lengths; paths below MIN_PATH_PROB are left out
+    (SuffixDecoding's tree, algorithms.md §4.4)."""
 
     def __init__(self, shared: RecentOutputs | None = None, per_match: float = 1.0, tree: bool = False):
         self.index = SuffixIndex()
@@ -279,8 +286,8 @@ class SuffixDrafter:
     def _tree(self, chain: list[int], budget: int) -> DraftTree:
         if budget <= 0:
             return DraftTree()
-        followers = [(self.index.continuation(start, budget, self.index), n)
-                     for start, n in self.index.occurrences(self.index, TREE_OCCURRENCES)]
+        followers = [(self.index.continuation(m.start, min(budget, math.ceil(self.per_match * m.length)), self.index),
+                      m.length) for m in self.index.occurrences(self.index, TREE_OCCURRENCES)]
 
         def expand(path: Sequence[int]) -> list[tuple[int, float]]:
             d = len(path)
@@ -291,7 +298,7 @@ class SuffixDrafter:
             total = sum(weights.values())
             return [(t, w / total) for t, w in weights.items()]
 
-        return best_first(expand, budget, seed=chain)
+        return best_first(expand, budget, seed=chain, min_prob=MIN_PATH_PROB)
 
     def accept(self, tokens: Sequence[int]) -> None:
         self.index.extend(tokens)

@@ -121,12 +121,13 @@ class _AlongPath:
 Expand = Callable[[Sequence[int]], Sequence[tuple[int, float]]]
 
 
-def best_first(expand: Expand, budget: int, seed: Sequence[int] = ()) -> DraftTree:
+def best_first(expand: Expand, budget: int, seed: Sequence[int] = (), min_prob: float = 0.0) -> DraftTree:
     """The tree of the `budget` most probable paths: `expand(path)` gives the candidate next tokens after a path of
     tokens (from the root) with their probabilities given the path. A path's estimated probability is the product
     along it, so a node never outranks its parent and the chosen set stays a tree (algorithms.md §2.1); ties go to
     the candidate offered first. `seed`: a chain taken first whatever its estimate (the chain drafter's proposal:
-    the tree then holds it; a seed token `expand` does not offer counts as certain)."""
+    the tree then holds it; a seed token `expand` does not offer counts as certain). Paths less probable than
+    `min_prob` are left out."""
     tokens: list[int] = []
     parents: list[int] = []
     paths: list[tuple[int, ...]] = [()]
@@ -136,7 +137,7 @@ def best_first(expand: Expand, budget: int, seed: Sequence[int] = ()) -> DraftTr
 
     def offer(node: int, prob: float) -> None:
         for t, p in offers[node].items():
-            if p > 0:
+            if p > 0 and prob * p >= min_prob:
                 heapq.heappush(heap, (-prob * p, next(arrival), node, t))
 
     def add(parent: int, token: int, prob: float) -> None:
