@@ -125,11 +125,11 @@ class CpuOps:
     def begin_tree(self, table: np.ndarray, slots: np.ndarray, positions: np.ndarray, ancestors: np.ndarray) -> None:
         """A draft tree's verify block (lucekv.spec.tree): token j, at `positions[j]` (the root's plus its depth) and
         written to slots[j], attends to its sequence's slots (table: its blocks in logical order) outside the block
-        and to the block's slots whose bits ancestors[j] sets, at their tokens' positions. Each token is a row of
-        its own: its run of the slots, in logical order as a plain step reads them, with the positions it sees."""
-        self.begin_step(len(slots), [table] * len(slots))
-        self._attended_pos = tree_positions(self.pool.slot_pos, self._slots[: self.runs[0, 1]], slots, positions,
-                                            ancestors).ravel()
+        and to the block's slots whose bits ancestors[j] sets, at their tokens' positions. Every token reads the
+        sequence's slots in logical order, as a plain step reads them, with the positions it sees there
+        (`attended_pos`, [n_tokens, slots])."""
+        self.begin_step(len(slots), [table])
+        self._attended_pos = tree_positions(self.pool.slot_pos, self._slots, slots, positions, ancestors)
 
     @property
     def attended(self) -> np.ndarray:
@@ -138,7 +138,8 @@ class CpuOps:
 
     @property
     def attended_pos(self) -> np.ndarray | None:
-        """The positions of `attended` as the tokens see them where they are not the slot map's (a tree's block)."""
+        """The positions of `attended` as each token sees them ([n_tokens, slots]) where they are not the slot map's
+        (a tree's block)."""
         return self._attended_pos
 
     def matrix(self, t: TensorInfo) -> PackedMatrix:
@@ -242,7 +243,7 @@ class CpuOps:
 
             def heads(k0: int, k1: int) -> None:
                 out[:, k0 * group:k1 * group] = attend_batch(qh[:, k0 * group:k1 * group], k[:, k0:k1], v[:, k0:k1],
-                                                             sp, len(sp), positions, window, rope.attn_scale)
+                                                             sp, sp.shape[-1], positions, window, rope.attn_scale)
             self._split(spec.n_kv_head, heads)
         return out.reshape(len(q), -1)
 

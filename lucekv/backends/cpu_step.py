@@ -132,7 +132,8 @@ class DecodeStep:
                  runs: np.ndarray, n_logits: int, capture_at: np.ndarray | None = None,
                  captured: np.ndarray | None = None, attended_pos: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray]:
-        """attended_pos: the positions the rows see at `attended` (None: the slot map's; a draft tree's block)."""
+        """attended_pos: the positions each row sees at its run of `attended` ([n_rows, run]: a draft tree's block,
+        whose rows share one run; None: the slot map's)."""
         n, n_rows = numba.get_num_threads(), len(tokens)
         self._scratch(n, n_rows)
         x = np.ascontiguousarray(self.embed(tokens), np.float32)
@@ -146,9 +147,10 @@ class DecodeStep:
             kp, vp = kp.view(np.uint16), vp.view(np.uint16)
         a = self.arenas
         args = (a.codes, a.scales, a.table, self.vecs, self.layers, self.attn_scales, self.dims, self.eps, rope_cs,
-                kp, vp, attended,
-                self.pool.slot_pos[attended] if attended_pos is None else np.asarray(attended_pos, np.int32),
-                np.ascontiguousarray(runs, np.int64),
+                kp, vp, attended, self.pool.slot_pos[attended] if attended_pos is None else
+                np.ascontiguousarray(attended_pos, np.int32).reshape(-1), np.ascontiguousarray(runs, np.int64),
+                np.ascontiguousarray(runs[:, 0], np.int64) if attended_pos is None else
+                np.arange(n_rows, dtype=np.int64) * attended_pos.shape[1],
                 np.asarray(positions, np.int64), np.asarray(slots, np.int64), x, self.shared, self.private,
                 self.private_q, self.scores, self.kv_rows, logits, queries,
                 self._no_capture if capture_at is None else capture_at,

@@ -165,3 +165,17 @@ def test_tree_rounds_share_steps_with_other_sequences_decode_rows(model):  # noq
         engine.step()
     assert [[t for d in r.out for t in d.token_ids] for r in requests] == alone
     assert mixed > 0 and all(r.out[-1].usage.speculation.rounds > 0 for r in requests[:2])
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gemma3"])
+def test_tree_rounds_on_moe_and_sliding_window_models_equal_plain_greedy(tmp_path, arch):
+    """An MoE model's forwards go op by op (the tree's nodes as one sequence's rows, each with its own view of the
+    block); gemma3 has sliding-window layers and q/k norms."""
+    from lucekv.model.synth import write_synthetic_gguf
+
+    kw = {"n_expert": 4, "n_expert_used": 2} if arch == "qwen3moe" else {}
+    path = write_synthetic_gguf(tmp_path / f"{arch}.gguf", arch, n_ctx=2048, vocab=VOCAB, **kw)
+    ids = prompt(200, seed=30)
+    plain, _ = generate(load(path, None), ids, n=40)
+    spec, out = generate(with_tree_oracle(load(path, None), ids + plain), ids, "suffix-tree", n=40)
+    assert spec == plain and out[-1].usage.speculation.accepted > 10

@@ -11,8 +11,9 @@ from numba import njit, prange
 
 
 def visible(slot_pos: np.ndarray, positions: np.ndarray, window: int) -> np.ndarray:
-    """Mask [n_queries, n_slots]: which slots each query position may attend to."""
-    sp = slot_pos[None, :]
+    """Mask [n_queries, n_slots]: which slots each query position may attend to. slot_pos [n_slots], or per query
+    [n_queries, n_slots] (a draft tree's nodes, each seeing its own ancestors in the block)."""
+    sp = slot_pos if slot_pos.ndim == 2 else slot_pos[None, :]
     q = positions[:, None]
     mask = (sp >= 0) & (sp <= q)
     if window > 0:
@@ -80,7 +81,7 @@ def attend_batch(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, slot_pos
     v = v_pool[:n_slots].astype(np.float32).transpose(1, 0, 2)  # [kv, slots, d]
     qg = q.reshape(n, n_kv, g, d).transpose(1, 0, 2, 3).reshape(n_kv, n * g, d)
     scores = (qg @ k).reshape(n_kv, n, g, n_slots) * np.float32(scale)
-    mask = visible(slot_pos[:n_slots], positions, window)
+    mask = visible(slot_pos[..., :n_slots], positions, window)
     scores = np.where(mask[None, :, None, :], scores, np.float32(-np.inf))
     v[:, ~mask.any(axis=0)] = 0  # a slot no query sees gets weight 0, and 0 * its bytes must not be NaN
     scores -= scores.max(axis=-1, keepdims=True)

@@ -52,11 +52,12 @@ GELU_C = np.float32(np.sqrt(2.0 / np.pi))
 
 @njit(cache=True, nogil=True)
 def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, eps, rope_cs, k_pool, v_pool,
-                attended, attended_pos, runs, positions, slots, x, shared, private, private_q, scores, kv_rows,
+                attended, attended_pos, runs, pos_at, positions, slots, x, shared, private, private_q, scores, kv_rows,
                 logits, last_q, capture_at, captured):
     """Thread t's part: the rows of x (float32 [n_rows, n_embd], embedded tokens, shared) through every layer. Row r
     is the token at positions[r]: its K/V go into pool slot slots[r] of each layer, it attends over the pool slots
-    attended[runs[r, 0]:runs[r, 1]] (their positions attended_pos[...], in the order given); the logits of the last
+    attended[runs[r, 0]:runs[r, 1]] (as it sees them, at positions attended_pos[pos_at[r]:...], in the order given:
+    the slots' own, or a draft tree node's view of its block); the logits of the last
     logits.shape[0] rows go into `logits`, the post-RoPE q of every row into last_q [n_layer, n_rows, n_head, hd],
     and where capture_at[layer] = i >= 0 the layer's output rows into captured[i] ([n_capture, n_rows, n_embd]).
     A row's numbers are a function of its own token, position and slots: the same in any batch of rows, whichever
@@ -119,8 +120,9 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
                 widen_rows(k_pool[layer], attended[at:stop], kvh, kv_rows[t, 0, :n_slots])
                 widen_rows(v_pool[layer], attended[at:stop], kvh, kv_rows[t, 1, :n_slots])
                 loaded_kvh, loaded_at, loaded_stop = kvh, at, stop
-            _attend(q, kv_rows[t, 0, :n_slots], kv_rows[t, 1, :n_slots], attended_pos[at:stop], positions[r],
-                    lt[WINDOW], attn_scales[layer], scores[t, :n_slots], attn[r, head * hd:(head + 1) * hd])
+            seen = attended_pos[pos_at[r]:pos_at[r] + n_slots]
+            _attend(q, kv_rows[t, 0, :n_slots], kv_rows[t, 1, :n_slots], seen, positions[r], lt[WINDOW],
+                    attn_scales[layer], scores[t, :n_slots], attn[r, head * hd:(head + 1) * hd])
             c = _done_claim(work, phase)
         phase = _wait(work, phase, n_rows * n_head)
         # x += [post-norm of] W_o attn
