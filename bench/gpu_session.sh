@@ -38,6 +38,7 @@
 #                                      SPEC_N (20) prompts per workload (default code,edit,chat; ~2-3 min each), needs both
 #                                      models' pieces (.models/qwen15.part*, .models/qwen05.part*) and
 #                                      bench/prompts/spec.json (`lucekv bench spec-prompts -o bench/prompts/spec.json`)
+#   bash bench/gpu_session.sh tree     draft tree verify: the kernel and gpu tests of trees (~2-3 min, no models)
 #   bash bench/gpu_session.sh steps [smollm2|qwen05|8b]  lucekv bench steps in process: TTFT at 16..500 tokens,
 #                                      the decode step at 1..32 concurrent requests and the host time inside it,
 #                                      --gil-probe; peak GPU memory (~1-2 min; smollm2/qwen05 need their pieces)
@@ -111,6 +112,13 @@ tests)
   python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
   python3 -m pytest -q tests/kernels/test_cuda_kernels.py tests/kernels/test_cuda_matmul.py 2>&1 | tail -3
   python3 -m lucekv.bench.cuda_graph_check --n-embd 1024 --n-layer 8 --steps 64 --out "$OUT/graph.json" 2>&1 | tail -20
+  ;;
+tree)
+  # draft tree verify (issue 22): the split kernel with ancestor masks and copy_slots at tiny shapes, then the gpu
+  # tests: tree forward (graph replay and eager) against the CPU's logits, tree rounds equal plain greedy (whole
+  # cache, paging pool) on a synthetic model; ~2-3 min with the compiles, no model pieces needed
+  python3 -m pytest -q tests/kernels/test_cuda_tree.py 2>&1 | tail -3
+  python3 -m pytest -q tests/spec/test_spec_cuda.py -k tree 2>&1 | tee "$OUT/tree_tests.log" | tail -15
   ;;
 models)
   for m in $MODELS; do
