@@ -118,7 +118,7 @@ tree)
   # tests: tree forward (graph replay and eager) against the CPU's logits, tree rounds equal plain greedy (whole
   # cache, paging pool) on a synthetic model; ~2-3 min with the compiles, no model pieces needed
   python3 -m pytest -q tests/kernels/test_cuda_tree.py 2>&1 | tail -3
-  python3 -m pytest -q tests/spec/test_spec_cuda.py -k tree 2>&1 | tee "$OUT/tree_tests.log" | tail -15
+  python3 -m pytest -q tests/spec/test_spec_cuda.py -k "tree or dflash" 2>&1 | tee "$OUT/tree_tests.log" | tail -15
   ;;
 models)
   for m in $MODELS; do

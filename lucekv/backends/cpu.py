@@ -361,22 +361,32 @@ class CpuBackend(RunAhead):
         that path). One token without a table (a draft model's step, the profilers) takes the step too."""
         self.pool.assign(slots, positions)
         self.ops.begin_step(len(tokens), tables)
-        capture = self.capture_layers
         if self.decode_step is not None and (all_logits or (tables is None and len(tokens) == 1)):
-            captured = capture_at = None
-            if capture:
-                captured = np.empty((len(capture), len(tokens), self.spec.n_embd), np.float32)
-                capture_at = np.full(self.spec.n_layer, -1, np.int64)
-                capture_at[list(capture)] = np.arange(len(capture))
-            logits, queries = self.decode_step(np.asarray(tokens), positions, slots, self.ops.attended, self.ops.runs,
-                                               len(tokens) if all_logits else 1, capture_at, captured)
-            self.ops.queries = list(queries)
-            if capture:
-                self.captured = np.concatenate(list(captured), axis=1)
-            return logits
+            return self._step(tokens, positions, slots, len(tokens) if all_logits else 1)
         rows = tables is not None and len(tables) == len(tokens)
+        return self._op_forward(tokens, positions, slots, all_logits or rows)
+
+    def _step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, n_logits: int) -> np.ndarray:
+        """The decode step over the ops' slots (begin_step or begin_tree), the features of `capture_layers` kept."""
+        capture = self.capture_layers
+        captured = capture_at = None
+        if capture:
+            captured = np.empty((len(capture), len(tokens), self.spec.n_embd), np.float32)
+            capture_at = np.full(self.spec.n_layer, -1, np.int64)
+            capture_at[list(capture)] = np.arange(len(capture))
+        logits, queries = self.decode_step(np.asarray(tokens), positions, slots, self.ops.attended, self.ops.runs,
+                                           n_logits, capture_at, captured, self.ops.attended_pos)
+        self.ops.queries = list(queries)
+        if capture:
+            self.captured = np.concatenate(list(captured), axis=1)
+        return logits
+
+    def _op_forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, all_logits: bool
+                    ) -> np.ndarray:
+        """The decoder op by op, the features of `capture_layers` kept."""
+        capture = self.capture_layers
         states: dict[int, np.ndarray] = {}  # (the CPU's ops make new arrays: x is never changed in place)
-        logits = forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, all_logits or rows,
+        logits = forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, all_logits,
                          states.__setitem__ if capture else None)
         if capture:
             self.captured = np.concatenate([states[i] for i in capture], axis=1)
@@ -401,11 +411,9 @@ class CpuBackend(RunAhead):
         self.pool.assign(slots, positions[0] + np.arange(len(slots), dtype=np.int32))
         self.ops.begin_tree(table, slots, positions, ancestors)
         if self.decode_step is not None:
-            logits, queries = self.decode_step(np.asarray(tokens), positions, slots, self.ops.attended, self.ops.runs,
-                                               len(tokens), attended_pos=self.ops.attended_pos)
-            self.ops.queries = list(queries)
+            logits = self._step(tokens, positions, slots, len(tokens))
         else:
-            logits = forward(self.spec, self.weights, self.ops, np.asarray(tokens), positions, slots, True)
+            logits = self._op_forward(tokens, positions, slots, True)
         return np.argmax(logits[:, : self.spec.vocab_size], axis=1).astype(np.int32) if greedy else logits
 
     def copy_kv(self, src: np.ndarray, dst: np.ndarray) -> None:

@@ -842,8 +842,8 @@ class CudaBackend(RunAhead):
         tree = attention.tree_rows(int(positions[0]), ancestors)
         self._chained = False
         self.pool.assign(slots, marks)
-        graph = self._verify_graph(n)
-        if graph is None:
+        graph = None if self.capture_layers else self._verify_graph(n)
+        if graph is None:  # (capturing a dflash turn's features: eagerly, `_forward_eager` copies them out)
             self.ops.begin_step(tokens, positions, slots, tables=[table], marks=marks, tree=tree)
             logits = self._forward_eager(tokens, positions, slots, all_logits=True)
             if greedy:

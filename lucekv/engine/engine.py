@@ -181,6 +181,7 @@ class Engine:
         self._dflash = self._dflash_model(g) if self.spec_config.dflash_drafter is not None else None
         if self._dflash is not None:
             self.drafters["dflash"] = lambda: DFlashDrafter(self._dflash)
+            self.drafters["dflash-tree"] = lambda: DFlashDrafter(self._dflash, tree=True)
         for key in snapshot_store.keys() if snapshot_store is not None else ():
             self.sessions.put(Session(key, None, stored_bytes=snapshot_store.size(key)))
         self.info = EngineInfo(self.spec.name, self.spec.arch.name, g.fingerprint, self.n_ctx,
@@ -293,7 +294,7 @@ class Engine:
         speculator = None if mode == "off" or params.max_tokens == 0 else lambda: self._speculator(mode, session)
         r = Request(ids, params, session, self.tokenizer, self.spec.vocab_size, pin_prefix, self._piece,
                     0 if session.paged.holds_all else PROMPT_TAIL, speculator, keep)
-        if speculator is not None and mode == "dflash":  # the session's drafter sees the target's features
+        if speculator is not None and mode.startswith("dflash"):  # the session's drafter sees the target's features
             r.capture = self._session_drafter(mode, session).take_features
         r.submitted = arrived or r.submitted
         return r
@@ -1005,6 +1006,7 @@ class _RequestTarget:
     def __init__(self, engine: Engine, r: Request):
         self._engine, self._r = engine, r
         self._tree_slots = np.zeros(0, np.int32)  # where a tree's verify block went
+        self._tree_features: np.ndarray | None = None  # a dflash turn's target features of it, by block index
 
     def verify_greedy(self, tokens: list[int], start: int, tree: DraftTree | None = None) -> np.ndarray:
         if tree is not None:
@@ -1035,18 +1037,24 @@ class _RequestTarget:
             src, dst = (self._tree_slots[list(idx)] for idx in zip(*moved, strict=True))
             self._engine.backend.copy_kv(src, dst)
         tokens[start:] = [tokens[start + j] for j in path]
+        if self._tree_features is not None:  # the accepted path's features, at its positions
+            self._r.capture(start, self._tree_features[path])
+            self._tree_features = None
 
     def _tree(self, tokens: list[int], start: int, tree: DraftTree, greedy: bool = False) -> np.ndarray:
         """Logits [n, vocab] of a tree's verify block (or with `greedy` each node's greedy token), every node at the
         root's position plus its depth, seeing its ancestors only (Backend.forward_tree)."""
         r, engine = self._r, self._engine
-        if r.capture is not None:
-            raise ValueError("a dflash turn's target features come from chains, not trees")
         seq = r.session.paged
         slots = self._tree_slots = seq.alloc(start, len(tokens))
         positions = start + tree.depths()
-        out = engine.backend.forward_tree(np.asarray(tokens, np.int32), positions, slots, tree.ancestors(),
-                                          seq.table(), greedy)
+        b = engine.backend
+        b.capture_layers = engine._dflash.spec.target_layers if r.capture is not None else ()
+        try:
+            out = b.forward_tree(np.asarray(tokens, np.int32), positions, slots, tree.ancestors(), seq.table(), greedy)
+        finally:
+            capture, b.capture_layers = b.capture_layers, ()
+        self._tree_features = b.captured if capture else None
         r.session.tokens.extend(tokens)
         r.computed = max(r.computed, start + len(tokens))
         seq.after_forward(decoded=len(tokens))

@@ -54,6 +54,7 @@ SPECULATION_MODES: Mapping[int, str | None] = {
     pb.SPECULATION_MODE_DRAFT: "draft",
     pb.SPECULATION_MODE_DFLASH: "dflash",
     pb.SPECULATION_MODE_SUFFIX_TREE: "suffix-tree",
+    pb.SPECULATION_MODE_DFLASH_TREE: "dflash-tree",
 }
 
 

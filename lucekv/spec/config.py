@@ -8,8 +8,9 @@ from pathlib import Path
 from lucekv.errors import ConfigError, InvalidRequestError
 
 # off: plain decoding; auto: the gate decides, round by round, whether the suffix drafter pays; suffix / draft /
-# dflash: always that drafter; suffix-tree: the suffix drafter's trees (several candidates per depth, lucekv.spec.tree)
-MODES = ("off", "auto", "suffix", "suffix-tree", "draft", "dflash")
+# dflash: always that drafter; suffix-tree / dflash-tree: that drafter's trees (several candidates per depth,
+# lucekv.spec.tree)
+MODES = ("off", "auto", "suffix", "suffix-tree", "draft", "dflash", "dflash-tree")
 MAX_DRAFT = 16  # draft tokens a round verifies at most
 
 
@@ -24,7 +25,9 @@ class SpecConfig:
 
     def available(self) -> tuple[str, ...]:
         """The modes a request may ask for."""
-        needs = {"draft": self.draft_model, "dflash": self.dflash_drafter, "suffix-tree": self.tree_verify or None}
+        trees = self.tree_verify or None
+        needs = {"draft": self.draft_model, "dflash": self.dflash_drafter, "suffix-tree": trees,
+                 "dflash-tree": trees and self.dflash_drafter}
         return tuple(m for m in MODES if m not in needs or needs[m] is not None)
 
     def check(self) -> SpecConfig:
@@ -50,4 +53,5 @@ class SpecConfig:
 def _needs(mode: str) -> str:
     return {"draft": "a draft model (--draft-model)",
             "dflash": "a DFlash drafter (--dflash-drafter)",
-            "suffix-tree": "a backend that verifies draft trees"}[mode]
+            "suffix-tree": "a backend that verifies draft trees",
+            "dflash-tree": "a DFlash drafter (--dflash-drafter) and a backend that verifies draft trees"}[mode]

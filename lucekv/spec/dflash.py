@@ -48,9 +48,11 @@ from lucekv.model.gguf import GGUFFile, open_gguf
 from lucekv.model.rope import RopeScaling
 from lucekv.spec.draft_model import draft_sampler
 from lucekv.spec.drafter import Draft
+from lucekv.spec.tree import DraftTree, best_first
 
 ARCH = "dflash-draft"
 DRAFT_ARCH = ArchSpec(ARCH, rope_style="neox", qk_norm=True)  # each drafter layer is a Qwen3 layer
+TREE_TOP_K = 4  # a tree proposal's candidates per block slot
 
 
 def default_target_layers(n_target_layer: int, n_capture: int) -> list[int]:
@@ -235,13 +237,19 @@ class DFlashModel:
 
 
 class DFlashDrafter:
-    """One session's DFlash drafter: its context K/V, the target features not yet in it, its sequence."""
+    """One session's DFlash drafter: its context K/V, the target features not yet in it, its sequence.
 
-    name = "dflash"
+    With `tree` (DDTree, algorithms.md §2) a proposal is a DraftTree from the block's per-slot distributions taken
+    as independent: the greedy chain first, then best-first over paths of each slot's TREE_TOP_K most probable
+    tokens, a path's probability the product of its slots' (at any temperature: the tree walk keeps the target's
+    law with deterministic nodes)."""
+
     cheap = False  # a proposal is a forward of the drafter
 
-    def __init__(self, model: DFlashModel):
+    def __init__(self, model: DFlashModel, tree: bool = False):
         self.model = model
+        self.tree = tree
+        self.name = "dflash-tree" if tree else "dflash"
         m = model.spec.model
         self.ctx = ContextKV(m.n_layer, m.n_kv_head * m.head_dim)
         self.seq: list[int] = []
@@ -264,13 +272,15 @@ class DFlashDrafter:
         self.seq = list(tokens)
         self._sampler = draft_sampler(params, self.model.vocab_size)
 
-    def propose(self, max_len: int) -> Draft:
+    def propose(self, max_len: int) -> Draft | DraftTree:
         position = len(self.seq) - 1  # of the last token: the target has computed every one before it
         self._commit(position)
         n = min(max_len, self.model.spec.block_size - 1)
         if n <= 0:
             return Draft()
         logits = self.model.block_logits(self.ctx, self.seq[-1], position)[:n]
+        if self.tree:
+            return block_tree(logits[:, : self.model.vocab_size], max_len)
         if self._sampler is None:
             return Draft(np.argmax(logits[:, : self.model.vocab_size], axis=1).astype(int).tolist())
         probs = np.stack([self._sampler.distribution(row) for row in logits])
@@ -290,3 +300,15 @@ class DFlashDrafter:
             positions = np.array(new, np.int64)
             self.ctx.append(positions, self.model.context_kv(np.stack([self._features[p] for p in new]), positions))
         self._features.clear()
+
+
+def block_tree(logits: np.ndarray, budget: int) -> DraftTree:
+    """The `budget` most probable paths through a block's slots [n, vocab] (slot d's distribution for depth d + 1,
+    whatever the path before it), each slot's TREE_TOP_K best tokens its candidates; the argmax chain first."""
+    z = logits.astype(np.float64)
+    probs = np.exp(z - z.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    top = np.argsort(-probs, axis=1)[:, :TREE_TOP_K]
+    offers = [[(int(t), float(probs[d, t])) for t in top[d]] for d in range(len(probs))]
+    return best_first(lambda path: offers[len(path)] if len(path) < len(offers) else [], budget,
+                      seed=top[:, 0].tolist())

@@ -227,6 +227,44 @@ def test_greedy_with_the_dflash_drafter_equals_plain_greedy(files, pool):
             assert np.max(np.abs(got - k)) < 1e-3 * np.max(np.abs(k))
 
 
+@pytest.mark.parametrize("pool", [None, 512], ids=["whole context", "paged pool"])
+def test_dflash_trees_equal_plain_greedy_and_feed_the_drafter_the_accepted_paths_features(files, pool, monkeypatch):
+    """DDTree on the random drafter, its slots steered (plain decoding's next token second in each, a decoy first):
+    the greedy chain is rejected and the tree's other branches accepted, their K/V moved to their positions. The
+    output is plain greedy's, and the drafter's context K/V holds each position's features (the accepted path's,
+    by position), as a chain turn's does."""
+    target, drafters, _ = files
+    ids = np.random.default_rng(1).integers(10, 500, 600 if pool else 100).tolist()
+    plain, _ = greedy(load(target, drafters[5], pool), ids, "off", n=40)
+    reference = ids + plain
+    block_logits = DFlashModel.block_logits
+
+    def steered(self, ctx, last, position):
+        logits = block_logits(self, ctx, last, position).copy()
+        for slot, row in enumerate(logits):
+            if position + 1 + slot < len(reference):
+                nxt, top = reference[position + 1 + slot], row.max()
+                row[nxt], row[(nxt + 1) % VOCAB] = top + 1.0, top + 1.5
+        return logits
+    monkeypatch.setattr(DFlashModel, "block_logits", steered)
+    contexts = {}
+    for mode in ("dflash", "dflash-tree"):
+        engine = load(target, drafters[5], pool)
+        moves = []
+        copy = engine.backend.copy_kv
+        engine.backend.copy_kv = lambda src, dst, _copy=copy, _moves=moves: (_moves.append(len(src)), _copy(src, dst))
+        spec, usage = greedy(engine, ids, mode, "s", n=40)
+        assert spec == plain
+        assert (usage.speculation.accepted > 10 and len(moves) > 5) if mode == "dflash-tree" else not moves
+        drafter = engine.sessions.get("s").drafters[mode]
+        drafter.propose(0)  # commits the last round's features
+        n = len(ids) + len(spec) - 1
+        assert list(drafter.ctx.positions[: drafter.ctx.n]) == list(range(n))
+        contexts[mode] = drafter.ctx.k[:, :n].copy(), drafter.ctx.v[:, :n].copy()
+    for chain, tree in zip(contexts["dflash"], contexts["dflash-tree"], strict=True):  # (fused in other batches)
+        np.testing.assert_allclose(tree, chain, rtol=0, atol=1e-5 * np.abs(chain).max())
+
+
 def test_a_sessions_next_turn_keeps_the_drafters_context_and_a_restored_one_drafts_without_it(files):
     """A restored session's drafter never saw the first turn's features: it drafts from what it sees from then on
     (the positions of the new prompt's piece), and the output is still plain greedy's."""

@@ -184,9 +184,10 @@ def test_greedy_with_a_dflash_drafter_beside_a_gpu_target_equals_plain_greedy(mo
         return [t for d in out for t in d.token_ids], out[-1].usage
 
     plain, _ = run("off")
-    spec, usage = run("dflash")
-    assert spec == plain
-    assert usage.speculation.rounds >= 20
+    for mode in ("dflash", "dflash-tree"):  # (a tree block's features: captured eagerly too)
+        spec, usage = run(mode)
+        assert spec == plain
+        assert usage.speculation.rounds >= 20
     from lucekv.backends.cpu import CpuBackend
 
     g = open_gguf(model)

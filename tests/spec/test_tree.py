@@ -208,3 +208,13 @@ def test_tree_nodes_are_numbered_parents_first():
         t = d.propose(16)
         assert all(p < j for j, p in enumerate(t.parents, start=1))
         assert len(set(zip(t.parents, t.tokens, strict=True))) == len(t)
+
+
+def test_a_dflash_block_tree_holds_the_argmax_chain_then_the_most_probable_paths():
+    from lucekv.spec.dflash import block_tree
+
+    logits = np.log(np.array([[0.6, 0.3, 0.1, 0.0 + 1e-9], [0.5, 0.4, 0.05, 0.05]]))
+    tree = block_tree(logits, 4)
+    assert tree.tokens[:2] == [0, 0] and tree.parents[:2] == [0, 1]
+    # then 0 -> 1 (0.6 * 0.4 = 0.24) and 1 (0.3), by probability: 1 at the root first
+    assert tree.tokens[2:] == [1, 1] and tree.parents[2:] == [0, 1]

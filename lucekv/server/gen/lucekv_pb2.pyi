@@ -16,6 +16,7 @@ class SpeculationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATION_MODE_DRAFT: _ClassVar[SpeculationMode]
     SPECULATION_MODE_DFLASH: _ClassVar[SpeculationMode]
     SPECULATION_MODE_SUFFIX_TREE: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_DFLASH_TREE: _ClassVar[SpeculationMode]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -30,6 +31,7 @@ SPECULATION_MODE_SUFFIX: SpeculationMode
 SPECULATION_MODE_DRAFT: SpeculationMode
 SPECULATION_MODE_DFLASH: SpeculationMode
 SPECULATION_MODE_SUFFIX_TREE: SpeculationMode
+SPECULATION_MODE_DFLASH_TREE: SpeculationMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
