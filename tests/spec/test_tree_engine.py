@@ -175,7 +175,7 @@ def test_tree_rounds_on_moe_and_sliding_window_models_equal_plain_greedy(tmp_pat
 
     kw = {"n_expert": 4, "n_expert_used": 2} if arch == "qwen3moe" else {}
     path = write_synthetic_gguf(tmp_path / f"{arch}.gguf", arch, n_ctx=2048, vocab=VOCAB, **kw)
-    ids = prompt(200, seed=30)
-    plain, _ = generate(load(path, None), ids, n=40)
-    spec, out = generate(with_tree_oracle(load(path, None), ids + plain), ids, "suffix-tree", n=40)
-    assert spec == plain and out[-1].usage.speculation.accepted > 10
+    ids = prompt(100, seed=30)
+    plain, _ = generate(load(path, None), ids, n=24)
+    spec, out = generate(with_tree_oracle(load(path, None), ids + plain), ids, "suffix-tree", n=24)
+    assert spec == plain and out[-1].usage.speculation.accepted > 6
