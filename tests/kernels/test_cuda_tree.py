@@ -26,7 +26,7 @@ def tree_attention(tree: DraftTree | None, kv_dtype, seed=0):
     from lucekv.kernels.cuda.attention import BLOCK, BlockTables, attend, partials, tree_rows
 
     n_head, n_kv, d, root = 2, 1, 16, 90
-    width = 1 + len(tree) if tree is not None else 6
+    width = 1 + len(tree) if tree is not None else 4
     rng = np.random.default_rng(seed)
     slot_of = lambda pos: (1 if pos < BLOCK else 0) * BLOCK + pos % BLOCK  # noqa: E731  (blocks [1, 0])
     slot_pos = np.full(2 * BLOCK, -1, np.int32)
@@ -67,7 +67,7 @@ def test_split_attention_sees_the_context_and_each_nodes_ancestors_only():
 
 @needs_kernels
 def test_a_chain_through_the_masks_equals_the_position_rule():
-    got, ref = tree_attention(DraftTree.chain(range(5)), np.float16)
+    got, ref = tree_attention(DraftTree.chain(range(3)), np.float16)
     plain, _ = tree_attention(None, np.float16)
     np.testing.assert_array_equal(got, plain)
     assert rel_err(got, ref) <= 1e-2
