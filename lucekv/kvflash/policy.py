@@ -29,7 +29,8 @@ import numpy as np
 
 from lucekv.errors import ConfigError
 from lucekv.kvflash.draft import DraftReader, DraftScorer, WithoutAttention, first_scored_layer
-from lucekv.kvflash.pager import UNSCORED, Move, Pager, scores_from_text, scores_text
+from lucekv.kvflash.links import link_round
+from lucekv.kvflash.pager import RECENT_QUERIES, UNSCORED, Move, Pager, scores_from_text, scores_text
 
 POLICIES = ("lru", "quest", "meankey", "draft")
 MISSING = -np.inf  # a sealed chunk without a summary ranks last
@@ -272,13 +273,18 @@ class _PendingReselect:
 
 class Policy:
     """A scorer and its reselect schedule: every tau_eff = max(tau, history/45) decoded tokens a reselect starts,
-    scored in the background; its moves are made `reselect_lag` decoded tokens later."""
+    scored in the background; its moves are made `reselect_lag` decoded tokens later.
 
-    def __init__(self, scorer: Scorer, tau: int = 64):
+    With `links` (the sequence's tokens so far) every reselect has a second round (kvflash.links): the scorer's best
+    chunk stays first, the rest of the budget goes to the chunks sharing the rarest text with it or with the latest
+    RECENT_QUERIES tokens (the question). The draft policy has it."""
+
+    def __init__(self, scorer: Scorer, tau: int = 64, links: Callable[[], Sequence[int]] | None = None):
         if tau <= 0:
             raise ConfigError(f"kv reselect interval tau must be positive, not {tau}")
         self.scorer = scorer
         self.tau = tau
+        self.links = links
         self._decoded_since = 0
         self._pending: _PendingReselect | None = None
 
@@ -333,8 +339,8 @@ class Policy:
         if inputs is None:
             return []
         self._decoded_since = 0
-        self._pending = _PendingReselect(_SCORING.submit(self.scorer.score, inputs), reselect_lag(pager.n_tokens,
-                                                                                                   self.tau))
+        self._pending = _PendingReselect(_SCORING.submit(self._scoring(pager, inputs)),
+                                         reselect_lag(pager.n_tokens, self.tau))
         return []
 
     def reselect_for_prompt(self, pager: Pager, queries: np.ndarray) -> list[Move]:
@@ -346,7 +352,16 @@ class Policy:
         if inputs is None:
             return []
         self._decoded_since = 0
-        return reselect(pager, self.scorer.score(inputs))
+        return reselect(pager, self._scoring(pager, inputs)())
+
+    def _scoring(self, pager: Pager, inputs: Any) -> Callable[[], np.ndarray]:
+        """The reselect's scoring as a call on what it reads, taken now: the scorer's, then the second round's (the
+        sequence's tokens and the evictable chunks as they are now, as the scorer's inputs are)."""
+        if self.links is None:
+            return partial(self.scorer.score, inputs)
+        tokens = list(self.links()[: pager.n_tokens])
+        candidates = np.flatnonzero(~pager.protected_mask())
+        return lambda: link_round(self.scorer.score(inputs), candidates, tokens, RECENT_QUERIES)
 
     def drop_pending(self) -> None:
         """Forget a reselect under way (its chunks changed: the sequence was cut)."""
@@ -370,7 +385,7 @@ def make_policy(name: str, n_kv_head: int, tau: int = 64, drafter: DraftReader |
     if name == "draft":
         if drafter is None or history is None:
             raise ConfigError("kv policy draft needs a drafter model (--kv-drafter)")
-        return Policy(DraftScorer(drafter, history), tau)
+        return Policy(DraftScorer(drafter, history), tau, links=history)
     scorers = {"lru": LruScorer, "quest": lambda: BoundScorer(n_kv_head),
                "meankey": lambda: MeanKeyScorer(n_kv_head)}
     if name not in scorers:

@@ -1,0 +1,85 @@
+"""Lexical links between chunks: a second scoring round that follows the text the first round found (issue 29).
+
+A question names what it asks about, and the scorer ranks first a chunk that holds it; the other chunks the answer
+needs (another value of the same key, the next assignment of a chain of variables, the call of a function defined
+there) repeat some of that text, the way the model itself follows it (its induction heads attend from a repeat to what
+came after the first occurrence), while their own attention from the question may be no stronger than the haystack's.
+So after the first round the rest of the budget goes to the chunks sharing the rarest token n-grams with the first
+round's best chunk or with the question (the latest tokens). Pure bookkeeping on token ids: no model, no keys.
+
+Issue 29's diagnosis (bench/niah_ranks.py, qwen2.5-coder-0.5b at 4K, the draft scorer): the share of a multivalue
+answer's needles whose chunks a 5-block budget holds went from 0.58 to 0.79 over 6 cases; a second round by the
+drafter's own chunk-to-chunk attention did about as well (0.75-0.80) at the cost of a second whole-context pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from lucekv.kvflash.pager import CHUNK_TOKENS
+
+NGRAM = 3  # tokens per n-gram: a name or a number split into pieces, with a token of context
+_MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9], np.uint64)  # n-gram hashing
+
+
+def link_strength(tokens: Sequence[int], n_chunks: int, sources: list[tuple[int, int]]) -> np.ndarray:
+    """float64 [n_chunks]: per chunk, the largest over `sources` (token spans [start, end)) of the rarity of the
+    n-grams it shares with the source, summed; an n-gram's rarity is log(n_chunks / chunks holding it), n-grams counted
+    within a chunk (a source's own chunk gains nothing from itself: sources rank by the first round)."""
+    ids = np.asarray(tokens[: n_chunks * CHUNK_TOKENS], np.int64).astype(np.uint64)
+    out = np.zeros(n_chunks)
+    if len(ids) < NGRAM or n_chunks < 2:
+        return out
+    grams = _hash(ids)
+    start = np.arange(len(grams))
+    inside = start // CHUNK_TOKENS == (start + NGRAM - 1) // CHUNK_TOKENS
+    chunk = (start // CHUNK_TOKENS)[inside]
+    # each (chunk, n-gram) once; then the chunks holding each n-gram
+    pairs = np.unique(np.stack([grams[inside], chunk.astype(np.uint64)]), axis=1)
+    gram, holder = pairs[0], pairs[1].astype(np.int64)
+    distinct, held_by = np.unique(gram, return_counts=True)
+    at = np.searchsorted(distinct, gram)  # each pair's n-gram among the distinct ones
+    rarity = np.log(n_chunks / held_by)
+    for a, b in sources:
+        mine = np.unique(_hash(np.asarray(tokens[a:b], np.int64).astype(np.uint64)))
+        shared = np.isin(gram, mine) & (held_by[at] > 1)
+        strength = np.bincount(holder[shared], weights=rarity[at[shared]], minlength=n_chunks)
+        own = np.arange(a // CHUNK_TOKENS, -(-b // CHUNK_TOKENS))
+        strength[own[own < n_chunks]] = 0
+        np.maximum(out, strength, out=out)
+    return out
+
+
+def link_round(scores: np.ndarray, candidates: np.ndarray, tokens: Sequence[int], question: int) -> np.ndarray:
+    """Scores for the second round: the first round's best candidate first, then the candidates by their link to it
+    or to the last `question` tokens (ties by the first round's order). float64 [len(scores)]; the other chunks
+    (protected ones) keep their scores."""
+    out = np.array(scores, np.float64)
+    cand = candidates[candidates < len(out)]
+    cand = cand[np.isfinite(out[cand])]
+    if len(cand) < 2:
+        return out
+    best = int(cand[np.argmax(out[cand])])
+    n = len(out)
+    end = min(len(tokens), n * CHUNK_TOKENS)
+    sources = [(best * CHUNK_TOKENS, min(end, (best + 1) * CHUNK_TOKENS)), (max(0, end - question), end)]
+    link = link_strength(tokens, n, sources)
+    first = out[cand]
+    tie = (first - first.min()) / (first.max() - first.min() + 1e-300)  # in [0, 1]: below one link unit
+    out[cand] = link[cand] + 1e-3 * tie
+    out[best] = np.inf
+    return out
+
+
+def _hash(ids: np.ndarray) -> np.ndarray:
+    """uint64 [len(ids) - NGRAM + 1]: a hash of each run of NGRAM token ids."""
+    n = len(ids) - NGRAM + 1
+    if n <= 0:
+        return np.zeros(0, np.uint64)
+    h = np.zeros(n, np.uint64)
+    with np.errstate(over="ignore"):
+        for i in range(NGRAM):
+            h = (h ^ ids[i : i + n]) * _MIX[i]
+    return h
