@@ -24,52 +24,54 @@ NGRAM = 3  # tokens per n-gram: a name or a number split into pieces, with a tok
 _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9], np.uint64)  # n-gram hashing
 
 
-def link_strength(tokens: Sequence[int], n_chunks: int, sources: list[tuple[int, int]]) -> np.ndarray:
-    """float64 [n_chunks]: per chunk, the largest over `sources` (token spans [start, end)) of the rarity of the
-    n-grams it shares with the source, summed; an n-gram's rarity is log(n_chunks / chunks holding it), n-grams counted
-    within a chunk (a source's own chunk gains nothing from itself: sources rank by the first round)."""
-    ids = np.asarray(tokens[: n_chunks * CHUNK_TOKENS], np.int64).astype(np.uint64)
-    out = np.zeros(n_chunks)
-    if len(ids) < NGRAM or n_chunks < 2:
+class ChunkGrams:
+    """The n-grams of a sequence's first `n_chunks` chunks (within each chunk; one a chunk holds alone links nothing),
+    each with its rarity over the chunks: log(n_chunks / chunks holding it)."""
+
+    def __init__(self, tokens: Sequence[int], n_chunks: int):
+        self.tokens, self.n_chunks = tokens, n_chunks
+        grams = _hash(np.asarray(tokens[: n_chunks * CHUNK_TOKENS], np.int64).astype(np.uint64))
+        start = np.arange(len(grams))
+        inside = start // CHUNK_TOKENS == (start + NGRAM - 1) // CHUNK_TOKENS
+        pairs = np.unique(np.stack([grams[inside], (start[inside] // CHUNK_TOKENS).astype(np.uint64)]), axis=1)
+        gram, holder = pairs[0], pairs[1].astype(np.int64)  # each (n-gram, chunk) once
+        distinct, held_by = np.unique(gram, return_counts=True)
+        shared = held_by[np.searchsorted(distinct, gram)] > 1
+        self.gram, self.holder = gram[shared], holder[shared]
+        self.rarity = np.log(n_chunks / held_by[np.searchsorted(distinct, self.gram)])
+
+    def strength(self, start: int, end: int) -> np.ndarray:
+        """float64 [n_chunks]: per chunk, the rarity of the n-grams it shares with tokens[start:end], summed (the
+        span's own chunks 0)."""
+        mine = np.unique(_hash(np.asarray(self.tokens[start:end], np.int64).astype(np.uint64)))
+        shared = np.isin(self.gram, mine)
+        out = np.bincount(self.holder[shared], weights=self.rarity[shared], minlength=self.n_chunks)
+        out[start // CHUNK_TOKENS : -(-end // CHUNK_TOKENS)] = 0
         return out
-    grams = _hash(ids)
-    start = np.arange(len(grams))
-    inside = start // CHUNK_TOKENS == (start + NGRAM - 1) // CHUNK_TOKENS
-    chunk = (start // CHUNK_TOKENS)[inside]
-    # each (chunk, n-gram) once; then the chunks holding each n-gram
-    pairs = np.unique(np.stack([grams[inside], chunk.astype(np.uint64)]), axis=1)
-    gram, holder = pairs[0], pairs[1].astype(np.int64)
-    distinct, held_by = np.unique(gram, return_counts=True)
-    at = np.searchsorted(distinct, gram)  # each pair's n-gram among the distinct ones
-    rarity = np.log(n_chunks / held_by)
-    for a, b in sources:
-        mine = np.unique(_hash(np.asarray(tokens[a:b], np.int64).astype(np.uint64)))
-        shared = np.isin(gram, mine) & (held_by[at] > 1)
-        strength = np.bincount(holder[shared], weights=rarity[at[shared]], minlength=n_chunks)
-        own = np.arange(a // CHUNK_TOKENS, -(-b // CHUNK_TOKENS))
-        strength[own[own < n_chunks]] = 0
-        np.maximum(out, strength, out=out)
-    return out
+
+
+def link_strength(tokens: Sequence[int], n_chunks: int, sources: list[tuple[int, int]]) -> np.ndarray:
+    """float64 [n_chunks]: per chunk, the largest over `sources` (token spans [start, end)) of ChunkGrams.strength."""
+    grams = ChunkGrams(tokens, n_chunks)
+    return np.max([grams.strength(a, b) for a, b in sources], axis=0, initial=0.0)
 
 
 def link_round(scores: np.ndarray, candidates: np.ndarray, tokens: Sequence[int], question: int) -> np.ndarray:
-    """Scores for the second round: the first round's best candidate first, then the candidates by their link to it
-    or to the last `question` tokens (ties by the first round's order). float64 [len(scores)]; the other chunks
-    (protected ones) keep their scores."""
+    """Scores for the second round, float64 [len(scores)]: the first round's best candidate first, then the candidates
+    by their link to it or to the question (the last `question` tokens), ties by the first round's order. Chunks not
+    among `candidates` (protected ones) keep their scores."""
     out = np.array(scores, np.float64)
     cand = candidates[candidates < len(out)]
     cand = cand[np.isfinite(out[cand])]
     if len(cand) < 2:
         return out
-    best = int(cand[np.argmax(out[cand])])
     n = len(out)
     end = min(len(tokens), n * CHUNK_TOKENS)
-    sources = [(best * CHUNK_TOKENS, min(end, (best + 1) * CHUNK_TOKENS)), (max(0, end - question), end)]
-    link = link_strength(tokens, n, sources)
+    best = int(cand[np.argmax(out[cand])])
+    link = link_strength(tokens, n, [(best * CHUNK_TOKENS, (best + 1) * CHUNK_TOKENS), (max(0, end - question), end)])
     first = out[cand]
-    tie = (first - first.min()) / (first.max() - first.min() + 1e-300)  # in [0, 1]: below one link unit
-    out[cand] = link[cand] + 1e-3 * tie
-    out[best] = np.inf
+    out[cand] = link[cand] + 1e-3 * (first - first.min()) / (first.max() - first.min() + 1e-300)  # ties: below any
+    out[best] = np.inf  # shared n-gram's rarity
     return out
 
 

@@ -28,9 +28,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from lucekv.errors import ConfigError
-from lucekv.kvflash.draft import DraftReader, DraftScorer, WithoutAttention, first_scored_layer
+from lucekv.kvflash.draft import DRAFT_QUERIES, DraftReader, DraftScorer, WithoutAttention, first_scored_layer
 from lucekv.kvflash.links import link_round
-from lucekv.kvflash.pager import RECENT_QUERIES, UNSCORED, Move, Pager, scores_from_text, scores_text
+from lucekv.kvflash.pager import UNSCORED, Move, Pager, scores_from_text, scores_text
 
 POLICIES = ("lru", "quest", "meankey", "draft")
 MISSING = -np.inf  # a sealed chunk without a summary ranks last
@@ -277,7 +277,7 @@ class Policy:
 
     With `links` (the sequence's tokens so far) every reselect has a second round (kvflash.links): the scorer's best
     chunk stays first, the rest of the budget goes to the chunks sharing the rarest text with it or with the latest
-    RECENT_QUERIES tokens (the question). The draft policy has it."""
+    DRAFT_QUERIES tokens (the question). The draft policy has it."""
 
     def __init__(self, scorer: Scorer, tau: int = 64, links: Callable[[], Sequence[int]] | None = None):
         if tau <= 0:
@@ -361,7 +361,7 @@ class Policy:
             return partial(self.scorer.score, inputs)
         tokens = list(self.links()[: pager.n_tokens])
         candidates = np.flatnonzero(~pager.protected_mask())
-        return lambda: link_round(self.scorer.score(inputs), candidates, tokens, RECENT_QUERIES)
+        return lambda: link_round(self.scorer.score(inputs), candidates, tokens, DRAFT_QUERIES)
 
     def drop_pending(self) -> None:
         """Forget a reselect under way (its chunks changed: the sequence was cut)."""
