@@ -95,7 +95,7 @@ class Engine:
     drives it (the server's engine thread)."""
 
     def __init__(self, path: Path, backend: str = "auto", kv_dtype: str = "f16", n_ctx: int | None = None,
-                 kv_pool: int | str | None = None, kv_policy: str = "quest", kv_tau: int = 64,
+                 kv_pool: int | str | None = None, kv_policy: str = "auto", kv_tau: int = 64,
                  kv_drafter: str | Path | None = None, max_sessions: int = 64, session_host_bytes: int = 16 << 30,
                  snapshot_store: SnapshotStore | None = None, speculation: SpecConfig | None = None,
                  max_batch: int = 64, max_queue: int = 64, step_tokens: int | None = None, kv_cache: int | None = None,
@@ -114,6 +114,7 @@ class Engine:
         max_sessions / session_host_bytes: limits on sessions held in memory and on the host RAM their K/V
         takes; past them idle sessions spill to `snapshot_store` (least recently used first), or, without a
         store, new sessions are refused.
+        kv_policy: "auto" is "draft" with a kv_drafter, else "quest".
         kv_drafter: a small model with the same tokenizer (registry name or GGUF path) that reads the context for
         kv_policy "draft".
         speculation: the default speculation mode and the drafters (default: off).
@@ -136,6 +137,8 @@ class Engine:
         self.n_ctx = min(n_ctx or self.spec.n_ctx, self.spec.n_ctx)
         if max_batch < 1:
             raise ConfigError(f"--max-batch must be >= 1 (got {max_batch})")
+        if kv_policy == "auto":  # issue 29: the drafter's ranking found the needles quest missed
+            kv_policy = "draft" if kv_drafter else "quest"
         # before the backend: on CUDA the target's pool is sized in the GPU memory the drafter leaves
         wanted = prefill_compression is not None or prefill_drafter or (kv_pool and kv_policy == "draft")
         self.compressor = self._compressor(prefill_compression, prefill_threshold,

@@ -73,8 +73,9 @@ class ServeConfig:
         "holds the whole context; 'auto': on CUDA the whole context if it fits in 90%% of the GPU memory free "
         "after the weights, else the largest pool that does; on the CPU backend 'off'", kv_pool_value,
         group="engine", metavar="TOKENS|auto|off")
-    kv_policy: str = setting("quest", "which paged-out chunks come back (draft: a small model's attention, with "
-                             "--kv-drafter)", choices=("lru", "quest", "meankey", "draft"), group="engine")
+    kv_policy: str = setting("auto", "which paged-out chunks come back (draft: a small model's attention, with "
+                             "--kv-drafter; auto: draft with a --kv-drafter, else quest)",
+                             choices=("auto", "lru", "quest", "meankey", "draft"), group="engine")
     kv_tau: int = setting(64, "decoded tokens between reselects", int, group="engine")
     kv_drafter: str = setting("", "the draft policy's model: same tokenizer, e.g. qwen2.5-coder-0.5b for the 1.5b",
                               group="engine", metavar="MODEL")

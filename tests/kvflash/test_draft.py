@@ -104,3 +104,8 @@ def test_a_draft_policy_needs_a_drafter_with_the_same_tokenizer(model, tmp_path)
     other = write_synthetic_gguf(tmp_path / "other.gguf", "llama", n_ctx=4096, vocab=600)
     with pytest.raises(ConfigError, match="tokenizer"):
         lucekv.load(model, backend="cpu", kv_pool=512, kv_policy="draft", kv_drafter=other)
+
+
+def test_the_default_policy_is_draft_with_a_drafter_and_quest_without(model):
+    assert lucekv.load(model, backend="cpu", kv_pool=512, kv_drafter=model).info.kv_policy == "draft"
+    assert lucekv.load(model, backend="cpu", kv_pool=512).info.kv_policy == "quest"

@@ -25,7 +25,7 @@ def test_a_flag_beats_its_variable_which_beats_the_default():
     assert (config.port, config.kv_pool, config.max_streams, config.auth_tokens, config.metrics_port) == \
         (7001, None, 4, Path("/t"), 9100)
     assert (sources["port"], sources["max_streams"], sources["host"]) == ("--port", "LUCEKV_MAX_STREAMS", "default")
-    assert config.engine_options() == {"backend": "auto", "kv_dtype": "f16", "kv_pool": None, "kv_policy": "quest",
+    assert config.engine_options() == {"backend": "auto", "kv_dtype": "f16", "kv_pool": None, "kv_policy": "auto",
                                        "kv_tau": 64, "kv_drafter": "", "kv_cache": None,
                                        "max_batch": 64, "spark_placement": None, "spark_spare": 0,
                                        "spark_promote": 0, "step_tokens": None, "prefill_compression": None,
