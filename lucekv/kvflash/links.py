@@ -7,9 +7,11 @@ came after the first occurrence), while their own attention from the question ma
 So after the first round the rest of the budget goes to the chunks sharing the rarest token n-grams with the first
 round's best chunk or with the question (the latest tokens). Pure bookkeeping on token ids: no model, no keys.
 
-Issue 29's diagnosis (bench/niah_ranks.py, qwen2.5-coder-0.5b at 4K, the draft scorer): the share of a multivalue
-answer's needles whose chunks a 5-block budget holds went from 0.58 to 0.79 over 6 cases; a second round by the
-drafter's own chunk-to-chunk attention did about as well (0.75-0.80) at the cost of a second whole-context pass.
+Issue 29's diagnosis (bench/niah_ranks.py, qwen2.5-coder-0.5b at 4K, the draft scorer, 5 recallable blocks): the
+share of a multivalue answer's needles whose chunks the budget holds went from 0.58 to 0.88 over 6 cases (0.92 is
+the most it can hold), vartrack's from 0.25 to 0.35 over 4; a second round by the drafter's own chunk-to-chunk
+attention, which needs a second whole-context pass, 0.67 and 0.30. A chain is not followed past its second hop: hops
+link to the previous one by a single 3-gram, while the chunks of one source file share many identifiers.
 """
 
 from __future__ import annotations
