@@ -4,14 +4,16 @@ A question names what it asks about, and the scorer ranks first a chunk that hol
 needs (another value of the same key, the next assignment of a chain of variables, the call of a function defined
 there) repeat some of that text, the way the model itself follows it (its induction heads attend from a repeat to what
 came after the first occurrence), while their own attention from the question may be no stronger than the haystack's.
-So after the first round the rest of the budget goes to the chunks sharing the rarest token n-grams with the first
-round's best chunk or with the question (the latest tokens). Pure bookkeeping on token ids: no model, no keys.
+So after the first round's best chunk the rest of the budget goes to the chunks sharing the rarest token n-grams with
+the question (the latest tokens), then to the first round's order. Pure bookkeeping on token ids: no model, no keys.
 
 Issue 29's diagnosis (bench/niah_ranks.py, qwen2.5-coder-0.5b at 4K, the draft scorer, 5 recallable blocks): the
-share of a multivalue answer's needles whose chunks the budget holds went from 0.58 to 0.88 over 6 cases (0.92 is
-the most it can hold), vartrack's from 0.25 to 0.35 over 4; a second round by the drafter's own chunk-to-chunk
-attention, which needs a second whole-context pass, 0.67 and 0.30. A chain is not followed past its second hop: hops
-link to the previous one by a single 3-gram, while the chunks of one source file share many identifiers.
+share of a multivalue answer's needles whose chunks the budget holds went from 0.58 to 0.83 over 6 cases (0.92 is
+the most it can hold); a second round by the drafter's own chunk-to-chunk attention, which needs a second
+whole-context pass, 0.67. Links from the best chunk too reached 0.88, but also filled a multikey pool with the
+distractor needles (they repeat the asked one's phrase), and the answer named one (case 2: 1.0 -> 0.0). Vartrack's
+chain is not followed: each hop repeats only the previous hop's variable, one 3-gram, while the chunks of one source
+file share many identifiers.
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ def link_strength(tokens: Sequence[int], n_chunks: int, sources: list[tuple[int,
 
 def link_round(scores: np.ndarray, candidates: np.ndarray, tokens: Sequence[int], question: int) -> np.ndarray:
     """Scores for the second round, float64 [len(scores)]: the first round's best candidate first, then the candidates
-    by their link to it or to the question (the last `question` tokens), ties by the first round's order. Chunks not
-    among `candidates` (protected ones) keep their scores."""
+    by their link to the question (the last `question` tokens), ties (no link: most) by the first round's order. Chunks
+    not among `candidates` (protected ones) keep their scores."""
     out = np.array(scores, np.float64)
     cand = candidates[candidates < len(out)]
     cand = cand[np.isfinite(out[cand])]
@@ -70,7 +72,7 @@ def link_round(scores: np.ndarray, candidates: np.ndarray, tokens: Sequence[int]
     n = len(out)
     end = min(len(tokens), n * CHUNK_TOKENS)
     best = int(cand[np.argmax(out[cand])])
-    link = link_strength(tokens, n, [(best * CHUNK_TOKENS, (best + 1) * CHUNK_TOKENS), (max(0, end - question), end)])
+    link = link_strength(tokens, n, [(max(0, end - question), end)])
     first = out[cand]
     out[cand] = link[cand] + 1e-3 * (first - first.min()) / (first.max() - first.min() + 1e-300)  # ties: below any
     out[best] = np.inf  # shared n-gram's rarity

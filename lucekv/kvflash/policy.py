@@ -276,8 +276,8 @@ class Policy:
     scored in the background; its moves are made `reselect_lag` decoded tokens later.
 
     With `links` (the sequence's tokens so far) every reselect has a second round (kvflash.links): the scorer's best
-    chunk stays first, the rest of the budget goes to the chunks sharing the rarest text with it or with the latest
-    DRAFT_QUERIES tokens (the question). The draft policy has it."""
+    chunk stays first, then the chunks sharing the rarest text with the latest DRAFT_QUERIES tokens (the question),
+    then the scorer's order. The draft policy has it."""
 
     def __init__(self, scorer: Scorer, tau: int = 64, links: Callable[[], Sequence[int]] | None = None):
         if tau <= 0:
