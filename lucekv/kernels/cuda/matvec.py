@@ -47,6 +47,7 @@ import numpy as np
 
 from lucekv.kernels.cuda._numba import (
     ALIGN_16,
+    SIMULATOR,
     WARP,
     await_grid,
     blocks,
@@ -58,7 +59,6 @@ from lucekv.kernels.cuda._numba import (
     load4,
     load_f32x4,
     load_u32x4,
-    sm_count,
     store4,
     warp_shfl_xor,
     warp_sum,
@@ -217,7 +217,7 @@ def _rows_per_block(shapes: list[tuple[int, str, bool]], n_warps: int, copies: i
     big product's time (measured: 12-warp blocks of 44 rows of a 4096 x 12288 matrix left 38 of 132 SMs idle).
     copies: grid rows of that many blocks each (several-token products); most: the rows a block holds at most;
     resident_warps: the warps an SM holds at the kernel's launch bounds."""
-    slots = sm_count() * max(resident_warps // n_warps, 1)
+    slots = _sm_count() * max(resident_warps // n_warps, 1)
     steps = [max(2 * GROUP[kind], 2 * GATE_ROWS) if gated else 2 * GROUP[kind] for _, kind, gated in shapes]
     for k in range(1, MAX_ROWS_PER_BLOCK + 1):
         per_block = [min(blocks(k * 2 * GROUP[kind], step) * step, most)
@@ -228,6 +228,10 @@ def _rows_per_block(shapes: list[tuple[int, str, bool]], n_warps: int, copies: i
 
 
 @functools.cache
+def _sm_count() -> int:
+    return 1 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
 # ---- shared pieces: x as two int8 parts, cross-warp sums --------------------------------------------------
 
 
@@ -587,7 +591,7 @@ def token_plan(w: DeviceMatrix, n: int, gated: bool, tokens: int | None = None) 
     step = GROUP[w.kind]
     if gated:
         step = max(step, 2 * GATE_ROWS // TOKEN_WARPS)
-    slots = sm_count() * TOKEN_BLOCKS_PER_SM
+    slots = _sm_count() * TOKEN_BLOCKS_PER_SM
     best = None
     most = 2
     while most <= min(TOKENS_PER_BLOCK[w.kind], tokens or MAX_TOKENS):
@@ -611,7 +615,7 @@ def _per_token_cost(w: DeviceMatrix, n: int) -> float:
     """The cost model's estimate of the one-token kernel's grid rows for n tokens (see token_plan)."""
     n_warps, n_pass = _warps_and_passes(w.cols)
     rows = _rows_per_block([(w.rows, w.kind, False)], n_warps)[0]
-    waves = blocks(n * blocks(w.rows, rows), sm_count() * max(RESIDENT_WARPS_PER_SM // n_warps, 1))
+    waves = blocks(n * blocks(w.rows, rows), _sm_count() * max(RESIDENT_WARPS_PER_SM // n_warps, 1))
     return waves * n_pass * (QUANTIZE_ROWS + rows)
 
 
