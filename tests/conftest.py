@@ -15,8 +15,8 @@ import pytest
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The simulator tests go last: each only waits for its file's child run, which the background thread started
-    at collection; placed last, the other tests run on one core while those children run on the other."""
+    """The simulator tests go last: each only waits for its file's child run, which the background threads started
+    at collection; placed last, the other tests run beside those children instead of waiting for them part-way."""
     items.sort(key=lambda item: item.originalname.endswith("in_simulator"))
 
 

@@ -26,22 +26,30 @@ ROOT = Path(__file__).resolve().parents[2]
 _runs: dict[str, queue.Queue] = {}  # test file -> where its child run, started ahead, leaves its result
 
 
-def start_in_background(test_files: list[str]) -> None:
-    """Run these files' simulator children one after another on a thread, beside the rest of the session: they are
-    single-threaded and take minutes, so on a 2-core machine the second core runs them while the first runs the
-    other tests. `run_in_simulator` then waits for its file's result."""
+def start_in_background(test_files: list[str], workers: int = 2) -> None:
+    """Run these files' simulator children on `workers` threads, beside the rest of the session: they are
+    single-threaded and take minutes (more in all than the other tests), so on a 2-core machine they share the cores
+    with the main run and take both once it is done. `run_in_simulator` then waits for its file's result."""
     results = [(f, queue.Queue(maxsize=1)) for f in test_files]
     for f, result in results:
         _runs[str(Path(f).resolve())] = result
+    todo = queue.SimpleQueue()  # not through _runs: a test takes its queue out of it as it starts waiting
+    for item in results:
+        todo.put(item)
 
-    def run_all() -> None:
-        for f, result in results:  # not through _runs: a test takes its queue out of it as it starts waiting
+    def run_some() -> None:
+        while True:
+            try:
+                f, result = todo.get_nowait()
+            except queue.Empty:
+                return
             try:
                 result.put(_child(f))
             except Exception as e:  # the test raises it rather than wait forever
                 result.put(e)
 
-    threading.Thread(target=run_all, name="simulator-runs", daemon=True).start()
+    for i in range(workers):
+        threading.Thread(target=run_some, name=f"simulator-runs-{i}", daemon=True).start()
 
 
 def run_in_simulator(test_file: str) -> None:
