@@ -8,19 +8,23 @@ import pytest
 from lucekv.engine.sampling import SamplingParams
 from lucekv.snapshot.blob import read_snapshot, write_snapshot
 from lucekv.spec.tree import DraftTree
-from tests.spec.test_spec_engine import POOLS, VOCAB, generate, load, model, prompt  # noqa: F401  (model: a fixture)
+from tests.spec.test_spec_engine import (  # noqa: F401  (model: a fixture)
+    POOLS,
+    VOCAB,
+    OracleDrafter,
+    generate,
+    load,
+    model,
+    prompt,
+)
 
 
-class OracleTreeDrafter:
+class OracleTreeDrafter(OracleDrafter):
     name = "oracle-tree"
     cheap = False
 
     def __init__(self, reference: list[int], longest: int = 7):
-        self.reference, self.longest = reference, longest
-        self.proposals = 0
-
-    def begin(self, tokens, params=None):
-        self.seq = list(tokens)
+        super().__init__(reference, longest)
 
     def propose(self, max_len):
         """Depth d: a decoy child of the path's node, then the path's own (up to max_len nodes in all)."""
@@ -37,12 +41,6 @@ class OracleTreeDrafter:
                     parents.append(node)
             node = len(tokens)
         return DraftTree(tokens, parents)
-
-    def accept(self, tokens):
-        self.seq += list(tokens)
-
-    def end(self):
-        pass
 
 
 def with_tree_oracle(engine, reference, **kw):
