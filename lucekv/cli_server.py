@@ -21,7 +21,7 @@ from lucekv.client import DEFAULT_ADDRESS, FINISH_REASON_NAMES, Client, Sampling
 from lucekv.errors import LucekvError
 from lucekv.model.registry import MODELS, TextProgress, is_pulled, pull, resolve_model
 from lucekv.server.app import LucekvServer, serve
-from lucekv.server.config import ServeConfig, add_config_flags, config_from_args, format_config
+from lucekv.server.config import add_config_flags, config_from_args, format_config, settings
 from lucekv.snapshot.store import open_snapshot_store
 from lucekv.spec.config import MODES, SpecConfig
 
@@ -115,7 +115,7 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """lucekv.load keyword arguments from the engine flags (and the speculation flags, where the command has them)."""
-    options = {name: getattr(args, name) for name in ServeConfig().engine_options()}
+    options = {f.name: getattr(args, f.name) for f in settings("engine")}
     if hasattr(args, "spec"):
         options["speculation"] = spec_config(args.spec, args.draft_model, args.dflash_drafter)
     return options
@@ -167,10 +167,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
             store = open_snapshot_store(config.snapshot_store, open_gguf(path).fingerprint,
                                         config.snapshot_ttl_seconds, config.lease_seconds)
-        engine = lucekv.load(path, **config.engine_options(), speculation=spec_config(config.spec, config.draft_model,
-                                                                             config.dflash_drafter),
-                             max_sessions=config.max_sessions,
-                             session_host_bytes=int(config.session_memory_gib * 2**30), snapshot_store=store)
+        speculation = spec_config(config.spec, config.draft_model, config.dflash_drafter)
+        engine = lucekv.load(path, config.engine, speculation=speculation, snapshot_store=store)
     except LucekvError as e:
         print(f"lucekv: error: {e}", file=sys.stderr)
         return 1

@@ -45,7 +45,7 @@ from lucekv.snapshot.blob import KVLayout, Snapshot, SnapshotHeader, chunk_rows
 RESELECT_MARGIN = 1.1  # pooled runs decode 10% past a reselect's moves (tau_eff + its lag), so each includes one
 SHARED_VALUES = 4  # V arrays shared by all chunks
 F16_SIGN_MANTISSA, F16_ONE = 0x83FF, 0x3C00  # float16 bits: sign and mantissa; the exponent of 1.0
-NO_HOST_LIMIT = 1 << 40  # one session at a time, deleted after its run: the default 16 GiB would refuse 128K at 8B
+NO_HOST_LIMIT = 1 << 10  # GiB: one session at a time, deleted after its run: the default 16 GiB would refuse 128K at 8B
 WARMUP_TOKENS = 8
 PAGING_BATCH_CHUNKS = 64
 PAGING_REPEATS = 3
@@ -209,7 +209,7 @@ def config_runs(path: Path, pool: int | None, contexts: list[int], gen_tokens: i
     """The runs of one engine (pool None: the full cache), its KV sizes and backend. A failed run ends the
     configuration (a larger context would fail the same way) and is recorded."""
     label = "pooled" if pool else "full"
-    engine = lucekv.load(path, kv_pool=pool, session_host_bytes=NO_HOST_LIMIT, **options)
+    engine = lucekv.load(path, kv_pool=pool, session_memory_gib=NO_HOST_LIMIT, **options)
     token_bytes = engine.layout.token_bytes
     pool_tokens = pool or -(-engine.n_ctx // CHUNK_TOKENS) * CHUNK_TOKENS
     rng = np.random.default_rng(seed)

@@ -26,6 +26,7 @@ import numpy as np
 
 import lucekv.engine.engine as engine_module
 from lucekv.backends.slots import SlotMap
+from lucekv.engine.config import EngineConfig
 from lucekv.engine.sampling import SamplingParams
 from lucekv.kvflash.pager import CHUNK_TOKENS
 from lucekv.spec.config import SpecConfig
@@ -99,7 +100,8 @@ def instant_engine(model: Path, n_ctx: int, mode_default: str = "off") -> engine
 
     engine_module._make_backend = make
     try:
-        return engine_module.Engine(model, n_ctx=n_ctx, speculation=SpecConfig(mode_default, shared_outputs=False))
+        config = EngineConfig(n_ctx=n_ctx, speculation=SpecConfig(mode_default, shared_outputs=False))
+        return engine_module.Engine(model, config)
     finally:
         engine_module._make_backend = original
 

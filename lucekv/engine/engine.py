@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lucekv.engine.config import EngineConfig
 from lucekv.engine.request import Request
 from lucekv.engine.sampling import SamplingParams
 from lucekv.engine.scheduler import Scheduler, SchedulerConfig
@@ -40,7 +41,7 @@ from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
 from lucekv.model.tokenizer import Tokenizer
 from lucekv.pflash import PromptAlias
-from lucekv.pflash.compressor import DEFAULT_THRESHOLD, PromptCompressor
+from lucekv.pflash.compressor import PromptCompressor
 from lucekv.pflash.selection import check_keep_ratio
 from lucekv.snapshot.blob import (
     FLAG_PARTIAL,
@@ -53,7 +54,6 @@ from lucekv.snapshot.blob import (
     write_snapshot,
 )
 from lucekv.snapshot.store import SnapshotStore, check_session_id
-from lucekv.spec.config import SpecConfig
 from lucekv.spec.dflash import DFlashDrafter, DFlashModel
 from lucekv.spec.draft_model import DraftModel, DraftModelDrafter, check_same_vocabulary
 from lucekv.spec.drafter import Drafter
@@ -94,78 +94,52 @@ class Engine:
     once; `generate` is the form for one caller, stepping until its request is done. Not thread-safe: one thread
     drives it (the server's engine thread)."""
 
-    def __init__(self, path: Path, backend: str = "auto", kv_dtype: str = "f16", n_ctx: int | None = None,
-                 kv_pool: int | str | None = None, kv_policy: str = "auto", kv_tau: int = 64,
-                 kv_drafter: str | Path | None = None, max_sessions: int = 64, session_host_bytes: int = 16 << 30,
-                 snapshot_store: SnapshotStore | None = None, speculation: SpecConfig | None = None,
-                 max_batch: int = 64, max_queue: int = 64, step_tokens: int | None = None, kv_cache: int | None = None,
-                 spark_placement: Path | None = None, spark_spare: int = 0, spark_promote: int = 0,
-                 prefill_compression: float | None = None, prefill_threshold: int = DEFAULT_THRESHOLD,
-                 prefill_drafter: str | Path | None = None, prefill_drafter_layers: int = 0,
-                 layers: int | None = None):
-        """kv_pool: each sequence's residency budget on the device in tokens (a multiple of 64); None holds its whole
-        context; "auto" on the CUDA backend: the whole context if it fits the GPU memory free after the weights,
-        else the largest budget that does (`auto_pool_tokens`); on the CPU backend (whose device memory is host RAM)
-        None.
-        kv_cache: the one pool every sequence borrows its blocks from, in tokens; None: room for max_batch sequences
-        at their budget (on CUDA no more than AUTO_POOL_SHARE of the free GPU memory holds).
-        max_batch, max_queue, step_tokens: the scheduler's limits (SchedulerConfig); step_tokens defaults to the
-        backend's prefill batch.
-        max_sessions / session_host_bytes: limits on sessions held in memory and on the host RAM their K/V
-        takes; past them idle sessions spill to `snapshot_store` (least recently used first), or, without a
-        store, new sessions are refused.
-        kv_policy: "auto" is "draft" with a kv_drafter, else "quest".
-        kv_drafter: a small model with the same tokenizer (registry name or GGUF path) that reads the context for
-        kv_policy "draft".
-        speculation: the default speculation mode and the drafters (default: off).
-        spark_placement / spark_spare / spark_promote: an MoE's experts placed (lucekv.spark, CUDA only): the placement
-        JSON of this model, the spare GPU slots per layer that cache cold experts, and the most placed experts swapped
-        for busier cold ones at each request's end.
-        prefill_compression: the keep ratio of prompts longer than prefill_threshold tokens that do not choose one
-        (lucekv.pflash; None: not compressed). prefill_drafter: the model that selects what they keep (default
-        kv_drafter); with either set, or the draft policy's drafter loaded, requests may ask for compression.
-        prefill_drafter_layers: the compressor's drafter reads with its first layers only (0: all of them).
-        layers: compute only the model's first `layers` layers: a drafter that reads for a scorer, whose keys and
-        queries are the whole model's but whose logits are not (None: all of them)."""
-        self.spec_config = (speculation or SpecConfig()).check()
+    def __init__(self, path: Path, config: EngineConfig | None = None, snapshot_store: SnapshotStore | None = None):
+        """config: the engine's options (lucekv.engine.config; default EngineConfig()). Its kv_pool "auto" on the
+        CUDA backend: the whole context if it fits the GPU memory free after the weights, else the largest budget that
+        does (`auto_pool_tokens`); on the CPU backend (whose device memory is host RAM) None. Its kv_cache None: room
+        for max_batch sequences at their budget (on CUDA no more than AUTO_POOL_SHARE of the free GPU memory holds).
+        Its step_tokens None: the backend's prefill batch. Its kv_policy "auto" is "draft" with a kv_drafter, else
+        "quest". With prefill_compression or prefill_drafter set, or the draft policy's drafter loaded, requests may
+        ask for compression (lucekv.pflash), its drafter prefill_drafter or else kv_drafter.
+        snapshot_store: where idle sessions spill past the session limits (least recently used first); without one,
+        new sessions past them are refused."""
+        config = (config or EngineConfig()).check()
         self.path = Path(path)
         g = open_gguf(path)
         self.spec = ModelSpec.from_gguf(g)
-        if layers is not None:
-            self.spec = _first_layers(g, self.spec, layers)
+        if config.layers is not None:
+            self.spec = _first_layers(g, self.spec, config.layers)
         self.tokenizer = Tokenizer.from_metadata(g.metadata)
-        self.n_ctx = min(n_ctx or self.spec.n_ctx, self.spec.n_ctx)
-        if max_batch < 1:
-            raise ConfigError(f"--max-batch must be >= 1 (got {max_batch})")
+        self.n_ctx = min(config.n_ctx or self.spec.n_ctx, self.spec.n_ctx)
+        kv_policy = config.kv_policy
         if kv_policy == "auto":  # issue 29: the drafter's ranking found the needles quest missed
-            kv_policy = "draft" if kv_drafter else "quest"
+            kv_policy = "draft" if config.kv_drafter else "quest"
         # before the backend: on CUDA the target's pool is sized in the GPU memory the drafter leaves
-        wanted = prefill_compression is not None or prefill_drafter or (kv_pool and kv_policy == "draft")
-        self.compressor = self._compressor(prefill_compression, prefill_threshold,
-                                           (prefill_drafter or kv_drafter) if wanted else None, backend, kv_dtype,
-                                           prefill_drafter_layers)
-        self.prefill_keep = prefill_compression if prefill_compression != 1 else None  # keeping all: none
-        self.backend, kv_pool = _make_backend(backend, g, self.spec, kv_dtype, self.n_ctx, kv_pool, kv_cache,
-                                              max_batch, _spark_options(g, spark_placement, spark_spare, spark_promote))
-        self._spark_promote = spark_promote > 0
-        self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, kv_tau
-        self.spec_config = replace(self.spec_config, tree_verify=hasattr(self.backend, "forward_tree")).check()
+        prefill_drafter = config.prefill_drafter or config.kv_drafter
+        wanted = config.prefill_compression is not None or config.prefill_drafter or \
+            (config.kv_pool and kv_policy == "draft")
+        self.compressor = self._compressor(config, prefill_drafter if wanted else None)
+        self.prefill_keep = config.prefill_compression if config.prefill_compression != 1 else None  # all: none
+        self.backend, kv_pool = _make_backend(config.backend, g, self.spec, config.kv_dtype, self.n_ctx, config.kv_pool,
+                                              config.kv_cache, config.max_batch, _spark_options(g, config))
+        self._spark_promote = config.spark_promote > 0
+        self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, config.kv_tau
+        self.spec_config = replace(config.speculation, tree_verify=hasattr(self.backend, "forward_tree")).check()
         self._drafter = None
         if kv_pool and kv_policy == "draft":
-            same = self.compressor is not None and (prefill_drafter or kv_drafter) == kv_drafter \
-                and not prefill_drafter_layers
-            self._drafter = self.compressor.reader if same else self._load_drafter(kv_drafter, kv_dtype)
+            same = self.compressor is not None and prefill_drafter == config.kv_drafter \
+                and not config.prefill_drafter_layers
+            self._drafter = self.compressor.reader if same else self._load_drafter(config.kv_drafter, config.kv_dtype)
         self.blocks: BlockPool = self.backend.pool.blocks  # the pool every sequence borrows from
         self.backend.prepare_verify(self.spec_config.max_draft + 1)  # any request may speculate
         self.backend.prepare_prefill()  # a short prompt's first token never waits for a graph's capture
-        step_tokens = step_tokens or self.backend.prefill_chunk
-        self.scheduler = Scheduler(SchedulerConfig(max_batch, max_queue, step_tokens), self)
+        step_tokens = config.step_tokens or self.backend.prefill_chunk
+        self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.max_queue, step_tokens), self)
         self.layout = KVLayout(g.fingerprint, self.spec.arch.name, self.spec.n_layer, self.spec.n_kv_head,
-                               self.spec.head_dim, kv_dtype, CHUNK_TOKENS)
-        if max_sessions < 1 or session_host_bytes < 0:
-            raise ConfigError(f"session limits must be positive (got {max_sessions} sessions, "
-                              f"{session_host_bytes} bytes)")
-        self.max_sessions, self.session_host_bytes, self.store = max_sessions, session_host_bytes, snapshot_store
+                               self.spec.head_dim, config.kv_dtype, CHUNK_TOKENS)
+        self.max_sessions, self.store = config.max_sessions, snapshot_store
+        self.session_host_bytes = int(config.session_memory_gib * 2**30)
         self.sessions = SessionTable()
         self._anonymous: Session | None = self._new_session("")  # the latest request without a session, idle
         self._latest: Session = self._anonymous
@@ -179,7 +153,7 @@ class Engine:
         self.drafters: dict[str, Callable[[], Drafter]] = {"suffix": lambda: SuffixDrafter(recent),
                                                            "suffix-tree": lambda: SuffixDrafter(recent, tree=True)}
         if self.spec_config.draft_model is not None:
-            draft_model = self._draft_model(g, kv_dtype)
+            draft_model = self._draft_model(g, config.kv_dtype)
             self.drafters["draft"] = lambda: DraftModelDrafter(draft_model)
         self._dflash = self._dflash_model(g) if self.spec_config.dflash_drafter is not None else None
         if self._dflash is not None:
@@ -189,10 +163,10 @@ class Engine:
             self.sessions.put(Session(key, None, stored_bytes=snapshot_store.size(key)))
         self.info = EngineInfo(self.spec.name, self.spec.arch.name, g.fingerprint, self.n_ctx,
                                self.spec.vocab_size, self.backend.name, self.spec.n_layer, self.spec.n_embd,
-                               kv_pool or 0, kv_policy if kv_pool else "", max_batch,
+                               kv_pool or 0, kv_policy if kv_pool else "", config.max_batch,
                                self.blocks.n_blocks * CHUNK_TOKENS, self.spec_config.available(), self.spec_config.mode,
-                               self.compressor is not None, prefill_compression or 0.0,
-                               prefill_threshold if self.compressor is not None else 0)
+                               self.compressor is not None, config.prefill_compression or 0.0,
+                               config.prefill_threshold if self.compressor is not None else 0)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -800,22 +774,13 @@ class Engine:
         shared = self.backend.weights if self.backend.name == "cpu" else None
         return DFlashModel(self.spec_config.dflash_drafter, self.spec, target, shared, CpuDraftOps)
 
-    def _compressor(self, keep: float | None, threshold: int, model: str | Path | None, backend: str,
-                    kv_dtype: str, layers: int) -> PromptCompressor | None:
-        """The prompt compressor when compression is on by default (keep) or a drafter is named for it."""
-        if keep is not None:
-            try:
-                check_keep_ratio(keep)
-            except ValueError as e:
-                raise ConfigError(f"--prefill-compression: {e}") from None
-        if threshold < 0:
-            raise ConfigError(f"--prefill-threshold must be >= 0 (got {threshold})")
-        if keep is None and not model:
-            return None
+    def _compressor(self, config: EngineConfig, model: str | Path | None) -> PromptCompressor | None:
+        """The prompt compressor, `model` its drafter (None: none)."""
         if not model:
-            raise ConfigError("--prefill-compression needs a drafter: --prefill-drafter (or --kv-drafter) MODEL")
-        return PromptCompressor(self._load_drafter(model, kv_dtype, backend, "prefill compression", layers or None),
-                                threshold)
+            return None
+        reader = self._load_drafter(model, config.kv_dtype, config.backend, "prefill compression",
+                                    config.prefill_drafter_layers or None)
+        return PromptCompressor(reader, config.prefill_threshold)
 
     def _load_drafter(self, model: str | Path | None, kv_dtype: str, backend: str | None = None,
                       use: str = "kv policy draft", layers: int | None = None) -> DraftReader:
@@ -825,8 +790,9 @@ class Engine:
 
         if not model:
             raise ConfigError(f"{use} needs a drafter model (--kv-drafter)")
-        drafter = Engine(resolve_model(str(model)), backend=backend or self.backend.name, kv_dtype=kv_dtype,
-                         n_ctx=self.n_ctx, max_batch=1, layers=layers)
+        config = EngineConfig(backend=backend or self.backend.name, kv_dtype=kv_dtype, n_ctx=self.n_ctx, max_batch=1,
+                              layers=layers)
+        drafter = Engine(resolve_model(str(model)), config)
         if drafter.tokenizer.pieces != self.tokenizer.pieces:
             raise ConfigError(f"the drafter {drafter.spec.name!r} does not share {self.spec.name!r}'s tokenizer")
         if drafter.n_ctx < self.n_ctx:
@@ -898,18 +864,15 @@ class Engine:
                 self._spill(s)
 
 
-def _spark_options(g, placement: Path | None, spare: int, promote: int):
+def _spark_options(g, config: EngineConfig):
     """SparkOptions of --spark-placement (a placement of another model is refused, by name), or None."""
-    if placement is None:
-        if spare or promote:
-            raise ConfigError("--spark-spare and --spark-promote need --spark-placement")
+    if config.spark_placement is None:
         return None
     from lucekv.backends.cuda_spark import SparkOptions
     from lucekv.spark.placement import Placement
 
-    if spare < 0 or promote < 0:
-        raise ConfigError(f"--spark-spare and --spark-promote must be >= 0 (got {spare}, {promote})")
-    return SparkOptions(Placement.load(placement, g.fingerprint), spare, promote)
+    return SparkOptions(Placement.load(config.spark_placement, g.fingerprint), config.spark_spare,
+                        config.spark_promote)
 
 
 def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_pool: int | str | None,

@@ -63,7 +63,7 @@ class LucekvServer:
 async def start_server(engine: Engine, config: ServeConfig) -> LucekvServer:
     """Serve `engine` from the running event loop. Raises ConfigError if the address cannot be bound or a TLS or
     token file cannot be read."""
-    worker = EngineWorker(engine, config.max_queue)
+    worker = EngineWorker(engine, config.engine.max_queue)
     auth = Authenticator.from_file(config.auth_tokens)
     metrics = Metrics(lambda: worker.queued, engine.sessions.infos, engine.info.kv_pool_tokens,
                       lambda: len(engine.scheduler.running))

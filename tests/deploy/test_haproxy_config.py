@@ -16,7 +16,7 @@ import yaml
 from cluster_harness import DEPLOY
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from lucekv.server.config import ServeConfig
+from lucekv.server.config import env_name, settings
 
 CONFIG = DEPLOY / "haproxy" / "haproxy.cfg"
 
@@ -138,9 +138,8 @@ def test_the_kubernetes_manifests_hold_what_a_replicated_deployment_needs():
     assert replicas["terminationGracePeriodSeconds"] > drain
     assert by_kind[("Service", "lucekv-replicas")]["spec"]["clusterIP"] == "None"
     assert ("PodDisruptionBudget", "lucekv") in by_kind
-    settings = by_kind[("ConfigMap", "lucekv-settings")]["data"]
-    names = {"LUCEKV_" + name.upper() for name in ServeConfig.__dataclass_fields__}
-    assert set(settings) <= names  # every variable is one lucekv reads
+    variables = by_kind[("ConfigMap", "lucekv-settings")]["data"]
+    assert set(variables) <= {env_name(f.name) for f in settings()}  # every variable is one lucekv reads
 
 
 def test_the_compose_file_runs_three_gpu_replicas_on_one_redis_behind_the_proxy():

@@ -138,7 +138,7 @@ def test_session_limit_refuses_without_a_store_and_spills_the_oldest_with_one(mo
 
 def test_host_memory_limit_spills_idle_sessions(model):
     # a pool of one whole context (64 blocks): "b" takes blocks back from the idle "a", whose chunks page to host
-    engine = load(model, None, session_host_bytes=1, snapshot_store=MemorySnapshotStore(1 << 30), kv_cache=4096)
+    engine = load(model, None, session_memory_gib=2**-30, snapshot_store=MemorySnapshotStore(1 << 30), kv_cache=4096)
     turn(engine, prompt(2100), "a")
     turn(engine, prompt(2100), "b")  # "a" is partly in host memory, over the 1-byte limit: spilled
     assert {i.session_id: i.state for i in engine.sessions.infos()} == {"a": "stored", "b": "live"}

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import lucekv
 from lucekv.engine.engine import Engine
 from lucekv.server.app import start_server
-from lucekv.server.config import ServeConfig
+from lucekv.server.config import SERVE_ENGINE, ServeConfig
 
 
 def load_engine(path: Path, **options) -> Engine:
@@ -76,7 +77,7 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
         self._thread.start()
-        config = ServeConfig(host="127.0.0.1", port=0, max_queue=max_queued, **settings)
+        config = ServeConfig(host="127.0.0.1", port=0, engine=replace(SERVE_ENGINE, max_queue=max_queued), **settings)
         self.server = self._call(start_server(engine, config))
         self.address = f"127.0.0.1:{self.server.port}"
 
