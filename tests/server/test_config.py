@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import lucekv
 from lucekv.cli import main
 from lucekv.engine.config import EngineConfig
 from lucekv.errors import ConfigError
@@ -95,3 +96,11 @@ def test_print_config_shows_values_and_where_they_came_from(monkeypatch, capsys)
     monkeypatch.setenv("LUCEKV_KV_TAU", "often")
     assert main(["serve", "--print-config"]) == 2
     assert "LUCEKV_KV_TAU='often': expected an integer" in capsys.readouterr().err
+
+
+def test_the_serve_settings_reach_the_engine(tiny_model):
+    config, _ = parse(["--backend", "cpu", "--max-batch", "3", "--max-sessions", "7", "--session-memory-gib", "0.5",
+                       "--max-queue", "5", "--kv-pool", "256", "--kv-policy", "lru"], {})
+    engine = lucekv.load(tiny_model, config.engine)
+    assert (engine.info.max_batch, engine.max_sessions, engine.session_host_bytes, engine.scheduler.config.max_queue,
+            engine.info.kv_pool_tokens, engine.info.kv_policy) == (3, 7, 2**29, 5, 256, "lru")
