@@ -45,7 +45,7 @@ class EngineConfig:
 
     backend: str = setting("auto", "compute backend", choices=("auto", "cpu", "cuda"), group="engine")
     kv_dtype: str = setting("f16", "KV cache storage", choices=("f16", "f32"), group="engine")
-    # each sequence's residency budget on the device, in tokens (a multiple of 64); None holds its whole context
+    # each sequence's residency budget on the device; None ("off") holds its whole context
     kv_pool: int | str | None = setting(
         None, "KV slots kept on the device, in tokens (a multiple of 64); colder chunks page to host RAM. 'off' "
         "holds the whole context; 'auto': on CUDA the whole context if it fits in 90%% of the GPU memory free "
