@@ -24,7 +24,8 @@ def optional_path(value: str) -> Path | None:
 
 
 def optional_int(value: str) -> int | None:
-    return int(value) if value else None
+    """A number, or "off" / "" for none (the help shows an unset value as "off")."""
+    return None if value in ("off", "") else int(value)
 
 
 def flag(name: str) -> str:

@@ -133,7 +133,7 @@ def _metavar(f: Any) -> str | None:
     return "N" if f.metadata["parse"] is int else None
 
 
-_EXPECTED = {int: "an integer", float: "a number", optional_int: "an integer"}
+_EXPECTED = {int: "an integer", float: "a number", optional_int: "an integer or 'off'"}
 
 
 def _parse(parse: Callable[[str], Any], text: str) -> Any:

@@ -47,6 +47,13 @@ def test_every_field_has_a_flag_and_a_variable():
     assert all(sources[name] == "LUCEKV_" + name.upper() for name in given)
 
 
+def test_off_as_the_help_shows_it_turns_an_optional_number_off():
+    config, _ = parse(["--kv-cache", "off", "--metrics-port", "off"], {"LUCEKV_STEP_TOKENS": "off"})
+    assert (config.engine.kv_cache, config.engine.step_tokens, config.metrics_port) == (None, None, None)
+    with pytest.raises(ConfigError, match="expected an integer or 'off'"):
+        parse([], {"LUCEKV_KV_CACHE": "lots"})
+
+
 @pytest.mark.parametrize(("environ", "message"), [
     ({"LUCEKV_PORT": "http"}, "LUCEKV_PORT='http': expected an integer"),
     ({"LUCEKV_BACKEND": "tpu"}, "choose one of auto, cpu, cuda"),
