@@ -589,7 +589,16 @@ class CudaOps:
             matvecs(rows, x, self.stream, norm=None if norm is None else (norm, self.spec.rms_eps))
         for w, ep in products:
             if n > 1 and not self.as_matvec_rows(w, n):
-                matmul(w, x, ep, stream=self.stream)
+                matmul(w, x, ep, stream=self.stream, halves=self._halves(n, w.cols) if w.kind != "f32" else None)
+
+    def _halves(self, n: int, cols: int):
+        """A matmul's scratch for its x as float16 (matmul.stage_halves): one per shape and token count, shared by
+        every product of a forward (they run one after another on the stream)."""
+        pool = self._pools.setdefault("halves", {})
+        key = ((n, cols // 2), np.dtype(np.uint32))
+        if key not in pool:
+            pool[key] = [cuda.device_array(key[0], np.uint32, stream=self.stream)]
+        return pool[key][0]
 
     def as_matvec_rows(self, w: DeviceMatrix, n: int) -> bool:
         """Whether a product of n > 1 tokens runs as matvec rows (weight reads x rows within `matvec_token_rows`). A

@@ -1,14 +1,17 @@
-"""GPU timing of the prefill matmul at Qwen3-8B shapes (Q4_K_M), both block tiles, by prompt length.
+"""GPU timing of the prefill matmul at Qwen3-8B shapes (Q4_K_M), both block tiles, by prompt length, against last
+session's kernel.
 
-    python -m lucekv.bench.matmul_speed [--json OUT] [--tokens 16,64,128,512,2048] [--replays 10]
+    python -m lucekv.bench.matmul_speed [--json OUT] [--tokens 16,64,128,256,512,2048] [--replays 10]
 
-For each shape and token count: µs per product of the 64-token tile (`tile`) and of the 128-token tile
-(`long_tile`, which `matmul` takes from LONG_PROMPT tokens on where its blocks fill the GPU), TFLOP/s (2 rows cols
-n per product), which one `matmul` routes to, and the largest difference between the two tiles' outputs relative
-to the largest output (the same products in another order of k and tiles: float32 sums of float16 operands). Per
-shape, both tiles' error against float64 numpy over the first REF_ROWS rows at one token count. Timing as
-matvec_speed's: launches captured as one CUDA graph and replayed, over enough copies of the matrix that no launch
-reads weights another left in L2; the median over replays, per launch.
+For each shape and token count: µs per product (x rounded to float16 by `stage_halves`, then the product: both
+launches) of the 64-token tile (`tile`) and of the 128-token tile (`long_tile`, which `matmul` takes from
+LONG_PROMPT tokens on where its blocks fill the GPU), and of last session's kernel as routed (`before`: x rounded in
+the tile, `matmul(staged=False)`); TFLOP/s (2 rows cols n per product), which tile `matmul` routes to, the speedup
+as routed (before / routed), and the largest difference between the variants' outputs relative to the largest
+output (the two tiles: the same products in another order of k and tiles; the routed kernel and `before`: 0, the
+same sums). Per shape, every variant's error against float64 numpy over the first REF_ROWS rows at one token
+count. Timing as matvec_speed's: launches captured as one CUDA graph and replayed, over enough copies of the
+matrix that no launch reads weights another left in L2; the median over replays, per product.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ SHAPES = (  # one Qwen3-8B layer's products as CudaOps runs them (k and v stacke
     Shape("attn o       4096x4096 Q4_K", 4096, 4096, Q.Q4_K, 1),
     Shape("attn v       1024x4096 Q6_K", 1024, 4096, Q.Q6_K, 1),
 )
-TILES = {"tile": TOKENS, "long_tile": LONG_TOKENS}
+VARIANTS = ("tile", "long_tile", "before")
 REF_ROWS = 512  # rows of the float64 reference
 REF_TOKENS = 128  # token count of the float64 reference (or the largest asked below it)
 MIN_LAUNCHES = 8  # per captured graph
@@ -49,19 +52,24 @@ def bench_shape(s: Shape, counts: list[int], rng: np.random.Generator, replays: 
     rows = []
     for n in counts:
         xs = [cuda.to_device(rng.standard_normal((n, s.cols)).astype(np.float32)) for _ in mats]
+        halves = [cuda.device_array((n, s.cols // 2), np.uint32) for _ in mats]
         outs = [cuda.device_array((n, s.rows), np.float32) for _ in mats]
+        routed = "long_tile" if tile_tokens(s.rows, n) == LONG_TOKENS else "tile"
         row = {"shape": s.name, "rows": s.rows, "cols": s.cols, "qtype": s.qtype.name, "tokens": n,
-               "routed_to": "long_tile" if tile_tokens(s.rows, n) == LONG_TOKENS else "tile"}
+               "routed_to": routed}
         results = {}
-        for name, tokens in TILES.items():
-            launches = [lambda st, w=mats[k], x=xs[k], y=outs[k], t=tokens: matmul(w, x, y, stream=st, tokens=t)
-                        for k in order]
+        for name in VARIANTS:
+            tokens = {"tile": TOKENS, "long_tile": LONG_TOKENS}.get(name, tile_tokens(s.rows, n))
+            launches = [lambda st, w=mats[k], x=xs[k], h=halves[k], y=outs[k], t=tokens, staged=name != "before":
+                        matmul(w, x, y, stream=st, tokens=t, halves=h, staged=staged) for k in order]
             us = graph_us(stream, launches, replays)
             row[f"{name}_us"], row[f"{name}_tflops"] = us, 2 * s.rows * s.cols * n / (us * 1e6)
             results[name] = outs[0].copy_to_host().astype(np.float64)
         row["long_over_tile"] = row["long_tile_us"] / row["tile_us"]
-        row["tiles_max_rel_diff"] = float(np.max(np.abs(results["long_tile"] - results["tile"]))
-                                          / np.max(np.abs(results["tile"])))
+        row["speedup_as_routed"] = row["before_us"] / row[f"{routed}_us"]
+        top = np.max(np.abs(results["tile"]))
+        row["tiles_max_rel_diff"] = float(np.max(np.abs(results["long_tile"] - results["tile"])) / top)
+        row["routed_vs_before_max_rel_diff"] = float(np.max(np.abs(results[routed] - results["before"])) / top)
         if n == ref_n:
             ref_rows = min(REF_ROWS, s.rows)
             ref = xs[0].copy_to_host().astype(np.float64) @ dequantize_rows(packed, 0, ref_rows).astype(np.float64).T
@@ -69,17 +77,18 @@ def bench_shape(s: Shape, counts: list[int], rng: np.random.Generator, replays: 
                 row[f"{name}_max_rel_err"] = float(np.max(np.abs(got[:, :ref_rows] - ref)) / np.max(np.abs(ref)))
         rows.append(row)
         print(f"{s.name:30s} n {n:5d}: tile {row['tile_us']:8.1f} µs {row['tile_tflops']:6.1f} TFLOP/s, long tile "
-              f"{row['long_tile_us']:8.1f} µs {row['long_tile_tflops']:6.1f} TFLOP/s ({row['long_over_tile']:.2f}x "
-              f"time), tiles differ {row['tiles_max_rel_diff']:.1e}"
-              + (f"; vs float64 {row['tile_max_rel_err']:.1e} / {row['long_tile_max_rel_err']:.1e}"
-                 if n == ref_n else ""), flush=True)
+              f"{row['long_tile_us']:8.1f} µs {row['long_tile_tflops']:6.1f} TFLOP/s, before ({routed}) "
+              f"{row['before_us']:8.1f} µs: {row['speedup_as_routed']:.2f}x as routed; tiles differ "
+              f"{row['tiles_max_rel_diff']:.1e}, routed vs before {row['routed_vs_before_max_rel_diff']:.1e}"
+              + (f"; vs float64 {row['tile_max_rel_err']:.1e} / {row['long_tile_max_rel_err']:.1e} / "
+                 f"{row['before_max_rel_err']:.1e}" if n == ref_n else ""), flush=True)
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--tokens", default="16,64,128,512,2048", help="token counts (prompt lengths)")
+    ap.add_argument("--tokens", default="16,64,128,256,512,2048", help="token counts (prompt lengths)")
     ap.add_argument("--replays", type=int, default=10)
     a = ap.parse_args()
     counts = [int(n) for n in a.tokens.split(",")]
@@ -91,13 +100,15 @@ def main() -> None:
           f"median of {a.replays} graph replays")
     products = [r for s in SHAPES for r in bench_shape(s, counts, rng, a.replays, l2, stream)]
     layer_us = {n: sum(r[f"{r['routed_to']}_us"] for r in products if r["tokens"] == n) for n in counts}
+    before_us = {n: sum(r["before_us"] for r in products if r["tokens"] == n) for n in counts}
     for n, us in layer_us.items():
-        print(f"n {n:5d}: one 8B layer's products {us:8.1f} µs as routed ({36 * us / 1000:.1f} ms for 36 layers)")
+        print(f"n {n:5d}: one 8B layer's products {us:8.1f} µs as routed ({36 * us / 1000:.1f} ms for 36 layers), "
+              f"before {before_us[n]:8.1f} µs ({before_us[n] / us:.2f}x)")
     write_json(a.json, {"bench": "matmul_speed", "commit": git_commit(), "device": device_name(dev),
                         "command": "python -m lucekv.bench.matmul_speed --tokens " + a.tokens,
                         "model": "random weights, qwen3-8b shapes", "replays": a.replays, "tile_tokens": TOKENS,
                         "long_tile_tokens": LONG_TOKENS, "long_prompt": LONG_PROMPT, "products": products,
-                        "layer_us_as_routed": layer_us})
+                        "layer_us_as_routed": layer_us, "layer_us_before": before_us})
 
 
 if __name__ == "__main__":

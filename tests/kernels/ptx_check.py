@@ -84,8 +84,10 @@ CHECKS = {
     "set_slot_pos": (attention._set_slot_pos, (I1, I1, I1)),
     "argmax": (sample._argmax, (F2, I64, F2, types.int32[:, ::1], I1, I1)),
 }
-for (kind, block, tokens), kernel in matmul._KERNELS.items():
-    CHECKS[f"matmul_{kind}_{block}_t{tokens}"] = (kernel, (QUANTS[kind], I64, F32, F2, EP))
+for (kind, block, tokens, halves), kernel in matmul._KERNELS.items():
+    CHECKS[f"matmul_{kind}_{block}_t{tokens}" + "_halves" * halves] = (kernel, (QUANTS[kind], I64, F32,
+                                                                               U2 if halves else F2, EP))
+CHECKS["matmul_stage_halves"] = (matmul._stage_halves, (F2, I64, I64, U2))
 CHECKS["matmul_f32"] = (matmul._matmul_f32, (F2, F2, EP))
 for kind, quant in (*QUANTS.items(), ("f32", _quant(np.float32, np.uint8, np.uint8))):
     CHECKS[f"embed_{kind}"] = (embed._KERNELS[kind], (quant, I1, F32, F2))

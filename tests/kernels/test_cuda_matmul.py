@@ -166,6 +166,31 @@ def test_matmul_long_tile(qtype, rows, cols, n):
 
 
 @needs_kernels
+@pytest.mark.parametrize(("qtype", "tokens"), [(Q.Q4_K, None), (Q.Q5_1, 128)], ids=["q4", "q6-long_tile"])
+def test_x_rounded_once_gives_the_tiles_products_bit_for_bit(qtype, tokens):
+    # x rounded to float16 before the product (stage_halves) or in the tile (staged=False, last session's kernel):
+    # the same staged operands in the same order, so the same float32 sums; both against float64 too
+    from lucekv.kernels.cuda.matmul import matmul
+    from lucekv.kernels.cuda.packed import upload
+
+    m = random_packed(np.random.default_rng(6), qtype, 20, 256 if qtype == Q.Q4_K else 64)
+    x = cuda.to_device(np.random.default_rng(7).standard_normal((5, m.cols)).astype(np.float32))
+    w, outs = upload(m), [cuda.device_array((5, m.rows), np.float32) for _ in range(2)]
+    for staged, out in zip((True, False), outs, strict=True):
+        matmul(w, x, out, tokens=tokens, staged=staged)
+    got, before = (o.copy_to_host() for o in outs)
+    assert np.array_equal(got, before)
+    assert rel_err(got, x.copy_to_host().astype(np.float64) @ dense(m).T) <= 1e-3
+
+
+def test_stage_halves_refuses_a_wrong_scratch():
+    from lucekv.kernels.cuda.matmul import stage_halves
+
+    with pytest.raises(ValueError, match="cols // 2"):
+        stage_halves("q4", np.zeros((2, 64), np.float32), np.zeros((2, 16), np.uint32))
+
+
+@needs_kernels
 def test_matmul_of_tiny_weights_keeps_float16_precision():
     # weights around 1e-6 are float16 subnormals as they are: staged times half_scale they are not
     m = random_packed(np.random.default_rng(4), Q.Q8_0, 20, 64)

@@ -12,8 +12,8 @@ Compatibility shims live here and nowhere else:
 - Bandwidth-bound kernels need instructions numba does not expose, so they get inline PTX here and plain
   Python twins in the simulator: `load_u32x4` / `load_f32x4` (16 bytes per lane in one `ld.global.v4`;
   numba cannot prove the alignment that would let the compiler merge four word loads). `load_u32x4` reads
-  weights, through the non-coherent path (`.nc`); `load_f32x4` reads what another kernel wrote
-  (activations) and stays coherent: ptxas takes `.nc` data as constant for the kernel's whole life and
+  weights, through the non-coherent path (`.nc`); `load_f32x4` and `load_u32x4_coherent` read what another
+  kernel wrote (activations) and stay coherent: ptxas takes `.nc` data as constant for the kernel's whole life and
   moves such loads above `griddepcontrol.wait` (seen in sm_90 SASS), where under overlapped launches
   (below) they read the grid before's output before it is written. `dot4_u8s8` / `dot4_s8s8`
   (`dp4a`: four byte products summed into an int32 in one instruction), `half2_floats` / `bits_f32`
@@ -82,6 +82,8 @@ if SIMULATOR:
 
     def load_f32x4(a, r, c):
         return a[r, c], a[r, c + 1], a[r, c + 2], a[r, c + 3]
+
+    load_u32x4_coherent = load_f32x4
 
     def half2_floats(word):
         h = np.array([int(word)], np.uint32).view(np.float16)
@@ -301,6 +303,18 @@ else:
             return context.make_tuple(builder, sig.return_type, values)
 
         return types.UniTuple(types.float32, 4)(a, r, c), codegen
+
+    @intrinsic
+    def load_u32x4_coherent(typingctx, words, r, c):
+        """words[r, c:c+4] of a C-contiguous uint32 matrix that a kernel before this one wrote (coherent, as
+        load_f32x4), c a multiple of 4 (rows 16-byte aligned)."""
+        def codegen(context, builder, sig, args):
+            ptx = "ld.global.v4.u32 {$0, $1, $2, $3}, [$4];"
+            loaded = _global_load(builder, context, sig, args, ptx, [I32] * 4, constant=False)
+            values = [builder.extract_value(loaded, i) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, values)
+
+        return types.UniTuple(types.uint32, 4)(words, r, c), codegen
 
     def _dp4a(ptx: str):
         def codegen(context, builder, sig, args):

@@ -3,11 +3,13 @@
 Quantized weights (q4, q8) go through `mma.sync.m16n8k16`: float16 operands, float32 accumulators (float32
 FMAs cannot come near the tensor cores' rate on prefill-sized products).
 - Both operands are staged in shared memory as float16 pairs: a weight as `scale * code + bias` of its block,
-  one halfwise fma on two exact f16 codes, x rounded once. Float16 storage costs about 4e-4 of a product's
-  largest value (against float64, random inputs); llama.cpp rounds x to 8 bits per block there. So that no
-  weight overflows or falls into f16's subnormals, each matrix is staged times a power of two that brings its
-  largest weight near 2^14 (`DeviceMatrix.half_scale`), divided out of the float32 sums at the store (exact).
-  |x| must stay below 65504.
+  one halfwise fma on two exact f16 codes; x rounded once per product, before it (`stage_halves`: one small
+  launch writes x's float16 pairs in the order the tile stages them, so that a thread copies 16 bytes of them
+  per step: half the bytes of float32 x, which every row tile of the product reads again). Float16 storage
+  costs about 4e-4 of a product's largest value (against float64, random inputs); llama.cpp rounds x to 8 bits
+  per block there. So that no weight overflows or falls into f16's subnormals, each matrix is staged times a
+  power of two that brings its largest weight near 2^14 (`DeviceMatrix.half_scale`), divided out of the float32
+  sums at the store (exact). |x| must stay below 65504.
 - A block computes 128 rows x 64 tokens (8 warps) or, for long prompts (`tile_tokens`), 128 rows x 128 tokens
   (16 warps: each weight is dequantized once per 128 tokens, and a thread stages a quarter row instead of a
   half), per K_STEP = 32 columns; each warp 32 rows x 32 tokens, 2 m16 x 4 n8 tiles of 4 float32
@@ -16,7 +18,8 @@ FMAs cannot come near the tensor cores' rate on prefill-sized products).
   fragment loads hit 32 distinct banks. Fragments come from shared memory through `ldmatrix` .x4: per k16
   slice, one per m-tile (A) and one per two n-tiles (B), 4 instructions for 8 mma. Each step's global loads
   are issued two steps ahead (two register sets, even and odd steps). Registers are capped at 128 per
-  thread: two 8-warp blocks per SM, or one 16-warp block.
+  thread: two 8-warp blocks per SM, or one 16-warp block. The grid's x runs over the token tiles: the blocks of
+  one row tile, reading the same weights, run together.
 - The order of k inside a step is free as long as A and B share it, so codes are staged in the order the
   packed bytes give them: a word with two 4-bit (8-bit) fields at bits 0 and 16, or'ed into the exponent
   of float16 1024, is two exact f16 codes after one `sub.f16x2`. Staged word j holds the columns
@@ -43,6 +46,7 @@ from lucekv.kernels.cuda._numba import (
     load_f32x4,
     load_matrix_x4,
     load_u32x4,
+    load_u32x4_coherent,
     mma_f16_16816,
     pack_half2,
     sm_count,
@@ -98,16 +102,25 @@ def threads_for(tokens: int) -> int:
     return THREADS_PER_TOKEN * tokens
 
 
-def _make_tile(kind: str, block: int, tokens: int = TOKENS):
+def x_order(kind: str) -> tuple[int, int]:
+    """(span, gap): the columns of x that a staged row's words 4p .. 4p + 3 hold (p = 0..3, each step of K_STEP) are
+    span p + (0, 2), + (1, 3), then span p + gap + (0, 2), + (1, 3): the order of the codes' fields (see the module's
+    notes)."""
+    return (4, 16) if kind == "q4" else (8, 4)
+
+
+def _make_tile(kind: str, block: int, tokens: int = TOKENS, halves: bool = False):
     """A block's tile for `kind` codes with (scale, bias) per `block` columns: rows r0.. of w (`rows` in all) times
-    tokens t0.. of x (`tokens` of them), those below t_end."""
+    tokens t0.. of x (`tokens` of them), those below t_end. x: float32 [n, cols], or with `halves` its float16 pairs
+    in the staged order (`stage_halves`), uint32 [n, cols // 2]."""
     threads = threads_for(tokens)
     split = threads // ROWS  # threads staging one row of weights: 2 (halves) or 4 (quarters)
     load_codes, stage_codes = {("q4", 2): (_load_q4, _stage_q4), ("q6", 2): (_load_q6, _stage_q6),
                                ("q8", 2): (_load_q8, _stage_q8), ("q4", 4): (_load_q4_quarter, _stage_q4),
                                ("q6", 4): (_load_q6_quarter, _stage_q6),
                                ("q8", 4): (_load_q8_quarter, _stage_q8)}[kind, split]
-    x_span, x_gap = (4, 16) if kind == "q4" else (8, 4)  # columns of x part p: span p .., span p + gap ..
+    x_span, x_gap = x_order(kind)  # columns of x part p: span p .., span p + gap ..
+    load_x, stage_x, x_shift = (_load_x_halves, _stage_x_halves, 1) if halves else (_load_x, _stage_x, 0)
     per_step = K_STEP // block  # (scale, bias) blocks per step
     block_log2 = block.bit_length() - 1
     split_log2 = split.bit_length() - 1
@@ -115,7 +128,7 @@ def _make_tile(kind: str, block: int, tokens: int = TOKENS):
     @cuda.jit(device=True, inline=True)
     def tile(w, rows, half_scale, x, t_end, ep, r0, t0):
         tid = cuda.threadIdx.x
-        n, cols = t_end, x.shape[1]
+        n, cols = t_end, x.shape[1] << x_shift
         a_tile = cuda.shared.array((2, ROWS, STRIDE), np.uint32, alignment=ALIGN_16)  # [step parity, row, pair]
         x_tile = cuda.shared.array((2, tokens, STRIDE), np.uint32, alignment=ALIGN_16)
         acc = cuda.local.array((M_TILES, N_TILES, 4), np.float32)
@@ -131,16 +144,16 @@ def _make_tile(kind: str, block: int, tokens: int = TOKENS):
         x_tok, x_part = (tid >> 2) & (tokens - 1), tid & 3
         r, t = r0 + a_row, t0 + x_tok
         sub = a_part >> (split_log2 - 1) if per_step == 2 else 0  # the (scale, bias) block of this thread's part
-        x_col = x_span * x_part
+        x_col = x_span * x_part if not halves else 4 * x_part  # a float32 column, or a word of halves
         # two register sets of loads in flight, for even and odd steps: a step's loads are issued two steps
         # (two rounds of mmas) before they are staged
         k1 = min(K_STEP, cols - K_STEP)
         words0 = load_codes(w, rows, r, 0, a_part)
         sw0 = _load_block_words(w, rows, r, sub)
-        x_first0, x_second0 = _load_x(x, n, t, x_col, x_gap)
+        x0 = load_x(x, n, t, x_col, x_gap)
         words1 = load_codes(w, rows, r, k1, a_part)
         sw1 = _load_block_words(w, rows, r, (k1 >> block_log2) + sub)
-        x_first1, x_second1 = _load_x(x, n, t, k1 + x_col, x_gap)
+        x1 = load_x(x, n, t, (k1 >> x_shift) + x_col, x_gap)
         # mma: warp (wr, wt) computes rows wr.., tokens wt.. of the tile
         warp, lane = (tid >> 5) & (threads // WARP - 1), tid & (WARP - 1)
         wr, wt = (warp % ROW_WARPS) * WARP_ROWS, (warp // ROW_WARPS) * WARP_TOKENS
@@ -148,23 +161,23 @@ def _make_tile(kind: str, block: int, tokens: int = TOKENS):
             # even step, buffer 0 (the last step loads its own columns again, unused)
             s2, m2 = _half_scale_bias(w, sw0, half_scale)
             stage_codes(words0, s2, m2, a_tile, 0, a_row, a_part)
-            _stage_x(x_first0, x_second0, x_tile, 0, x_tok, x_part)
+            stage_x(x0, x_tile, 0, x_tok, x_part)
             # the registers just staged take the loads of two steps on, issued before the barrier: its wait hides
             # some of their latency too
             k_next = min(k0 + 2 * K_STEP, cols - K_STEP)
             words0 = load_codes(w, rows, r, k_next, a_part)
             sw0 = _load_block_words(w, rows, r, (k_next >> block_log2) + sub)
-            x_first0, x_second0 = _load_x(x, n, t, k_next + x_col, x_gap)
+            x0 = load_x(x, n, t, (k_next >> x_shift) + x_col, x_gap)
             cuda.syncthreads()  # this step is staged; every warp is done with the step before (the other buffer)
             _mma_step(a_tile, x_tile, 0, acc, wr, wt, lane)
             if k0 + K_STEP < cols:  # odd step, buffer 1
                 s2, m2 = _half_scale_bias(w, sw1, half_scale)
                 stage_codes(words1, s2, m2, a_tile, 1, a_row, a_part)
-                _stage_x(x_first1, x_second1, x_tile, 1, x_tok, x_part)
+                stage_x(x1, x_tile, 1, x_tok, x_part)
                 k_next = min(k0 + 3 * K_STEP, cols - K_STEP)
                 words1 = load_codes(w, rows, r, k_next, a_part)
                 sw1 = _load_block_words(w, rows, r, (k_next >> block_log2) + sub)
-                x_first1, x_second1 = _load_x(x, n, t, k_next + x_col, x_gap)
+                x1 = load_x(x, n, t, (k_next >> x_shift) + x_col, x_gap)
                 cuda.syncthreads()
                 _mma_step(a_tile, x_tile, 1, acc, wr, wt, lane)
         _store(acc, np.float32(1) / half_scale, ep, rows, n, r0 + wr, t0 + wt, lane >> 2, lane & 3)
@@ -172,14 +185,23 @@ def _make_tile(kind: str, block: int, tokens: int = TOKENS):
     return tile
 
 
-def _make_tensor_matmul(kind: str, block: int, tokens: int):
-    tile = _make_tile(kind, block, tokens) if tokens != TOKENS else TILES[kind, block]
+def _make_tensor_matmul(kind: str, block: int, tokens: int, halves: bool):
+    """The product's kernel: with `halves` (x staged by `stage_halves`) the grid's x runs over the token tiles, so
+    that the blocks of one row tile (reading the same weights) run together; else over the row tiles (last
+    session's kernel, kept for comparison)."""
+    tile = _make_tile(kind, block, tokens, halves) if tokens != TOKENS or halves else TILES[kind, block]
 
-    def kernel(w, rows, half_scale, x, ep):
-        await_grid()
-        tile(w, rows, half_scale, x, x.shape[0], ep, cuda.blockIdx.x * ROWS, cuda.blockIdx.y * tokens)
+    if halves:
+        def kernel(w, rows, half_scale, x, ep):
+            await_grid()
+            tile(w, rows, half_scale, x, x.shape[0], ep, cuda.blockIdx.y * ROWS, cuda.blockIdx.x * tokens)
+    else:
+        def kernel(w, rows, half_scale, x, ep):
+            await_grid()
+            tile(w, rows, half_scale, x, x.shape[0], ep, cuda.blockIdx.x * ROWS, cuda.blockIdx.y * tokens)
 
-    kernel.__name__ = kernel.__qualname__ = f"_matmul_{kind}_{block}" + ("" if tokens == TOKENS else f"_t{tokens}")
+    kernel.__name__ = kernel.__qualname__ = (f"_matmul_{kind}_{block}" + ("" if tokens == TOKENS else f"_t{tokens}")
+                                             + ("_halves" if halves else ""))
     threads = threads_for(tokens)
     return jit_bounded(kernel, threads, BLOCKS_PER_SM * THREADS // threads)
 
@@ -299,7 +321,7 @@ def _half_scale_bias(w, words, half_scale):
 
 @cuda.jit(device=True, inline=True)
 def _load_x(x, n, t, k, gap):
-    """x[t, k..k+3] and x[t, k+gap..k+gap+3] (zeros past the last token)."""
+    """x[t, k..k+3] and x[t, k+gap..k+gap+3], k = the step's column + span part (zeros past the last token)."""
     if t < n:
         return load_f32x4(x, t, k), load_f32x4(x, t, k + gap)
     z = np.float32(0)
@@ -307,10 +329,26 @@ def _load_x(x, n, t, k, gap):
 
 
 @cuda.jit(device=True, inline=True)
-def _stage_x(first, second, x_tile, buf, tok, part):
-    """Staged words 4 part .. 4 part + 3 of token `tok` from its two runs of 4 columns."""
+def _stage_x(runs, x_tile, buf, tok, part):
+    """Staged words 4 part .. 4 part + 3 of token `tok` from its two runs of 4 columns, rounded to float16 here
+    (after the barrier before: the loads had two steps to land)."""
+    first, second = runs
     store_u32x4(x_tile, buf, tok, 4 * part, pack_half2(first[0], first[2]), pack_half2(first[1], first[3]),
                 pack_half2(second[0], second[2]), pack_half2(second[1], second[3]))
+
+
+@cuda.jit(device=True, inline=True)
+def _load_x_halves(x, n, t, word, gap):
+    """Staged words 4 part .. 4 part + 3 of token t from its halves (`stage_halves`), word = the step's first word
+    + 4 part (zeros past the last token)."""
+    if t < n:
+        return load_u32x4_coherent(x, t, word)
+    return ZERO, ZERO, ZERO, ZERO
+
+
+@cuda.jit(device=True, inline=True)
+def _stage_x_halves(words, x_tile, buf, tok, part):
+    store_u32x4(x_tile, buf, tok, 4 * part, words[0], words[1], words[2], words[3])
 
 
 @cuda.jit(device=True, inline=True)
@@ -354,7 +392,32 @@ def _store(acc, unscale, ep, rows, n, r0, t0, g, tig):
 
 TILES = {(kind, block): _make_tile(kind, block) for kind, block in (("q4", 32), ("q6", 32), ("q6", 16), ("q8", 32),
                                                                    ("q8", 16))}
-_KERNELS = {(*key, tokens): _make_tensor_matmul(*key, tokens) for key in TILES for tokens in (TOKENS, LONG_TOKENS)}
+_KERNELS = {(*key, tokens, halves): _make_tensor_matmul(*key, tokens, halves) for key in TILES
+            for tokens in (TOKENS, LONG_TOKENS) for halves in (True, False)}
+
+
+@cuda.jit
+def _stage_halves(x, span, gap, out):
+    """out[t, 16 s + j] = x[t, c], x[t, c + 2] as float16 (low half first), c = 32 s + span (j // 4) +
+    gap ((j // 2) % 2) + j % 2: step s's staged word j of token t (see `x_order`). One thread per word."""
+    await_grid()
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    words = out.shape[1]
+    if i < out.shape[0] * words:
+        t, w = i // words, i % words
+        j = w & 15
+        c = 32 * (w >> 4) + span * (j >> 2) + gap * ((j >> 1) & 1) + (j & 1)
+        out[t, w] = pack_half2(x[t, c], x[t, c + 2])
+
+
+def stage_halves(kind: str, x, out, stream=0) -> None:
+    """x [n, cols] float32 rounded to float16 once, into out [n, cols // 2] uint32 in the order a `kind` product's
+    tile stages it (`x_order`): the tile then copies 16 bytes of it per thread and step."""
+    n, cols = x.shape
+    if out.shape != (n, cols // 2) or cols % K_STEP:
+        raise ValueError(f"stage_halves: x {x.shape} into {out.shape}: need [n, cols // 2], cols a multiple of "
+                         f"{K_STEP}")
+    _stage_halves[blocks(out.size, THREADS), THREADS, stream](x, *x_order(kind), out)
 
 F32_TILE = 64  # tokens and rows per block tile of the float32 kernel
 F32_THREADS = 256  # 16 x 16 threads, 4 x 4 outputs each
@@ -404,9 +467,13 @@ def _matmul_f32(w, x, ep):
                 put(ep, t, r, acc[i, j])
 
 
-def matmul(w: DeviceMatrix, x, out, stream=0, tokens: int | None = None) -> None:
-    """out[n, rows] = x[n, cols] @ W.T; out: a device array or an Epilogue. `tokens`: the block tile's tokens
-    (TOKENS or LONG_TOKENS; by default `tile_tokens`'s choice), for benchmarks and tests."""
+def matmul(w: DeviceMatrix, x, out, stream=0, tokens: int | None = None, halves=None,
+           staged: bool = True) -> None:
+    """out[n, rows] = x[n, cols] @ W.T; out: a device array or an Epilogue. Quantized W: x goes to the tensor cores
+    as float16, rounded once into `halves` (uint32 [n, cols // 2] device scratch; None: allocated here, for eager
+    callers only, as a captured graph needs fixed addresses) by `stage_halves`, then the product.
+    `tokens`: the block tile's tokens (TOKENS or LONG_TOKENS; by default `tile_tokens`'s choice), for benchmarks
+    and tests; `staged=False`: last session's kernel, rounding x in the tile (benchmarks compare the two)."""
     n = x.shape[0]
     if w.kind != "f32" and w.cols % K_STEP:
         raise ValueError(f"matmul: {w.kind} weights need a multiple of {K_STEP} columns, got {w.cols}")
@@ -418,6 +485,11 @@ def matmul(w: DeviceMatrix, x, out, stream=0, tokens: int | None = None) -> None
         return
     if tokens is None:
         tokens = tile_tokens(w.rows, n)
-    kernel = _KERNELS[w.kind, 1 << w.block_log2, tokens]
-    kernel[(blocks(w.rows, ROWS), blocks(n, tokens)), threads_for(tokens), stream](
-        w.quant, w.rows, np.float32(w.half_scale), x, ep)
+    kernel = _KERNELS[w.kind, 1 << w.block_log2, tokens, staged]
+    grid = (blocks(w.rows, ROWS), blocks(n, tokens))
+    if staged:
+        if halves is None:
+            halves = cuda.device_array((n, w.cols // 2), np.uint32, stream=stream)
+        stage_halves(w.kind, x, halves, stream)
+        x, grid = halves, grid[::-1]
+    kernel[grid, threads_for(tokens), stream](w.quant, w.rows, np.float32(w.half_scale), x, ep)
