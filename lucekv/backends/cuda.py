@@ -36,7 +36,7 @@ from lucekv.kernels.cpu.quants import (
 from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, flash, kv_copy, moe, norm, sample
 from lucekv.kernels.cuda._numba import device_zeros, ordering_event, overlapped_launches
 from lucekv.kernels.cuda.embed import embed
-from lucekv.kernels.cuda.matmul import matmul
+from lucekv.kernels.cuda.matmul import matmuls
 from lucekv.kernels.cuda.matvec import fuses_norm, matvecs, weight_reads
 from lucekv.kernels.cuda.packed import (
     GATE_ROWS,
@@ -587,15 +587,15 @@ class CudaOps:
         rows = [(w, ep) for w, ep in products if n == 1 or self.as_matvec_rows(w, n)]
         if rows:
             matvecs(rows, x, self.stream, norm=None if norm is None else (norm, self.spec.rms_eps))
-        for w, ep in products:
-            if n > 1 and not self.as_matvec_rows(w, n):
-                matmul(w, x, ep, stream=self.stream, halves=self._halves(n, w.cols) if w.kind != "f32" else None)
+        if n > 1:
+            matmuls([(w, ep) for w, ep in products if not self.as_matvec_rows(w, n)], x, self.stream,
+                    halves=lambda order: self._halves(n, x.shape[1], order))
 
-    def _halves(self, n: int, cols: int):
-        """A matmul's scratch for its x as float16 (matmul.stage_halves): one per shape and token count, shared by
-        every product of a forward (they run one after another on the stream)."""
+    def _halves(self, n: int, cols: int, order: tuple[int, int]):
+        """A matmul's scratch for its x as float16 pairs in a staged `order` (matmul.stage_halves): one per shape,
+        order and token count, shared by the products of a forward (they run one after another on the stream)."""
         pool = self._pools.setdefault("halves", {})
-        key = ((n, cols // 2), np.dtype(np.uint32))
+        key = ((n, cols // 2), order)
         if key not in pool:
             pool[key] = [cuda.device_array(key[0], np.uint32, stream=self.stream)]
         return pool[key][0]

@@ -183,6 +183,32 @@ def test_x_rounded_once_gives_the_tiles_products_bit_for_bit(qtype, tokens):
     assert rel_err(got, x.copy_to_host().astype(np.float64) @ dense(m).T) <= 1e-3
 
 
+@needs_kernels
+def test_matmuls_launch_two_products_of_one_x_together():
+    # q4 + q6 in one launch (x staged in two orders), then q8 alone reusing the second order's scratch, then f32;
+    # partial row tiles in both of the pair's products, an epilogue with a bias on one of them
+    from lucekv.kernels.cuda.matmul import matmuls
+    from lucekv.kernels.cuda.packed import epilogue, upload
+
+    rng = np.random.default_rng(9)
+    ms = [random_packed(rng, q, rows, 64) for q, rows in ((Q.Q4_1, 130), (Q.Q5_1, 20), (Q.Q8_0, 20), (Q.F32, 6))]
+    n = 5
+    x = rng.standard_normal((n, 64)).astype(np.float32)
+    bias = rng.standard_normal(20).astype(np.float32)
+    outs = [cuda.device_array((n, m.rows), np.float32) for m in ms]
+    scratch = {}
+
+    def halves(order):
+        return scratch.setdefault(order, cuda.device_array((n, 32), np.uint32))
+
+    eps = [outs[0], epilogue((outs[1],), bias=cuda.to_device(bias)), outs[2], outs[3]]
+    matmuls([(upload(m), ep) for m, ep in zip(ms, eps, strict=True)], cuda.to_device(x), halves=halves)
+    assert len(scratch) == 2
+    for m, out, add in zip(ms, outs, (0, bias, 0, 0), strict=True):
+        ref = x.astype(np.float64) @ dense(m).T + add
+        assert rel_err(out.copy_to_host(), ref) <= (1e-5 if m.kind == "f32" else 1e-3)
+
+
 def test_stage_halves_refuses_a_wrong_scratch():
     from lucekv.kernels.cuda.matmul import stage_halves
 

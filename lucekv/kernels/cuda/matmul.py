@@ -33,6 +33,9 @@ from two short runs.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
+
 import numpy as np
 
 from lucekv.kernels.cuda._numba import (
@@ -112,7 +115,8 @@ def x_order(kind: str) -> tuple[int, int]:
 def _make_tile(kind: str, block: int, tokens: int = TOKENS, halves: bool = False):
     """A block's tile for `kind` codes with (scale, bias) per `block` columns: rows r0.. of w (`rows` in all) times
     tokens t0.. of x (`tokens` of them), those below t_end. x: float32 [n, cols], or with `halves` its float16 pairs
-    in the staged order (`stage_halves`), uint32 [n, cols // 2]."""
+    in the staged order (`stage_halves`), uint32 [n, cols // 2]. a_tile, x_tile: the block's shared arrays
+    (`_shared_tiles`), allocated by the kernel: a kernel of two products' tiles holds one pair of them."""
     threads = threads_for(tokens)
     split = threads // ROWS  # threads staging one row of weights: 2 (halves) or 4 (quarters)
     load_codes, stage_codes = {("q4", 2): (_load_q4, _stage_q4), ("q6", 2): (_load_q6, _stage_q6),
@@ -126,11 +130,9 @@ def _make_tile(kind: str, block: int, tokens: int = TOKENS, halves: bool = False
     split_log2 = split.bit_length() - 1
 
     @cuda.jit(device=True, inline=True)
-    def tile(w, rows, half_scale, x, t_end, ep, r0, t0):
+    def tile(w, rows, half_scale, x, t_end, ep, r0, t0, a_tile, x_tile):
         tid = cuda.threadIdx.x
         n, cols = t_end, x.shape[1] << x_shift
-        a_tile = cuda.shared.array((2, ROWS, STRIDE), np.uint32, alignment=ALIGN_16)  # [step parity, row, pair]
-        x_tile = cuda.shared.array((2, tokens, STRIDE), np.uint32, alignment=ALIGN_16)
         acc = cuda.local.array((M_TILES, N_TILES, 4), np.float32)
         for i in range(M_TILES):
             for j in range(N_TILES):
@@ -185,23 +187,62 @@ def _make_tile(kind: str, block: int, tokens: int = TOKENS, halves: bool = False
     return tile
 
 
+def _shared_tiles(tokens: int):
+    """A device function giving a block its tiles' shared arrays: weights and x, [step parity, row, pair]."""
+    @cuda.jit(device=True, inline=True)
+    def shared_tiles():
+        return (cuda.shared.array((2, ROWS, STRIDE), np.uint32, alignment=ALIGN_16),
+                cuda.shared.array((2, tokens, STRIDE), np.uint32, alignment=ALIGN_16))
+
+    return shared_tiles
+
+
+SHARED_TILES = {tokens: _shared_tiles(tokens) for tokens in (TOKENS, LONG_TOKENS)}
+
+
 def _make_tensor_matmul(kind: str, block: int, tokens: int, halves: bool):
     """The product's kernel: with `halves` (x staged by `stage_halves`) the grid's x runs over the token tiles, so
     that the blocks of one row tile (reading the same weights) run together; else over the row tiles (last
     session's kernel, kept for comparison)."""
     tile = _make_tile(kind, block, tokens, halves) if tokens != TOKENS or halves else TILES[kind, block]
+    shared_tiles = SHARED_TILES[tokens]
 
     if halves:
         def kernel(w, rows, half_scale, x, ep):
             await_grid()
-            tile(w, rows, half_scale, x, x.shape[0], ep, cuda.blockIdx.y * ROWS, cuda.blockIdx.x * tokens)
+            a_tile, x_tile = shared_tiles()
+            tile(w, rows, half_scale, x, x.shape[0], ep, cuda.blockIdx.y * ROWS, cuda.blockIdx.x * tokens, a_tile,
+                 x_tile)
     else:
         def kernel(w, rows, half_scale, x, ep):
             await_grid()
-            tile(w, rows, half_scale, x, x.shape[0], ep, cuda.blockIdx.x * ROWS, cuda.blockIdx.y * tokens)
+            a_tile, x_tile = shared_tiles()
+            tile(w, rows, half_scale, x, x.shape[0], ep, cuda.blockIdx.x * ROWS, cuda.blockIdx.y * tokens, a_tile,
+                 x_tile)
 
     kernel.__name__ = kernel.__qualname__ = (f"_matmul_{kind}_{block}" + ("" if tokens == TOKENS else f"_t{tokens}")
                                              + ("_halves" if halves else ""))
+    threads = threads_for(tokens)
+    return jit_bounded(kernel, threads, BLOCKS_PER_SM * THREADS // threads)
+
+
+@functools.cache
+def _pair_kernel(key_a: tuple[str, int], key_b: tuple[str, int], tokens: int):
+    """One launch of two products (`matmuls`): grid rows of a's row tiles, then b's; x over the token tiles."""
+    tile_a, tile_b = _make_tile(*key_a, tokens, True), _make_tile(*key_b, tokens, True)
+    shared_tiles = SHARED_TILES[tokens]
+
+    def kernel(wa, rows_a, half_scale_a, xa, ep_a, wb, rows_b, half_scale_b, xb, ep_b):
+        await_grid()
+        a_tile, x_tile = shared_tiles()
+        first_b = (rows_a + ROWS - 1) // ROWS  # b's first grid row
+        y, t0 = cuda.blockIdx.y, cuda.blockIdx.x * tokens
+        if y < first_b:  # the same for the whole block
+            tile_a(wa, rows_a, half_scale_a, xa, xa.shape[0], ep_a, y * ROWS, t0, a_tile, x_tile)
+        else:
+            tile_b(wb, rows_b, half_scale_b, xb, xb.shape[0], ep_b, (y - first_b) * ROWS, t0, a_tile, x_tile)
+
+    kernel.__name__ = kernel.__qualname__ = f"_matmul_{key_a[0]}_{key_a[1]}_{key_b[0]}_{key_b[1]}_t{tokens}"
     threads = threads_for(tokens)
     return jit_bounded(kernel, threads, BLOCKS_PER_SM * THREADS // threads)
 
@@ -488,8 +529,45 @@ def matmul(w: DeviceMatrix, x, out, stream=0, tokens: int | None = None, halves=
     kernel = _KERNELS[w.kind, 1 << w.block_log2, tokens, staged]
     grid = (blocks(w.rows, ROWS), blocks(n, tokens))
     if staged:
-        if halves is None:
-            halves = cuda.device_array((n, w.cols // 2), np.uint32, stream=stream)
-        stage_halves(w.kind, x, halves, stream)
-        x, grid = halves, grid[::-1]
+        x, grid = _staged(w, x, halves, stream), grid[::-1]
     kernel[grid, threads_for(tokens), stream](w.quant, w.rows, np.float32(w.half_scale), x, ep)
+
+
+def _staged(w: DeviceMatrix, x, halves, stream):
+    """x's float16 pairs in w's staged order, in `halves` (None: a new array)."""
+    if halves is None:
+        halves = cuda.device_array((x.shape[0], w.cols // 2), np.uint32, stream=stream)
+    stage_halves(w.kind, x, halves, stream)
+    return halves
+
+
+def matmuls(products: Sequence[tuple[DeviceMatrix, object]], x, stream=0,
+            halves: Callable[[tuple[int, int]], object] | None = None) -> None:
+    """Each (W, out) of `products` times the same x, as `matmul`, the quantized ones two to a launch: one grid of
+    both's blocks, so that the last wave of one fills up with the other's (the 8B's q/k product at 512 tokens is
+    1.2 waves of blocks, its v product a quarter of one). halves(order): a scratch of uint32 [n, cols // 2] for x
+    staged in that `x_order`, the same for the same order (None: new arrays, for eager callers only)."""
+    quantized = [(w, out) for w, out in products if w.kind != "f32"]
+    for w, out in products:
+        if w.kind == "f32":
+            matmul(w, x, out, stream)
+    for i in range(0, len(quantized) - 1, 2):
+        _matmul_pair(*quantized[i], *quantized[i + 1], x, stream, halves)
+    if len(quantized) % 2:
+        w, out = quantized[-1]
+        matmul(w, x, out, stream, halves=None if halves is None else halves(x_order(w.kind)))
+
+
+def _matmul_pair(wa: DeviceMatrix, out_a, wb: DeviceMatrix, out_b, x, stream, halves) -> None:
+    n = x.shape[0]
+    for w in (wa, wb):
+        if w.cols % K_STEP:
+            raise ValueError(f"matmul: {w.kind} weights need a multiple of {K_STEP} columns, got {w.cols}")
+    tokens = tile_tokens(wa.rows + wb.rows, n)
+    xa = _staged(wa, x, None if halves is None else halves(x_order(wa.kind)), stream)
+    xb = xa if x_order(wb.kind) == x_order(wa.kind) else _staged(
+        wb, x, None if halves is None else halves(x_order(wb.kind)), stream)
+    kernel = _pair_kernel((wa.kind, 1 << wa.block_log2), (wb.kind, 1 << wb.block_log2), tokens)
+    grid = (blocks(n, tokens), blocks(wa.rows, ROWS) + blocks(wb.rows, ROWS))
+    kernel[grid, threads_for(tokens), stream](wa.quant, wa.rows, np.float32(wa.half_scale), xa, as_epilogue(out_a),
+                                              wb.quant, wb.rows, np.float32(wb.half_scale), xb, as_epilogue(out_b))

@@ -394,9 +394,11 @@ def grouped_matmul(experts: ExpertTable, rows_per_expert: int, x, starts, tiles,
 
 def _make_grouped(kind: str, block: int, placed: bool):
     tile = mm.TILES[kind, block]
+    shared_tiles = mm.SHARED_TILES[mm.TOKENS]
 
     def kernel(table, host, remap, rows_per_expert, half_scale, x, starts, tiles, ep):
         await_grid()
+        a_tile, x_tile = shared_tiles()
         e = tiles[cuda.blockIdx.y, 0]
         if e >= 0:  # the same for the whole block
             if placed:  # a constant: the other branch is compiled out
@@ -404,7 +406,7 @@ def _make_grouped(kind: str, block: int, placed: bool):
             else:
                 w = expert_rows(table, e, rows_per_expert)
             tile(w, rows_per_expert, half_scale, x, starts[e + 1], ep, cuda.blockIdx.x * mm.ROWS,
-                 tiles[cuda.blockIdx.y, 1])
+                 tiles[cuda.blockIdx.y, 1], a_tile, x_tile)
 
     kernel.__name__ = kernel.__qualname__ = f"_grouped_{kind}_{block}" + ("_placed" if placed else "")
     return jit_bounded(kernel, mm.THREADS, mm.BLOCKS_PER_SM)
