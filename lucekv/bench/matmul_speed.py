@@ -12,6 +12,8 @@ output (the two tiles: the same products in another order of k and tiles; the ro
 same sums). Per shape, every variant's error against float64 numpy over the first REF_ROWS rows at one token
 count. Timing as matvec_speed's: launches captured as one CUDA graph and replayed, over enough copies of the
 matrix that no launch reads weights another left in L2; the median over replays, per product.
+The q/k and v products, which CudaOps launches together (`matmuls`), are timed so too (`pairs`: µs per pair,
+against the two as routed one after the other), and a layer's products as routed count them so.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from lucekv.bench.decode import git_commit
 from lucekv.bench.matvec_speed import Shape, device_name, graph_us, random_matrix, write_json
 from lucekv.kernels.cpu.quants import dequantize_rows
 from lucekv.kernels.cuda._numba import cuda
-from lucekv.kernels.cuda.matmul import LONG_PROMPT, LONG_TOKENS, TOKENS, matmul, tile_tokens
+from lucekv.kernels.cuda.matmul import LONG_PROMPT, LONG_TOKENS, TOKENS, matmul, matmuls, tile_tokens, x_order
 from lucekv.kernels.cuda.packed import upload
 
 SHAPES = (  # one Qwen3-8B layer's products as CudaOps runs them (k and v stacked with q by kind)
@@ -37,6 +39,7 @@ SHAPES = (  # one Qwen3-8B layer's products as CudaOps runs them (k and v stacke
     Shape("attn o       4096x4096 Q4_K", 4096, 4096, Q.Q4_K, 1),
     Shape("attn v       1024x4096 Q6_K", 1024, 4096, Q.Q6_K, 1),
 )
+PAIR = (SHAPES[2], SHAPES[4])  # q/k and v: one launch (CudaOps -> matmuls)
 VARIANTS = ("tile", "long_tile", "before")
 REF_ROWS = 512  # rows of the float64 reference
 REF_TOKENS = 128  # token count of the float64 reference (or the largest asked below it)
@@ -85,6 +88,34 @@ def bench_shape(s: Shape, counts: list[int], rng: np.random.Generator, replays: 
     return rows
 
 
+def bench_pair(pair: tuple[Shape, Shape], counts: list[int], rng: np.random.Generator, replays: int, l2_bytes: int,
+               stream) -> dict[int, dict]:
+    """µs per launch of both products by `matmuls`, and the largest difference of its outputs from each product's
+    own launch with the same tile (0: the same sums)."""
+    first = [upload(random_matrix(rng, s)) for s in pair]
+    copies = max(2, math.ceil(2 * l2_bytes / sum(m.nbytes for m in first)))
+    mats = [first] + [[upload(random_matrix(rng, s)) for s in pair] for _ in range(copies - 1)]
+    order = [i % len(mats) for i in range(max(MIN_LAUNCHES, len(mats)))]
+    cols = pair[0].cols
+    result = {}
+    for n in counts:
+        xs = [cuda.to_device(rng.standard_normal((n, cols)).astype(np.float32)) for _ in mats]
+        scratch = [{x_order(w.kind): cuda.device_array((n, cols // 2), np.uint32) for w in ws} for ws in mats]
+        outs = [[cuda.device_array((n, s.rows), np.float32) for s in pair] for _ in mats]
+        launches = [lambda st, ws=mats[k], x=xs[k], o=outs[k], h=scratch[k]:
+                    matmuls(list(zip(ws, o, strict=True)), x, st, halves=h.__getitem__) for k in order]
+        us = graph_us(stream, launches, replays)
+        tokens = tile_tokens(sum(s.rows for s in pair), n)
+        diff = 0.0
+        for w, out in zip(mats[0], outs[0], strict=True):
+            alone = cuda.device_array(out.shape, np.float32)
+            matmul(w, xs[0], alone, tokens=tokens)
+            got, ref = out.copy_to_host(), alone.copy_to_host()
+            diff = max(diff, float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))))
+        result[n] = {"us": us, "tile_tokens": tokens, "vs_alone_max_rel_diff": diff}
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
@@ -99,7 +130,15 @@ def main() -> None:
     print(f"{device_name(dev)}: tile {TOKENS} tokens, long tile {LONG_TOKENS} (routed from {LONG_PROMPT} tokens), "
           f"median of {a.replays} graph replays")
     products = [r for s in SHAPES for r in bench_shape(s, counts, rng, a.replays, l2, stream)]
-    layer_us = {n: sum(r[f"{r['routed_to']}_us"] for r in products if r["tokens"] == n) for n in counts}
+    pairs = bench_pair(PAIR, counts, rng, a.replays, l2, stream)
+    paired = {s.name for s in PAIR}
+    for n, p in pairs.items():
+        apart = sum(r[f"{r['routed_to']}_us"] for r in products if r["tokens"] == n and r["shape"] in paired)
+        p["apart_us"] = apart
+        print(f"n {n:5d}: q/k + v in one launch {p['us']:8.1f} µs, one after the other {apart:8.1f} µs "
+              f"({apart / p['us']:.2f}x); outputs vs alone {p['vs_alone_max_rel_diff']:.1e}")
+    layer_us = {n: pairs[n]["us"] + sum(r[f"{r['routed_to']}_us"] for r in products
+                                        if r["tokens"] == n and r["shape"] not in paired) for n in counts}
     before_us = {n: sum(r["before_us"] for r in products if r["tokens"] == n) for n in counts}
     for n, us in layer_us.items():
         print(f"n {n:5d}: one 8B layer's products {us:8.1f} µs as routed ({36 * us / 1000:.1f} ms for 36 layers), "
@@ -108,6 +147,7 @@ def main() -> None:
                         "command": "python -m lucekv.bench.matmul_speed --tokens " + a.tokens,
                         "model": "random weights, qwen3-8b shapes", "replays": a.replays, "tile_tokens": TOKENS,
                         "long_tile_tokens": LONG_TOKENS, "long_prompt": LONG_PROMPT, "products": products,
+                        "pairs": {"shapes": sorted(paired), "by_tokens": pairs},
                         "layer_us_as_routed": layer_us, "layer_us_before": before_us})
 
 
