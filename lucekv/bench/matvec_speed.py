@@ -195,7 +195,10 @@ def row_products(w, n: int) -> dict:
     """The products `bench_rows` times for n tokens of w: name -> product(w, x, out, stream=)."""
     from lucekv.kernels.cuda.matmul import matmul
 
-    products = {"matvec": matvec, "per_token": matvec_per_token, "matmul": matmul}
+    halves = cuda.device_array((n, w.cols // 2), np.uint32)  # the matmul's x as float16: fixed, for the graphs
+
+    products = {"matvec": matvec, "per_token": matvec_per_token,
+                "matmul": lambda m, x, y, stream: matmul(m, x, y, stream=stream, halves=halves)}
     if n > 1:
         for most in sorted({min(t, TOKENS_PER_BLOCK[w.kind]) for t in (2, 4, 8)}):
             tokens = token_plan(w, n, False, most).tokens  # (distinct cuts only: 2 tokens cut at most 4 as at 2)
