@@ -29,7 +29,16 @@ from lucekv.bench.decode import git_commit
 from lucekv.bench.matvec_speed import Shape, device_name, graph_us, random_matrix, write_json
 from lucekv.kernels.cpu.quants import dequantize_rows
 from lucekv.kernels.cuda._numba import cuda
-from lucekv.kernels.cuda.matmul import LONG_PROMPT, LONG_TOKENS, TOKENS, matmul, matmuls, tile_tokens, x_order
+from lucekv.kernels.cuda.matmul import (
+    LONG_PROMPT,
+    LONG_TILE,
+    SHORT_TILE,
+    WIDE_TILE,
+    matmul,
+    matmuls,
+    pick_tile,
+    x_order,
+)
 from lucekv.kernels.cuda.packed import upload
 
 SHAPES = (  # one Qwen3-8B layer's products as CudaOps runs them (k and v stacked with q by kind)
@@ -40,7 +49,8 @@ SHAPES = (  # one Qwen3-8B layer's products as CudaOps runs them (k and v stacke
     Shape("attn v       1024x4096 Q6_K", 1024, 4096, Q.Q6_K, 1),
 )
 PAIR = (SHAPES[2], SHAPES[4])  # q/k and v: one launch (CudaOps -> matmuls)
-VARIANTS = ("tile", "long_tile", "before")
+TILE_NAMES = {SHORT_TILE: "tile", LONG_TILE: "long_tile", WIDE_TILE: "wide_tile"}
+VARIANTS = (*TILE_NAMES.values(), "before")
 REF_ROWS = 512  # rows of the float64 reference
 REF_TOKENS = 128  # token count of the float64 reference (or the largest asked below it)
 MIN_LAUNCHES = 8  # per captured graph
@@ -57,21 +67,23 @@ def bench_shape(s: Shape, counts: list[int], rng: np.random.Generator, replays: 
         xs = [cuda.to_device(rng.standard_normal((n, s.cols)).astype(np.float32)) for _ in mats]
         halves = [cuda.device_array((n, s.cols // 2), np.uint32) for _ in mats]
         outs = [cuda.device_array((n, s.rows), np.float32) for _ in mats]
-        routed = "long_tile" if tile_tokens(s.rows, n) == LONG_TOKENS else "tile"
+        routed = TILE_NAMES[pick_tile(s.rows, n)]
         row = {"shape": s.name, "rows": s.rows, "cols": s.cols, "qtype": s.qtype.name, "tokens": n,
                "routed_to": routed}
         results = {}
         for name in VARIANTS:
-            tokens = {"tile": TOKENS, "long_tile": LONG_TOKENS}.get(name, tile_tokens(s.rows, n))
-            launches = [lambda st, w=mats[k], x=xs[k], h=halves[k], y=outs[k], t=tokens, staged=name != "before":
-                        matmul(w, x, y, stream=st, tokens=t, halves=h, staged=staged) for k in order]
+            tile = {v: k for k, v in TILE_NAMES.items()}.get(name, pick_tile(s.rows, n))
+            launches = [lambda st, w=mats[k], x=xs[k], h=halves[k], y=outs[k], t=tile, staged=name != "before":
+                        matmul(w, x, y, stream=st, tile=t, halves=h, staged=staged) for k in order]
             us = graph_us(stream, launches, replays)
             row[f"{name}_us"], row[f"{name}_tflops"] = us, 2 * s.rows * s.cols * n / (us * 1e6)
             results[name] = outs[0].copy_to_host().astype(np.float64)
         row["long_over_tile"] = row["long_tile_us"] / row["tile_us"]
+        row["wide_over_long"] = row["wide_tile_us"] / row["long_tile_us"]
         row["speedup_as_routed"] = row["before_us"] / row[f"{routed}_us"]
         top = np.max(np.abs(results["tile"]))
-        row["tiles_max_rel_diff"] = float(np.max(np.abs(results["long_tile"] - results["tile"])) / top)
+        row["tiles_max_rel_diff"] = float(max(np.max(np.abs(results[name] - results["tile"]))
+                                              for name in ("long_tile", "wide_tile")) / top)
         row["routed_vs_before_max_rel_diff"] = float(np.max(np.abs(results[routed] - results["before"])) / top)
         if n == ref_n:
             ref_rows = min(REF_ROWS, s.rows)
@@ -80,11 +92,12 @@ def bench_shape(s: Shape, counts: list[int], rng: np.random.Generator, replays: 
                 row[f"{name}_max_rel_err"] = float(np.max(np.abs(got[:, :ref_rows] - ref)) / np.max(np.abs(ref)))
         rows.append(row)
         print(f"{s.name:30s} n {n:5d}: tile {row['tile_us']:8.1f} µs {row['tile_tflops']:6.1f} TFLOP/s, long tile "
-              f"{row['long_tile_us']:8.1f} µs {row['long_tile_tflops']:6.1f} TFLOP/s, before ({routed}) "
+              f"{row['long_tile_us']:8.1f} µs {row['long_tile_tflops']:6.1f} TFLOP/s, wide tile "
+              f"{row['wide_tile_us']:8.1f} µs {row['wide_tile_tflops']:6.1f} TFLOP/s, before ({routed}) "
               f"{row['before_us']:8.1f} µs: {row['speedup_as_routed']:.2f}x as routed; tiles differ "
               f"{row['tiles_max_rel_diff']:.1e}, routed vs before {row['routed_vs_before_max_rel_diff']:.1e}"
-              + (f"; vs float64 {row['tile_max_rel_err']:.1e} / {row['long_tile_max_rel_err']:.1e} / "
-                 f"{row['before_max_rel_err']:.1e}" if n == ref_n else ""), flush=True)
+              + ("; vs float64 " + " / ".join(f"{row[name + '_max_rel_err']:.1e}" for name in VARIANTS)
+                 if n == ref_n else ""), flush=True)
     return rows
 
 
@@ -105,14 +118,14 @@ def bench_pair(pair: tuple[Shape, Shape], counts: list[int], rng: np.random.Gene
         launches = [lambda st, ws=mats[k], x=xs[k], o=outs[k], h=scratch[k]:
                     matmuls(list(zip(ws, o, strict=True)), x, st, halves=h.__getitem__) for k in order]
         us = graph_us(stream, launches, replays)
-        tokens = tile_tokens(sum(s.rows for s in pair), n)
+        tile = pick_tile(sum(s.rows for s in pair), n)
         diff = 0.0
         for w, out in zip(mats[0], outs[0], strict=True):
             alone = cuda.device_array(out.shape, np.float32)
-            matmul(w, xs[0], alone, tokens=tokens)
+            matmul(w, xs[0], alone, tile=tile)
             got, ref = out.copy_to_host(), alone.copy_to_host()
             diff = max(diff, float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))))
-        result[n] = {"us": us, "tile_tokens": tokens, "vs_alone_max_rel_diff": diff}
+        result[n] = {"us": us, "tile": TILE_NAMES[tile], "vs_alone_max_rel_diff": diff}
     return result
 
 
@@ -127,8 +140,8 @@ def main() -> None:
     l2 = int(dev.L2_CACHE_SIZE)
     stream = cuda.stream()
     rng = np.random.default_rng(0)
-    print(f"{device_name(dev)}: tile {TOKENS} tokens, long tile {LONG_TOKENS} (routed from {LONG_PROMPT} tokens), "
-          f"median of {a.replays} graph replays")
+    print(f"{device_name(dev)}: tiles {', '.join(f'{v} {k}' for k, v in TILE_NAMES.items())}; long tiles from "
+          f"{LONG_PROMPT} tokens; median of {a.replays} graph replays")
     products = [r for s in SHAPES for r in bench_shape(s, counts, rng, a.replays, l2, stream)]
     pairs = bench_pair(PAIR, counts, rng, a.replays, l2, stream)
     paired = {s.name for s in PAIR}
@@ -145,8 +158,9 @@ def main() -> None:
               f"before {before_us[n]:8.1f} µs ({before_us[n] / us:.2f}x)")
     write_json(a.json, {"bench": "matmul_speed", "commit": git_commit(), "device": device_name(dev),
                         "command": "python -m lucekv.bench.matmul_speed --tokens " + a.tokens,
-                        "model": "random weights, qwen3-8b shapes", "replays": a.replays, "tile_tokens": TOKENS,
-                        "long_tile_tokens": LONG_TOKENS, "long_prompt": LONG_PROMPT, "products": products,
+                        "model": "random weights, qwen3-8b shapes", "replays": a.replays,
+                        "tiles": {v: k._asdict() for k, v in TILE_NAMES.items()}, "long_prompt": LONG_PROMPT,
+                        "products": products,
                         "pairs": {"shapes": sorted(paired), "by_tokens": pairs},
                         "layer_us_as_routed": layer_us, "layer_us_before": before_us})
 

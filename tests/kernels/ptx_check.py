@@ -84,13 +84,13 @@ CHECKS = {
     "set_slot_pos": (attention._set_slot_pos, (I1, I1, I1)),
     "argmax": (sample._argmax, (F2, I64, F2, types.int32[:, ::1], I1, I1)),
 }
-for (kind, block, tokens, halves), kernel in matmul._KERNELS.items():
-    CHECKS[f"matmul_{kind}_{block}_t{tokens}" + "_halves" * halves] = (kernel, (QUANTS[kind], I64, F32,
-                                                                               U2 if halves else F2, EP))
+for (kind, block, shape, halves), kernel in matmul._KERNELS.items():
+    CHECKS[f"matmul_{kind}_{block}_{shape.name}" + "_halves" * halves] = (kernel, (QUANTS[kind], I64, F32,
+                                                                                  U2 if halves else F2, EP))
 CHECKS["matmul_stage_halves"] = (matmul._stage_halves, (F2, I64, I64, U2))
-for tokens in (matmul.TOKENS, matmul.LONG_TOKENS):  # the q/k and v products of a Q4_K_M model in one launch
-    CHECKS[f"matmul_pair_q4_32_q6_16_t{tokens}"] = (matmul._pair_kernel(("q4", 32), ("q6", 16), tokens),
-                                                    (Q4_K, I64, F32, U2, EP, Q6_K, I64, F32, U2, EP))
+for shape in matmul.TILE_SHAPES:  # the q/k and v products of a Q4_K_M model in one launch
+    CHECKS[f"matmul_pair_q4_32_q6_16_{shape.name}"] = (matmul._pair_kernel(("q4", 32), ("q6", 16), shape),
+                                                       (Q4_K, I64, F32, U2, EP, Q6_K, I64, F32, U2, EP))
 CHECKS["matmul_f32"] = (matmul._matmul_f32, (F2, F2, EP))
 for kind, quant in (*QUANTS.items(), ("f32", _quant(np.float32, np.uint8, np.uint8))):
     CHECKS[f"embed_{kind}"] = (embed._KERNELS[kind], (quant, I1, F32, F2))

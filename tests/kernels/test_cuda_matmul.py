@@ -126,9 +126,16 @@ def test_pack_subtract_and_fma_half2():
 # ---- products --------------------------------------------------------------------------------------------
 
 
-def check_matmul(m: PackedMatrix, n: int, bound: float, seed: int = 8, tokens: int | None = None) -> None:
-    """The product against float64 numpy; `tokens`: force that block tile (the long one for a few tokens)."""
-    if tokens is None:
+def tile_shape(name: str | None):
+    """matmul's block tile of that name ("long", "wide"; None: matmul's choice)."""
+    from lucekv.kernels.cuda import matmul as mm
+
+    return None if name is None else {"long": mm.LONG_TILE, "wide": mm.WIDE_TILE}[name]
+
+
+def check_matmul(m: PackedMatrix, n: int, bound: float, seed: int = 8, tile: str | None = None) -> None:
+    """The product against float64 numpy; `tile`: force that block tile (the long one for a few tokens)."""
+    if tile is None:
         check_product("matmul", m, n, bound, seed)
         return
     from lucekv.kernels.cuda.matmul import matmul
@@ -136,7 +143,7 @@ def check_matmul(m: PackedMatrix, n: int, bound: float, seed: int = 8, tokens: i
 
     x = np.random.default_rng(seed).standard_normal((n, m.cols)).astype(np.float32)
     out = cuda.device_array((n, m.rows), np.float32)
-    matmul(upload(m), cuda.to_device(x), out, tokens=tokens)
+    matmul(upload(m), cuda.to_device(x), out, tile=tile_shape(tile))
     assert rel_err(out.copy_to_host(), x.astype(np.float64) @ dense(m).T) <= bound
 
 
@@ -155,19 +162,18 @@ def test_matmul(qtype, rows, cols, n):
 
 
 @needs_kernels
+@pytest.mark.parametrize("tile", ["long", "wide"])
 @pytest.mark.parametrize(("qtype", "rows", "cols", "n"), [
-    (Q.Q4_1, 20, 64, 5),  # quarter rows of q4: one code word per thread
-    (Q.Q8_0, 20, 64, 3),  # q8: two code words per thread (q6 and 16-blocks: test_matmul_16_blocks_with_bias)
+    (Q.Q4_1, 20, 64, 5),  # long: quarter rows of q4, one code word per thread; wide: half rows, x by halves
+    (Q.Q8_0, 20, 64, 3),  # q8: two (long) or four (wide) code words per thread (q6, 16-blocks: below)
 ], ids=lambda v: getattr(v, "name", str(v)))
-def test_matmul_long_tile(qtype, rows, cols, n):
-    from lucekv.kernels.cuda.matmul import LONG_TOKENS
-
-    check_matmul(random_packed(np.random.default_rng(5), qtype, rows, cols), n, bound=1e-3, tokens=LONG_TOKENS)
+def test_matmul_long_tiles(qtype, rows, cols, n, tile):
+    check_matmul(random_packed(np.random.default_rng(5), qtype, rows, cols), n, bound=1e-3, tile=tile)
 
 
 @needs_kernels
-@pytest.mark.parametrize(("qtype", "tokens"), [(Q.Q4_K, None), (Q.Q5_1, 128)], ids=["q4", "q6-long_tile"])
-def test_x_rounded_once_gives_the_tiles_products_bit_for_bit(qtype, tokens):
+@pytest.mark.parametrize(("qtype", "tile"), [(Q.Q4_K, None), (Q.Q5_1, "long")], ids=["q4", "q6-long_tile"])
+def test_x_rounded_once_gives_the_tiles_products_bit_for_bit(qtype, tile):
     # x rounded to float16 before the product (stage_halves) or in the tile (staged=False, last session's kernel):
     # the same staged operands in the same order, so the same float32 sums; both against float64 too
     from lucekv.kernels.cuda.matmul import matmul
@@ -177,7 +183,7 @@ def test_x_rounded_once_gives_the_tiles_products_bit_for_bit(qtype, tokens):
     x = cuda.to_device(np.random.default_rng(7).standard_normal((5, m.cols)).astype(np.float32))
     w, outs = upload(m), [cuda.device_array((5, m.rows), np.float32) for _ in range(2)]
     for staged, out in zip((True, False), outs, strict=True):
-        matmul(w, x, out, tokens=tokens, staged=staged)
+        matmul(w, x, out, tile=tile_shape(tile), staged=staged)
     got, before = (o.copy_to_host() for o in outs)
     assert np.array_equal(got, before)
     assert rel_err(got, x.copy_to_host().astype(np.float64) @ dense(m).T) <= 1e-3
@@ -236,9 +242,9 @@ def test_matmul_gated():
 
 
 @needs_kernels
-@pytest.mark.parametrize(("codes", "tokens"), [((-128, 128), None), ((0, 4), None), ((0, 4), 128)],
-                         ids=["q8", "q6", "q6-long_tile"])
-def test_matmul_16_blocks_with_bias(codes, tokens):
+@pytest.mark.parametrize(("codes", "tile"), [((-128, 128), None), ((0, 4), None), ((0, 4), "long"), ((0, 4), "wide")],
+                         ids=["q8", "q6", "q6-long_tile", "q6-wide_tile"])
+def test_matmul_16_blocks_with_bias(codes, tile):
     # sub-scaled 16-blocks with a bias, as Q2_K packs (its 256-column super-blocks would cost the simulator 8
     # steps): byte codes (device q8), or Q2_K's own 2-bit codes (device q6)
     rng = np.random.default_rng(12)
@@ -248,7 +254,7 @@ def test_matmul_16_blocks_with_bias(codes, tokens):
     sub_scale, sub_min = (rng.integers(1, 64, (rows, cols // 16), dtype=np.int8) for _ in range(2))
     m = PackedMatrix("q8", rows, cols, 16, rng.integers(*codes, (rows, cols), dtype=np.int8), d, dmin, sub_scale,
                      sub_min)
-    check_matmul(m, n=5, bound=1e-3, tokens=tokens)
+    check_matmul(m, n=5, bound=1e-3, tile=tile)
 
 
 def test_matmul_rejects_ragged_quantized_width():
@@ -260,15 +266,17 @@ def test_matmul_rejects_ragged_quantized_width():
                None)
 
 
-def test_long_prompts_take_the_long_tile_where_its_blocks_fill_the_gpu(monkeypatch):
+def test_long_prompts_take_a_long_tile_where_its_blocks_fill_the_gpu(monkeypatch):
     from lucekv.kernels.cuda import matmul as mm
 
     monkeypatch.setattr(mm, "sm_count", lambda: 132)  # an H100
-    assert mm.tile_tokens(24576, 255) == mm.TOKENS  # a prompt piece below LONG_PROMPT
-    assert mm.tile_tokens(24576, 256) == mm.LONG_TOKENS  # 192 x 2 blocks
-    assert mm.tile_tokens(4096, 512) == mm.LONG_TOKENS  # 32 x 4 = 128 blocks: 97% of the SMs
-    assert mm.tile_tokens(4096, 256) == mm.TOKENS  # 64 blocks would leave half the SMs idle
-    assert mm.tile_tokens(896, 512) == mm.TOKENS  # a 0.5b's attention at pp512: 7 x 4 blocks
+    assert mm.pick_tile(24576, 255) == mm.SHORT_TILE  # a prompt piece below LONG_PROMPT
+    assert mm.pick_tile(24576, 256) == mm.WIDE_TILE  # 192 x 2 blocks: two to an SM
+    assert mm.pick_tile(4096, 2048) == mm.WIDE_TILE  # 32 x 16
+    assert mm.pick_tile(5120 + 1024, 512) == mm.LONG_TILE  # 48 x 4 = 192 blocks: a q/k + v pair, one to an SM
+    assert mm.pick_tile(4096, 512) == mm.LONG_TILE  # 32 x 4 = 128 blocks: 97% of the SMs
+    assert mm.pick_tile(4096, 256) == mm.SHORT_TILE  # 64 blocks would leave half the SMs idle
+    assert mm.pick_tile(896, 512) == mm.SHORT_TILE  # a 0.5b's attention at pp512: 7 x 4 blocks
 
 
 # ---- real shapes, GPU only -------------------------------------------------------------------------------

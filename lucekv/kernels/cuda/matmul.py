@@ -10,16 +10,19 @@ FMAs cannot come near the tensor cores' rate on prefill-sized products).
   per block there. So that no weight overflows or falls into f16's subnormals, each matrix is staged times a
   power of two that brings its largest weight near 2^14 (`DeviceMatrix.half_scale`), divided out of the float32
   sums at the store (exact). |x| must stay below 65504.
-- A block computes 128 rows x 64 tokens (8 warps) or, for long prompts (`tile_tokens`), 128 rows x 128 tokens
-  (16 warps: each weight is dequantized once per 128 tokens, and a thread stages a quarter row instead of a
-  half), per K_STEP = 32 columns; each warp 32 rows x 32 tokens, 2 m16 x 4 n8 tiles of 4 float32
-  accumulators per thread. Shared memory holds two steps (double buffering: one barrier per step): 128 rows of
-  weights and the tokens of x, rows of PAIRS words padded to STRIDE (16-byte aligned rows) so that the
-  fragment loads hit 32 distinct banks. Fragments come from shared memory through `ldmatrix` .x4: per k16
-  slice, one per m-tile (A) and one per two n-tiles (B), 4 instructions for 8 mma. Each step's global loads
-  are issued two steps ahead (two register sets, even and odd steps). Registers are capped at 128 per
-  thread: two 8-warp blocks per SM, or one 16-warp block. The grid's x runs over the token tiles: the blocks of
-  one row tile, reading the same weights, run together.
+- A block computes 128 rows x 64 tokens (8 warps) or, for long prompts (`pick_tile`), 128 rows x 128 tokens
+  (each weight is dequantized once per 128 tokens): the long tile, 16 warps (a thread stages a quarter row
+  instead of a half), one block per SM, or the wide tile, 8 warps of 64 rows x 32 tokens, two blocks per SM
+  where the product has blocks enough (fewer fragment loads and decodes per mma, and one block's barrier wait
+  is the other's time to compute), per K_STEP = 32 columns; each warp of the others 32 rows x 32 tokens, 2 m16
+  x 4 n8 tiles of 4 float32 accumulators per thread (the wide tile's 4 x 4). Shared memory holds two steps
+  (double buffering: one barrier per step): 128 rows of weights and the tokens of x, rows of PAIRS words padded
+  to STRIDE (16-byte aligned rows) so that the fragment loads hit 32 distinct banks. Fragments come from shared
+  memory through `ldmatrix` .x4: per k16 slice, one per m-tile (A) and one per two n-tiles (B), 4 instructions
+  for 8 mma (6 for 16 in the wide tile). Each step's global loads are issued two steps ahead (two register
+  sets, even and odd steps). Registers are capped at 128 per thread: two 8-warp blocks per SM, or one 16-warp
+  block. The grid's x runs over the token tiles: the blocks of one row tile, reading the same weights, run
+  together.
 - The order of k inside a step is free as long as A and B share it, so codes are staged in the order the
   packed bytes give them: a word with two 4-bit (8-bit) fields at bits 0 and 16, or'ed into the exponent
   of float16 1024, is two exact f16 codes after one `sub.f16x2`. Staged word j holds the columns
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -70,16 +74,42 @@ from lucekv.kernels.cuda.packed import (
 ROWS = 128  # weight rows per block tile
 TOKENS = 64  # tokens per block tile (the grouped MoE products use this tile too)
 LONG_TOKENS = 128  # tokens per block tile for long prompts
-LONG_PROMPT = 256  # from this many tokens on, the long tile where its blocks fill the GPU (see `tile_tokens`)
+LONG_PROMPT = 256  # from this many tokens on, the long tile where its blocks fill the GPU (see `pick_tile`)
 K_STEP = 32  # columns per step: one q4 block, one or two q8 blocks
 THREADS = 256
 BLOCKS_PER_SM = 2  # registers capped at 128 per thread
-ROW_WARPS = 4  # warps side by side over the rows; the rest over the tokens
-WARP_ROWS = ROWS // ROW_WARPS
 WARP_TOKENS = 32
-THREADS_PER_TOKEN = 4  # x staging: a quarter of a token's step per thread
-M_TILES = WARP_ROWS // 16
 N_TILES = WARP_TOKENS // 8
+
+
+class Tile(NamedTuple):
+    """A block tile: ROWS rows x `tokens` tokens, each warp `warp_rows` rows x WARP_TOKENS tokens."""
+
+    tokens: int
+    warp_rows: int
+
+    @property
+    def row_warps(self) -> int:
+        """Warps side by side over the rows; the rest over the tokens."""
+        return ROWS // self.warp_rows
+
+    @property
+    def threads(self) -> int:
+        return self.row_warps * self.tokens // WARP_TOKENS * WARP
+
+    @property
+    def m_tiles(self) -> int:
+        return self.warp_rows // 16
+
+    @property
+    def name(self) -> str:
+        return f"t{self.tokens}" + ("" if self.warp_rows == 32 else f"w{self.warp_rows}")
+
+
+SHORT_TILE = Tile(TOKENS, 32)  # 8 warps: two blocks per SM
+LONG_TILE = Tile(LONG_TOKENS, 32)  # 16 warps: each weight dequantized once per 128 tokens, one block per SM
+WIDE_TILE = Tile(LONG_TOKENS, 64)  # 8 warps of 64 x 32: as LONG_TILE's dequantizing, two blocks per SM
+TILE_SHAPES = (SHORT_TILE, LONG_TILE, WIDE_TILE)
 PAIRS = K_STEP // 2  # f16 pairs per staged row and step
 STRIDE = PAIRS + 4
 MAGIC = np.uint32(0x64006400)  # two float16 1024.0: or'ed with fields below 1024, 1024 + field
@@ -91,18 +121,18 @@ BYTE_PAIRS = np.uint32(0x00FF00FF)
 ZERO = np.uint32(0)
 
 
-def tile_tokens(rows: int, n: int) -> int:
-    """The block tile's tokens for a product of `rows` weight rows and n tokens: the long tile from LONG_PROMPT
-    tokens on, where its blocks (one per SM at a time) fill at least three quarters of the GPU; small matrices (a
-    0.5b's attention) keep the short tile's twice as many blocks, two per SM."""
-    if n >= LONG_PROMPT and 4 * blocks(rows, ROWS) * blocks(n, LONG_TOKENS) >= 3 * sm_count():
-        return LONG_TOKENS
-    return TOKENS
-
-
-def threads_for(tokens: int) -> int:
-    """Threads of a block tile of 128 rows and `tokens` tokens (a warp per 32 x 32)."""
-    return THREADS_PER_TOKEN * tokens
+def pick_tile(rows: int, n: int) -> Tile:
+    """The block tile of a product of `rows` weight rows and n tokens: from LONG_PROMPT tokens on, a 128-token
+    tile where its blocks fill at least three quarters of the GPU: the wide tile where they fill both of an SM's
+    places (two blocks per SM), else the long tile (one); small matrices (a 0.5b's attention) keep the short tile's
+    twice as many blocks, two per SM."""
+    if n >= LONG_PROMPT:
+        long_blocks = blocks(rows, ROWS) * blocks(n, LONG_TOKENS)
+        if 4 * long_blocks >= 3 * BLOCKS_PER_SM * sm_count():
+            return WIDE_TILE
+        if 4 * long_blocks >= 3 * sm_count():
+            return LONG_TILE
+    return SHORT_TILE
 
 
 def x_order(kind: str) -> tuple[int, int]:
@@ -112,19 +142,25 @@ def x_order(kind: str) -> tuple[int, int]:
     return (4, 16) if kind == "q4" else (8, 4)
 
 
-def _make_tile(kind: str, block: int, tokens: int = TOKENS, halves: bool = False):
+def _make_tile(kind: str, block: int, shape: Tile = SHORT_TILE, halves: bool = False):
     """A block's tile for `kind` codes with (scale, bias) per `block` columns: rows r0.. of w (`rows` in all) times
-    tokens t0.. of x (`tokens` of them), those below t_end. x: float32 [n, cols], or with `halves` its float16 pairs
-    in the staged order (`stage_halves`), uint32 [n, cols // 2]. a_tile, x_tile: the block's shared arrays
+    tokens t0.. of x (`shape.tokens` of them), those below t_end. x: float32 [n, cols], or with `halves` its float16
+    pairs in the staged order (`stage_halves`), uint32 [n, cols // 2]. a_tile, x_tile: the block's shared arrays
     (`_shared_tiles`), allocated by the kernel: a kernel of two products' tiles holds one pair of them."""
-    threads = threads_for(tokens)
+    tokens, threads, m_tiles, row_warps = shape.tokens, shape.threads, shape.m_tiles, shape.row_warps
     split = threads // ROWS  # threads staging one row of weights: 2 (halves) or 4 (quarters)
     load_codes, stage_codes = {("q4", 2): (_load_q4, _stage_q4), ("q6", 2): (_load_q6, _stage_q6),
                                ("q8", 2): (_load_q8, _stage_q8), ("q4", 4): (_load_q4_quarter, _stage_q4),
                                ("q6", 4): (_load_q6_quarter, _stage_q6),
                                ("q8", 4): (_load_q8_quarter, _stage_q8)}[kind, split]
     x_span, x_gap = x_order(kind)  # columns of x part p: span p .., span p + gap ..
-    load_x, stage_x, x_shift = (_load_x_halves, _stage_x_halves, 1) if halves else (_load_x, _stage_x, 0)
+    per_token = threads // tokens  # threads staging one token's x: 4 (a part each) or 2 (two parts each)
+    if not halves and per_token != 4:
+        raise ValueError(f"a tile of {threads} threads and {tokens} tokens stages x from its halves only")
+    load_x, stage_x, x_shift = ((_load_x_halves, _stage_x_halves, 1) if per_token == 4 else
+                                (_load_x_halves2, _stage_x_halves2, 1)) if halves else (_load_x, _stage_x, 0)
+    per_token_log2 = per_token.bit_length() - 1
+    mma_step, store = _mma_steps(m_tiles), _stores(m_tiles)
     per_step = K_STEP // block  # (scale, bias) blocks per step
     block_log2 = block.bit_length() - 1
     split_log2 = split.bit_length() - 1
@@ -133,20 +169,20 @@ def _make_tile(kind: str, block: int, tokens: int = TOKENS, halves: bool = False
     def tile(w, rows, half_scale, x, t_end, ep, r0, t0, a_tile, x_tile):
         tid = cuda.threadIdx.x
         n, cols = t_end, x.shape[1] << x_shift
-        acc = cuda.local.array((M_TILES, N_TILES, 4), np.float32)
-        for i in range(M_TILES):
+        acc = cuda.local.array((m_tiles, N_TILES, 4), np.float32)
+        for i in range(m_tiles):
             for j in range(N_TILES):
                 for c in range(4):
                     acc[i, j, c] = np.float32(0)
         # staging: thread (a_row, a_part) decodes a half or a quarter of a row's codes; (x_tok, x_part) a quarter
-        # of a token's x. Thread indices come from masks and shifts: LLVM then knows them non-negative, drops
+        # or a half of a token's x. Thread indices come from masks and shifts: LLVM then knows them non-negative, drops
         # numba's negative index wraparound and folds the shared fragment addresses into a base plus constant
         # offsets.
         a_row, a_part = (tid >> split_log2) & (ROWS - 1), tid & (split - 1)
-        x_tok, x_part = (tid >> 2) & (tokens - 1), tid & 3
+        x_tok, x_part = (tid >> per_token_log2) & (tokens - 1), tid & (per_token - 1)
         r, t = r0 + a_row, t0 + x_tok
         sub = a_part >> (split_log2 - 1) if per_step == 2 else 0  # the (scale, bias) block of this thread's part
-        x_col = x_span * x_part if not halves else 4 * x_part  # a float32 column, or a word of halves
+        x_col = x_span * x_part if not halves else (16 >> per_token_log2) * x_part  # a float32 column, or a word
         # two register sets of loads in flight, for even and odd steps: a step's loads are issued two steps
         # (two rounds of mmas) before they are staged
         k1 = min(K_STEP, cols - K_STEP)
@@ -158,7 +194,7 @@ def _make_tile(kind: str, block: int, tokens: int = TOKENS, halves: bool = False
         x1 = load_x(x, n, t, (k1 >> x_shift) + x_col, x_gap)
         # mma: warp (wr, wt) computes rows wr.., tokens wt.. of the tile
         warp, lane = (tid >> 5) & (threads // WARP - 1), tid & (WARP - 1)
-        wr, wt = (warp % ROW_WARPS) * WARP_ROWS, (warp // ROW_WARPS) * WARP_TOKENS
+        wr, wt = (warp % row_warps) * (ROWS // row_warps), (warp // row_warps) * WARP_TOKENS
         for k0 in range(0, cols, 2 * K_STEP):
             # even step, buffer 0 (the last step loads its own columns again, unused)
             s2, m2 = _half_scale_bias(w, sw0, half_scale)
@@ -171,7 +207,7 @@ def _make_tile(kind: str, block: int, tokens: int = TOKENS, halves: bool = False
             sw0 = _load_block_words(w, rows, r, (k_next >> block_log2) + sub)
             x0 = load_x(x, n, t, (k_next >> x_shift) + x_col, x_gap)
             cuda.syncthreads()  # this step is staged; every warp is done with the step before (the other buffer)
-            _mma_step(a_tile, x_tile, 0, acc, wr, wt, lane)
+            mma_step(a_tile, x_tile, 0, acc, wr, wt, lane)
             if k0 + K_STEP < cols:  # odd step, buffer 1
                 s2, m2 = _half_scale_bias(w, sw1, half_scale)
                 stage_codes(words1, s2, m2, a_tile, 1, a_row, a_part)
@@ -181,8 +217,8 @@ def _make_tile(kind: str, block: int, tokens: int = TOKENS, halves: bool = False
                 sw1 = _load_block_words(w, rows, r, (k_next >> block_log2) + sub)
                 x1 = load_x(x, n, t, (k_next >> x_shift) + x_col, x_gap)
                 cuda.syncthreads()
-                _mma_step(a_tile, x_tile, 1, acc, wr, wt, lane)
-        _store(acc, np.float32(1) / half_scale, ep, rows, n, r0 + wr, t0 + wt, lane >> 2, lane & 3)
+                mma_step(a_tile, x_tile, 1, acc, wr, wt, lane)
+        store(acc, np.float32(1) / half_scale, ep, rows, n, r0 + wr, t0 + wt, lane >> 2, lane & 3)
 
     return tile
 
@@ -200,11 +236,12 @@ def _shared_tiles(tokens: int):
 SHARED_TILES = {tokens: _shared_tiles(tokens) for tokens in (TOKENS, LONG_TOKENS)}
 
 
-def _make_tensor_matmul(kind: str, block: int, tokens: int, halves: bool):
+def _make_tensor_matmul(kind: str, block: int, shape: Tile, halves: bool):
     """The product's kernel: with `halves` (x staged by `stage_halves`) the grid's x runs over the token tiles, so
     that the blocks of one row tile (reading the same weights) run together; else over the row tiles (last
     session's kernel, kept for comparison)."""
-    tile = _make_tile(kind, block, tokens, halves) if tokens != TOKENS or halves else TILES[kind, block]
+    tile = _make_tile(kind, block, shape, halves) if shape != SHORT_TILE or halves else TILES[kind, block]
+    tokens = shape.tokens
     shared_tiles = SHARED_TILES[tokens]
 
     if halves:
@@ -220,16 +257,17 @@ def _make_tensor_matmul(kind: str, block: int, tokens: int, halves: bool):
             tile(w, rows, half_scale, x, x.shape[0], ep, cuda.blockIdx.x * ROWS, cuda.blockIdx.y * tokens, a_tile,
                  x_tile)
 
-    kernel.__name__ = kernel.__qualname__ = (f"_matmul_{kind}_{block}" + ("" if tokens == TOKENS else f"_t{tokens}")
+    kernel.__name__ = kernel.__qualname__ = (f"_matmul_{kind}_{block}" + ("" if shape == SHORT_TILE else
+                                                                           f"_{shape.name}")
                                              + ("_halves" if halves else ""))
-    threads = threads_for(tokens)
-    return jit_bounded(kernel, threads, BLOCKS_PER_SM * THREADS // threads)
+    return jit_bounded(kernel, shape.threads, BLOCKS_PER_SM * THREADS // shape.threads)
 
 
 @functools.cache
-def _pair_kernel(key_a: tuple[str, int], key_b: tuple[str, int], tokens: int):
+def _pair_kernel(key_a: tuple[str, int], key_b: tuple[str, int], shape: Tile):
     """One launch of two products (`matmuls`): grid rows of a's row tiles, then b's; x over the token tiles."""
-    tile_a, tile_b = _make_tile(*key_a, tokens, True), _make_tile(*key_b, tokens, True)
+    tile_a, tile_b = _make_tile(*key_a, shape, True), _make_tile(*key_b, shape, True)
+    tokens = shape.tokens
     shared_tiles = SHARED_TILES[tokens]
 
     def kernel(wa, rows_a, half_scale_a, xa, ep_a, wb, rows_b, half_scale_b, xb, ep_b):
@@ -242,9 +280,8 @@ def _pair_kernel(key_a: tuple[str, int], key_b: tuple[str, int], tokens: int):
         else:
             tile_b(wb, rows_b, half_scale_b, xb, xb.shape[0], ep_b, (y - first_b) * ROWS, t0, a_tile, x_tile)
 
-    kernel.__name__ = kernel.__qualname__ = f"_matmul_{key_a[0]}_{key_a[1]}_{key_b[0]}_{key_b[1]}_t{tokens}"
-    threads = threads_for(tokens)
-    return jit_bounded(kernel, threads, BLOCKS_PER_SM * THREADS // threads)
+    kernel.__name__ = kernel.__qualname__ = f"_matmul_{key_a[0]}_{key_a[1]}_{key_b[0]}_{key_b[1]}_{shape.name}"
+    return jit_bounded(kernel, shape.threads, BLOCKS_PER_SM * THREADS // shape.threads)
 
 
 @cuda.jit(device=True, inline=True)
@@ -393,48 +430,74 @@ def _stage_x_halves(words, x_tile, buf, tok, part):
 
 
 @cuda.jit(device=True, inline=True)
-def _mma_step(a_tile, x_tile, buf, acc, wr, wt, lane):
-    """One step's products of the warp's M_TILES x N_TILES tiles, into acc. Per k16 slice (staged words
-    8 kk .. 8 kk + 7) the fragments come through ldmatrix .x4, each lane naming one 8-word row start: for an
-    m-tile, matrices (rows 0-7, words 0-3), (rows 8-15, words 0-3), (rows 0-7, words 4-7), (rows 8-15, words 4-7)
-    are A's a0..a3; for two n-tiles, (tokens 0-7, words 0-3), (0-7, 4-7), (8-15, 0-3), (8-15, 4-7) are the
-    first n-tile's b0, b1, then the second's."""
-    a = cuda.local.array((M_TILES, 4), np.uint32)
-    b = cuda.local.array(4, np.uint32)
-    a_row, a_word = lane & 15, 4 * (lane >> 4)
-    b_tok, b_word = (lane & 7) + 8 * (lane >> 4), 4 * ((lane >> 3) & 1)
-    for kk in range(K_STEP // 16):
-        for i in range(M_TILES):
-            a[i, 0], a[i, 1], a[i, 2], a[i, 3] = load_matrix_x4(a_tile, buf, wr + 16 * i + a_row, 8 * kk + a_word)
-        for jj in range(0, N_TILES, 2):  # B streams past, two n-tiles at a time (no more registers than that)
-            b[0], b[1], b[2], b[3] = load_matrix_x4(x_tile, buf, wt + 8 * jj + b_tok, 8 * kk + b_word)
-            for j in range(2):
-                for i in range(M_TILES):
-                    t = jj + j
-                    acc[i, t, 0], acc[i, t, 1], acc[i, t, 2], acc[i, t, 3] = mma_f16_16816(
-                        a[i, 0], a[i, 1], a[i, 2], a[i, 3], b[2 * j], b[2 * j + 1], acc[i, t, 0], acc[i, t, 1],
-                        acc[i, t, 2], acc[i, t, 3])
+def _load_x_halves2(x, n, t, word, gap):
+    """Staged words 8 half .. 8 half + 7 of token t (two threads a token), word = the step's first + 8 half."""
+    if t < n:
+        return load_u32x4_coherent(x, t, word), load_u32x4_coherent(x, t, word + 4)
+    return (ZERO, ZERO, ZERO, ZERO), (ZERO, ZERO, ZERO, ZERO)
 
 
 @cuda.jit(device=True, inline=True)
-def _store(acc, unscale, ep, rows, n, r0, t0, g, tig):
-    # accumulators c and c + 2 are rows 8 apart: with gate/up groups of GATE_ROWS = 8 a gate row and its up row
-    for i in range(M_TILES):
-        for j in range(N_TILES):
-            for c in range(4):
-                t = t0 + 8 * j + 2 * tig + (c & 1)
-                r = r0 + 16 * i + g + GATE_ROWS * (c >> 1)
-                if t < n and r < rows:
-                    if not ep.gate:
-                        put(ep, t, r, acc[i, j, c] * unscale)
-                    elif c < 2:
-                        put_gated(ep, t, r, acc[i, j, c] * unscale, acc[i, j, c + 2] * unscale)
+def _stage_x_halves2(runs, x_tile, buf, tok, half):
+    first, second = runs
+    store_u32x4(x_tile, buf, tok, 8 * half, first[0], first[1], first[2], first[3])
+    store_u32x4(x_tile, buf, tok, 8 * half + 4, second[0], second[1], second[2], second[3])
+
+
+@functools.cache
+def _mma_steps(m_tiles: int):
+    """A warp's step of products for its m_tiles x N_TILES tiles of 16 x 8 (see the function's notes)."""
+    @cuda.jit(device=True, inline=True)
+    def mma_step(a_tile, x_tile, buf, acc, wr, wt, lane):
+        """One step's products, into acc. Per k16 slice (staged words 8 kk .. 8 kk + 7) the fragments come through
+        ldmatrix .x4, each lane naming one 8-word row start: for an m-tile, matrices (rows 0-7, words 0-3),
+        (rows 8-15, words 0-3), (rows 0-7, words 4-7), (rows 8-15, words 4-7) are A's a0..a3; for two n-tiles,
+        (tokens 0-7, words 0-3), (0-7, 4-7), (8-15, 0-3), (8-15, 4-7) are the first n-tile's b0, b1, then the
+        second's."""
+        a = cuda.local.array((m_tiles, 4), np.uint32)
+        b = cuda.local.array(4, np.uint32)
+        a_row, a_word = lane & 15, 4 * (lane >> 4)
+        b_tok, b_word = (lane & 7) + 8 * (lane >> 4), 4 * ((lane >> 3) & 1)
+        for kk in range(K_STEP // 16):
+            for i in range(m_tiles):
+                a[i, 0], a[i, 1], a[i, 2], a[i, 3] = load_matrix_x4(a_tile, buf, wr + 16 * i + a_row,
+                                                                    8 * kk + a_word)
+            for jj in range(0, N_TILES, 2):  # B streams past, two n-tiles at a time (no more registers than that)
+                b[0], b[1], b[2], b[3] = load_matrix_x4(x_tile, buf, wt + 8 * jj + b_tok, 8 * kk + b_word)
+                for j in range(2):
+                    for i in range(m_tiles):
+                        t = jj + j
+                        acc[i, t, 0], acc[i, t, 1], acc[i, t, 2], acc[i, t, 3] = mma_f16_16816(
+                            a[i, 0], a[i, 1], a[i, 2], a[i, 3], b[2 * j], b[2 * j + 1], acc[i, t, 0],
+                            acc[i, t, 1], acc[i, t, 2], acc[i, t, 3])
+
+    return mma_step
+
+
+@functools.cache
+def _stores(m_tiles: int):
+    """A warp's store of its m_tiles x N_TILES accumulator tiles through the epilogue."""
+    @cuda.jit(device=True, inline=True)
+    def store(acc, unscale, ep, rows, n, r0, t0, g, tig):
+        # accumulators c and c + 2 are rows 8 apart: with gate/up groups of GATE_ROWS = 8 a gate row and its up row
+        for i in range(m_tiles):
+            for j in range(N_TILES):
+                for c in range(4):
+                    t = t0 + 8 * j + 2 * tig + (c & 1)
+                    r = r0 + 16 * i + g + GATE_ROWS * (c >> 1)
+                    if t < n and r < rows:
+                        if not ep.gate:
+                            put(ep, t, r, acc[i, j, c] * unscale)
+                        elif c < 2:
+                            put_gated(ep, t, r, acc[i, j, c] * unscale, acc[i, j, c + 2] * unscale)
+
+    return store
 
 
 TILES = {(kind, block): _make_tile(kind, block) for kind, block in (("q4", 32), ("q6", 32), ("q6", 16), ("q8", 32),
                                                                    ("q8", 16))}
-_KERNELS = {(*key, tokens, halves): _make_tensor_matmul(*key, tokens, halves) for key in TILES
-            for tokens in (TOKENS, LONG_TOKENS) for halves in (True, False)}
+_KERNELS = {(*key, shape, halves): _make_tensor_matmul(*key, shape, halves) for key in TILES
+            for shape in TILE_SHAPES for halves in (True, False) if halves or shape != WIDE_TILE}
 
 
 @cuda.jit
@@ -508,13 +571,13 @@ def _matmul_f32(w, x, ep):
                 put(ep, t, r, acc[i, j])
 
 
-def matmul(w: DeviceMatrix, x, out, stream=0, tokens: int | None = None, halves=None,
+def matmul(w: DeviceMatrix, x, out, stream=0, tile: Tile | None = None, halves=None,
            staged: bool = True) -> None:
     """out[n, rows] = x[n, cols] @ W.T; out: a device array or an Epilogue. Quantized W: x goes to the tensor cores
     as float16, rounded once into `halves` (uint32 [n, cols // 2] device scratch; None: allocated here, for eager
     callers only, as a captured graph needs fixed addresses) by `stage_halves`, then the product.
-    `tokens`: the block tile's tokens (TOKENS or LONG_TOKENS; by default `tile_tokens`'s choice), for benchmarks
-    and tests; `staged=False`: last session's kernel, rounding x in the tile (benchmarks compare the two)."""
+    `tile`: the block tile (one of TILE_SHAPES; by default `pick_tile`'s choice), for benchmarks and tests;
+    `staged=False`: last session's kernel, rounding x in the tile (benchmarks compare the two; not the wide tile)."""
     n = x.shape[0]
     if w.kind != "f32" and w.cols % K_STEP:
         raise ValueError(f"matmul: {w.kind} weights need a multiple of {K_STEP} columns, got {w.cols}")
@@ -524,13 +587,13 @@ def matmul(w: DeviceMatrix, x, out, stream=0, tokens: int | None = None, halves=
     if w.kind == "f32":
         _matmul_f32[(blocks(w.rows, F32_TILE), blocks(n, F32_TILE)), F32_THREADS, stream](w.codes, x, ep)
         return
-    if tokens is None:
-        tokens = tile_tokens(w.rows, n)
-    kernel = _KERNELS[w.kind, 1 << w.block_log2, tokens, staged]
-    grid = (blocks(w.rows, ROWS), blocks(n, tokens))
+    if tile is None:
+        tile = pick_tile(w.rows, n)
+    kernel = _KERNELS[w.kind, 1 << w.block_log2, tile, staged]
+    grid = (blocks(w.rows, ROWS), blocks(n, tile.tokens))
     if staged:
         x, grid = _staged(w, x, halves, stream), grid[::-1]
-    kernel[grid, threads_for(tokens), stream](w.quant, w.rows, np.float32(w.half_scale), x, ep)
+    kernel[grid, tile.threads, stream](w.quant, w.rows, np.float32(w.half_scale), x, ep)
 
 
 def _staged(w: DeviceMatrix, x, halves, stream):
@@ -563,11 +626,11 @@ def _matmul_pair(wa: DeviceMatrix, out_a, wb: DeviceMatrix, out_b, x, stream, ha
     for w in (wa, wb):
         if w.cols % K_STEP:
             raise ValueError(f"matmul: {w.kind} weights need a multiple of {K_STEP} columns, got {w.cols}")
-    tokens = tile_tokens(wa.rows + wb.rows, n)
+    tile = pick_tile(wa.rows + wb.rows, n)
     xa = _staged(wa, x, None if halves is None else halves(x_order(wa.kind)), stream)
     xb = xa if x_order(wb.kind) == x_order(wa.kind) else _staged(
         wb, x, None if halves is None else halves(x_order(wb.kind)), stream)
-    kernel = _pair_kernel((wa.kind, 1 << wa.block_log2), (wb.kind, 1 << wb.block_log2), tokens)
-    grid = (blocks(n, tokens), blocks(wa.rows, ROWS) + blocks(wb.rows, ROWS))
-    kernel[grid, threads_for(tokens), stream](wa.quant, wa.rows, np.float32(wa.half_scale), xa, as_epilogue(out_a),
+    kernel = _pair_kernel((wa.kind, 1 << wa.block_log2), (wb.kind, 1 << wb.block_log2), tile)
+    grid = (blocks(n, tile.tokens), blocks(wa.rows, ROWS) + blocks(wb.rows, ROWS))
+    kernel[grid, tile.threads, stream](wa.quant, wa.rows, np.float32(wa.half_scale), xa, as_epilogue(out_a),
                                               wb.quant, wb.rows, np.float32(wb.half_scale), xb, as_epilogue(out_b))
