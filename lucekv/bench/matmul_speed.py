@@ -1,17 +1,18 @@
-"""GPU timing of the prefill matmul at Qwen3-8B shapes (Q4_K_M), both block tiles, by prompt length, against last
+"""GPU timing of the prefill matmul at Qwen3-8B shapes (Q4_K_M), every block tile, by prompt length, against last
 session's kernel.
 
     python -m lucekv.bench.matmul_speed [--json OUT] [--tokens 16,64,128,256,512,2048] [--replays 10]
 
 For each shape and token count: µs per product (x rounded to float16 by `stage_halves`, then the product: both
-launches) of the 64-token tile (`tile`) and of the 128-token tile (`long_tile`, which `matmul` takes from
-LONG_PROMPT tokens on where its blocks fill the GPU), and of last session's kernel as routed (`before`: x rounded in
-the tile, `matmul(staged=False)`); TFLOP/s (2 rows cols n per product), which tile `matmul` routes to, the speedup
-as routed (before / routed), and the largest difference between the variants' outputs relative to the largest
-output (the two tiles: the same products in another order of k and tiles; the routed kernel and `before`: 0, the
-same sums). Per shape, every variant's error against float64 numpy over the first REF_ROWS rows at one token
-count. Timing as matvec_speed's: launches captured as one CUDA graph and replayed, over enough copies of the
-matrix that no launch reads weights another left in L2; the median over replays, per product.
+launches) of the 64-token tile (`tile`), of the 128-token tiles (`long_tile`, 16 warps, and `wide_tile`, 8 warps
+of 64 rows, two blocks per SM; `pick_tile` takes them from LONG_PROMPT tokens on where their blocks fill the GPU),
+and of last session's kernel as it routed (`before`: x rounded in the tile, `matmul(staged=False)`, short or long
+tile); TFLOP/s (2 rows cols n per product), which tile `matmul` routes to, the speedup as routed (before /
+routed), and the largest difference between the variants' outputs relative to the largest output (0: every tile
+sums an output's products in the same order, and `before` stages the same operands). Per shape, every variant's
+error against float64 numpy over the first REF_ROWS rows at one token count. Timing as matvec_speed's: launches
+captured as one CUDA graph and replayed, over enough copies of the matrix that no launch reads weights another
+left in L2; the median over replays, per product.
 The q/k and v products, which CudaOps launches together (`matmuls`), are timed so too (`pairs`: µs per pair,
 against the two as routed one after the other), and a layer's products as routed count them so.
 """
@@ -34,6 +35,7 @@ from lucekv.kernels.cuda.matmul import (
     LONG_TILE,
     SHORT_TILE,
     WIDE_TILE,
+    Tile,
     matmul,
     matmuls,
     pick_tile,
@@ -56,6 +58,11 @@ REF_TOKENS = 128  # token count of the float64 reference (or the largest asked b
 MIN_LAUNCHES = 8  # per captured graph
 
 
+def before_tile(rows: int, n: int) -> Tile:
+    """The tile last session's kernel took: the long one where a long tile is taken now (it had no wide one)."""
+    return SHORT_TILE if pick_tile(rows, n) == SHORT_TILE else LONG_TILE
+
+
 def bench_shape(s: Shape, counts: list[int], rng: np.random.Generator, replays: int, l2_bytes: int, stream) -> list:
     packed = random_matrix(rng, s)
     mats = [upload(packed)]
@@ -72,7 +79,7 @@ def bench_shape(s: Shape, counts: list[int], rng: np.random.Generator, replays: 
                "routed_to": routed}
         results = {}
         for name in VARIANTS:
-            tile = {v: k for k, v in TILE_NAMES.items()}.get(name, pick_tile(s.rows, n))
+            tile = {v: k for k, v in TILE_NAMES.items()}.get(name, before_tile(s.rows, n))
             launches = [lambda st, w=mats[k], x=xs[k], h=halves[k], y=outs[k], t=tile, staged=name != "before":
                         matmul(w, x, y, stream=st, tile=t, halves=h, staged=staged) for k in order]
             us = graph_us(stream, launches, replays)
@@ -93,7 +100,8 @@ def bench_shape(s: Shape, counts: list[int], rng: np.random.Generator, replays: 
         rows.append(row)
         print(f"{s.name:30s} n {n:5d}: tile {row['tile_us']:8.1f} µs {row['tile_tflops']:6.1f} TFLOP/s, long tile "
               f"{row['long_tile_us']:8.1f} µs {row['long_tile_tflops']:6.1f} TFLOP/s, wide tile "
-              f"{row['wide_tile_us']:8.1f} µs {row['wide_tile_tflops']:6.1f} TFLOP/s, before ({routed}) "
+              f"{row['wide_tile_us']:8.1f} µs {row['wide_tile_tflops']:6.1f} TFLOP/s, before "
+              f"({TILE_NAMES[before_tile(s.rows, n)]}) "
               f"{row['before_us']:8.1f} µs: {row['speedup_as_routed']:.2f}x as routed; tiles differ "
               f"{row['tiles_max_rel_diff']:.1e}, routed vs before {row['routed_vs_before_max_rel_diff']:.1e}"
               + ("; vs float64 " + " / ".join(f"{row[name + '_max_rel_err']:.1e}" for name in VARIANTS)

@@ -215,6 +215,22 @@ def test_matmuls_launch_two_products_of_one_x_together():
         assert rel_err(out.copy_to_host(), ref) <= (1e-5 if m.kind == "f32" else 1e-3)
 
 
+@needs_kernels
+def test_every_tile_sums_alike():
+    # each output's products go into its accumulator in the same order (k steps, then k16 slices) whatever the
+    # tile: the short, long and wide tiles agree bit for bit
+    from lucekv.kernels.cuda.matmul import TILE_SHAPES, matmul
+    from lucekv.kernels.cuda.packed import upload
+
+    w = upload(random_packed(np.random.default_rng(14), Q.Q4_1, 20, 64))
+    x = cuda.to_device(np.random.default_rng(15).standard_normal((5, 64)).astype(np.float32))
+    outs = [cuda.device_array((5, 20), np.float32) for _ in TILE_SHAPES]
+    for tile, out in zip(TILE_SHAPES, outs, strict=True):
+        matmul(w, x, out, tile=tile)
+    first = outs[0].copy_to_host()
+    assert all(np.array_equal(out.copy_to_host(), first) for out in outs[1:])
+
+
 def test_stage_halves_refuses_a_wrong_scratch():
     from lucekv.kernels.cuda.matmul import stage_halves
 
