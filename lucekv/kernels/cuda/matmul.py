@@ -119,6 +119,7 @@ SIGN_BITS = np.uint32(0x80808080)  # flips each signed byte c to the unsigned c 
 NIBBLE_PAIRS = np.uint32(0x000F000F)
 BYTE_PAIRS = np.uint32(0x00FF00FF)
 ZERO = np.uint32(0)
+INDEX_MASK = 0x7FFFFFFF  # an index (below 2^31) and this mask: itself, known non-negative (no wraparound code)
 
 
 def pick_tile(rows: int, n: int) -> Tile:
@@ -180,18 +181,22 @@ def _make_tile(kind: str, block: int, shape: Tile = SHORT_TILE, halves: bool = F
         # offsets.
         a_row, a_part = (tid >> split_log2) & (ROWS - 1), tid & (split - 1)
         x_tok, x_part = (tid >> per_token_log2) & (tokens - 1), tid & (per_token - 1)
-        r, t = r0 + a_row, t0 + x_tok
+        # rows past the last and tokens past t_end stage the last one's (finite) values again, into products that
+        # no store writes: loads without branches
+        r, t = min(r0 + a_row, rows - 1) & INDEX_MASK, min(t0 + x_tok, n - 1) & INDEX_MASK
         sub = a_part >> (split_log2 - 1) if per_step == 2 else 0  # the (scale, bias) block of this thread's part
         x_col = x_span * x_part if not halves else (16 >> per_token_log2) * x_part  # a float32 column, or a word
         # two register sets of loads in flight, for even and odd steps: a step's loads are issued two steps
         # (two rounds of mmas) before they are staged
-        k1 = min(K_STEP, cols - K_STEP)
-        words0 = load_codes(w, rows, r, 0, a_part)
-        sw0 = _load_block_words(w, rows, r, sub)
-        x0 = load_x(x, n, t, x_col, x_gap)
-        words1 = load_codes(w, rows, r, k1, a_part)
-        sw1 = _load_block_words(w, rows, r, (k1 >> block_log2) + sub)
-        x1 = load_x(x, n, t, (k1 >> x_shift) + x_col, x_gap)
+        # a step's first column masked, as the rows above: LLVM then knows every index non-negative and drops
+        # numba's wraparound arithmetic from the loads (64-bit shifts, ands and adds, most of a step's address math)
+        k1 = min(K_STEP, cols - K_STEP) & INDEX_MASK
+        words0 = load_codes(w, r, 0, a_part)
+        sw0 = block_words(w, r, sub)
+        x0 = load_x(x, t, x_col, x_gap)
+        words1 = load_codes(w, r, k1, a_part)
+        sw1 = block_words(w, r, (k1 >> block_log2) + sub)
+        x1 = load_x(x, t, (k1 >> x_shift) + x_col, x_gap)
         # mma: warp (wr, wt) computes rows wr.., tokens wt.. of the tile
         warp, lane = (tid >> 5) & (threads // WARP - 1), tid & (WARP - 1)
         wr, wt = (warp % row_warps) * (ROWS // row_warps), (warp // row_warps) * WARP_TOKENS
@@ -202,20 +207,20 @@ def _make_tile(kind: str, block: int, shape: Tile = SHORT_TILE, halves: bool = F
             stage_x(x0, x_tile, 0, x_tok, x_part)
             # the registers just staged take the loads of two steps on, issued before the barrier: its wait hides
             # some of their latency too
-            k_next = min(k0 + 2 * K_STEP, cols - K_STEP)
-            words0 = load_codes(w, rows, r, k_next, a_part)
-            sw0 = _load_block_words(w, rows, r, (k_next >> block_log2) + sub)
-            x0 = load_x(x, n, t, (k_next >> x_shift) + x_col, x_gap)
+            k_next = min(k0 + 2 * K_STEP, cols - K_STEP) & INDEX_MASK
+            words0 = load_codes(w, r, k_next, a_part)
+            sw0 = block_words(w, r, (k_next >> block_log2) + sub)
+            x0 = load_x(x, t, (k_next >> x_shift) + x_col, x_gap)
             cuda.syncthreads()  # this step is staged; every warp is done with the step before (the other buffer)
             mma_step(a_tile, x_tile, 0, acc, wr, wt, lane)
             if k0 + K_STEP < cols:  # odd step, buffer 1
                 s2, m2 = _half_scale_bias(w, sw1, half_scale)
                 stage_codes(words1, s2, m2, a_tile, 1, a_row, a_part)
                 stage_x(x1, x_tile, 1, x_tok, x_part)
-                k_next = min(k0 + 3 * K_STEP, cols - K_STEP)
-                words1 = load_codes(w, rows, r, k_next, a_part)
-                sw1 = _load_block_words(w, rows, r, (k_next >> block_log2) + sub)
-                x1 = load_x(x, n, t, (k_next >> x_shift) + x_col, x_gap)
+                k_next = min(k0 + 3 * K_STEP, cols - K_STEP) & INDEX_MASK
+                words1 = load_codes(w, r, k_next, a_part)
+                sw1 = block_words(w, r, (k_next >> block_log2) + sub)
+                x1 = load_x(x, t, (k_next >> x_shift) + x_col, x_gap)
                 cuda.syncthreads()
                 mma_step(a_tile, x_tile, 1, acc, wr, wt, lane)
         store(acc, np.float32(1) / half_scale, ep, rows, n, r0 + wr, t0 + wt, lane >> 2, lane & 3)
@@ -285,59 +290,46 @@ def _pair_kernel(key_a: tuple[str, int], key_b: tuple[str, int], shape: Tile):
 
 
 @cuda.jit(device=True, inline=True)
-def _load_q4(w, rows, r, k0, half):
-    """Code words 2 half, 2 half + 1 of row r's 32-block at k0 (zeros past the last row)."""
-    if r < rows:
-        c = 4 * (k0 >> 5) + 2 * half
-        return w.codes[r, c], w.codes[r, c + 1]
-    return ZERO, ZERO
+def _load_q4(w, r, k0, half):
+    """Code words 2 half, 2 half + 1 of row r's 32-block at k0."""
+    c = 4 * (k0 >> 5) + 2 * half
+    return w.codes[r, c], w.codes[r, c + 1]
 
 
 @cuda.jit(device=True, inline=True)
-def _load_q4_quarter(w, rows, r, k0, quarter):
-    """Code word `quarter` of row r's 32-block at k0 (zero past the last row)."""
-    if r < rows:
-        return (w.codes[r, 4 * (k0 >> 5) + quarter],)
-    return (ZERO,)
+def _load_q4_quarter(w, r, k0, quarter):
+    """Code word `quarter` of row r's 32-block at k0."""
+    return (w.codes[r, 4 * (k0 >> 5) + quarter],)
 
 
 @cuda.jit(device=True, inline=True)
-def _load_q6(w, rows, r, k0, half):
-    """Columns k0 + 16 half .. + 15 of row r as 4 words of 6-bit codes + 32, laid out as q8's (zeros past the
-    last row)."""
-    if r < rows:
-        low = load_u32x4(w.codes, r, 4 * (k0 >> 5))
-        high = w.high[r, 2 * (k0 >> 5) + half]
-        return (q6_word(low[0], high, 4 * half), q6_word(low[1], high, 4 * half + 1),
-                q6_word(low[2], high, 4 * half + 2), q6_word(low[3], high, 4 * half + 3))
-    return ZERO, ZERO, ZERO, ZERO
+def _load_q6(w, r, k0, half):
+    """Columns k0 + 16 half .. + 15 of row r as 4 words of 6-bit codes + 32, laid out as q8's."""
+    low = load_u32x4(w.codes, r, 4 * (k0 >> 5))
+    high = w.high[r, 2 * (k0 >> 5) + half]
+    return (q6_word(low[0], high, 4 * half), q6_word(low[1], high, 4 * half + 1),
+            q6_word(low[2], high, 4 * half + 2), q6_word(low[3], high, 4 * half + 3))
 
 
 @cuda.jit(device=True, inline=True)
-def _load_q6_quarter(w, rows, r, k0, quarter):
-    """Columns k0 + 8 quarter .. + 7 of row r as 2 words of 6-bit codes + 32 (zeros past the last row)."""
-    if r < rows:
-        low = 4 * (k0 >> 5) + 2 * (quarter & 1)
-        high = w.high[r, 2 * (k0 >> 5) + (quarter >> 1)]
-        return (q6_word(w.codes[r, low], high, 2 * quarter), q6_word(w.codes[r, low + 1], high, 2 * quarter + 1))
-    return ZERO, ZERO
+def _load_q6_quarter(w, r, k0, quarter):
+    """Columns k0 + 8 quarter .. + 7 of row r as 2 words of 6-bit codes + 32."""
+    low = 4 * (k0 >> 5) + 2 * (quarter & 1)
+    high = w.high[r, 2 * (k0 >> 5) + (quarter >> 1)]
+    return q6_word(w.codes[r, low], high, 2 * quarter), q6_word(w.codes[r, low + 1], high, 2 * quarter + 1)
 
 
 @cuda.jit(device=True, inline=True)
-def _load_q8(w, rows, r, k0, half):
-    """Columns k0 + 16 half .. + 15 of row r: 4 words of signed bytes (zeros past the last row)."""
-    if r < rows:
-        return load_u32x4(w.codes, r, (k0 >> 2) + 4 * half)
-    return ZERO, ZERO, ZERO, ZERO
+def _load_q8(w, r, k0, half):
+    """Columns k0 + 16 half .. + 15 of row r: 4 words of signed bytes."""
+    return load_u32x4(w.codes, r, (k0 >> 2) + 4 * half)
 
 
 @cuda.jit(device=True, inline=True)
-def _load_q8_quarter(w, rows, r, k0, quarter):
-    """Columns k0 + 8 quarter .. + 7 of row r: 2 words of signed bytes (zeros past the last row)."""
-    if r < rows:
-        c = (k0 >> 2) + 2 * quarter
-        return w.codes[r, c], w.codes[r, c + 1]
-    return ZERO, ZERO
+def _load_q8_quarter(w, r, k0, quarter):
+    """Columns k0 + 8 quarter .. + 7 of row r: 2 words of signed bytes."""
+    c = (k0 >> 2) + 2 * quarter
+    return w.codes[r, c], w.codes[r, c + 1]
 
 
 @cuda.jit(device=True, inline=True)
@@ -383,14 +375,6 @@ def _stage_q6(words, s2, m2, a_tile, buf, row, part):
 
 
 @cuda.jit(device=True, inline=True)
-def _load_block_words(w, rows, r, b):
-    """Row r's (scale word, sub word) of block b (zeros past the last row: scale and bias 0)."""
-    if r < rows:
-        return block_words(w, r, b)
-    return ZERO, ZERO
-
-
-@cuda.jit(device=True, inline=True)
 def _half_scale_bias(w, words, half_scale):
     """A block's scale and bias, times half_scale, each as a float16 pair."""
     s, m = scale_bias(w, words[0], words[1])
@@ -398,12 +382,9 @@ def _half_scale_bias(w, words, half_scale):
 
 
 @cuda.jit(device=True, inline=True)
-def _load_x(x, n, t, k, gap):
-    """x[t, k..k+3] and x[t, k+gap..k+gap+3], k = the step's column + span part (zeros past the last token)."""
-    if t < n:
-        return load_f32x4(x, t, k), load_f32x4(x, t, k + gap)
-    z = np.float32(0)
-    return (z, z, z, z), (z, z, z, z)
+def _load_x(x, t, k, gap):
+    """x[t, k..k+3] and x[t, k+gap..k+gap+3], k = the step's column + span part."""
+    return load_f32x4(x, t, k), load_f32x4(x, t, k + gap)
 
 
 @cuda.jit(device=True, inline=True)
@@ -416,12 +397,10 @@ def _stage_x(runs, x_tile, buf, tok, part):
 
 
 @cuda.jit(device=True, inline=True)
-def _load_x_halves(x, n, t, word, gap):
+def _load_x_halves(x, t, word, gap):
     """Staged words 4 part .. 4 part + 3 of token t from its halves (`stage_halves`), word = the step's first word
-    + 4 part (zeros past the last token)."""
-    if t < n:
-        return load_u32x4_coherent(x, t, word)
-    return ZERO, ZERO, ZERO, ZERO
+    + 4 part."""
+    return load_u32x4_coherent(x, t, word)
 
 
 @cuda.jit(device=True, inline=True)
@@ -430,11 +409,9 @@ def _stage_x_halves(words, x_tile, buf, tok, part):
 
 
 @cuda.jit(device=True, inline=True)
-def _load_x_halves2(x, n, t, word, gap):
+def _load_x_halves2(x, t, word, gap):
     """Staged words 8 half .. 8 half + 7 of token t (two threads a token), word = the step's first + 8 half."""
-    if t < n:
-        return load_u32x4_coherent(x, t, word), load_u32x4_coherent(x, t, word + 4)
-    return (ZERO, ZERO, ZERO, ZERO), (ZERO, ZERO, ZERO, ZERO)
+    return load_u32x4_coherent(x, t, word), load_u32x4_coherent(x, t, word + 4)
 
 
 @cuda.jit(device=True, inline=True)
