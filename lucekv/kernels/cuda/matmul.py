@@ -479,16 +479,20 @@ _KERNELS = {(*key, shape, halves): _make_tensor_matmul(*key, shape, halves) for 
 
 @cuda.jit
 def _stage_halves(x, span, gap, out):
-    """out[t, 16 s + j] = x[t, c], x[t, c + 2] as float16 (low half first), c = 32 s + span (j // 4) +
-    gap ((j // 2) % 2) + j % 2: step s's staged word j of token t (see `x_order`). One thread per word."""
+    """out[t, 4 q .. 4 q + 3] = step s = q // 4's staged words 4 p .. 4 p + 3 (p = q % 4) of token t: x's columns
+    c = 32 s + span p + (0, 2), + (1, 3), then c + gap + (0, 2), + (1, 3), as float16 pairs (low half first; see
+    `x_order`). One thread per 4 words: two 16-byte loads."""
     await_grid()
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    words = out.shape[1]
-    if i < out.shape[0] * words:
-        t, w = i // words, i % words
-        j = w & 15
-        c = 32 * (w >> 4) + span * (j >> 2) + gap * ((j >> 1) & 1) + (j & 1)
-        out[t, w] = pack_half2(x[t, c], x[t, c + 2])
+    parts = out.shape[1] >> 2
+    if i < out.shape[0] * parts:
+        t, q = i // parts, i % parts
+        c = 32 * (q >> 2) + span * (q & 3)
+        first, second = load_f32x4(x, t, c), load_f32x4(x, t, c + gap)
+        out[t, 4 * q] = pack_half2(first[0], first[2])
+        out[t, 4 * q + 1] = pack_half2(first[1], first[3])
+        out[t, 4 * q + 2] = pack_half2(second[0], second[2])
+        out[t, 4 * q + 3] = pack_half2(second[1], second[3])
 
 
 def stage_halves(kind: str, x, out, stream=0) -> None:
@@ -498,7 +502,8 @@ def stage_halves(kind: str, x, out, stream=0) -> None:
     if out.shape != (n, cols // 2) or cols % K_STEP:
         raise ValueError(f"stage_halves: x {x.shape} into {out.shape}: need [n, cols // 2], cols a multiple of "
                          f"{K_STEP}")
-    _stage_halves[blocks(out.size, THREADS), THREADS, stream](x, *x_order(kind), out)
+    _stage_halves[blocks(out.size // 4, THREADS), THREADS, stream](x, *x_order(kind), out)
+
 
 F32_TILE = 64  # tokens and rows per block tile of the float32 kernel
 F32_THREADS = 256  # 16 x 16 threads, 4 x 4 outputs each
