@@ -186,11 +186,11 @@ def _make_tile(kind: str, block: int, shape: Tile = SHORT_TILE, halves: bool = F
         r, t = min(r0 + a_row, rows - 1) & INDEX_MASK, min(t0 + x_tok, n - 1) & INDEX_MASK
         sub = a_part >> (split_log2 - 1) if per_step == 2 else 0  # the (scale, bias) block of this thread's part
         x_col = x_span * x_part if not halves else (16 >> per_token_log2) * x_part  # a float32 column, or a word
-        # two register sets of loads in flight, for even and odd steps: a step's loads are issued two steps
-        # (two rounds of mmas) before they are staged
         # a step's first column masked, as the rows above: LLVM then knows every index non-negative and drops
         # numba's wraparound arithmetic from the loads (64-bit shifts, ands and adds, most of a step's address math)
         k1 = min(K_STEP, cols - K_STEP) & INDEX_MASK
+        # two register sets of loads in flight, for even and odd steps: a step's loads are issued two steps
+        # (two rounds of mmas) before they are staged
         words0 = load_codes(w, r, 0, a_part)
         sw0 = block_words(w, r, sub)
         x0 = load_x(x, t, x_col, x_gap)
