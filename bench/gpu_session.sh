@@ -51,11 +51,10 @@
 #                                      pieces reached /tmp, else random weights in its Q4_K_M mix, written here in
 #                                      ~1 min): the kernels of the verify forward at widths 1..32 (kernel_profile),
 #                                      and lucekv bench steps, the decode step at 1..32 concurrent requests (~5 min)
-#   bash bench/gpu_session.sh matmul   the prefill matmul: its tests (gpu and tiny-shape), the backend's parity and
-#                                      prefill graph tests, matmul_speed at the 8B's shapes (short, long and wide tiles
-#                                      and last session's kernel at 16..2048 tokens, the q/k + v pair, errors), the 8B
-#                                      shape's 512-token prefill per kernel (~6-8 min); pp512 against llama-bench:
-#                                      `bench`
+#   bash bench/gpu_session.sh matmul   the prefill matmul: its tests (gpu and tiny-shape), the prompt pieces' graph
+#                                      test, matmul_speed at the 8B's shapes (short, long and wide tiles and last
+#                                      session's kernel at 64..2048 tokens, the q/k + v pair, errors), the 8B shape's
+#                                      512-token prefill per kernel (~6-8 min); pp512 against llama-bench: `bench`
 #   bash bench/gpu_session.sh depth    decode tok/s at 4K..128K context, 8B shape, pool 4096 vs full cache vs
 #                                      llama-bench (~5 min); `depth build` first builds llama-bench (~4 min, a call
 #                                      of its own: /tmp survives while the machine stays warm)
@@ -172,9 +171,8 @@ mvrows)
   ;;
 matmul)
   python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/kernels/test_cuda_matmul.py 2>&1 | tail -5
-  # the backend's products through matmuls (x staged in pooled scratch) against the CPU, and replayed in graphs
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_cuda_kernels.py \
-    -k "through_the_flash_prefill or prompt_pieces or prefill_graph" 2>&1 | tail -5
+  # the backend's products through matmuls (x staged in pooled scratch), replayed in prompt pieces' graphs
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_cuda_kernels.py -k prompt_pieces 2>&1 | tail -3
   python3 -m lucekv.bench.matmul_speed --json "$OUT/matmul-speed.json" 2>&1 | grep -v -i warning
   [ -f /tmp/qwen3-8b-shape.gguf ] || timeout 120 python3 .anchors/synth_gguf.py /tmp/qwen3-8b-shape.gguf qwen3-8b-shape
   python3 -m lucekv.bench.kernel_profile /tmp/qwen3-8b-shape.gguf --prefill --prompt 512 \

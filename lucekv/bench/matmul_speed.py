@@ -1,7 +1,7 @@
 """GPU timing of the prefill matmul at Qwen3-8B shapes (Q4_K_M), every block tile, by prompt length, against last
 session's kernel.
 
-    python -m lucekv.bench.matmul_speed [--json OUT] [--tokens 16,64,128,256,512,2048] [--replays 10]
+    python -m lucekv.bench.matmul_speed [--json OUT] [--tokens 64,128,256,512,2048] [--replays 10]
 
 For each shape and token count: µs per product (x rounded to float16 by `stage_halves`, then the product: both
 launches) of the 64-token tile (`tile`), of the 128-token tiles (`long_tile`, 16 warps, and `wide_tile`, 8 warps
@@ -140,7 +140,7 @@ def bench_pair(pair: tuple[Shape, Shape], counts: list[int], rng: np.random.Gene
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--tokens", default="16,64,128,256,512,2048", help="token counts (prompt lengths)")
+    ap.add_argument("--tokens", default="64,128,256,512,2048", help="token counts (prompt lengths)")
     ap.add_argument("--replays", type=int, default=10)
     a = ap.parse_args()
     counts = [int(n) for n in a.tokens.split(",")]
