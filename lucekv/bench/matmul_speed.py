@@ -6,13 +6,14 @@ session's kernel.
 For each shape and token count: µs per product (x rounded to float16 by `stage_halves`, then the product: both
 launches) of the 64-token tile (`tile`), of the 128-token tiles (`long_tile`, 16 warps, and `wide_tile`, 8 warps
 of 64 rows, two blocks per SM; `pick_tile` takes them from LONG_PROMPT tokens on where their blocks fill the GPU),
-and of last session's kernel as it routed (`before`: x rounded in the tile, `matmul(staged=False)`, short or long
-tile); TFLOP/s (2 rows cols n per product), which tile `matmul` routes to, the speedup as routed (before /
-routed), and the largest difference between the variants' outputs relative to the largest output (0: every tile
-sums an output's products in the same order, and `before` stages the same operands). Per shape, every variant's
-error against float64 numpy over the first REF_ROWS rows at one token count. Timing as matvec_speed's: launches
-captured as one CUDA graph and replayed, over enough copies of the matrix that no launch reads weights another
-left in L2; the median over replays, per product.
+and of the tile rounding x itself as last session's did, routed as it was (`before`: `matmul(staged=False)`, short
+or long tile, grid over the row tiles first; it shares this session's leaner address math in the loads, so that
+last session's JSON is the reference for that); TFLOP/s (2 rows cols n per product), which tile `matmul` routes
+to, the speedup as routed (before / routed), and the largest difference between the variants' outputs relative to
+the largest output (0: every tile sums an output's products in the same order, and `before` stages the same
+operands). Per shape, every variant's error against float64 numpy over the first REF_ROWS rows at one token
+count. Timing as matvec_speed's: launches captured as one CUDA graph and replayed, over enough copies of the
+matrix that no launch reads weights another left in L2; the median over replays, per product.
 The q/k and v products, which CudaOps launches together (`matmuls`), are timed so too (`pairs`: µs per pair,
 against the two as routed one after the other), and a layer's products as routed count them so.
 """

@@ -559,7 +559,8 @@ def matmul(w: DeviceMatrix, x, out, stream=0, tile: Tile | None = None, halves=N
     as float16, rounded once into `halves` (uint32 [n, cols // 2] device scratch; None: allocated here, for eager
     callers only, as a captured graph needs fixed addresses) by `stage_halves`, then the product.
     `tile`: the block tile (one of TILE_SHAPES; by default `pick_tile`'s choice), for benchmarks and tests;
-    `staged=False`: last session's kernel, rounding x in the tile (benchmarks compare the two; not the wide tile)."""
+    `staged=False`: x rounded in the tile as last session's kernel did (benchmarks compare the two; not the wide
+    tile)."""
     n = x.shape[0]
     if w.kind != "f32" and w.cols % K_STEP:
         raise ValueError(f"matmul: {w.kind} weights need a multiple of {K_STEP} columns, got {w.cols}")
