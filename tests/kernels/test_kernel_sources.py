@@ -14,7 +14,7 @@ from pathlib import Path
 
 import lucekv.kernels.cuda as cuda_kernels
 
-JIT_WRAPPERS = {"jit_bounded", "_bounded"}  # functions that compile their first argument as a kernel
+JIT_WRAPPERS = {"jit_kernel", "jit_bounded", "_bounded"}  # functions that compile their first argument as a kernel
 # the matvec kernels hand their block to a body (`_make_run_body`, `_make_q8_body`), which waits itself; before
 # the wait a body may only make its local arrays, clear its shared partials (`_begin`) and load weights
 PRODUCT_KERNELS = {"matvec.py:kernel"}

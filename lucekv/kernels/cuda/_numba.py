@@ -44,15 +44,26 @@ Compatibility shims live here and nowhere else:
   the overlap can never see stale data: only the decode products read before it, their first rows of weights
   (constant), so that those loads run during the kernel before. Every read of an activation is an ordinary
   (coherent) load, which the compilers keep after the wait. Before sm_90 it compiles to nothing.
-- `jit_bounded`: cuda.jit with launch bounds, and `jit_inlined`: a device function inlined by NVVM, options the
-  simulator does not accept.
+- Kernels compile through `jit_kernel` / `jit_bounded` (launch bounds, which the simulator does not accept), which
+  keep their compiled code on disk (numba-cuda's cache: __pycache__ beside the source, or NUMBA_CACHE_DIR), so a
+  restart loads what an earlier process compiled instead of compiling it again (minutes at the 8B shape). numba
+  keys an entry by the kernel's signature, the device, numba-cuda's version, its bytecode and its closure pickled;
+  that pickle holds a random id for every intrinsic reached through the closure (`@intrinsic`'s uuid), so a factory's
+  kernels would never be found again, and nothing outside the kernel's own file invalidates it. `KernelCache` keys
+  by what decides the code instead: the digest of every kernel source file (`kernel_sources_digest`) and the values
+  the closure captures (`closure_key`), so two kernels of one factory differ where their parameters do. `jit_inlined`:
+  a device function inlined by NVVM (an option the simulator does not accept either); device functions are compiled
+  into the kernels that call them, never cached apart.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import threading
+import types as pytypes
+from pathlib import Path
 
 import numpy as np
 
@@ -564,10 +575,114 @@ def overlapped_launches() -> bool:
     return not SIMULATOR and dispatcher.get_current_device().compute_capability >= (9, 0)
 
 
+def jit_kernel(kernel):
+    """cuda.jit for a kernel, its compiled code kept on disk (see the module's notes)."""
+    return _cached(kernel, None)
+
+
 def jit_bounded(kernel, threads: int, blocks_per_sm: int):
-    """cuda.jit with launch bounds: at most `threads` per block, registers left for `blocks_per_sm` resident
+    """`jit_kernel` with launch bounds: at most `threads` per block, registers left for `blocks_per_sm` resident
     blocks. The simulator takes no launch bounds (and has no registers to bound)."""
-    return cuda.jit(kernel) if SIMULATOR else cuda.jit(kernel, launch_bounds=(threads, blocks_per_sm))
+    return _cached(kernel, (threads, blocks_per_sm))
+
+
+KERNELS: list = []  # every kernel made by jit_kernel / jit_bounded (kernel_cache_counts reads their caches)
+
+
+def _cached(kernel, bounds: tuple[int, int] | None):
+    if SIMULATOR:  # it compiles nothing: nothing to keep
+        return cuda.jit(kernel)
+    dispatcher = cuda.jit(kernel) if bounds is None else cuda.jit(kernel, launch_bounds=bounds)
+    key = closure_key(kernel)
+    if key is not None:  # else compiled in every process, as before
+        dispatcher._cache = KernelCache(kernel, (bounds, key))
+    KERNELS.append(dispatcher)
+    return dispatcher
+
+
+def kernel_cache_counts() -> tuple[int, int]:
+    """(loaded from the disk cache, compiled) kernel signatures in this process so far."""
+    stats = [k.stats for k in KERNELS]
+    return sum(sum(s.cache_hits.values()) for s in stats), sum(sum(s.cache_misses.values()) for s in stats)
+
+
+KERNEL_SOURCES = Path(__file__).resolve().parents[1]  # lucekv/kernels: the CUDA kernels and the code they read
+
+
+@functools.cache
+def kernel_sources_digest() -> str:
+    """SHA-256 of every source file under lucekv/kernels: a change to any of them (an intrinsic's PTX here, an
+    epilogue in packed.py) recompiles every kernel, where numba's own check sees the kernel's file alone."""
+    h = hashlib.sha256()
+    for path in sorted(KERNEL_SOURCES.rglob("*.py")):
+        h.update(str(path.relative_to(KERNEL_SOURCES)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+class _NoKey(Exception):
+    """A closure holds a value `closure_key` cannot describe."""
+
+
+def closure_key(fn) -> tuple | None:
+    """A description of the values fn's closure captures, the same in every process for the same values, or None
+    where one is no plain value (the kernel is then not cached). Functions, device functions and intrinsics are named
+    by module and qualified name (their code is in `kernel_sources_digest`) with their own closures described."""
+    try:
+        return _describe(fn)
+    except (_NoKey, RecursionError):
+        return None
+
+
+def _describe(v):
+    if v is None or isinstance(v, (bool, int, float, str, bytes, np.generic)):
+        return type(v).__name__, repr(v)
+    if isinstance(v, tuple):  # NamedTuples too
+        return type(v).__qualname__, tuple(_describe(x) for x in v)
+    if isinstance(v, list):
+        return "list", tuple(_describe(x) for x in v)
+    if isinstance(v, dict):
+        return "dict", tuple(sorted((repr(k), _describe(x)) for k, x in v.items()))
+    if isinstance(v, (set, frozenset)):
+        return "set", tuple(sorted(repr(_describe(x)) for x in v))
+    if isinstance(v, np.dtype):
+        return "dtype", v.str
+    if isinstance(v, np.ndarray):
+        return "ndarray", v.dtype.str, v.shape, hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()
+    if isinstance(v, pytypes.FunctionType):
+        cells = tuple(_describe(c.cell_contents) for c in v.__closure__ or ())
+        return "function", v.__module__, v.__qualname__, cells, _describe(v.__defaults__)
+    if isinstance(v, pytypes.ModuleType):
+        return "module", v.__name__
+    if isinstance(v, type):
+        return "type", v.__module__, v.__qualname__
+    py_func = getattr(v, "py_func", None)  # a jitted function (the simulator's: `fn`)
+    if py_func is None and isinstance(getattr(v, "fn", None), pytypes.FunctionType):
+        py_func = v.fn
+    if py_func is not None:
+        return "jit", _describe(py_func)
+    defn = getattr(v, "_defn", None)  # an @intrinsic
+    if isinstance(defn, pytypes.FunctionType):
+        return "intrinsic", defn.__module__, defn.__qualname__
+    raise _NoKey(type(v).__qualname__)
+
+
+if not SIMULATOR:
+    import numba_cuda
+    from numba.cuda.dispatcher import CUDACache
+
+    class KernelCache(CUDACache):
+        """numba-cuda's disk cache of one kernel (file names, locations, staleness by the kernel file's time stamp,
+        the saved cubins: all numba's), keyed by `key` and the kernel sources' digest instead of the pickled
+        closure (see the module's notes). key: the launch bounds and the closure's `closure_key`."""
+
+        def __init__(self, kernel, key: tuple):
+            self._key = key
+            super().__init__(kernel)
+
+        def _index_key(self, sig, codegen):
+            key = (sig, codegen.magic_tuple(), numba_cuda.__version__, kernel_sources_digest(), self._key)
+            launch_config = getattr(self, "_launch_config_key", None)  # as CUDACache's, for kernels that read it
+            return key if launch_config is None else (*key, ("launch_config", launch_config))
 
 
 def jit_inlined(fn):

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from lucekv.kernels.cuda._numba import await_grid, blocks, cuda
+from lucekv.kernels.cuda._numba import await_grid, blocks, cuda, jit_kernel
 
 THREADS = 256
 GELU_C = np.float32(math.sqrt(2.0 / math.pi))
@@ -23,7 +23,7 @@ def add(x, y, out, stream=0) -> None:
     _add[blocks(x.size, THREADS), THREADS, stream](x, y, out)
 
 
-@cuda.jit
+@jit_kernel
 def _gated_act(gate, up, gelu, out):
     await_grid()
     i = cuda.grid(1)
@@ -45,7 +45,7 @@ def gated(g, u, gelu):
     return a * u
 
 
-@cuda.jit
+@jit_kernel
 def _add(x, y, out):
     await_grid()
     i = cuda.grid(1)

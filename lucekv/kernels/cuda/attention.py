@@ -54,6 +54,7 @@ from lucekv.kernels.cuda._numba import (
     copy_async_wait_one,
     cuda,
     half2_floats,
+    jit_kernel,
     load1,
     load4,
     load_f32x4,
@@ -204,7 +205,7 @@ def partials(n: int, n_head: int, n_kv: int, head_dim: int, slots: int, alloc=cu
                                                                                         np.float32)
 
 
-@cuda.jit
+@jit_kernel
 def _rope_and_store(q, k, v, positions, slots, rope, k_pool, v_pool, q_out, last_q):
     # one thread per value of the token's q, then k, then v row
     await_grid()
@@ -410,10 +411,10 @@ def _split_kernel(dims_per_word: int, row_words: int):
                     part_acc[t, h, split, word * dims_per_word + u] = acc[k * dims_per_word + u]
 
     kernel.__name__ = kernel.__qualname__ = f"_attend_split_{'f16' if dims_per_word == 2 else 'f32'}_{head_dim}"
-    return cuda.jit(kernel)
+    return jit_kernel(kernel)
 
 
-@cuda.jit
+@jit_kernel
 def _combine(part_m, part_l, part_rows, out):
     # One block per (head, query). Every warp weighs the chunks (lane c: chunks c, c + 32, ...; warp 0 keeps the
     # weights, all run the warp reductions, as the simulator needs); the sum over chunks stops after the last one
@@ -478,7 +479,7 @@ def set_slot_pos(slot_pos, slots, positions, stream=0) -> None:
     _set_slot_pos[blocks(slots.shape[0], THREADS), THREADS, stream](slot_pos, slots, positions)
 
 
-@cuda.jit
+@jit_kernel
 def _set_slot_pos(slot_pos, slots, positions):
     await_grid()
     i = cuda.grid(1)

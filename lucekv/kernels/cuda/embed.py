@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from lucekv.kernels.cuda._numba import await_grid, blocks, cuda
+from lucekv.kernels.cuda._numba import await_grid, blocks, cuda, jit_kernel
 from lucekv.kernels.cuda.packed import DeviceMatrix, element_decoder
 
 THREADS = 128
 
 
 def _make_embed(weight_at):
-    @cuda.jit
+    @jit_kernel
     def kernel(w, tokens, mult, out):
         await_grid()
         k = cuda.grid(1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lucekv.kernels.cuda._numba import SIMULATOR, WARP, await_grid, blocks, cuda
+from lucekv.kernels.cuda._numba import SIMULATOR, WARP, await_grid, blocks, cuda, jit_kernel
 
 # The simulator runs each thread as a Python thread: there one warp per plane loops over the words.
 THREADS = WARP if SIMULATOR else 256
@@ -72,7 +72,7 @@ def _grid(flat_staging) -> tuple[int, int, int]:
     return x, flat_staging.shape[1], flat_staging.shape[0]
 
 
-@cuda.jit
+@jit_kernel
 def _gather(kv, offset, staging):
     await_grid()
     layer, half = cuda.blockIdx.y, cuda.blockIdx.z
@@ -80,7 +80,7 @@ def _gather(kv, offset, staging):
         staging[half, layer, i] = kv[layer, half, offset + i]
 
 
-@cuda.jit
+@jit_kernel
 def _scatter(staging, kv, offset):
     await_grid()
     layer, half = cuda.blockIdx.y, cuda.blockIdx.z
@@ -88,7 +88,7 @@ def _scatter(staging, kv, offset):
         kv[layer, half, offset + i] = staging[half, layer, i]
 
 
-@cuda.jit
+@jit_kernel
 def _gather_keys_f32(kv, offset, out):
     await_grid()
     layer = cuda.blockIdx.y
@@ -96,7 +96,7 @@ def _gather_keys_f32(kv, offset, out):
         out[layer, i] = np.float32(kv[layer, 0, offset + i])
 
 
-@cuda.jit
+@jit_kernel
 def _copy_slots(kv, words, moves):
     await_grid()
     layer, half = cuda.blockIdx.y, cuda.blockIdx.z

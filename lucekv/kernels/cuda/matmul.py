@@ -50,6 +50,7 @@ from lucekv.kernels.cuda._numba import (
     cuda,
     fma_f16x2,
     jit_bounded,
+    jit_kernel,
     load_f32x4,
     load_matrix_x4,
     load_u32x4,
@@ -511,7 +512,7 @@ F32_STRIDE = F32_TILE + 4  # padded shared rows: 16-byte aligned, the transposed
 F32_K_STEP = 32
 
 
-@cuda.jit
+@jit_kernel
 def _matmul_f32(w, x, ep):
     await_grid()
     tid = cuda.threadIdx.x

@@ -56,6 +56,7 @@ from lucekv.kernels.cuda._numba import (
     dot4_u8s8,
     jit_bounded,
     jit_inlined,
+    jit_kernel,
     load4,
     load_f32x4,
     load_u32x4,
@@ -972,7 +973,7 @@ def _make_q8_body(dest: str):
 # ---- f32 ------------------------------------------------------------------------------------------------
 
 
-@cuda.jit
+@jit_kernel
 def _matvec_f32(w, x, ep):
     # one warp per row: f32 weights are rare (small models' norms-sized tables), not worth a wide kernel
     await_grid()

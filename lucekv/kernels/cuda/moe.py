@@ -32,7 +32,7 @@ import numpy as np
 
 from lucekv.kernels.cuda import matmul as mm
 from lucekv.kernels.cuda import matvec as mv
-from lucekv.kernels.cuda._numba import WARP, await_grid, blocks, cuda, jit_bounded, warp_max, warp_sum
+from lucekv.kernels.cuda._numba import WARP, await_grid, blocks, cuda, jit_bounded, jit_kernel, warp_max, warp_sum
 from lucekv.kernels.cuda.packed import DeviceMatrix, Quant, as_epilogue, element_decoder, put
 
 MAX_EXPERTS = 256  # the router's top-k holds a token's logits in registers: 8 per lane
@@ -164,7 +164,7 @@ def _make_router(kind: str):
                 counter[t] = 0
 
     kernel.__name__ = kernel.__qualname__ = f"_route_{kind}"
-    return cuda.jit(kernel)
+    return jit_kernel(kernel)
 
 
 @cuda.jit(device=True, inline=True)
@@ -287,7 +287,7 @@ def _make_routed(kind: str, placed: bool):
 _ROUTED = {(kind, placed): _make_routed(kind, placed) for kind in ("q4", "q6", "q8") for placed in (False, True)}
 
 
-@cuda.jit
+@jit_kernel
 def _routed_f32(table, host, remap, rows_per_expert, x, ids, x_per_slot, ep):
     # one warp per row, as matvec's f32 kernel: float experts are for tests and tiny models
     await_grid()
@@ -326,7 +326,7 @@ def group(ids, n_expert: int, starts, pos, src, tiles, stream=0) -> None:
     _group[1, GROUP_THREADS, stream](ids, n_expert, starts, pos, src, tiles)
 
 
-@cuda.jit
+@jit_kernel
 def _group(ids, n_expert, starts, pos, src, tiles):
     await_grid()
     counts = cuda.shared.array(EXPERT_SLOTS, np.int32)
@@ -370,7 +370,7 @@ def gather(x, src, out, stream=0) -> None:
     _gather[(blocks(x.shape[1], THREADS), out.shape[0]), THREADS, stream](x, src, out)
 
 
-@cuda.jit
+@jit_kernel
 def _gather(x, src, out):
     await_grid()
     j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -426,7 +426,7 @@ def combine(outs, pos, weights, residual, out, shared=None, stream=0) -> None:
                                                                              values, shared is not None, out)
 
 
-@cuda.jit
+@jit_kernel
 def _combine(outs, pos, weights, residual, gate, shared, has_shared, out):
     await_grid()
     j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from lucekv.kernels.cuda._numba import WARP, await_grid, blocks, cuda, warp_sum
+from lucekv.kernels.cuda._numba import WARP, await_grid, blocks, cuda, jit_kernel, warp_sum
 
 MAX_THREADS = 1024
 MAX_WARPS = MAX_THREADS // WARP
@@ -24,7 +24,7 @@ def rmsnorm(x, w, eps: float, groups: int, out, stream=0) -> None:
     _rmsnorm[(x.shape[0], groups), threads, stream](x, w, np.float32(eps), out)
 
 
-@cuda.jit
+@jit_kernel
 def _rmsnorm(x, w, eps, out):
     await_grid()
     t = cuda.blockIdx.x

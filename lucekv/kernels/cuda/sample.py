@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from lucekv.kernels.cuda._numba import NEG_INF, SIMULATOR, await_grid, cuda, load_f32x4
+from lucekv.kernels.cuda._numba import NEG_INF, SIMULATOR, await_grid, cuda, jit_kernel, load_f32x4
 
 # (the simulator runs threads one by one, and pays for every barrier)
 THREADS = 64 if SIMULATOR else 256
@@ -63,7 +63,7 @@ def _block_best(v, i):
     return best_v[0], best_i[0]
 
 
-@cuda.jit
+@jit_kernel
 def _argmax(logits, n, part_v, part_i, done, out):
     # thread g of the row's grid scans columns in increasing order, keeping its first maximum: runs of 4 at 4g,
     # 4(g + G), ... (16-byte loads where rows are 16-byte aligned), then the columns past the last whole run
