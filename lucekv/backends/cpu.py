@@ -422,11 +422,8 @@ class CpuBackend(RunAhead):
         self.pool.k_all[:, dst] = self.pool.k_all[:, src]
         self.pool.v_all[:, dst] = self.pool.v_all[:, src]
 
-    def prepare_verify(self, width: int) -> None:
-        """Verify forwards of up to `width` tokens need nothing prepared here (the CUDA backend captures graphs)."""
-
-    def prepare_prefill(self) -> None:
-        """Short prompt pieces need nothing prepared here (the CUDA backend captures graphs)."""
+    def prepare(self, step_tokens: int, verify_width: int) -> None:
+        """Nothing to prepare at engine start here (the CUDA backend compiles its kernels and captures graphs)."""
 
     def decode_rows(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: Sequence[np.ndarray],
                     sampled: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -177,7 +177,6 @@ ROUTE_COUNTERS = 512  # tokens the MoE router's counters cover at first (a prefi
 # nearly free), then steps of half the width (a piece pays at most 1.5x its rows); each width kept costs its
 # activations (CudaOps' pools), all of them together ~2x those of a full chunk
 PREFILL_WIDTHS = (16, 32, 64, 128, 192, 256, 384)
-PREPARED_PREFILL = 128  # the widths up to this are captured at engine start (`prepare_prefill`): a chat turn's
 MAX_VERIFY = 65  # widths of verify forwards that replay a captured graph (speculative rounds' drafts + 1)
 VERIFY_STEP = 4  # verify blocks are padded to a multiple of this: graphs of widths 4, 8, .., 68 replay them
 # products of n > 1 tokens whose weight reads x rows are up to this run as matvec rows (CudaOps.as_matvec_rows):
@@ -708,12 +707,13 @@ class CudaBackend(RunAhead):
         self.graph = DecodeGraph(self) if self._graphs else None
         # prompt pieces replay graphs too, by width (prefill_bucket: full chunks, and shorter pieces padded): as ~200
         # launches, numba's host time per launch made a small model's prefill host-bound (0.5B shape, H200: ~180 us
-        # per launch, 36 of 42 ms); made on first use, the small ones by `prepare_prefill`
+        # per launch, 36 of 42 ms); made on first use, or at engine start by `prepare_prefill`
         self.prefill_graphs: dict[int, ForwardGraph] | None = {} if self._graphs else None
         # speculative verify forwards up to MAX_VERIFY tokens, by bucket (verify_bucket; prepare_verify captures them)
         self.verify_graphs: dict[int, RowsGraph] | None = {} if self._graphs else None
         self._argmax_scratch: dict[int, tuple] = {}  # eager verify forwards' argmax buffers, by width
-        self.row_graphs: dict[int, RowsGraph] = {}  # batch size bucket -> its decode rows' graph, made on first use
+        # batch size bucket -> its decode rows' graph, made on first use, or at engine start by `prepare_decode`
+        self.row_graphs: dict[int, RowsGraph] = {}
         # target features for a DFlash drafter (lucekv.spec.dflash), as the CPU backend's: while `capture_layers`
         # names layers, a forward runs without graphs and leaves their outputs, copied to the host as each layer
         # makes them, in `captured` [n_tokens, len(capture_layers) * n_embd]
@@ -773,14 +773,17 @@ class CudaBackend(RunAhead):
             self.prefill_graphs[b] = ForwardGraph(self, b)
         return self.prefill_graphs[b]
 
-    def prepare_prefill(self, width: int = PREPARED_PREFILL) -> None:
-        """Capture the graphs of prompt pieces of up to `width` tokens now, each from a forward of padding rows only
-        (`_padded`: they see nothing and write the scratch block), so that a short prompt's first token never waits
-        for a capture (an eager forward and its recording: tens of milliseconds of launches)."""
+    def prepare_prefill(self, width: int) -> None:
+        """Capture the graphs of prompt pieces of up to `width` tokens now (the engine's: its step's tokens), each from
+        a forward of padding rows only (`_padded`: they see nothing and write the scratch block), so that no prompt
+        waits for a capture (an eager forward and its recording: tens of milliseconds of launches) or for the
+        kernels of its width to compile (the long matmul tile's from 256 tokens: minutes at the 8B shape, seconds
+        from the disk cache)."""
         if self.prefill_graphs is None:
             return
         none = np.zeros(0, np.int32)
-        for b in sorted({prefill_bucket(w, self.prefill_chunk) for w in PREFILL_WIDTHS if w <= width}):
+        widths = (*PREFILL_WIDTHS, self.prefill_chunk)
+        for b in sorted({prefill_bucket(min(w, width, self.prefill_chunk), self.prefill_chunk) for w in widths}):
             graph = self._prefill_graph(b)
             if not graph.ready:
                 self._forward(graph, none, none, none, False, False, tables=[none])
@@ -880,6 +883,14 @@ class CudaBackend(RunAhead):
         kv_copy.copy_slots(self.pool.kv, cuda.to_device(np.stack([src, dst]).astype(np.int32), stream=self.stream),
                            stream=self.stream)
 
+    def prepare(self, step_tokens: int, verify_width: int) -> None:
+        """At engine start: every forward the engine's steps may run, its kernels compiled (or loaded from the disk
+        cache, kernels.cuda._numba) and its graph captured: prompt pieces of up to `step_tokens`, verify blocks of up
+        to `verify_width`, one-token steps and decode rows up to max_rows. Without graphs (the simulator) nothing."""
+        self.prepare_verify(verify_width)
+        self.prepare_prefill(step_tokens)
+        self.prepare_decode()
+
     def prepare_verify(self, width: int) -> None:
         """Capture the graphs of verify blocks of up to `width` tokens now, each from a forward of padding rows only
         (`_padded`: they see nothing and write the scratch block), so that no speculative round pays a capture
@@ -939,7 +950,12 @@ class CudaBackend(RunAhead):
         if n == 1 or not self._graphs:
             logits = self.forward(tokens, positions, slots, tables=tables)
             return np.argmax(logits[:, : self.spec.vocab_size], axis=1).astype(np.int32), logits[list(sampled)]
-        b = row_bucket(n)
+        return self._decode_rows(row_bucket(n), tokens, positions, slots, tables, sampled)
+
+    def _decode_rows(self, b: int, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                     tables: Sequence[np.ndarray], sampled: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """`decode_rows` through the graph of b rows (captured at its first use), the rows padded to b."""
+        n = len(tokens)
         self._chained = False
         self.pool.assign(slots, positions)
         tokens, positions, slots = self._padded(b, tokens, positions, slots)
@@ -951,6 +967,21 @@ class CudaBackend(RunAhead):
                 forward(self.spec, self.weights, self.ops, tokens, positions, slots, True)
             graph.capture(tokens, positions, slots)  # and from now on replayed, this first time too
         return graph.replay_rows(n, sampled)
+
+    def prepare_decode(self) -> None:
+        """Capture the one-token step's graph and the decode rows' graph of every batch size bucket up to max_rows
+        now, each from padding rows only (as `prepare_prefill`), so that neither a stream's first token nor a batch
+        of a size not met before waits for kernels to compile and a graph to be captured."""
+        if not self._graphs:
+            return
+        none = np.zeros(0, np.int32)
+        if not self.graph.ready:
+            self._forward(self.graph, none, none, none, False, False, tables=[none])
+        b = 2
+        while b <= self.max_rows:
+            if b not in self.row_graphs or not self.row_graphs[b].ready:
+                self._decode_rows(b, none, none, none, [], [])
+            b *= 2
 
     def place_experts(self, options: SparkOptions) -> None:
         """Another expert placement and cache size (Spark) on the loaded model: new GPU tables, filled from the host

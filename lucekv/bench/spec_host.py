@@ -80,10 +80,7 @@ class InstantBackend:
     def discard_ahead(self) -> None:
         self._ahead.clear()
 
-    def prepare_verify(self, width: int) -> None:
-        pass
-
-    def prepare_prefill(self) -> None:
+    def prepare(self, step_tokens: int, verify_width: int) -> None:
         pass
 
     def execute(self, moves, host) -> None:

@@ -132,9 +132,10 @@ class Engine:
                 and not config.prefill_drafter_layers
             self._drafter = self.compressor.reader if same else self._load_drafter(config.kv_drafter, config.kv_dtype)
         self.blocks: BlockPool = self.backend.pool.blocks  # the pool every sequence borrows from
-        self.backend.prepare_verify(self.spec_config.max_draft + 1)  # any request may speculate
-        self.backend.prepare_prefill()  # a short prompt's first token never waits for a graph's capture
         step_tokens = config.step_tokens or self.backend.prefill_chunk
+        # every forward a step may run, compiled (or loaded from the disk cache) and captured now, not mid-request;
+        # any request may speculate
+        self.backend.prepare(step_tokens, self.spec_config.max_draft + 1)
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.max_queue, step_tokens), self)
         self.layout = KVLayout(g.fingerprint, self.spec.arch.name, self.spec.n_layer, self.spec.n_kv_head,
                                self.spec.head_dim, config.kv_dtype, CHUNK_TOKENS)

@@ -113,11 +113,11 @@ def model(tmp_path_factory):
     return write_synthetic_gguf(tmp_path_factory.mktemp("verify") / "tiny.gguf", "llama", n_ctx=4096, vocab=VOCAB)
 
 
-def backend_of(model, use_graph: bool):
+def backend_of(model, use_graph: bool, max_rows: int = 1):
     from lucekv.backends.cuda import CudaBackend
 
     g = open_gguf(model)
-    return CudaBackend(g, ModelSpec.from_gguf(g), "f32", 3 * CHUNK_TOKENS, use_graph=use_graph)
+    return CudaBackend(g, ModelSpec.from_gguf(g), "f32", 3 * CHUNK_TOKENS, use_graph=use_graph, max_rows=max_rows)
 
 
 def stand_in_forward(spec, weights, ops, tokens, positions, slots, all_logits):
@@ -210,6 +210,50 @@ def test_prepare_verify_and_padded_verify_forwards_leave_the_sequence_and_the_pa
     np.testing.assert_array_equal(slot_pos, slot_pos0)
     np.testing.assert_array_equal(d_slot_pos, slot_pos)  # the device map is the host's: the scratch block free
     assert (slot_pos[2 * CHUNK_TOKENS :] == -1).all() and high_water == high_water0 == 2 * CHUNK_TOKENS
+
+
+@needs_kernels
+def test_prepare_captures_every_forward_a_step_may_run_and_leaves_the_sequence_as_it_was(model, stand_ins,
+                                                                                       monkeypatch):
+    """The engine's warm-up (step pieces of up to 40 tokens, verify blocks of up to 5, decode rows of up to 5
+    sequences): the one-token step's graph, the decode rows' of 2, 4 and 8 rows, the prompt pieces' of 16, 32 and 64
+    (40 tokens pad to 64) and the verify blocks' of 4 and 8, all captured from padding rows; the sequence already in
+    the pool and the slot map stay as they were. Then a one-token step, prompt pieces of several widths up to 40 and
+    decode rows of 2 to 5 sequences capture nothing more (nothing compiles mid-request) and give their tokens."""
+    import lucekv.backends.cuda as cuda_module
+
+    captures = []
+    simulated = cuda_module.capture_graph
+    monkeypatch.setattr(cuda_module, "capture_graph", lambda stream, record: captures.append(1) or simulated(
+        stream, record))
+    table = [np.array([1, 0], np.int32)]
+    slots_of = (table[0][np.arange(100) // CHUNK_TOKENS] * CHUNK_TOKENS + np.arange(100) % CHUNK_TOKENS).astype(
+        np.int32)
+    b = backend_of(model, True, max_rows=5)
+    pos = np.arange(20, dtype=np.int32)
+    b.forward(np.arange(20, 40, dtype=np.int32), pos, slots_of[pos], tables=table)  # its bucket of 32 captured now
+    (kv0, *paging0), earlier = pool_state(b), len(captures)
+    b.prepare(40, 5)
+    assert len(captures) - earlier == 1 + 3 + 2 + 2  # decode, rows, pieces (32 was), verify
+    assert b.graph.ready and [sorted(w for w, g in graphs.items() if g.ready)
+                              for graphs in (b.row_graphs, b.prefill_graphs, b.verify_graphs)] == [[2, 4, 8],
+                                                                                                 [16, 32, 64], [4, 8]]
+    kv, *paging = pool_state(b)
+    real = slice(0, 2 * CHUNK_TOKENS)
+    np.testing.assert_array_equal(kv[:, :, real], kv0[:, :, real])
+    for got, before in zip(paging, paging0, strict=True):  # the slot map (host, device), the high-water mark
+        np.testing.assert_array_equal(got, before)
+    earlier = len(captures)
+    for n in (1, 15, 17, 40):  # a one-token step and prompt pieces, at positions 20..
+        pos = np.arange(20, 20 + n, dtype=np.int32)
+        logits = b.forward(np.arange(n, dtype=np.int32), pos, slots_of[pos], tables=table)
+        assert int(np.argmax(logits)) == expected([n - 1], [19 + n])[0]
+    for rows in range(2, 6):  # decode rows: one token of `rows` sequences (the others of no blocks yet)
+        pos = np.arange(60, 60 + rows, dtype=np.int32)
+        tables = table + [np.zeros(0, np.int32)] * (rows - 1)
+        greedy, _ = b.decode_rows(np.arange(rows, dtype=np.int32), pos, slots_of[pos], tables, [])
+        assert greedy.tolist() == expected(range(rows), pos)
+    assert len(captures) == earlier
 
 
 def test_prompt_piece_buckets_pad_little():
