@@ -63,6 +63,11 @@
 #                                      (~6 min each, a call each); `serve build` first builds llama-server (~6 min).
 #                                      Needs .anchors/sharegpt.json: lucekv bench serve --sample-only
 #                                      --save-dataset .anchors/sharegpt.json --num-requests 128
+#   bash bench/gpu_session.sh startup  lucekv bench startup on the 8B shape: the engine started in a fresh process
+#                                      twice over one empty kernel cache (cold, then warm: the kernels the first
+#                                      compiled, from disk), each start's time and kernels loaded / compiled, then
+#                                      two 8192-token prompts in each (prefill tok/s, kernels compiled mid-request)
+#                                      (~4-7 min: the cold start compiles every kernel the warm-up meets; .anchors/)
 # Results go to $OUT (the device tool brings them back). Prepare here first (all git-ignored):
 #   .whl/     wheels the GPU machine lacks (gguf, threadpoolctl, grpcio>=1.85.1, protobuf, pytest), see shared/GPU.md
 #   .anchors/ bash ../shared/tools/prepare_llamacpp_anchor.sh .anchors; cp ../shared/tools/synth_gguf.py .anchors/
@@ -284,6 +289,13 @@ steps)
   peak_mib "$OUT/mem-steps-$NAME.txt" python3 -m lucekv.cli bench steps --model $M --backend cuda \
     --concurrency 1,2,4,8,16,32 --gil-probe --contend --json "$OUT/steps-$NAME.json" 2>&1 >/dev/null \
     | grep --line-buffered -v -i warning | tee "$OUT/steps-$NAME.log"
+  ;;
+startup)
+  M8=/tmp/qwen3-8b-shape.gguf
+  [ -f $M8 ] || { echo "writing $M8" >&2; timeout 120 python3 .anchors/synth_gguf.py $M8 qwen3-8b-shape >&2; }
+  python3 -m lucekv.cli bench startup --model $M8 --backend cuda --prompt-tokens 8192 --prompts 2 --gen-tokens 16 \
+    --json "$OUT/startup-qwen3-8b-shape.json" 2>&1 >/dev/null | grep --line-buffered -v -i warning \
+    | tee "$OUT/startup.log"
   ;;
 depth)
   M8=/tmp/qwen3-8b-shape.gguf

@@ -30,7 +30,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lucekv.bench import decode, depth, niah, serve, sessions, spark, spec, steps
+    from lucekv.bench import decode, depth, niah, serve, sessions, spark, spec, startup, steps
 
     plots = {"depth-plot": depth.plot, "serve-plot": serve.plot, "spec-plot": spec.plot, "niah-plot": niah.plot}
     if args.bench in plots:  # a result JSON drawn again
@@ -40,7 +40,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench in special:
         return special[args.bench](args)
     benches = {"decode": decode, "serve": serve, "niah": niah, "sessions": sessions, "depth": depth, "spec": spec,
-               "steps": steps, "spark": spark}
+               "steps": steps, "spark": spark, "startup": startup}
     return benches[args.bench].main(args)
 
 
@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_depth_commands(bench_sub, DEFAULT_MODEL)
     add_spark_bench(bench_sub)
+    add_startup_bench(bench_sub, DEFAULT_MODEL)
     add_spec_commands(bench_sub, DEFAULT_MODEL)
     add_models_commands(sub)
     add_server_commands(sub)
@@ -140,6 +141,13 @@ def add_spark_bench(bench_sub: argparse._SubParsersAction) -> None:
 
     add_parser(bench_sub)
     bench_sub.choices["spark"].set_defaults(func=cmd_bench)
+
+
+def add_startup_bench(bench_sub: argparse._SubParsersAction, default_model: str) -> None:
+    from lucekv.bench.startup import add_parser
+
+    add_parser(bench_sub, default_model)
+    bench_sub.choices["startup"].set_defaults(func=cmd_bench)
 
 
 def add_serve_bench(bench_sub: argparse._SubParsersAction, default_model: str) -> None:
