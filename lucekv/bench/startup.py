@@ -1,7 +1,8 @@
 """`lucekv bench startup`: an engine started in a fresh process twice over one kernel cache directory, cold (empty)
 then warm (what the first process compiled): each start's time, the kernels it loaded from the disk cache and those it
 compiled, then in each process prompts of --prompt-tokens tokens (time to first token, prefill and decode tok/s) and
-the kernels compiled while they ran (none where the warm-up at engine start, CudaBackend.prepare, is complete).
+the kernels compiled while they ran (none where the warm-up at engine start, CudaBackend.prepare, is complete). Both
+processes' greedy tokens must agree (the kernels loaded from disk compute what the compiled ones did): exit 1 if not.
 
 The cache directory is numba's (NUMBA_CACHE_DIR, which the children get): a fresh temporary one unless --cache-dir
 names one."""
@@ -57,11 +58,13 @@ def main(args) -> int:
                            **json.loads(out.stdout.strip().splitlines()[-1])})
             print(f"{name}: {starts[-1]}", file=sys.stderr)
     path = Path(starts[0]["model_path"])
+    # the kernels loaded from disk compute what the compiled ones did: the same greedy tokens
+    same = [p["output"] for p in starts[0]["prompts"]] == [p["output"] for p in starts[1]["prompts"]]
     report({"bench": "startup", "commit": git_commit(), "machine": machine(),
             "model": {"file": path.name, "sha256": file_sha256(path)},
             "command": "lucekv " + " ".join(Path(a).name if "/" in a else a for a in sys.argv[1:]),
-            "gpu": starts[0].get("gpu"), "starts": starts}, args.json)
-    return 0
+            "gpu": starts[0].get("gpu"), "same_output_cold_and_warm": same, "starts": starts}, args.json)
+    return 0 if same else 1
 
 
 def child(args, launched: float) -> dict:
@@ -91,10 +94,11 @@ def child(args, launched: float) -> dict:
     for run in range(args.prompts):
         ids = prompt_ids(engine.tokenizer.encode, args.prompt_tokens, run)
         before = counts() if counts else None
-        last = list(engine.generate(ids, params))[-1]
-        u = last.usage
+        deltas = list(engine.generate(ids, params))
+        u = deltas[-1].usage
         prompt = {"tokens": len(ids), "time_to_first_token_s": u.time_to_first_token_s,
-                  "prefill_tok_s": len(ids) / u.time_to_first_token_s, "decode_tok_s": u.decode_tokens_per_s}
+                  "prefill_tok_s": len(ids) / u.time_to_first_token_s, "decode_tok_s": u.decode_tokens_per_s,
+                  "output": [t for d in deltas for t in d.token_ids]}
         if counts:
             prompt["kernels_compiled"] = counts()[1] - before[1]
         result["prompts"].append(prompt)

@@ -676,7 +676,7 @@ if not SIMULATOR:
         closure (see the module's notes). key: the launch bounds and the closure's `closure_key`."""
 
         def __init__(self, kernel, key: tuple):
-            self._key = key
+            self._key = hashlib.sha256(repr(key).encode()).hexdigest()  # the index holds it: a digest, not the tree
             super().__init__(kernel)
 
         def _index_key(self, sig, codegen):
