@@ -626,7 +626,8 @@ class _NoKey(Exception):
 def closure_key(fn) -> tuple | None:
     """A description of the values fn's closure captures, the same in every process for the same values, or None
     where one is no plain value (the kernel is then not cached). Functions, device functions and intrinsics are named
-    by module and qualified name (their code is in `kernel_sources_digest`) with their own closures described."""
+    by module and qualified name (their code is in `kernel_sources_digest`; a function's bytecode is hashed too) with
+    their own closures described."""
     try:
         return _describe(fn)
     except (_NoKey, RecursionError):
@@ -648,9 +649,10 @@ def _describe(v):
         return "dtype", v.str
     if isinstance(v, np.ndarray):
         return "ndarray", v.dtype.str, v.shape, hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()
-    if isinstance(v, pytypes.FunctionType):
+    if isinstance(v, pytypes.FunctionType):  # its bytecode too (as numba's key), for one defined outside the digest
         cells = tuple(_describe(c.cell_contents) for c in v.__closure__ or ())
-        return "function", v.__module__, v.__qualname__, cells, _describe(v.__defaults__)
+        code = hashlib.sha256(v.__code__.co_code).hexdigest()
+        return "function", v.__module__, v.__qualname__, code, cells, _describe(v.__defaults__)
     if isinstance(v, pytypes.ModuleType):
         return "module", v.__name__
     if isinstance(v, type):
