@@ -36,7 +36,7 @@ H3 = types.float16[:, :, ::1]
 I64, F32, B = types.int64, types.float32, types.boolean
 PART = (types.float32[:, :, ::1], types.float32[:, :, ::1], types.float32[:, :, :, ::1])
 TABLES = typeof(attention.BlockTables(*(np.zeros(2, np.int32) for _ in range(4))))
-ATTEND = (F2, U2, U2, I1, TABLES, I1, I64, F32, *PART, F2)
+ATTEND = (F2, U2, U2, I1, TABLES, I1, I2, I64, F32, *PART, F2)  # (.., positions, tree, window, ..)
 FLASH = (F2, U2, U2, I1, TABLES, I1, I64, F32, F2)
 # tuple arguments, typed from host arrays of the device ones' dtype, dimensions and layout
 _m = np.zeros((2, 4), np.float32)
