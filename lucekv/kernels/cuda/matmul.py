@@ -478,7 +478,7 @@ _KERNELS = {(*key, shape, halves): _make_tensor_matmul(*key, shape, halves) for 
             for shape in TILE_SHAPES for halves in (True, False) if halves or shape != WIDE_TILE}
 
 
-@cuda.jit
+@jit_kernel
 def _stage_halves(x, span, gap, out):
     """out[t, 4 q .. 4 q + 3] = step s = q // 4's staged words 4 p .. 4 p + 3 (p = q % 4) of token t: x's columns
     c = 32 s + span p + (0, 2), + (1, 3), then c + gap + (0, 2), + (1, 3), as float16 pairs (low half first; see
