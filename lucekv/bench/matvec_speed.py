@@ -1,10 +1,11 @@
 """GPU timing of the decode matvec at Qwen3-8B shapes (Q4_K_M: Q4_K attention / FFN, Q6_K v / down / output).
 
-    python -m lucekv.bench.matvec_speed [--json OUT] [--replays 20] [--rows 1,2,4,8,17,32]
+    python -m lucekv.bench.matvec_speed [--json OUT] [--replays 20] [--rows 1,2,4,8,17,32 [--shapes 8b]]
 
 --rows: instead, products of that many tokens (verify blocks, decode rows) at the 8B's, the 1.5B's and the 0.5B's
-layer shapes, each timed through every path: `matvec` as routed, the per-token grid rows, the several-token kernels at
-each tokens-per-block, the tensor-core matmul (`bench_rows`).
+layer shapes (--shapes 8b: only the 8B's products as its decode step runs them), each timed through every path:
+`matvec` as routed, the per-token grid rows, the several-token kernels at each tokens-per-block, the tensor-core
+matmul (`bench_rows`).
 
 Random GGUF blocks, packed and uploaded as the backend does (Q6_K becomes the device's q6 form). Each kernel
 is timed as the decode step runs it: `LAUNCHES` launches captured as one CUDA graph and replayed (no numba
@@ -81,6 +82,15 @@ QWEN_05B = (
     Shape("0.5b down     896x4864 Q6_K", 896, 4864, Q.Q6_K, 0),
 )
 ROW_SHAPES = SHAPES[:-1] + QWEN_15B + QWEN_05B
+# the 8B's products of several tokens as its decode step runs them (q and k stacked, gate and up stacked): --shapes 8b
+QWEN3_8B = (
+    Shape("8b q+k        5120x4096 Q4_K", 5120, 4096, Q.Q4_K, N_LAYER),
+    Shape("8b v          1024x4096 Q6_K", 1024, 4096, Q.Q6_K, N_LAYER),
+    Shape("8b o          4096x4096 Q4_K", 4096, 4096, Q.Q4_K, N_LAYER),
+    Shape("8b gate+up   24576x4096 Q4_K", 24576, 4096, Q.Q4_K, N_LAYER),
+    Shape("8b down      4096x12288 Q6_K", 4096, 12288, Q.Q6_K, N_LAYER),
+)
+ROW_SETS = {"all": ROW_SHAPES, "8b": QWEN3_8B}
 # the f16 d (and dmin) of a block and where they start (negative: from its end)
 _D_FIELDS = {Q.Q4_K: ((0.01, 0.005), 0), Q.Q6_K: ((0.01,), -2), Q.Q5_0: ((0.01,), 0)}
 
@@ -223,8 +233,8 @@ def bench_rows(s: Shape, rng: np.random.Generator, rows: list[int], replays: int
         outs = [cuda.device_array((n, s.rows), np.float32) for _ in mats]
         plan = token_plan(mats[0], n, False) if n > 1 else None
         row = {"shape": s.name, "rows": n, "several_tokens": several_tokens(mats[0], n),
-               "plan": None if plan is None else {"tokens": plan.tokens, "groups": plan.groups,
-                                                  "rows_per_warp": plan.rows_per_warp}}
+               "plan": None if plan is None else {"tokens": plan.tokens, "groups": plan.groups, "warps": plan.warps,
+                                                  "rows_per_block": plan.rows_per_block}}
         results = {}
         for name, product in row_products(mats[0], n).items():
             launches = [lambda st, w=mats[k], x=xs[k], y=outs[k], f=product: f(w, x, y, stream=st) for k in order]
@@ -259,6 +269,8 @@ def main() -> None:
     ap.add_argument("--rows", default="", help="instead, time products of several tokens, e.g. 1,2,4,8,17,32: "
                     "every path of a product of that many token rows (see bench_rows), at the 8B's, the 1.5B's and "
                     "the 0.5B's layer shapes")
+    ap.add_argument("--shapes", choices=sorted(ROW_SETS), default="all",
+                    help="with --rows: those shapes, or only the 8B's products as its step runs them (faster)")
     a = ap.parse_args()
     dev = cuda.get_current_device()
     l2, sms = int(dev.L2_CACHE_SIZE), int(dev.MULTIPROCESSOR_COUNT)
@@ -270,11 +282,12 @@ def main() -> None:
     print(f"{name}: {sms} SMs, L2 {l2 / 2 ** 20:.0f} MiB, median of {a.replays} graph replays of {LAUNCHES}+ launches")
     if a.rows:
         counts = [int(n) for n in a.rows.split(",")]
-        result["decode_rows"] = [r for s in ROW_SHAPES for r in bench_rows(s, rng, counts, a.replays, l2, stream)]
+        shapes = ROW_SETS[a.shapes]
+        result["decode_rows"] = [r for s in shapes for r in bench_rows(s, rng, counts, a.replays, l2, stream)]
         for r in result["decode_rows"]:
             several = " ".join(f"{k[:-3]} {v:6.1f}" for k, v in r.items() if k.startswith("tokens") and k[-3:] == "_us")
             plan = r["plan"]
-            route = f"tokens{plan['tokens']}/{plan['rows_per_warp']}" if r["several_tokens"] else "per token"
+            route = f"tokens{plan['tokens']}/{plan['rows_per_block']}" if r["several_tokens"] else "per token"
             print(f"{r['shape']:32s} rows {r['rows']:3d}: matvec {r['matvec_us']:7.1f} µs ({route}), per token "
                   f"{r['per_token_us']:7.1f}, {several + ', ' if several else ''}matmul {r['matmul_us']:7.1f}; best "
                   f"{r['best']}; err {r['max_rel_err']:.1e}"

@@ -28,15 +28,16 @@ def test_matvec_in_simulator():
 
 def test_token_plans_cover_every_token_in_whole_register_buffers_and_gate_groups(monkeypatch):
     """`token_plan` on an H100's 132 SMs: grid rows of a power of two tokens up to the kind's most, as few as cover n
-    (padding less than a grid row), rows per warp of whole register buffers, blocks of whole gate/up groups within
-    the shared partials; `several_tokens` from 2 tokens, always from TOKEN_MIN_ROWS rows; `weight_reads` counts
-    the grid rows, or the tokens of the per-token path."""
+    (padding less than a grid row; the fewest grid rows from TOKEN_MIN_ROWS rows), blocks of warps that own as many
+    slots each, of whole register buffers and gate/up groups within the shared partials; `several_tokens` from 2
+    tokens, always from TOKEN_MIN_ROWS rows; `weight_reads` counts the grid rows, or the tokens of the per-token
+    path."""
     from lucekv.kernels.cuda import matvec
     from lucekv.kernels.cuda.packed import GATE_ROWS, DeviceMatrix
 
     monkeypatch.setattr(matvec, "_sm_count", lambda: 132)
     for kind in matvec.TOKEN_KINDS:
-        for rows, cols in [(128, 896), (896, 4864), (1536, 1536), (4096, 12288), (17920, 1536)]:
+        for rows, cols in [(128, 896), (896, 4864), (1536, 1536), (4096, 12288), (17920, 1536), (24576, 4096)]:
             w = DeviceMatrix(kind, rows, cols, 5, 3, None, None, None, None, True, True)
             assert not matvec.several_tokens(w, 1) and matvec.weight_reads(w, 1) == 1
             for n in (2, 3, 5, 8, 9, 17, 32, 65):
@@ -44,9 +45,14 @@ def test_token_plans_cover_every_token_in_whole_register_buffers_and_gate_groups
                     plan = matvec.token_plan(w, n, gated)
                     assert plan.tokens in (2, 4, 8) and plan.tokens <= matvec.TOKENS_PER_BLOCK[kind]
                     assert (plan.groups - 1) * plan.tokens < n <= plan.groups * plan.tokens
-                    block_rows = matvec.TOKEN_WARPS * plan.rows_per_warp
-                    assert plan.rows_per_warp % matvec.GROUP[kind] == 0 and block_rows <= matvec.TOKEN_ROWS_PER_BLOCK
+                    n_warps, n_pass = matvec._warps_and_passes(cols)
+                    assert n_warps % plan.warps == 0 and plan.warps <= matvec.TOKEN_WARPS
+                    block_rows = plan.rows_per_block
+                    assert block_rows % matvec.GROUP[kind] == 0 and block_rows <= matvec.MAX_TOKEN_ROWS
+                    assert n_warps * block_rows * plan.tokens <= matvec.TOKEN_PARTIALS
                     assert not gated or block_rows % (2 * GATE_ROWS) == 0
+                    if rows >= matvec.TOKEN_MIN_ROWS:  # weights read as few times as a grid row's tokens allow
+                        assert plan.groups == -(-n // matvec.TOKENS_PER_BLOCK[kind])
                 several = matvec.several_tokens(w, n)
                 assert several or rows < matvec.TOKEN_MIN_ROWS
                 assert matvec.weight_reads(w, n) == (matvec.token_plan(w, n, False).groups if several else n)

@@ -46,7 +46,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from lucekv.kernels.cuda._numba import (
-    ALIGN_16,
     SIMULATOR,
     WARP,
     await_grid,
@@ -57,10 +56,8 @@ from lucekv.kernels.cuda._numba import (
     jit_bounded,
     jit_inlined,
     jit_kernel,
-    load4,
     load_f32x4,
     load_u32x4,
-    store4,
     warp_shfl_xor,
     warp_sum,
 )
@@ -200,9 +197,9 @@ def _launch_tokens(w: DeviceMatrix, x, xnorm: tuple, ep, stream, tokens: int | N
     """x's rows as `token_plan` cuts them (tokens: at most that many a block)."""
     plan = token_plan(w, x.shape[0], ep.gate != NO_GATE, tokens)
     n_warps, n_pass = _warps_and_passes(w.cols)
-    grid = (blocks(w.rows, TOKEN_WARPS * plan.rows_per_warp), plan.groups)
-    _tokens_kernel(w.kind, plan.tokens)[grid, TOKEN_WARPS * WARP, stream](w.quant, x, xnorm, ep, n_warps, n_pass,
-                                                                           plan.rows_per_warp)
+    grid = (blocks(w.rows, plan.rows_per_block), plan.groups)
+    _tokens_kernel(w.kind, plan.tokens)[grid, plan.warps * WARP, stream](w.quant, x, xnorm, ep, n_warps, n_pass,
+                                                                          plan.rows_per_block)
 
 
 def fuses_norm(w: DeviceMatrix) -> bool:
@@ -536,24 +533,30 @@ def _make_run_body(kind: str, load, row, words: int, dest: str):
 
 # ---- several tokens: each weight word loaded once for all of them ----------------------------------------------
 # A short batch (verify blocks, decode rows) as grid rows of the one-token kernel reads every weight once per token,
-# all but the first from L2, and quantizes each token's x once per block of rows. The block of `_make_tokens_body`
-# takes `tokens` tokens: its warps split its rows (`rows_per_warp` each) and walk the one-token kernel's warps
-# ("logical warps", each a run of segments) together, one a round, so that a block's warps are all busy whatever the
-# columns (a 1536-column matrix has two logical warps, an 896-column one one). Each round the tokens' x over the
-# logical warp's columns is quantized once for the block (token j by warp j % warps, into shared memory), then every
-# warp keeps the int8 x of all the tokens in registers (16 words each) and applies each of its rows' words to all of
-# them. Each output is the same sum in the same order as the one-token kernel's (same partial per lane, same warp
-# sums, a logical warp's passes added in order, then the logical warps' in order): equal bit for bit to the token's
-# own product.
+# all but the first from L2. The block of `_make_tokens_body` takes `tokens` tokens and is laid out as the one-token
+# kernel's block: its warp k owns logical warps ("slots": the one-token kernel's warps, each a run of segments) k,
+# k + warps, .. (the warps: the largest divisor of the slots up to TOKEN_WARPS, so that every warp has as many), and
+# for each of them quantizes the tokens' x over its columns into its own registers (16 words a token), then streams
+# all the block's rows over those columns, double-buffered as the one-token kernel streams them, applying each
+# weight word to every token: no barrier and no shared copy of x between the first x read and the final store.
+# A register buffer's rows x tokens partials are warp-summed together (`add_group`): a halving exchange of all of
+# them, one shuffle per partial or less, in one stretch of independent work (the one-token kernel spends five
+# dependent shuffles per row). Each output is the same sum in the same order as the one-token kernel's (same
+# partial per lane, the same butterfly tree over the lanes, a slot's passes added in order, then the slots in
+# order): equal bit for bit to the token's own product.
 
-TOKEN_WARPS = 4  # warps per block of the several-token kernels
-TOKEN_BLOCKS_PER_SM = 2  # their launch bounds: up to 255 registers per thread
+TOKEN_WARPS = 4  # warps per block of the several-token kernels, at most
+# their launch bounds by tokens per block, in blocks of TOKEN_WARPS warps an SM (so TOKEN_WARPS times that many warps
+# whatever the block size): 2 tokens fit 168 registers a thread (ptxas, sm_90: q4 24 bytes of spill loads, q6
+# none), 4 and 8 take up to 255 (at 168, 240-290 bytes of spill loads; at 255, q4's 8-token kernel 88, the others
+# none or 28)
+TOKEN_BLOCKS_PER_SM = {2: 3, 4: 2, 8: 2}
 # tokens per block: x takes 16 registers per token; q6's 8-token kernel spills (ptxas, sm_90: 236 bytes of spill
-# loads; q4's and q8's 255 registers, none), so q6 takes 4 (241 registers, none spilled): 8 tokens in two grid rows
+# loads before these kernels), so q6 takes 4: 8 tokens in two grid rows
 TOKENS_PER_BLOCK = {"q4": 8, "q6": 4, "q8": 8}
 MAX_TOKENS = max(TOKENS_PER_BLOCK.values())
-TOKEN_ROWS_PER_BLOCK = 32
-TOKEN_PARTIALS = MAX_WARPS * TOKEN_ROWS_PER_BLOCK  # per token: one float per (logical warp, row) of a block
+MAX_TOKEN_ROWS = 128  # rows per block of the several-token kernels, at most
+TOKEN_PARTIALS = 4096  # a block's partial sums, one float per (slot, row, token): 16 KB, 8 one-warp blocks an SM
 X_FIELDS = 5  # per token and lane besides its 16 words of x: u, the sums of x over columns 0..15 and 16..31 and
 # their `_offset_sum`s (see _make_run_body)
 # Where the several-token kernels go and how they cut a product: by a cost model of the time of a product on a GPU
@@ -561,12 +564,10 @@ X_FIELDS = 5  # per token and lane besides its 16 words of x: u, the sums of x o
 # counted in token-rows (a row's products for one token) with one token's quantized x over a lane's columns costing
 # QUANTIZE_ROWS of them (~600 instructions against ~35 for a q4 row, from the code), and the instructions of a warp
 # of T tokens 1 + log2(T) / 2 times as fast as the one-token kernel's (a row's products for its tokens are
-# independent: they interleave; `_token_ilp`). Fitted on the kernels before these (one warp per logical warp, every
-# token quantized by each warp; bench/results/h100-matvec-rows.json, H100), it names the faster path in 42 of the 50
-# several-token timings (mean error 17%), the others within 20% or at 4096 rows and more, where the per-token path's
-# weight reads also cost HBM bandwidth, which it does not count: matrices that big always take the several-token
-# kernels (there they won or tied at every count, TOKEN_MIN_ROWS). `python -m lucekv.bench.matvec_speed --rows`
-# times every tokens-per-block against the per-token path.
+# independent: they interleave; `_token_ilp`). Fitted on the kernels before these (bench/results/h100-matvec-rows.json,
+# H100) at the 0.5B's and 1.5B's shapes; matrices of TOKEN_MIN_ROWS rows or more, where the per-token path's weight
+# reads also cost HBM bandwidth, which it does not count, always take the several-token kernels.
+# `python -m lucekv.bench.matvec_speed --rows` times every tokens-per-block against the per-token path.
 QUANTIZE_ROWS = 16
 TOKEN_MIN_ROWS = 4096
 
@@ -574,38 +575,51 @@ TOKEN_MIN_ROWS = 4096
 @dataclass(frozen=True)
 class TokenPlan:
     """How a product of several tokens is cut: grid rows of `tokens` tokens (the last maybe padded), blocks of
-    TOKEN_WARPS warps of `rows_per_warp` rows each; cost: the model's estimate (token-rows of the one-token kernel)."""
+    `warps` warps and `rows_per_block` rows; cost: the model's estimate (token-rows of the one-token kernel)."""
 
     tokens: int
     groups: int
-    rows_per_warp: int
+    warps: int
+    rows_per_block: int
     cost: float
 
 
 def token_plan(w: DeviceMatrix, n: int, gated: bool, tokens: int | None = None) -> TokenPlan:
     """The several-token kernels' cheapest cut of a product of n tokens by the cost model: grid rows of a power of two
-    up to TOKENS_PER_BLOCK (or `tokens`) tokens each, as few as cover n; rows per warp of whole register buffers
-    (`GROUP`), blocks of whole gate/up groups."""
+    up to TOKENS_PER_BLOCK (or `tokens`) tokens each, as few as cover n; rows per block of whole register buffers
+    (`GROUP`) and gate/up groups, their partials within TOKEN_PARTIALS (see `rank`)."""
     if (tokens or MAX_TOKENS) < 2:
         raise ValueError(f"the several-token kernels take 2 tokens a block or more, not {tokens}")
     n_warps, n_pass = _warps_and_passes(w.cols)
-    step = GROUP[w.kind]
-    if gated:
-        step = max(step, 2 * GATE_ROWS // TOKEN_WARPS)
-    slots = _sm_count() * TOKEN_BLOCKS_PER_SM
+    warps = _token_warps(n_warps)
+    step = 2 * GATE_ROWS if gated else GROUP[w.kind]  # (GATE_ROWS: a multiple of every GROUP)
+
+    def rank(plan: TokenPlan) -> tuple:
+        """The cheapest cut, of a matrix of TOKEN_MIN_ROWS rows or more the cheapest of those reading the weights the
+        fewest times: there the weights' bytes, which the model does not count, cost more than its latencies."""
+        return (plan.groups if w.rows >= TOKEN_MIN_ROWS else 0, plan.cost)
+
     best = None
     most = 2
     while most <= min(TOKENS_PER_BLOCK[w.kind], tokens or MAX_TOKENS):
         groups = blocks(n, most)
         per_block = 1 << (blocks(n, groups) - 1).bit_length()
-        for rows_per_warp in range(step, TOKEN_ROWS_PER_BLOCK // TOKEN_WARPS + 1, step):
-            waves = blocks(groups * blocks(w.rows, TOKEN_WARPS * rows_per_warp), slots)
-            chain = n_warps * n_pass * (blocks(per_block, TOKEN_WARPS) * QUANTIZE_ROWS + rows_per_warp * per_block)
-            plan = TokenPlan(per_block, groups, rows_per_warp, waves * chain / _token_ilp(per_block))
-            if best is None or plan.cost < best.cost:
+        room = min(MAX_TOKEN_ROWS, TOKEN_PARTIALS // (n_warps * per_block)) // step * step
+        slots = _sm_count() * (TOKEN_WARPS * TOKEN_BLOCKS_PER_SM[per_block] // warps)
+        for rows_per_block in range(step, max(room, step) + 1, step):
+            waves = blocks(groups * blocks(w.rows, rows_per_block), slots)
+            chain = n_warps // warps * n_pass * per_block * (QUANTIZE_ROWS + rows_per_block)
+            plan = TokenPlan(per_block, groups, warps, rows_per_block, waves * chain / _token_ilp(per_block))
+            if best is None or rank(plan) < rank(best):
                 best = plan
         most *= 2
     return best
+
+
+def _token_warps(n_warps: int) -> int:
+    """Warps of a several-token block for `n_warps` slots: the largest divisor up to TOKEN_WARPS (every warp owns as
+    many slots: the simulator's warp sums are block-wide barriers, and a warp without work would idle)."""
+    return max(d for d in range(1, TOKEN_WARPS + 1) if n_warps % d == 0)
 
 
 def _token_ilp(tokens: int) -> float:
@@ -644,69 +658,89 @@ def _make_tokens_body(kind: str, load, row, words: int, columns, tokens: int):
     group = GROUP[kind]
     load_group = _group_loader(kind, load, words)
     x_words = 16 * tokens  # (array sizes must be constants of their own)
-    halvings = tokens.bit_length() - 1
-
-    @cuda.jit(device=True, inline=True)
-    def add_row(part, slot, i, v):
-        """Warp-sum v, this lane's partials of row i for each token, into logical warp `slot`'s place in `part`: the
-        lanes whose bit 16 is clear keep the first half of the tokens and add their partner's (16 lanes away), the
-        others the second half, and so on down to one token a lane, then a butterfly. Each lane adds exactly what
-        `warp_sum`'s butterfly adds there for its token (the same sum, bit for bit), in 2 (2^k - 1) + 5 - k
-        shuffles for 2^k tokens instead of 5 * 2^k."""
-        lane = cuda.threadIdx.x % WARP
-        j = 0  # the token this lane keeps
-        for h in range(halvings):
-            offset = 16 >> h
-            half = tokens >> (h + 1)
-            upper = (lane & offset) != 0
-            for k in range(tokens // 2):
-                if k < half:  # both halves shuffled: a select of loads would put v in local memory
-                    low = warp_shfl_xor(v[k], offset)
-                    high = warp_shfl_xor(v[k + half], offset)
-                    v[k] = v[k + half] + high if upper else v[k] + low
-            if upper:
-                j += half
-        total = v[0]
-        for h in range(halvings, 5):
-            total += warp_shfl_xor(total, 16 >> h)
-        if lane % (WARP >> halvings) == 0:
-            part[((slot * TOKEN_ROWS_PER_BLOCK) + i) * tokens + j] += total
+    exchange = min(group, 16 // tokens)  # rows of a register buffer whose partials are warp-summed together
+    items = exchange * tokens  # their partials, row i's for token j item i * tokens + j (16 at most: registers)
+    halvings = items.bit_length() - 1
 
     @jit_inlined
     def token_partial(args, j):
-        w, buf, i, xq, xs, v = args
-        v[j] = row(w, buf, i, xq, 16 * j, (xs[j, 0], xs[j, 1], xs[j, 2], xs[j, 3], xs[j, 4]))
+        w, buf, i, xq, xs, v, o = args
+        v[o + j] = row(w, buf, i, xq, 16 * j, (xs[j, 0], xs[j, 1], xs[j, 2], xs[j, 3], xs[j, 4]))
 
     token_partials = _unrolled(token_partial, tokens)
 
     @jit_inlined
-    def group_row(args, i):
-        w, part, slot, i0, buf, xq, xs, v = args
-        token_partials((w, buf, i, xq, xs, v), 0)
-        add_row(part, slot, i0 + i, v)
+    def row_partials(args, i):
+        w, buf, e, xq, xs, v = args
+        token_partials((w, buf, e + i, xq, xs, v, i * tokens), 0)
 
-    add_group = _unrolled(group_row, group)  # add_group((w, part, slot, i0, buf, xq, xs, v), 0)
+    exchange_partials = _unrolled(row_partials, exchange)
+
+    @cuda.jit(device=True, inline=True)
+    def add_items(part, slot, rows_per_block, i0, v):
+        """v, this lane's partials of the rows i0.. for every token (items), warp-summed into slot's place in `part`:
+        the lanes whose bit 16 is clear keep the first half of the items and add their partner's (16 lanes away),
+        the others the second half, and so on down to one item a lane, then a butterfly. Each lane adds exactly what
+        `warp_sum`'s butterfly adds there for its item (the same sum, bit for bit), in items - 1 + 5 - log2(items)
+        shuffles for all of them instead of 5 each."""
+        lane = cuda.threadIdx.x % WARP
+        k = 0  # the item this lane keeps
+        for h in range(halvings):
+            offset = 16 >> h
+            half = items >> (h + 1)
+            upper = (lane & offset) != 0
+            for m in range(items // 2):
+                if m < half:
+                    sent = warp_shfl_xor(v[m] if upper else v[m + half], offset)
+                    v[m] = (v[m + half] if upper else v[m]) + sent
+            if upper:
+                k += half
+        total = v[0]
+        for h in range(halvings, 5):
+            total += warp_shfl_xor(total, 16 >> h)
+        if lane % (WARP >> halvings) == 0:
+            part[(slot * rows_per_block + i0 + k // tokens) * tokens + k % tokens] += total
 
     @jit_inlined
-    def fetch_token(args, j):
-        """Token j's quantized x of the lane's run from the block's shared copy into xq and xs (a padding token past
-        x's rows: the last real one's, computed and stored nowhere)."""
-        xq_block, xs_block, real, xq, xs = args
-        lane = cuda.threadIdx.x % WARP
-        t = min(j, real - 1)
-        for q in range(4):
-            xq[16 * j + 4 * q], xq[16 * j + 4 * q + 1], xq[16 * j + 4 * q + 2], xq[16 * j + 4 * q + 3] = load4(
-                xq_block, ((t * 4 + q) * WARP + lane) * 4)
-        for f in range(X_FIELDS):
-            xs[j, f] = xs_block[(t * X_FIELDS + f) * WARP + lane]
+    def add_exchange(args, s):
+        """The partials of a register buffer's rows s * exchange.. for every token, into `part` (`add_items`)."""
+        w, part, slot, rows_per_block, i0, buf, xq, xs, v = args
+        exchange_partials((w, buf, s * exchange, xq, xs, v), 0)
+        add_items(part, slot, rows_per_block, i0 + s * exchange, v)
 
-    fetch_tokens = _unrolled(fetch_token, tokens)
+    add_group = _unrolled(add_exchange, group // exchange)  # add_group((w, part, slot, rows_per_block, i0, ..), 0)
+
+    @jit_inlined
+    def quantize_token(args, j):
+        """Token j's x over the lane's columns into xq and xs, normalized where xnorm says so (scales: the tokens'
+        1 / rms, see _normalize), quantized as the one-token kernel quantizes it (a padding token past x's rows: the
+        last real one's, computed and stored nowhere)."""
+        x, t0, real, cols, xnorm, scales, xq, xs = args
+        jr = min(j, real - 1)
+        xv = cuda.local.array(32, np.float32)
+        _load_x16(x, t0 + jr, cols[0], xv, 0)
+        _load_x16(x, t0 + jr, cols[1], xv, 16)
+        norm_w, _, on = xnorm
+        if on:
+            wv = cuda.local.array(32, np.float32)
+            _load_x16(norm_w, 0, cols[0], wv, 0)
+            _load_x16(norm_w, 0, cols[1], wv, 16)
+            inv = scales[jr]
+            for c in range(32):
+                xv[c] *= inv * wv[c]
+        xs[j, 1] = _sum16(xv, 0)
+        xs[j, 2] = _sum16(xv, 16)
+        xs[j, 0] = _quantize_x(xv, xq, 16 * j)
+        xs[j, 3] = _offset_sum(xq, 16 * j, 0)
+        xs[j, 4] = _offset_sum(xq, 16 * j, 1)
+
+    quantize_tokens = _unrolled(quantize_token, tokens)
 
     @cuda.jit(device=True, inline=True)
     def inverse_rms(x, t0, n_warps, xnorm, scales):
-        """scales[j] = 1 / rms(x[t0 + j]) for the tokens j that this warp quantizes (j % warps == its warp), summed
-        as `_normalize` sums in the one-token kernel (each lane's 32 columns, the warp's butterfly, the logical warps
-        in order; rows of one pass). Every warp takes the same number of tokens (a padding one: x's last real row,
+        """scales[j] = 1 / rms(x[t0 + j]) for the tokens j that this warp takes (j % warps == its warp), summed
+        as `_normalize` sums in the one-token kernel (each lane's 32 columns, the warp's butterfly, the slots in
+        order; rows of one pass). Every warp takes the same number of tokens (a padding one: x's last real row,
         its scale stored nowhere), so that the warp sums stay block-uniform (the simulator's are barriers)."""
         norm_w, eps, _ = xnorm
         real = min(tokens, x.shape[0] - t0)
@@ -729,90 +763,55 @@ def _make_tokens_body(kind: str, load, row, words: int, columns, tokens: int):
                 scales[j] = np.float32(1) / math.sqrt(total / np.float32(norm_w.shape[1]) + eps)
 
     @cuda.jit(device=True, inline=True)
-    def body(w, x, tg, xnorm, ep, n_warps, n_pass, rows_per_warp, block, part, xq_block, xs_block, scales):
+    def body(w, x, tg, xnorm, ep, n_warps, n_pass, rows_per_block, block, part, scales):
         """Block `block` of the products of x's rows tg * tokens.. (those that exist) to their rows of ep, x
         normalized first where xnorm says so (see _normalize); n_warps, n_pass: the one-token kernel's layout of the
-        columns; xq_block, xs_block: the block's shared copy of the tokens' quantized x over one logical warp's
         columns; scales: the tokens' 1 / rms(x)."""
         xq = cuda.local.array(x_words, np.uint32)
         xs = cuda.local.array((tokens, X_FIELDS), np.float32)
         buf_a = cuda.local.array((group, words), np.uint32)
         buf_b = cuda.local.array((group, words), np.uint32)
-        v = cuda.local.array(tokens, np.float32)  # a row's partials
-        for i in range(cuda.threadIdx.x, TOKEN_PARTIALS * tokens, cuda.blockDim.x):
+        v = cuda.local.array(items, np.float32)
+        for i in range(cuda.threadIdx.x, n_warps * rows_per_block * tokens, cuda.blockDim.x):
             part[i] = np.float32(0)
-        cuda.syncthreads()
         warps = cuda.blockDim.x // WARP
         warp = cuda.threadIdx.x // WARP
-        first_row = block * warps * rows_per_warp
-        mine = warp * rows_per_warp  # this warp's first row in the block
-        for slot in range(n_warps):
+        lane = cuda.threadIdx.x % WARP
+        first_row = block * rows_per_block
+        t0 = tg * tokens
+        real = min(tokens, x.shape[0] - t0)
+        load_group(w, first_row, warp * WARP + lane, buf_a)  # in flight while x is read
+        await_grid()
+        if xnorm[2]:
+            inverse_rms(x, t0, n_warps, xnorm, scales)
+        cuda.syncthreads()  # partials cleared, scales taken
+        for k in range(n_warps // warps):
+            slot = warp + k * warps
             for p in range(n_pass):
-                run = (p * n_warps + slot) * WARP + cuda.threadIdx.x % WARP
-                load_group(w, first_row + mine, run, buf_a)  # in flight while x is read
-                if slot == 0 and p == 0:
-                    await_grid()
-                    if xnorm[2]:
-                        inverse_rms(x, tg * tokens, n_warps, xnorm, scales)
-                else:
-                    cuda.syncthreads()  # every warp has fetched the round before's x
-                real = min(tokens, x.shape[0] - tg * tokens)
-                for j in range(warp, real, warps):
-                    _quantize_to_block(x, tg * tokens + j, columns(run), j, xq_block, xs_block, xnorm, scales)
-                cuda.syncthreads()
-                fetch_tokens((xq_block, xs_block, real, xq, xs), 0)
-                for i0 in range(0, rows_per_warp, 2 * group):
-                    if i0 + group < rows_per_warp:
-                        load_group(w, first_row + mine + i0 + group, run, buf_b)
-                    add_group((w, part, slot, mine + i0, buf_a, xq, xs, v), 0)
-                    if i0 + 2 * group < rows_per_warp:
-                        load_group(w, first_row + mine + i0 + 2 * group, run, buf_a)
-                    if i0 + group < rows_per_warp:
-                        add_group((w, part, slot, mine + i0 + group, buf_b, xq, xs, v), 0)
+                run = (p * n_warps + slot) * WARP + lane
+                if k > 0 or p > 0:
+                    load_group(w, first_row, run, buf_a)
+                quantize_tokens((x, t0, real, columns(run), xnorm, scales, xq, xs), 0)
+                for i0 in range(0, rows_per_block, 2 * group):
+                    if i0 + group < rows_per_block:
+                        load_group(w, first_row + i0 + group, run, buf_b)
+                    add_group((w, part, slot, rows_per_block, i0, buf_a, xq, xs, v), 0)
+                    if i0 + 2 * group < rows_per_block:
+                        load_group(w, first_row + i0 + 2 * group, run, buf_a)
+                    if i0 + group < rows_per_block:
+                        add_group((w, part, slot, rows_per_block, i0 + group, buf_b, xq, xs, v), 0)
         cuda.syncthreads()
-        _store_token_rows(part, tokens, tg, x.shape[0], first_row, warps * rows_per_warp, w.codes.shape[0], n_warps,
-                          ep)
+        _store_token_rows(part, tokens, tg, x.shape[0], first_row, rows_per_block, w.codes.shape[0], n_warps, ep)
 
     return body
 
 
 @cuda.jit(device=True, inline=True)
-def _quantize_to_block(x, t, cols, j, xq_block, xs_block, xnorm, scales):
-    """x[t] over this lane's columns cols = (ca, cb), 16 from each, normalized where xnorm says so (scales[j]: its
-    1 / rms, see _normalize), quantized (`_quantize_x`) into the block's shared copy as token j: 16 words, then u,
-    the two sums of x and their `_offset_sum`s."""
-    xv = cuda.local.array(32, np.float32)
-    xq = cuda.local.array(16, np.uint32)
-    lane = cuda.threadIdx.x % WARP
-    _load_x16(x, t, cols[0], xv, 0)
-    _load_x16(x, t, cols[1], xv, 16)
-    norm_w, _, on = xnorm
-    if on:
-        wv = cuda.local.array(32, np.float32)
-        _load_x16(norm_w, 0, cols[0], wv, 0)
-        _load_x16(norm_w, 0, cols[1], wv, 16)
-        inv = scales[j]
-        for c in range(32):
-            xv[c] *= inv * wv[c]
-    sum0 = _sum16(xv, 0)
-    sum1 = _sum16(xv, 16)
-    u = _quantize_x(xv, xq, 0)
-    for q in range(4):
-        store4(xq_block, ((j * 4 + q) * WARP + lane) * 4, xq[4 * q], xq[4 * q + 1], xq[4 * q + 2], xq[4 * q + 3])
-    at = j * X_FIELDS * WARP + lane
-    xs_block[at] = u
-    xs_block[at + WARP] = sum0
-    xs_block[at + 2 * WARP] = sum1
-    xs_block[at + 3 * WARP] = _offset_sum(xq, 0, 0)
-    xs_block[at + 4 * WARP] = _offset_sum(xq, 0, 1)
-
-
-@cuda.jit(device=True, inline=True)
-def _token_row_sum(part, tokens, i, j, n_warps):
-    """Row i of token j of the block: its logical warps' partials added in order (as `_row_sum`)."""
+def _token_row_sum(part, tokens, rows_per_block, i, j, n_warps):
+    """Row i of token j of the block: its slots' partials added in order (as `_row_sum`)."""
     acc = np.float32(0)
     for w in range(n_warps):
-        acc += part[(w * TOKEN_ROWS_PER_BLOCK + i) * tokens + j]
+        acc += part[(w * rows_per_block + i) * tokens + j]
     return acc
 
 
@@ -827,10 +826,10 @@ def _store_token_rows(part, tokens, tg, n, first_row, rows_per_block, rows, n_wa
             if ep.gate:
                 g = (i // GATE_ROWS) * 2 * GATE_ROWS + i % GATE_ROWS
                 if first_row + g < rows:
-                    put_gated(ep, t, first_row + g, _token_row_sum(part, tokens, g, j, n_warps),
-                              _token_row_sum(part, tokens, g + GATE_ROWS, j, n_warps))
+                    put_gated(ep, t, first_row + g, _token_row_sum(part, tokens, rows_per_block, g, j, n_warps),
+                              _token_row_sum(part, tokens, rows_per_block, g + GATE_ROWS, j, n_warps))
             elif first_row + i < rows:
-                put(ep, t, first_row + i, _token_row_sum(part, tokens, i, j, n_warps))
+                put(ep, t, first_row + i, _token_row_sum(part, tokens, rows_per_block, i, j, n_warps))
 
 
 @functools.cache
@@ -838,19 +837,14 @@ def _tokens_kernel(kind: str, tokens: int):
     """The product of one matrix and `tokens` tokens per grid row: block (b, g) does rows b * rows_per_block.. of
     x's rows g * tokens.."""
     body = _make_tokens_body(kind, *_TOKEN_PARTS[kind], tokens)
-    partials = TOKEN_PARTIALS * tokens
-    x_words, x_fields = 16 * WARP * tokens, X_FIELDS * WARP * tokens
 
-    def kernel(w, x, xnorm, ep, n_warps, n_pass, rows_per_warp):
-        part = cuda.shared.array(partials, np.float32)
-        xq_block = cuda.shared.array(x_words, np.uint32, alignment=ALIGN_16)
-        xs_block = cuda.shared.array(x_fields, np.float32)
+    def kernel(w, x, xnorm, ep, n_warps, n_pass, rows_per_block):
+        part = cuda.shared.array(TOKEN_PARTIALS, np.float32)
         scales = cuda.shared.array(tokens, np.float32)
-        body(w, x, cuda.blockIdx.y, xnorm, ep, n_warps, n_pass, rows_per_warp, cuda.blockIdx.x, part, xq_block,
-             xs_block, scales)
+        body(w, x, cuda.blockIdx.y, xnorm, ep, n_warps, n_pass, rows_per_block, cuda.blockIdx.x, part, scales)
 
     kernel.__name__ = kernel.__qualname__ = f"_matvec_{kind}_tokens{tokens}"
-    return jit_bounded(kernel, TOKEN_WARPS * WARP, TOKEN_BLOCKS_PER_SM)
+    return jit_bounded(kernel, TOKEN_WARPS * WARP, TOKEN_BLOCKS_PER_SM[tokens])
 
 
 # ---- q8 -------------------------------------------------------------------------------------------------
