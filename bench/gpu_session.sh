@@ -47,6 +47,9 @@
 #                                      --rows 1,2,4,8,17,32 at the 8B's, the 1.5B's and the 0.5B's layer shapes:
 #                                      the matvec as routed vs per-token grid rows vs the several-token kernels at
 #                                      2/4/8 tokens a block vs matmul, with errors (~6-8 min)
+#   bash bench/gpu_session.sh mvrows 8b   matvec_speed --rows 1,2,4,8,16,32 at the 8B's products only, as its step
+#                                      runs them (q+k, v, o, gate+up, down): every path's µs, errors, bit equality
+#                                      to the per-token path (~3-4 min, mostly compiling; no models)
 #   bash bench/gpu_session.sh mvrows e2e  their end-to-end effect on Qwen2.5-1.5B's shape (the real file if its
 #                                      pieces reached /tmp, else random weights in its Q4_K_M mix, written here in
 #                                      ~1 min): the kernels of the verify forward at widths 1..32 (kernel_profile),
@@ -160,6 +163,11 @@ spec)
     --json "$OUT/kernel-profile-verify17-$(basename $T .gguf).json" 2>&1 | grep -v -i warn | head -30
   ;;
 mvrows)
+  if [ "${2:-}" = 8b ]; then
+    python3 -m lucekv.bench.matvec_speed --rows 1,2,4,8,16,32 --shapes 8b --json "$OUT/matvec-rows-8b.json" 2>&1 \
+      | grep -v -i warning
+    exit 0
+  fi
   if [ "${2:-}" = e2e ]; then
     M=/tmp/qwen2.5-coder-1.5b.gguf
     [ -f $M ] || { M=/tmp/qwen2.5-1.5b-shape.gguf; [ -f $M ] || timeout 240 python3 -m lucekv.model.synth qwen2.5-1.5b $M; }
