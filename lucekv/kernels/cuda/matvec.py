@@ -466,10 +466,9 @@ def _bounded(kernel):
 DESTS = {"rows": (_no_rotation, _store_rows), "qkv": (_pair_rotation, _store_pairs)}
 
 
-def _group_loader(kind: str, load, words: int):
-    """`load_group(w, first, run, buf)`: rows first.. first + GROUP[kind] - 1 of a lane's run into buf (zeros where
-    the run is past the row's end), by `load` (see _make_run_body)."""
-    group = GROUP[kind]
+def _group_loader(group: int, load, words: int):
+    """`load_group(w, first, run, buf)`: rows first.. first + group - 1 of a lane's run into buf (zeros where the run
+    is past the row's end), by `load` (see _make_run_body)."""
 
     @cuda.jit(device=True, inline=True)
     def load_group(w, first, run, buf):
@@ -490,7 +489,7 @@ def _make_run_body(kind: str, load, row, words: int, dest: str):
     x over columns 0..15 and 16..31, `_offset_sum` of both)."""
     group = GROUP[kind]
     rotation_of, store_rows = DESTS[dest]
-    load_group = _group_loader(kind, load, words)
+    load_group = _group_loader(group, load, words)
 
     @cuda.jit(device=True, inline=True)
     def add_group(w, part, i0, buf, xq, xs):
@@ -539,21 +538,26 @@ def _make_run_body(kind: str, load, row, words: int, dest: str):
 # for each of them quantizes the tokens' x over its columns into its own registers (16 words a token), then streams
 # all the block's rows over those columns, double-buffered as the one-token kernel streams them, applying each
 # weight word to every token: no barrier and no shared copy of x between the first x read and the final store.
-# A register buffer's rows x tokens partials are warp-summed together (`add_group`): a halving exchange of all of
-# them, one shuffle per partial or less, in one stretch of independent work (the one-token kernel spends five
+# A register buffer's rows x tokens partials are warp-summed EXCHANGE_ITEMS at a time (`add_items`): a halving
+# exchange, about one shuffle per partial, in one stretch of independent work (the one-token kernel spends five
 # dependent shuffles per row). Each output is the same sum in the same order as the one-token kernel's (same
 # partial per lane, the same butterfly tree over the lanes, a slot's passes added in order, then the slots in
 # order): equal bit for bit to the token's own product.
 
 TOKEN_WARPS = 4  # warps per block of the several-token kernels, at most
 # their launch bounds by tokens per block, in blocks of TOKEN_WARPS warps an SM (so TOKEN_WARPS times that many warps
-# whatever the block size): 2 tokens fit 168 registers a thread (ptxas, sm_90: q4 24 bytes of spill loads, q6
-# none), 4 and 8 take up to 255 (at 168, 240-290 bytes of spill loads; at 255, q4's 8-token kernel 88, the others
-# none or 28)
+# whatever the block size): 2 tokens fit 168 registers a thread (ptxas, sm_90: q4 24 bytes of spill loads, none in
+# the loop over the rows; q6, q8 none), 4 and 8 take up to 255 (at 168, 240-290 bytes of spill loads; at 255, 8
+# tokens 20 (q4) and 96 (q8) bytes, none in the loop over the rows, 4 tokens none)
 TOKEN_BLOCKS_PER_SM = {2: 3, 4: 2, 8: 2}
 # tokens per block: x takes 16 registers per token; q6's 8-token kernel spills (ptxas, sm_90: 236 bytes of spill
 # loads before these kernels), so q6 takes 4: 8 tokens in two grid rows
 TOKENS_PER_BLOCK = {"q4": 8, "q6": 4, "q8": 8}
+# rows per register buffer by tokens, at most (`GROUP`), and partials warp-summed together (`add_items`), at most
+# where a row's tokens allow: 8 tokens' x takes 128 registers, and two buffers of 4 q4 rows or 16 partials beside it
+# spilled in the loop over the rows (ptxas, sm_90: 151 local loads and stores there; none with these)
+TOKEN_GROUP = {2: 4, 4: 4, 8: 2}
+EXCHANGE_ITEMS = 8
 MAX_TOKENS = max(TOKENS_PER_BLOCK.values())
 MAX_TOKEN_ROWS = 128  # rows per block of the several-token kernels, at most
 TOKEN_PARTIALS = 4096  # a block's partial sums, one float per (slot, row, token): 16 KB, 8 one-warp blocks an SM
@@ -655,11 +659,11 @@ def _unrolled(step, times: int):
 def _make_tokens_body(kind: str, load, row, words: int, columns, tokens: int):
     """A block's work for `kind` and `tokens` tokens from x's row tg * tokens on, storing rows (see _make_run_body;
     columns(run): the x columns of a lane's run, 16 from each)."""
-    group = GROUP[kind]
-    load_group = _group_loader(kind, load, words)
+    group = min(GROUP[kind], TOKEN_GROUP[tokens])
+    load_group = _group_loader(group, load, words)
     x_words = 16 * tokens  # (array sizes must be constants of their own)
-    exchange = min(group, 16 // tokens)  # rows of a register buffer whose partials are warp-summed together
-    items = exchange * tokens  # their partials, row i's for token j item i * tokens + j (16 at most: registers)
+    exchange = max(min(group, EXCHANGE_ITEMS // tokens), 1)  # rows of a register buffer warp-summed together
+    items = exchange * tokens  # their partials, row i's for token j item i * tokens + j
     halvings = items.bit_length() - 1
 
     @jit_inlined
