@@ -783,9 +783,9 @@ def _make_tokens_body(kind: str, load, row, words: int, columns, tokens: int):
         lane = cuda.threadIdx.x % WARP
         first_row = block * rows_per_block
         t0 = tg * tokens
-        real = min(tokens, x.shape[0] - t0)
         load_group(w, first_row, warp * WARP + lane, buf_a)  # in flight while x is read
         await_grid()
+        real = min(tokens, x.shape[0] - t0)
         if xnorm[2]:
             inverse_rms(x, t0, n_warps, xnorm, scales)
         cuda.syncthreads()  # partials cleared, scales taken
