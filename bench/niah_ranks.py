@@ -30,7 +30,7 @@ import lucekv
 from lucekv.bench import ruler
 from lucekv.bench.decode import git_commit, machine
 from lucekv.kvflash.draft import DRAFT_QUERIES, SMOOTH, first_scored_layer
-from lucekv.kvflash.links import link_round
+from lucekv.kvflash.links import line_breaks, link_round
 from lucekv.kvflash.pager import CHUNK_TOKENS
 from lucekv.kvflash.sequence import tail_chunks
 from lucekv.model.gguf import open_gguf
@@ -172,13 +172,13 @@ RULES = {"draft": rule_draft, "votes2": rule_votes, "share-max": rule_share,
          "draft+neighbours": lambda m: with_neighbours(rule_draft(m), m)}
 
 
-def ranked(m: dict, ids: list[int], protected: np.ndarray) -> dict[str, np.ndarray]:
-    """Every rule's scores, and the second rounds of the draft rule: lexical (the draft policy's, kvflash.links) and
-    by attention."""
+def ranked(m: dict, ids: list[int], protected: np.ndarray, budget: int, breaks: np.ndarray) -> dict[str, np.ndarray]:
+    """Every rule's scores, and the second rounds of the draft rule: lexical (the draft policy's, kvflash.links, with
+    the line-break tokens `breaks`) and by attention."""
     out = {name: rule(m) for name, rule in RULES.items()}
     cand = np.flatnonzero(~protected)
     for name in ("draft", "share-max"):
-        out[f"{name}+links"] = link_round(out[name], cand, ids, DRAFT_QUERIES)
+        out[f"{name}+links"] = link_round(out[name], cand, ids, DRAFT_QUERIES, breaks, budget)
     out["draft+attention-round"] = attention_round(out["draft"], m, protected)
     out["draft+attention-round/backward"] = attention_round(out["draft"], m, protected, backward_only=True)
     return out
@@ -210,7 +210,8 @@ def protected_mask(nc: int, tail: int) -> np.ndarray:
     return mask
 
 
-def evaluate(m: dict, ids: list[int], needle_spans: list[tuple[int, int]], pools: list[int]) -> dict:
+def evaluate(m: dict, ids: list[int], needle_spans: list[tuple[int, int]], pools: list[int],
+             breaks: np.ndarray) -> dict:
     """Per pool and protected tail (today's, and none): the recallable blocks, the chunks the needles take, and per
     rule the needles covered and each needle chunk's rank among the evictable chunks (0 = best)."""
     nc = m["link"].shape[0]
@@ -226,7 +227,7 @@ def evaluate(m: dict, ids: list[int], needle_spans: list[tuple[int, int]], pools
             row = {"recallable_blocks": budget, "needle_chunks": len({c for cs in needles for c in cs}),
                    "best_possible": best_possible(needles, budget)}
             cand = np.flatnonzero(~protected)
-            for name, scores in ranked(m, ids, protected).items():
+            for name, scores in ranked(m, ids, protected, budget, breaks).items():
                 order = cand[np.argsort(-scores[cand], kind="stable")]
                 rank = {int(c): i for i, c in enumerate(order)}
                 row[name] = {"covered": coverage(set(order[:budget].tolist()), needles),
@@ -251,7 +252,8 @@ def main() -> None:
              else [int(i) for i in a.cases.split(",")])
     pools = [int(p) for p in a.pools.split(",")]
     path = resolve_model(a.model)
-    tokenize = partial(Tokenizer.from_metadata(open_gguf(path).metadata).encode, add_special=False)
+    tokenizer = Tokenizer.from_metadata(open_gguf(path).metadata)
+    tokenize, breaks = partial(tokenizer.encode, add_special=False), line_breaks(tokenizer.pieces)
     engine = None
     corpus = ruler.load_corpus(a.corpus)
     cache = Path(a.cache)
@@ -274,7 +276,7 @@ def main() -> None:
                 np.savez(f, **m)
             info = {"task": task, "index": index, "kind": case.kind, "depth": case.depth, "needles": case.needles,
                     "n_chunks": int(m["link"].shape[0]), "seconds": round(time.time() - t, 1)}
-            info["rules"] = evaluate(m, case.ids, case.needles, pools)
+            info["rules"] = evaluate(m, case.ids, case.needles, pools, breaks)
             head["cases"].append(info)
             brief = {k: {r: v[r]["covered"] for r in v if isinstance(v[r], dict)} for k, v in info["rules"].items()}
             print(task, index, info["seconds"], json.dumps(brief), file=sys.stderr, flush=True)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from lucekv.kvflash.links import line_breaks
 from lucekv.kvflash.pager import CHUNK_TOKENS, Pager
 
 SMOOTH = 13  # positions averaged around each one (lucebox's AvgPool kernel)
@@ -48,6 +49,7 @@ class DraftReader:
     def __init__(self, engine: Any):
         self.engine = engine  # a lucekv Engine over the whole context (no pool): slot = position
         self.backend = engine.backend
+        self.line_breaks = line_breaks(engine.tokenizer.pieces)  # for the second round's lines (kvflash.links)
         spec = engine.spec
         self.owner: object | None = None
         self.steps: list[int] = []  # the lengths read so far, in order

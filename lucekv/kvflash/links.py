@@ -4,16 +4,18 @@ A question names what it asks about, and the scorer ranks first a chunk that hol
 needs (another value of the same key, the next assignment of a chain of variables, the call of a function defined
 there) repeat some of that text, the way the model itself follows it (its induction heads attend from a repeat to what
 came after the first occurrence), while their own attention from the question may be no stronger than the haystack's.
-So after the first round's best chunk the rest of the budget goes to the chunks sharing the rarest token n-grams with
-the question (the latest tokens), then to the first round's order. Pure bookkeeping on token ids: no model, no keys.
+So the second round takes the first round's best chunk, then follows links, most linked first:
+- from the question (the latest tokens): the chunks sharing its rarest token n-grams (summed rarity);
+- from the line of each chunk taken (where it matched what linked it: the needle, not its neighbourhood): the chunks
+  sharing an n-gram with that line and no other chunk (a chain of assignments repeats each variable once, on the
+  next hop's line; the chunks of one source file share many identifiers, but mostly with several chunks);
+and a line crossing a chunk boundary brings the chunk on the other side too (a needle cut in two). What is left of the
+budget goes by the question's links, then by the first round's order. Pure bookkeeping on token ids: no model, no keys.
 
-Issue 29's diagnosis (bench/niah_ranks.py, qwen2.5-coder-0.5b at 4K, the draft scorer, 5 recallable blocks): the
-share of a multivalue answer's needles whose chunks the budget holds went from 0.58 to 0.83 over 6 cases (0.92 is
-the most it can hold); a second round by the drafter's own chunk-to-chunk attention, which needs a second
-whole-context pass, 0.67. Links from the best chunk too reached 0.88, but also filled a multikey pool with the
-distractor needles (they repeat the asked one's phrase), and the answer named one (case 2: 1.0 -> 0.0). Vartrack's
-chain is not followed: each hop repeats only the previous hop's variable, one 3-gram, while the chunks of one source
-file share many identifiers.
+Issue 29's diagnosis (bench/niah_ranks.py, qwen2.5-coder-0.5b at 4K, 5 recallable blocks): the question's links took
+the share of a multivalue answer's needles the budget holds from 0.58 (the draft scorer) to 0.83; they left vartrack's
+chain at 0.25 (each hop repeats only the previous hop's variable, on its own line; a variable of two tokens shares
+no 3-gram with its repeat, hence the 2-grams too).
 """
 
 from __future__ import annotations
@@ -24,34 +26,95 @@ import numpy as np
 
 from lucekv.kvflash.pager import CHUNK_TOKENS
 
-NGRAM = 3  # tokens per n-gram: a name or a number split into pieces, with a token of context
+NGRAMS = (2, 3)  # tokens per n-gram: a name split into pieces, with a token of context
+NAMED = 0.5  # a chunk linked to the question this share of the most linked one's strength or more is named by it
+LINE_REACH = 32  # a matched line runs to the line breaks around the match, this many tokens either way at most
 _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9], np.uint64)  # n-gram hashing
+
+
+def line_breaks(pieces: Sequence[bytes]) -> np.ndarray:
+    """bool [vocabulary]: the tokens whose bytes hold a line break (a tokenizer's `pieces`)."""
+    return np.array([b"\n" in p for p in pieces], bool)
 
 
 class ChunkGrams:
     """The n-grams of a sequence's first `n_chunks` chunks (within each chunk; one a chunk holds alone links nothing),
-    each with its rarity over the chunks: log(n_chunks / chunks holding it)."""
+    each with its rarity over the chunks: log(n_chunks / chunks holding it); and where its lines break (`breaks`:
+    bool [vocabulary] of the line-break tokens, or None: no line is shorter than LINE_REACH either way)."""
 
-    def __init__(self, tokens: Sequence[int], n_chunks: int):
-        self.tokens, self.n_chunks = tokens, n_chunks
-        grams = _hash(np.asarray(tokens[: n_chunks * CHUNK_TOKENS], np.int64).astype(np.uint64))
-        start = np.arange(len(grams))
-        inside = start // CHUNK_TOKENS == (start + NGRAM - 1) // CHUNK_TOKENS
-        pairs = np.unique(np.stack([grams[inside], (start[inside] // CHUNK_TOKENS).astype(np.uint64)]), axis=1)
-        gram, holder = pairs[0], pairs[1].astype(np.int64)  # each (n-gram, chunk) once
-        distinct, held_by = np.unique(gram, return_counts=True)
-        shared = held_by[np.searchsorted(distinct, gram)] > 1
-        self.gram, self.holder = gram[shared], holder[shared]
-        self.rarity = np.log(n_chunks / held_by[np.searchsorted(distinct, self.gram)])
+    def __init__(self, tokens: Sequence[int], n_chunks: int, breaks: np.ndarray | None = None):
+        ids = np.asarray(tokens[: n_chunks * CHUNK_TOKENS], np.int64)
+        self.n_chunks, self.n_tokens = n_chunks, len(ids)
+        self.at = [_hash(ids.astype(np.uint64), n) for n in NGRAMS]  # per size, the hash at each start position
+        self.line_end = np.zeros(len(ids), bool) if breaks is None else breaks[ids]
+        grams, holders = [], []
+        for n, hashes in zip(NGRAMS, self.at, strict=True):
+            start = np.arange(len(hashes))
+            inside = start // CHUNK_TOKENS == (start + n - 1) // CHUNK_TOKENS
+            grams.append(hashes[inside])
+            holders.append(start[inside] // CHUNK_TOKENS)
+        gram, holder = np.concatenate(grams), np.concatenate(holders)
+        order = np.lexsort((holder, gram))
+        gram, holder = gram[order], holder[order]
+        once = np.r_[True, (gram[1:] != gram[:-1]) | (holder[1:] != holder[:-1])]  # each (n-gram, chunk) once
+        gram, holder = gram[once], holder[once]
+        group = np.cumsum(np.r_[True, gram[1:] != gram[:-1]]) - 1
+        held_by = np.bincount(group)[group]
+        shared = held_by > 1
+        self.gram, self.holder, self.held_by = gram[shared], holder[shared], held_by[shared]  # sorted by n-gram
+        self.rarity = np.log(n_chunks / self.held_by)
 
-    def strength(self, start: int, end: int) -> np.ndarray:
-        """float64 [n_chunks]: per chunk, the rarity of the n-grams it shares with tokens[start:end], summed (the
-        span's own chunks 0)."""
-        mine = np.unique(_hash(np.asarray(self.tokens[start:end], np.int64).astype(np.uint64)))
-        shared = np.isin(self.gram, mine)
-        out = np.bincount(self.holder[shared], weights=self.rarity[shared], minlength=self.n_chunks)
+    def strength(self, start: int, end: int, pairs_only: bool = False) -> np.ndarray:
+        """float64 [n_chunks]: per chunk, the rarity of the n-grams it shares with tokens[start:end], summed (with
+        `pairs_only`, of those no third chunk holds); the span's own chunks 0."""
+        rows = self._rows(self._hashes(start, end))
+        if pairs_only:
+            rows = rows[self.held_by[rows] == 2]
+        out = np.bincount(self.holder[rows], weights=self.rarity[rows], minlength=self.n_chunks)
         out[start // CHUNK_TOKENS : -(-end // CHUNK_TOKENS)] = 0
         return out
+
+    def match(self, chunk: int, start: int, end: int) -> tuple[int, int] | None:
+        """The span [first, last] of tokens of the rarest n-gram `chunk` shares with tokens[start:end] (the first of
+        equals); None if it shares none."""
+        mine = np.unique(self._hashes(start, end))
+        lo = chunk * CHUNK_TOKENS
+        best: tuple[float, int, int] | None = None
+        for n, hashes in zip(NGRAMS, self.at, strict=True):
+            at = hashes[lo : max(lo, min(lo + CHUNK_TOKENS, self.n_tokens) - n + 1)]
+            found = np.flatnonzero(np.isin(at, mine))
+            if len(found) == 0:
+                continue
+            row = np.searchsorted(self.gram, at[found])
+            known = row < len(self.gram)
+            known[known] = self.gram[row[known]] == at[found][known]
+            if not known.any():
+                continue
+            rarity = self.rarity[row[known]]
+            i = int(np.argmax(rarity))
+            if best is None or rarity[i] > best[0]:
+                p = lo + int(found[known][i])
+                best = (float(rarity[i]), p, p + n - 1)
+        return None if best is None else best[1:]
+
+    def line(self, first: int, last: int) -> tuple[int, int]:
+        """[start, end): the line holding tokens first..last: to the line break before them and through the one after
+        them, each if it is within LINE_REACH tokens (else the line stops at the match: what is known to go with it)."""
+        lo, hi = max(0, first - LINE_REACH), min(self.n_tokens, last + LINE_REACH)
+        before, after = np.flatnonzero(self.line_end[lo:first]), np.flatnonzero(self.line_end[last:hi])
+        start = lo + int(before[-1]) + 1 if len(before) else (0 if lo == 0 else first)
+        end = last + int(after[0]) + 1 if len(after) else (self.n_tokens if hi == self.n_tokens else last + 1)
+        return start, end
+
+    def _hashes(self, start: int, end: int) -> np.ndarray:
+        return np.concatenate([h[start : max(start, end - n + 1)] for n, h in zip(NGRAMS, self.at, strict=True)])
+
+    def _rows(self, hashes: np.ndarray) -> np.ndarray:
+        """Rows of the table holding any of `hashes`."""
+        mine = np.unique(hashes)
+        lo, hi = np.searchsorted(self.gram, mine, "left"), np.searchsorted(self.gram, mine, "right")
+        count = hi - lo
+        return np.repeat(lo - np.cumsum(np.r_[0, count[:-1]]), count) + np.arange(int(count.sum()))
 
 
 def link_strength(tokens: Sequence[int], n_chunks: int, sources: list[tuple[int, int]]) -> np.ndarray:
@@ -60,10 +123,12 @@ def link_strength(tokens: Sequence[int], n_chunks: int, sources: list[tuple[int,
     return np.max([grams.strength(a, b) for a, b in sources], axis=0, initial=0.0)
 
 
-def link_round(scores: np.ndarray, candidates: np.ndarray, tokens: Sequence[int], question: int) -> np.ndarray:
-    """Scores for the second round, float64 [len(scores)]: the first round's best candidate first, then the candidates
-    by their link to the question (the last `question` tokens), ties (no link: most) by the first round's order. Chunks
-    not among `candidates` (protected ones) keep their scores."""
+def link_round(scores: np.ndarray, candidates: np.ndarray, tokens: Sequence[int], question: int,
+               breaks: np.ndarray | None = None, budget: int | None = None) -> np.ndarray:
+    """Scores for the second round, float64 [len(scores)]: the first round's best candidate first, then the chunks
+    `follow` takes (`budget` of them at most), then the candidates by their link to the question (the last `question`
+    tokens), ties (no link: most) by the first round's order. Chunks not among `candidates` (protected ones) keep their
+    scores. `breaks`: see ChunkGrams."""
     out = np.array(scores, np.float64)
     cand = candidates[candidates < len(out)]
     cand = cand[np.isfinite(out[cand])]
@@ -71,21 +136,65 @@ def link_round(scores: np.ndarray, candidates: np.ndarray, tokens: Sequence[int]
         return out
     n = len(out)
     end = min(len(tokens), n * CHUNK_TOKENS)
-    best = int(cand[np.argmax(out[cand])])
-    link = link_strength(tokens, n, [(max(0, end - question), end)])
+    grams = ChunkGrams(tokens, n, breaks)
+    asked = (max(0, end - question), end)
     first = out[cand]
-    out[cand] = link[cand] + 1e-3 * (first - first.min()) / (first.max() - first.min() + 1e-300)  # ties: below any
-    out[best] = np.inf  # shared n-gram's rarity
+    best = int(cand[np.argmax(first)])
+    out[cand] = grams.strength(*asked)[cand] + 1e-3 * (first - first.min()) / (first.max() - first.min() + 1e-300)
+    taken = follow(grams, best, asked, cand, len(cand) if budget is None else budget)
+    out[taken] = out[cand].max() + 1 + np.arange(len(taken))[::-1]  # above any link, in the order taken
     return out
 
 
-def _hash(ids: np.ndarray) -> np.ndarray:
-    """uint64 [len(ids) - NGRAM + 1]: a hash of each run of NGRAM token ids."""
-    n = len(ids) - NGRAM + 1
-    if n <= 0:
+def follow(grams: ChunkGrams, best: int, asked: tuple[int, int], candidates: np.ndarray, budget: int) -> list[int]:
+    """Up to `budget` candidates in the order the links take them (see the module's doc): `best`, the chunks the
+    question names (linked to it at least NAMED times as strongly as the most linked), then the chunks linked to the
+    lines taken, most linked first, as long as any is."""
+    free = np.zeros(grams.n_chunks, bool)
+    free[candidates] = True
+    from_question = grams.strength(*asked)
+    named = from_question >= max(NAMED * from_question.max(), 1e-9)
+    from_lines = np.zeros(grams.n_chunks)  # the strongest link from a line taken
+    via = np.zeros(grams.n_chunks, np.int64)  # that line, in `lines`
+    lines: list[tuple[int, int]] = []
+    taken: list[int] = []
+
+    def take(chunk: int, source: tuple[int, int]) -> None:
+        taken.append(chunk)
+        free[chunk] = False
+        found = grams.match(chunk, *source)
+        if found is None:
+            return
+        line = grams.line(*found)
+        for other in range(line[0] // CHUNK_TOKENS, (line[1] - 1) // CHUNK_TOKENS + 1):
+            if free[other]:  # the line goes on in a neighbour
+                taken.append(other)
+                free[other] = False
+        link = grams.strength(*line, pairs_only=True)
+        stronger = (link >= from_lines) & (link > 0)  # ties: the newer line's (a chain is followed to its end)
+        from_lines[stronger], via[stronger] = link[stronger], len(lines)
+        lines.append(line)
+
+    take(best, asked)
+    while len(taken) < budget:
+        if (named & free).any():
+            take(int(np.argmax(np.where(named & free, from_question, -1))), asked)
+            continue
+        gain = np.where(free, from_lines, 0)
+        chunk = int(np.lexsort((via, gain))[-1])  # the most linked, of the newest line among equals
+        if gain[chunk] <= 0:
+            break
+        take(chunk, lines[via[chunk]])
+    return taken[:budget]
+
+
+def _hash(ids: np.ndarray, n: int) -> np.ndarray:
+    """uint64 [len(ids) - n + 1]: a hash of each run of n token ids (runs of different n hash apart)."""
+    count = len(ids) - n + 1
+    if count <= 0:
         return np.zeros(0, np.uint64)
-    h = np.zeros(n, np.uint64)
+    h = np.full(count, n, np.uint64)
     with np.errstate(over="ignore"):
-        for i in range(NGRAM):
-            h = (h ^ ids[i : i + n]) * _MIX[i]
+        for i in range(n):
+            h = (h ^ ids[i : i + count]) * _MIX[i]
     return h

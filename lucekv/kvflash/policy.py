@@ -276,15 +276,18 @@ class Policy:
     scored in the background; its moves are made `reselect_lag` decoded tokens later.
 
     With `links` (the sequence's tokens so far) every reselect has a second round (kvflash.links): the scorer's best
-    chunk stays first, then the chunks sharing the rarest text with the latest DRAFT_QUERIES tokens (the question),
-    then the scorer's order. The draft policy has it."""
+    chunk stays first, then the chunks the latest DRAFT_QUERIES tokens (the question) name and those linked to their
+    lines, then the chunks sharing the rarest text with the question, then the scorer's order. `breaks` (bool
+    [vocabulary], the line-break tokens) bound the lines. The draft policy has it."""
 
-    def __init__(self, scorer: Scorer, tau: int = 64, links: Callable[[], Sequence[int]] | None = None):
+    def __init__(self, scorer: Scorer, tau: int = 64, links: Callable[[], Sequence[int]] | None = None,
+                 breaks: np.ndarray | None = None):
         if tau <= 0:
             raise ConfigError(f"kv reselect interval tau must be positive, not {tau}")
         self.scorer = scorer
         self.tau = tau
         self.links = links
+        self.breaks = breaks
         self._decoded_since = 0
         self._pending: _PendingReselect | None = None
 
@@ -360,8 +363,9 @@ class Policy:
         if self.links is None:
             return partial(self.scorer.score, inputs)
         tokens = list(self.links()[: pager.n_tokens])
-        candidates = np.flatnonzero(~pager.protected_mask())
-        return lambda: link_round(self.scorer.score(inputs), candidates, tokens, DRAFT_QUERIES)
+        protected = pager.protected_mask()
+        candidates, budget = np.flatnonzero(~protected), pager.n_blocks - int(protected.sum())
+        return lambda: link_round(self.scorer.score(inputs), candidates, tokens, DRAFT_QUERIES, self.breaks, budget)
 
     def drop_pending(self) -> None:
         """Forget a reselect under way (its chunks changed: the sequence was cut)."""
@@ -385,7 +389,7 @@ def make_policy(name: str, n_kv_head: int, tau: int = 64, drafter: DraftReader |
     if name == "draft":
         if drafter is None or history is None:
             raise ConfigError("kv policy draft needs a drafter model (--kv-drafter)")
-        return Policy(DraftScorer(drafter, history), tau, links=history)
+        return Policy(DraftScorer(drafter, history), tau, links=history, breaks=drafter.line_breaks)
     scorers = {"lru": LruScorer, "quest": lambda: BoundScorer(n_kv_head),
                "meankey": lambda: MeanKeyScorer(n_kv_head)}
     if name not in scorers:

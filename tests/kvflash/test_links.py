@@ -1,5 +1,5 @@
-"""The lexical second round (kvflash.links): which chunks it links, and a linked policy's reselects replayed exactly,
-through a snapshot of its state too. Token ids only: no model."""
+"""The lexical second round (kvflash.links): which chunks it links, the chains it follows from line to line, and a
+linked policy's reselects replayed exactly, through a snapshot of its state too. Token ids only: no model."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import json
 
 import numpy as np
 
-from lucekv.kvflash.links import link_round, link_strength
+from lucekv.kvflash.links import ChunkGrams, follow, link_round, link_strength
 from lucekv.kvflash.pager import PageIn, Pager
 from lucekv.kvflash.policy import LruScorer, Policy
 from tests.kvflash.fake_backend import FakeBackend, check_invariants
 
 RARE = [9001, 9002, 9003, 9004]  # a name no other chunk holds
 COMMON = [7, 8, 9]  # text every chunk holds
+NL = 10  # the line break
+BREAKS = np.arange(10_000) == NL
 
 
 def context(n_chunks: int, seed: int = 0) -> list[int]:
@@ -37,11 +39,12 @@ def test_chunks_sharing_rare_text_with_a_source_are_linked_and_text_everyone_hol
     assert int(np.argmax(strength)) == 11 and strength[3] == 0  # the source's own chunk gains nothing
     assert 0 < strength[6] < strength[11]
     assert np.all(strength[[c for c in range(16) if c not in (6, 11)]] == 0)  # COMMON is in every chunk: log(1) = 0
-    # n-grams across a chunk boundary count for neither chunk
+    # n-grams across a chunk boundary count for neither chunk: each holds one 2-gram of RARE
     ids = context(16)
     plant(ids, 3 * 64 + 10, RARE)
     plant(ids, 12 * 64 - 2, RARE)
-    assert link_strength(ids, 16, [(3 * 64, 4 * 64)]).max() == 0
+    strength = link_strength(ids, 16, [(3 * 64, 4 * 64)])
+    assert strength[11] == strength[12] == np.log(16 / 2) and np.count_nonzero(strength) == 2
 
 
 def test_the_second_round_keeps_the_first_rounds_best_then_the_chunks_linked_to_the_question():
@@ -60,6 +63,50 @@ def test_the_second_round_keeps_the_first_rounds_best_then_the_chunks_linked_to_
     assert order[:2] == [5, 8]
     assert order[2:] == [c for c in range(1, 17) if c not in (5, 8)]  # the rest in the first round's order
     assert out[19] == np.inf and out[0] == scores[0] and out[17] == scores[17]
+
+
+def chain_context() -> tuple[list[int], dict[str, int]]:
+    """40 chunks of random lines (a line break every 16 tokens) holding a chain of assignments, one a line:
+    `value` in chunk 30 (the last 16 tokens, the question, name it), then A = value in chunk 4, B = A in chunk 9
+    (across the boundary with chunk 10), C = B in chunk 17; chunk 25 shares text with chunk 4 off its line."""
+    ids = context(40, seed=5)
+    for p in range(15, len(ids), 16):
+        ids[p] = NL
+    a, b, c, value, eq = [9101, 9102], [9201, 9202], [9301, 9302], [9401, 9402, 9403], 9500
+    plant(ids, 4 * 64 + 16, [*a, eq, *value, NL])
+    plant(ids, 10 * 64 - 3, [*b, eq, *a, NL])  # "B =" on chunk 9, A on chunk 10
+    plant(ids, 17 * 64 + 32, [*c, eq, *b, NL])
+    plant(ids, 4 * 64 + 40, [9601, 9602, 9603])  # beside A's line in chunk 4...
+    plant(ids, 25 * 64 + 40, [9601, 9602, 9603])  # ...and in chunk 25: a neighbour's link, not the line's
+    plant(ids, 40 * 64 - 8, value)
+    return ids, {"A": 4, "B": 9, "B's end": 10, "C": 17, "off the line": 25}
+
+
+def test_links_follow_the_chain_from_line_to_line_and_a_line_brings_its_neighbour_chunk():
+    ids, at = chain_context()
+    grams = ChunkGrams(ids, 40, BREAKS)
+    candidates = np.arange(1, 38)
+    taken = follow(grams, 2, (40 * 64 - 16, 40 * 64), candidates, budget=8)
+    # the first round's best (2), the chunk the question names (A's), the next hop's two chunks (B's: linked from A's
+    # line by A's name, B's line ends in chunk 10), the hop after (C's, linked from B's line by B's name); nothing
+    # else is linked from a line, so the budget is left to the question's other links
+    assert taken == [2, at["A"], at["B's end"], at["B"], at["C"]]
+    # without line breaks a line is its match alone: the chain stops at A (A's name on A's line is linked from B's
+    # line, not from A's value)
+    assert follow(ChunkGrams(ids, 40), 2, (40 * 64 - 16, 40 * 64), candidates, budget=8) == [2, at["A"]]
+    # the budget bounds what follow takes
+    assert follow(grams, 2, (40 * 64 - 16, 40 * 64), candidates, budget=3) == [2, at["A"], at["B's end"]]
+
+
+def test_the_second_round_puts_the_chain_above_the_question_links_and_the_first_round():
+    ids, at = chain_context()
+    scores = np.linspace(1, 0, 40)
+    scores[2] = 2.0
+    candidates = np.arange(1, 38)
+    out = link_round(scores, candidates, ids, 16, BREAKS, budget=6)
+    order = candidates[np.argsort(-out[candidates], kind="stable")].tolist()
+    assert order[:5] == [2, at["A"], at["B's end"], at["B"], at["C"]]
+    assert order[5:] == [c for c in candidates if c not in order[:5]]  # the first round's order: no other link
 
 
 class FixedScorer(LruScorer):
@@ -81,13 +128,13 @@ def linked_run(ids: list[int], scores: np.ndarray, snapshot_at: int | None = Non
     pager = Pager(12 * 64)
     backend = FakeBackend(pager)
     backend.prefill(len(history), batch=64)
-    policy = Policy(FixedScorer(scores), tau=64, links=lambda: history)
+    policy = Policy(FixedScorer(scores), tau=64, links=lambda: history, breaks=BREAKS)
     moves = [policy.reselect_for_prompt(pager, np.zeros((1, 1, 1, 1), np.float32))]
     backend.run(moves[0])
     for step in range(200):
         if step == snapshot_at:
             state = json.loads(json.dumps(policy.state()))
-            policy = Policy(FixedScorer(scores), tau=64, links=lambda: history)
+            policy = Policy(FixedScorer(scores), tau=64, links=lambda: history, breaks=BREAKS)
             policy.load_state(state)
         pos = len(history)
         history.append(ids[pos])
@@ -101,13 +148,16 @@ def linked_run(ids: list[int], scores: np.ndarray, snapshot_at: int | None = Non
 
 def test_a_linked_policy_replays_its_residency_exactly_and_through_a_snapshot_of_its_state():
     ids = context(45, seed=2)
-    plant(ids, 22 * 64 + 5, RARE)
+    for p in range(15, len(ids), 16):
+        ids[p] = NL
+    plant(ids, 22 * 64 + 5, [*RARE, 9700, 9701])
+    plant(ids, 12 * 64 + 20, [9800, 9801, 9700, 9701])  # linked from chunk 22's line
     plant(ids, 40 * 64 - 8, RARE)  # the question (the last 16 tokens at the prompt's end) names it
     scores = np.random.default_rng(3).random(64)
     scores[7], scores[22] = 5.0, 0.0  # chunk 22 ranks last by itself
     moves, pager = linked_run(ids, scores)
     recalled = {m.chunk for m in moves[0] if isinstance(m, PageIn)}
-    assert {7, 22} <= recalled  # the best, and the chunk linked to the question whatever its own score
+    assert {7, 22, 12} <= recalled  # the best, the chunk the question names whatever its own score, and the next hop
     assert sum(map(len, moves[1:])) > 0  # decode reselects moved chunks too
     again, replayed = linked_run(ids, scores)
     assert again == moves and replayed.residency() == pager.residency()
