@@ -28,6 +28,7 @@ from lucekv.kvflash.pager import CHUNK_TOKENS
 
 NGRAMS = (2, 3)  # tokens per n-gram: a name split into pieces, with a token of context
 NAMED = 0.5  # a chunk linked to the question this share of the most linked one's strength or more is named by it
+HOPS = 8  # lines followed from the question at most (a chain of assignments, a call of a call...)
 LINE_REACH = 32  # a matched line runs to the line breaks around the match, this many tokens either way at most
 _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9], np.uint64)  # n-gram hashing
 
@@ -149,17 +150,17 @@ def link_round(scores: np.ndarray, candidates: np.ndarray, tokens: Sequence[int]
 def follow(grams: ChunkGrams, best: int, asked: tuple[int, int], candidates: np.ndarray, budget: int) -> list[int]:
     """Up to `budget` candidates in the order the links take them (see the module's doc): `best`, the chunks the
     question names (linked to it at least NAMED times as strongly as the most linked), then the chunks linked to the
-    lines taken, most linked first, as long as any is."""
+    lines taken, most linked first, as long as any is and at most HOPS lines away from the question."""
     free = np.zeros(grams.n_chunks, bool)
     free[candidates] = True
     from_question = grams.strength(*asked)
     named = from_question >= max(NAMED * from_question.max(), 1e-9)
     from_lines = np.zeros(grams.n_chunks)  # the strongest link from a line taken
     via = np.zeros(grams.n_chunks, np.int64)  # that line, in `lines`
-    lines: list[tuple[int, int]] = []
+    lines: list[tuple[int, int, int]] = []  # (start, end, hops from the question)
     taken: list[int] = []
 
-    def take(chunk: int, source: tuple[int, int]) -> None:
+    def take(chunk: int, source: tuple[int, int], hops: int) -> None:
         taken.append(chunk)
         free[chunk] = False
         found = grams.match(chunk, *source)
@@ -170,21 +171,23 @@ def follow(grams: ChunkGrams, best: int, asked: tuple[int, int], candidates: np.
             if free[other]:  # the line goes on in a neighbour
                 taken.append(other)
                 free[other] = False
-        link = grams.strength(*line, pairs_only=True)
-        stronger = (link >= from_lines) & (link > 0)  # ties: the newer line's (a chain is followed to its end)
-        from_lines[stronger], via[stronger] = link[stronger], len(lines)
-        lines.append(line)
+        if hops < HOPS:
+            link = grams.strength(*line, pairs_only=True)
+            stronger = (link >= from_lines) & (link > 0)  # ties: the newer line's (a chain is followed to its end)
+            from_lines[stronger], via[stronger] = link[stronger], len(lines)
+            lines.append((*line, hops))
 
-    take(best, asked)
+    take(best, asked, 0)
     while len(taken) < budget:
         if (named & free).any():
-            take(int(np.argmax(np.where(named & free, from_question, -1))), asked)
+            take(int(np.argmax(np.where(named & free, from_question, -1))), asked, 0)
             continue
         gain = np.where(free, from_lines, 0)
         chunk = int(np.lexsort((via, gain))[-1])  # the most linked, of the newest line among equals
         if gain[chunk] <= 0:
             break
-        take(chunk, lines[via[chunk]])
+        start, end, hops = lines[via[chunk]]
+        take(chunk, (start, end), hops + 1)
     return taken[:budget]
 
 

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from lucekv.kvflash.links import ChunkGrams, follow, link_round, link_strength
+from lucekv.kvflash.links import HOPS, ChunkGrams, follow, link_round, link_strength
 from lucekv.kvflash.pager import PageIn, Pager
 from lucekv.kvflash.policy import LruScorer, Policy
 from tests.kvflash.fake_backend import FakeBackend, check_invariants
@@ -96,6 +96,19 @@ def test_links_follow_the_chain_from_line_to_line_and_a_line_brings_its_neighbou
     assert follow(ChunkGrams(ids, 40), 2, (40 * 64 - 16, 40 * 64), candidates, budget=8) == [2, at["A"]]
     # the budget bounds what follow takes
     assert follow(grams, 2, (40 * 64 - 16, 40 * 64), candidates, budget=3) == [2, at["A"], at["B's end"]]
+
+
+def test_a_chain_is_followed_at_most_hops_lines_from_the_question():
+    ids = context(40, seed=6)
+    for p in range(15, len(ids), 16):
+        ids[p] = NL
+    names = [[9000 + 10 * k, 9001 + 10 * k] for k in range(HOPS + 3)]
+    plant(ids, 1 * 64 + 16, [*names[0], 9500, 9501, 9502, NL])  # named by the question
+    for k in range(1, HOPS + 3):  # hop k on chunk 1 + 3k: "name k = name k-1"
+        plant(ids, (1 + 3 * k) * 64 + 16, [*names[k], 9500, *names[k - 1], NL])
+    plant(ids, 40 * 64 - 8, [9500, 9501, 9502])
+    taken = follow(ChunkGrams(ids, 40, BREAKS), 2, (40 * 64 - 16, 40 * 64), np.arange(1, 38), budget=30)
+    assert taken == [2, *[1 + 3 * k for k in range(HOPS + 1)]]
 
 
 def test_the_second_round_puts_the_chain_above_the_question_links_and_the_first_round():
