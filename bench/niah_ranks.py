@@ -10,9 +10,11 @@ Per case it keeps (in `--cache DIR`, so rules are compared again without the mod
                     (summed over heads of the same layers, over the chunk's tokens): which chunk reads which, for a
                     second scoring round that follows a chain (vartrack's assignments).
 Then per rule and budget (recallable blocks: the pool's blocks less sink, head and protected tail), the share of the
-answer's needles whose chunks are all among the best `budget`: the most the answer can get from that selection.
+answer's needles whose chunks are all among the best `budget` (or protected): the most the answer can get from that
+selection. With --lexical there is no read: the first round is the question's links, any context, in seconds.
 
   PYTHONPATH=. python bench/niah_ranks.py --tasks multivalue,vartrack --cases 0-9 --json out.json
+  PYTHONPATH=. python bench/niah_ranks.py --lexical --context 8192 --pools 1024,512 --json out.json
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import lucekv
 from lucekv.bench import ruler
 from lucekv.bench.decode import git_commit, machine
 from lucekv.kvflash.draft import DRAFT_QUERIES, SMOOTH, first_scored_layer
-from lucekv.kvflash.links import line_breaks, link_round
+from lucekv.kvflash.links import ChunkGrams, line_breaks, link_round
 from lucekv.kvflash.pager import CHUNK_TOKENS
 from lucekv.kvflash.sequence import tail_chunks
 from lucekv.model.gguf import open_gguf
@@ -210,11 +212,19 @@ def protected_mask(nc: int, tail: int) -> np.ndarray:
     return mask
 
 
-def evaluate(m: dict, ids: list[int], needle_spans: list[tuple[int, int]], pools: list[int],
+def lexical_ranked(ids: list[int], protected: np.ndarray, budget: int, breaks: np.ndarray) -> dict[str, np.ndarray]:
+    """Without the drafter's read: the question's links alone as the first round, and the second round after it."""
+    first = ChunkGrams(ids, len(protected)).strength(len(ids) - DRAFT_QUERIES, len(ids))
+    return {"question": first,
+            "question+links": link_round(first, np.flatnonzero(~protected), ids, DRAFT_QUERIES, breaks, budget)}
+
+
+def evaluate(m: dict | None, ids: list[int], needle_spans: list[tuple[int, int]], pools: list[int],
              breaks: np.ndarray) -> dict:
-    """Per pool and protected tail (today's, and none): the recallable blocks, the chunks the needles take, and per
-    rule the needles covered and each needle chunk's rank among the evictable chunks (0 = best)."""
-    nc = m["link"].shape[0]
+    """Per pool and protected tail (today's, and none): the recallable blocks, the chunks the needles take (those
+    protected are held anyway), and per rule the needles covered and each needle chunk's rank among the evictable
+    chunks (0 = best; -1: protected). Without the drafter's read `m`, the lexical rules (`lexical_ranked`)."""
+    nc = m["link"].shape[0] if m is not None else -(-len(ids) // CHUNK_TOKENS)
     needles = [list(range(a // CHUNK_TOKENS, (b - 1) // CHUNK_TOKENS + 1)) for a, b in needle_spans]
     out = {}
     for pool in pools:
@@ -224,13 +234,17 @@ def evaluate(m: dict, ids: list[int], needle_spans: list[tuple[int, int]], pools
             budget = blocks - int(protected.sum())
             if budget <= 0:
                 continue
-            row = {"recallable_blocks": budget, "needle_chunks": len({c for cs in needles for c in cs}),
-                   "best_possible": best_possible(needles, budget)}
+            held = set(np.flatnonzero(protected).tolist())
+            to_recall = [[c for c in cs if c not in held] for cs in needles]
+            row = {"recallable_blocks": budget, "needle_chunks": len({c for cs in to_recall for c in cs}),
+                   "best_possible": best_possible(to_recall, budget)}
             cand = np.flatnonzero(~protected)
-            for name, scores in ranked(m, ids, protected, budget, breaks).items():
+            rules = ranked(m, ids, protected, budget, breaks) if m is not None else lexical_ranked(ids, protected,
+                                                                                                    budget, breaks)
+            for name, scores in rules.items():
                 order = cand[np.argsort(-scores[cand], kind="stable")]
                 rank = {int(c): i for i, c in enumerate(order)}
-                row[name] = {"covered": coverage(set(order[:budget].tolist()), needles),
+                row[name] = {"covered": coverage(held | set(order[:budget].tolist()), needles),
                              "ranks": [[rank.get(c, -1) for c in cs] for cs in needles]}
             out[f"pool{pool}/tail{tail}"] = row
     return out
@@ -246,6 +260,8 @@ def main() -> None:
     ap.add_argument("--corpus", default=".data/niah-corpus.json")
     ap.add_argument("--cache", default="/tmp/niah-ranks")
     ap.add_argument("--cached-only", action="store_true", help="rank the cases already read (no model)")
+    ap.add_argument("--lexical", action="store_true", help="no drafter's read: the question's links as the first "
+                    "round (no model, any context)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     cases = (list(range(int(a.cases.split("-")[0]), int(a.cases.split("-")[1]) + 1)) if "-" in a.cases
@@ -265,7 +281,9 @@ def main() -> None:
             f = cache / f"{a.model}-{a.context}-{task}-{index}.npz"
             t = time.time()
             case = ruler.make_case(task, index, a.context, corpus, tokenize, DEPTHS)
-            if f.exists():
+            if a.lexical:
+                m = None
+            elif f.exists():
                 m = dict(np.load(f))
             elif a.cached_only:
                 continue
@@ -275,7 +293,7 @@ def main() -> None:
                 m = read_case(engine, case.ids)
                 np.savez(f, **m)
             info = {"task": task, "index": index, "kind": case.kind, "depth": case.depth, "needles": case.needles,
-                    "n_chunks": int(m["link"].shape[0]), "seconds": round(time.time() - t, 1)}
+                    "n_chunks": -(-len(case.ids) // CHUNK_TOKENS), "seconds": round(time.time() - t, 1)}
             info["rules"] = evaluate(m, case.ids, case.needles, pools, breaks)
             head["cases"].append(info)
             brief = {k: {r: v[r]["covered"] for r in v if isinstance(v[r], dict)} for k, v in info["rules"].items()}
@@ -287,7 +305,8 @@ def main() -> None:
             for r, v in row.items():
                 value = v["covered"] if isinstance(v, dict) else v
                 summary.setdefault(c["task"], {}).setdefault(key, {}).setdefault(r, []).append(value)
-    head["summary"] = {t: {k: {"cases": len(rows["draft"]), **{r: round(float(np.mean(v)), 3) for r, v in rows.items()}}
+    head["summary"] = {t: {k: {"cases": len(rows["best_possible"]),
+                               **{r: round(float(np.mean(v)), 3) for r, v in rows.items()}}
                            for k, rows in ks.items()} for t, ks in summary.items()}
     Path(a.json).write_text(json.dumps(head, indent=1))
     print(json.dumps(head["summary"], indent=1))
