@@ -71,7 +71,7 @@ class ChunkGrams:
         rows = self._rows(self._hashes(start, end))
         if pairs_only:
             rows = rows[self.held_by[rows] == 2]
-        out = np.bincount(self.holder[rows], weights=self.rarity[rows], minlength=self.n_chunks)
+        out = np.bincount(self.holder[rows], weights=self.rarity[rows], minlength=self.n_chunks).astype(np.float64)
         out[start // CHUNK_TOKENS : -(-end // CHUNK_TOKENS)] = 0
         return out
 
@@ -115,7 +115,8 @@ class ChunkGrams:
         mine = np.unique(hashes)
         lo, hi = np.searchsorted(self.gram, mine, "left"), np.searchsorted(self.gram, mine, "right")
         count = hi - lo
-        return np.repeat(lo - np.cumsum(np.r_[0, count[:-1]]), count) + np.arange(int(count.sum()))
+        before = np.cumsum(count) - count  # rows of the earlier hashes
+        return np.repeat(lo - before, count) + np.arange(int(count.sum()))
 
 
 def link_strength(tokens: Sequence[int], n_chunks: int, sources: list[tuple[int, int]]) -> np.ndarray:
@@ -151,6 +152,8 @@ def follow(grams: ChunkGrams, best: int, asked: tuple[int, int], candidates: np.
     """Up to `budget` candidates in the order the links take them (see the module's doc): `best`, the chunks the
     question names (linked to it at least NAMED times as strongly as the most linked), then the chunks linked to the
     lines taken, most linked first, as long as any is and at most HOPS lines away from the question."""
+    if budget <= 0:
+        return []
     free = np.zeros(grams.n_chunks, bool)
     free[candidates] = True
     from_question = grams.strength(*asked)
