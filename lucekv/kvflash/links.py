@@ -4,18 +4,22 @@ A question names what it asks about, and the scorer ranks first a chunk that hol
 needs (another value of the same key, the next assignment of a chain of variables, the call of a function defined
 there) repeat some of that text, the way the model itself follows it (its induction heads attend from a repeat to what
 came after the first occurrence), while their own attention from the question may be no stronger than the haystack's.
-So the second round takes the first round's best chunk, then follows links, most linked first:
-- from the question (the latest tokens): the chunks sharing its rarest token n-grams (summed rarity);
+So the second round follows links, most linked first:
+- from the question (the latest tokens): the chunks it names, sharing its rarest token n-grams (summed rarity, at
+  least NAMED times the most linked chunk's);
 - from the line of each chunk taken (where it matched what linked it: the needle, not its neighbourhood): the chunks
   sharing an n-gram with that line and no other chunk (a chain of assignments repeats each variable once, on the
-  next hop's line; the chunks of one source file share many identifiers, but mostly with several chunks);
-and a line crossing a chunk boundary brings the chunk on the other side too (a needle cut in two). What is left of the
-budget goes by the question's links, then by the first round's order. Pure bookkeeping on token ids: no model, no keys.
+  next hop's line; the chunks of one source file share many identifiers, but mostly with several chunks), at most
+  HOPS lines from the question;
+and a line crossing a chunk boundary brings the chunk on the other side too (a needle cut in two). Then comes the first
+round's best chunk (first when the question names nothing) and what its line links to; what is left of the budget
+goes by the question's links, then by the first round's order. Pure bookkeeping on token ids: no model, no keys.
 
-Issue 29's diagnosis (bench/niah_ranks.py, qwen2.5-coder-0.5b at 4K, 5 recallable blocks): the question's links took
-the share of a multivalue answer's needles the budget holds from 0.58 (the draft scorer) to 0.83; they left vartrack's
-chain at 0.25 (each hop repeats only the previous hop's variable, on its own line; a variable of two tokens shares
-no 3-gram with its repeat, hence the 2-grams too).
+Issue 29's diagnosis (bench/niah_ranks.py, qwen2.5-coder-0.5b at 4K, the draft scorer, 5 recallable blocks; the share
+of the answer's needles the budget holds): the question's links alone took multivalue from 0.58 to 0.83 and left
+vartrack at 0.25 (each hop repeats only the previous hop's variable, on its own line; a variable of two tokens shares
+no 3-gram with its repeat, hence the 2-grams too); the lines took them to 0.88 and 0.80, of 0.92 and 0.85 possible.
+The first round's best went first before: on a vartrack case it was no needle, and took the block of the fourth hop.
 """
 
 from __future__ import annotations
@@ -127,10 +131,10 @@ def link_strength(tokens: Sequence[int], n_chunks: int, sources: list[tuple[int,
 
 def link_round(scores: np.ndarray, candidates: np.ndarray, tokens: Sequence[int], question: int,
                breaks: np.ndarray | None = None, budget: int | None = None) -> np.ndarray:
-    """Scores for the second round, float64 [len(scores)]: the first round's best candidate first, then the chunks
-    `follow` takes (`budget` of them at most), then the candidates by their link to the question (the last `question`
-    tokens), ties (no link: most) by the first round's order. Chunks not among `candidates` (protected ones) keep their
-    scores. `breaks`: see ChunkGrams."""
+    """Scores for the second round, float64 [len(scores)]: first the chunks `follow` takes (`budget` of them at most,
+    the first round's best candidate among them), then the candidates by their link to the question (the last
+    `question` tokens), ties (no link: most) by the first round's order. Chunks not among `candidates` (protected
+    ones) keep their scores. `breaks`: see ChunkGrams."""
     out = np.array(scores, np.float64)
     cand = candidates[candidates < len(out)]
     cand = cand[np.isfinite(out[cand])]
@@ -149,9 +153,10 @@ def link_round(scores: np.ndarray, candidates: np.ndarray, tokens: Sequence[int]
 
 
 def follow(grams: ChunkGrams, best: int, asked: tuple[int, int], candidates: np.ndarray, budget: int) -> list[int]:
-    """Up to `budget` candidates in the order the links take them (see the module's doc): `best`, the chunks the
-    question names (linked to it at least NAMED times as strongly as the most linked), then the chunks linked to the
-    lines taken, most linked first, as long as any is and at most HOPS lines away from the question."""
+    """Up to `budget` candidates in the order the links take them (see the module's doc): the chunks the question
+    names (linked to it at least NAMED times as strongly as the most linked), then the chunks linked to the lines
+    taken, most linked first, at most HOPS lines away from the question, as long as any is; then `best` (the first
+    round's), and again what its line links to."""
     if budget <= 0:
         return []
     free = np.zeros(grams.n_chunks, bool)
@@ -180,17 +185,18 @@ def follow(grams: ChunkGrams, best: int, asked: tuple[int, int], candidates: np.
             from_lines[stronger], via[stronger] = link[stronger], len(lines)
             lines.append((*line, hops))
 
-    take(best, asked, 0)
     while len(taken) < budget:
-        if (named & free).any():
-            take(int(np.argmax(np.where(named & free, from_question, -1))), asked, 0)
-            continue
         gain = np.where(free, from_lines, 0)
-        chunk = int(np.lexsort((via, gain))[-1])  # the most linked, of the newest line among equals
-        if gain[chunk] <= 0:
+        if (named & free).any():  # the chunks the question names
+            take(int(np.argmax(np.where(named & free, from_question, -1))), asked, 0)
+        elif gain.max() > 0:  # the chunks linked to the lines taken: the most linked, of the newest line among equals
+            chunk = int(np.lexsort((via, gain))[-1])
+            start, end, hops = lines[via[chunk]]
+            take(chunk, (start, end), hops + 1)
+        elif free[best]:  # the first round's best (and what its line links to)
+            take(best, asked, 0)
+        else:
             break
-        start, end, hops = lines[via[chunk]]
-        take(chunk, (start, end), hops + 1)
     return taken[:budget]
 
 

@@ -47,7 +47,7 @@ def test_chunks_sharing_rare_text_with_a_source_are_linked_and_text_everyone_hol
     assert strength[11] == strength[12] == np.log(16 / 2) and np.count_nonzero(strength) == 2
 
 
-def test_the_second_round_keeps_the_first_rounds_best_then_the_chunks_linked_to_the_question():
+def test_the_second_round_takes_the_chunk_the_question_names_then_the_first_rounds_best_then_its_order():
     ids = context(20)
     question = [6001, 6002, 6003, 6004]
     plant(ids, 5 * 64 + 10, RARE)  # the first round's best holds RARE...
@@ -60,7 +60,7 @@ def test_the_second_round_keeps_the_first_rounds_best_then_the_chunks_linked_to_
     candidates = np.arange(1, 17)  # 0 and 17..19 protected
     out = link_round(scores, candidates, ids, 16)
     order = candidates[np.argsort(-out[candidates], kind="stable")].tolist()
-    assert order[:2] == [5, 8]
+    assert order[:2] == [8, 5]
     assert order[2:] == [c for c in range(1, 17) if c not in (5, 8)]  # the rest in the first round's order
     assert out[19] == np.inf and out[0] == scores[0] and out[17] == scores[17]
 
@@ -87,15 +87,15 @@ def test_links_follow_the_chain_from_line_to_line_and_a_line_brings_its_neighbou
     grams = ChunkGrams(ids, 40, BREAKS)
     candidates = np.arange(1, 38)
     taken = follow(grams, 2, (40 * 64 - 16, 40 * 64), candidates, budget=8)
-    # the first round's best (2), the chunk the question names (A's), the next hop's two chunks (B's: linked from A's
-    # line by A's name, B's line ends in chunk 10), the hop after (C's, linked from B's line by B's name); nothing
-    # else is linked from a line, so the budget is left to the question's other links
-    assert taken == [2, at["A"], at["B's end"], at["B"], at["C"]]
+    # the chunk the question names (A's), the next hop's two chunks (B's: linked from A's line by A's name, B's line
+    # ends in chunk 10), the hop after (C's, linked from B's line by B's name), then the first round's best (2);
+    # nothing else is linked from a line, so the budget is left to the question's other links
+    assert taken == [at["A"], at["B's end"], at["B"], at["C"], 2]
     # without line breaks a line is its match alone: the chain stops at A (A's name on A's line is linked from B's
     # line, not from A's value)
-    assert follow(ChunkGrams(ids, 40), 2, (40 * 64 - 16, 40 * 64), candidates, budget=8) == [2, at["A"]]
+    assert follow(ChunkGrams(ids, 40), 2, (40 * 64 - 16, 40 * 64), candidates, budget=8) == [at["A"], 2]
     # the budget bounds what follow takes
-    assert follow(grams, 2, (40 * 64 - 16, 40 * 64), candidates, budget=3) == [2, at["A"], at["B's end"]]
+    assert follow(grams, 2, (40 * 64 - 16, 40 * 64), candidates, budget=3) == [at["A"], at["B's end"], at["B"]]
 
 
 def test_a_chain_is_followed_at_most_hops_lines_from_the_question():
@@ -108,7 +108,7 @@ def test_a_chain_is_followed_at_most_hops_lines_from_the_question():
         plant(ids, (1 + 3 * k) * 64 + 16, [*names[k], 9500, *names[k - 1], NL])
     plant(ids, 40 * 64 - 8, [9500, 9501, 9502])
     taken = follow(ChunkGrams(ids, 40, BREAKS), 2, (40 * 64 - 16, 40 * 64), np.arange(1, 38), budget=30)
-    assert taken == [2, *[1 + 3 * k for k in range(HOPS + 1)]]
+    assert taken == [*[1 + 3 * k for k in range(HOPS + 1)], 2]
 
 
 def test_the_second_round_puts_the_chain_above_the_question_links_and_the_first_round():
@@ -118,7 +118,7 @@ def test_the_second_round_puts_the_chain_above_the_question_links_and_the_first_
     candidates = np.arange(1, 38)
     out = link_round(scores, candidates, ids, 16, BREAKS, budget=6)
     order = candidates[np.argsort(-out[candidates], kind="stable")].tolist()
-    assert order[:5] == [2, at["A"], at["B's end"], at["B"], at["C"]]
+    assert order[:5] == [at["A"], at["B's end"], at["B"], at["C"], 2]
     assert order[5:] == [c for c in candidates if c not in order[:5]]  # the first round's order: no other link
 
 
