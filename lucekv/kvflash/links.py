@@ -45,7 +45,7 @@ def line_breaks(pieces: Sequence[bytes]) -> np.ndarray:
 class ChunkGrams:
     """The n-grams of a sequence's first `n_chunks` chunks (within each chunk; one a chunk holds alone links nothing),
     each with its rarity over the chunks: log(n_chunks / chunks holding it); and where its lines break (`breaks`:
-    bool [vocabulary] of the line-break tokens, or None: no line is shorter than LINE_REACH either way)."""
+    bool [vocabulary] of the line-break tokens; None: unknown, a line is the match alone)."""
 
     def __init__(self, tokens: Sequence[int], n_chunks: int, breaks: np.ndarray | None = None):
         ids = np.asarray(tokens[: n_chunks * CHUNK_TOKENS], np.int64)

@@ -275,9 +275,9 @@ class Policy:
     """A scorer and its reselect schedule: every tau_eff = max(tau, history/45) decoded tokens a reselect starts,
     scored in the background; its moves are made `reselect_lag` decoded tokens later.
 
-    With `links` (the sequence's tokens so far) every reselect has a second round (kvflash.links): the scorer's best
-    chunk stays first, then the chunks the latest DRAFT_QUERIES tokens (the question) name and those linked to their
-    lines, then the chunks sharing the rarest text with the question, then the scorer's order. `breaks` (bool
+    With `links` (the sequence's tokens so far) every reselect has a second round (kvflash.links): first the chunks
+    the latest DRAFT_QUERIES tokens (the question) name and the chains linked to their lines, then the scorer's best
+    chunk, then the chunks sharing the rarest text with the question, then the scorer's order. `breaks` (bool
     [vocabulary], the line-break tokens) bound the lines. The draft policy has it."""
 
     def __init__(self, scorer: Scorer, tau: int = 64, links: Callable[[], Sequence[int]] | None = None,
