@@ -8,9 +8,10 @@ So the second round follows links, most linked first:
 - from the question (the latest tokens): the chunks it names, sharing its rarest token n-grams (summed rarity, at
   least NAMED times the most linked chunk's);
 - from the line of each chunk taken (where it matched what linked it: the needle, not its neighbourhood): the chunks
-  sharing an n-gram with that line and no other chunk (a chain of assignments repeats each variable once, on the
-  next hop's line; the chunks of one source file share many identifiers, but mostly with several chunks), at most
-  HOPS lines from the question;
+  sharing an n-gram with that line and no other chunk, one holding a token few chunks hold (a chain of assignments
+  repeats each variable once, on the next hop's line; the chunks of one source file share many identifiers, but
+  mostly with several chunks; two digits or ` == ` may follow a needle's line into the haystack by chance), at most
+  HOPS lines from the question; a chunk taken already is visited for its line too (the next hop may sit in it);
 and a line crossing a chunk boundary brings the chunk on the other side too (a needle cut in two). Then comes the first
 round's best chunk (first when the question names nothing) and what its line links to; what is left of the budget
 goes by the question's links, then by the first round's order. Pure bookkeeping on token ids: no model, no keys.
@@ -33,6 +34,7 @@ from lucekv.kvflash.pager import CHUNK_TOKENS
 NGRAMS = (2, 3)  # tokens per n-gram: a name split into pieces, with a token of context
 NAMED = 0.5  # a chunk linked to the question this share of the most linked one's strength or more is named by it
 HOPS = 8  # lines followed from the question at most (a chain of assignments, a call of a call...)
+RARE_TOKEN_CHUNKS = 4  # a line's link counts only through an n-gram holding a token at most this many chunks hold
 LINE_REACH = 32  # a matched line runs to the line breaks around the match, this many tokens either way at most
 _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9], np.uint64)  # n-gram hashing
 
@@ -52,21 +54,25 @@ class ChunkGrams:
         self.n_chunks, self.n_tokens = n_chunks, len(ids)
         self.at = [_hash(ids.astype(np.uint64), n) for n in NGRAMS]  # per size, the hash at each start position
         self.line_end = np.zeros(len(ids), bool) if breaks is None else breaks[ids]
-        grams, holders = [], []
+        token_chunks = _chunks_holding(ids)
+        grams, holders, rare = [], [], []
         for n, hashes in zip(NGRAMS, self.at, strict=True):
             start = np.arange(len(hashes))
             inside = start // CHUNK_TOKENS == (start + n - 1) // CHUNK_TOKENS
+            rarest = np.min([token_chunks[i : i + len(hashes)] for i in range(n)], axis=0)
             grams.append(hashes[inside])
             holders.append(start[inside] // CHUNK_TOKENS)
-        gram, holder = np.concatenate(grams), np.concatenate(holders)
+            rare.append(rarest[inside] <= RARE_TOKEN_CHUNKS)
+        gram, holder, rare_token = np.concatenate(grams), np.concatenate(holders), np.concatenate(rare)
         order = np.lexsort((holder, gram))
-        gram, holder = gram[order], holder[order]
+        gram, holder, rare_token = gram[order], holder[order], rare_token[order]
         once = np.r_[True, (gram[1:] != gram[:-1]) | (holder[1:] != holder[:-1])]  # each (n-gram, chunk) once
-        gram, holder = gram[once], holder[once]
+        gram, holder, rare_token = gram[once], holder[once], rare_token[once]
         group = np.cumsum(np.r_[True, gram[1:] != gram[:-1]]) - 1
         held_by = np.bincount(group)[group]
         shared = held_by > 1
         self.gram, self.holder, self.held_by = gram[shared], holder[shared], held_by[shared]  # sorted by n-gram
+        self.rare_token = rare_token[shared]  # the n-gram holds a token few chunks hold
         self.rarity = np.log(n_chunks / self.held_by)
 
     def strength(self, start: int, end: int, pairs_only: bool = False) -> np.ndarray:
@@ -74,7 +80,7 @@ class ChunkGrams:
         `pairs_only`, of those no third chunk holds); the span's own chunks 0."""
         rows = self._rows(self._hashes(start, end))
         if pairs_only:
-            rows = rows[self.held_by[rows] == 2]
+            rows = rows[(self.held_by[rows] == 2) & self.rare_token[rows]]
         out = np.bincount(self.holder[rows], weights=self.rarity[rows], minlength=self.n_chunks).astype(np.float64)
         out[start // CHUNK_TOKENS : -(-end // CHUNK_TOKENS)] = 0
         return out
@@ -156,25 +162,32 @@ def follow(grams: ChunkGrams, best: int, asked: tuple[int, int], candidates: np.
     """Up to `budget` candidates in the order the links take them (see the module's doc): the chunks the question
     names (linked to it at least NAMED times as strongly as the most linked), then the chunks linked to the lines
     taken, most linked first, at most HOPS lines away from the question, as long as any is; then `best` (the first
-    round's), and again what its line links to."""
+    round's), and again what its line links to. Chunks that are not candidates (protected) are visited for their
+    lines, never taken."""
     if budget <= 0:
         return []
     free = np.zeros(grams.n_chunks, bool)
     free[candidates] = True
     from_question = grams.strength(*asked)
-    named = from_question >= max(NAMED * from_question.max(), 1e-9)
-    from_lines = np.zeros(grams.n_chunks)  # the strongest link from a line taken
+    named = from_question >= max(NAMED * from_question.max(), 1e-9)  # cleared as each is visited
+    from_lines = np.zeros(grams.n_chunks)  # the strongest link from a line taken, not followed yet
     via = np.zeros(grams.n_chunks, np.int64)  # that line, in `lines`
     lines: list[tuple[int, int, int]] = []  # (start, end, hops from the question)
+    seen: set[tuple[int, int]] = set()
     taken: list[int] = []
 
-    def take(chunk: int, source: tuple[int, int], hops: int) -> None:
-        taken.append(chunk)
-        free[chunk] = False
+    def visit(chunk: int, source: tuple[int, int], hops: int) -> None:
+        """Take `chunk` if it is free, and the line where it matches `source`, with the chunks that line crosses; the
+        line's links are followed later. A chunk taken already is visited too: it may hold the chain's next line."""
+        if free[chunk]:
+            taken.append(chunk)
+            free[chunk] = False
+        named[chunk], from_lines[chunk] = False, 0
         found = grams.match(chunk, *source)
-        if found is None:
+        line = found and grams.line(*found)
+        if not line or line in seen:
             return
-        line = grams.line(*found)
+        seen.add(line)
         for other in range(line[0] // CHUNK_TOKENS, (line[1] - 1) // CHUNK_TOKENS + 1):
             if free[other]:  # the line goes on in a neighbour
                 taken.append(other)
@@ -186,18 +199,25 @@ def follow(grams: ChunkGrams, best: int, asked: tuple[int, int], candidates: np.
             lines.append((*line, hops))
 
     while len(taken) < budget:
-        gain = np.where(free, from_lines, 0)
-        if (named & free).any():  # the chunks the question names
-            take(int(np.argmax(np.where(named & free, from_question, -1))), asked, 0)
-        elif gain.max() > 0:  # the chunks linked to the lines taken: the most linked, of the newest line among equals
-            chunk = int(np.lexsort((via, gain))[-1])
+        if named.any():  # the chunks the question names
+            visit(int(np.argmax(np.where(named, from_question, -1))), asked, 0)
+        elif from_lines.max() > 0:  # the chunks linked to the lines taken: the most linked, the newest line's of equals
+            chunk = int(np.lexsort((via, from_lines))[-1])
             start, end, hops = lines[via[chunk]]
-            take(chunk, (start, end), hops + 1)
+            visit(chunk, (start, end), hops + 1)
         elif free[best]:  # the first round's best (and what its line links to)
-            take(best, asked, 0)
+            visit(best, asked, 0)
         else:
             break
     return taken[:budget]
+
+
+def _chunks_holding(ids: np.ndarray) -> np.ndarray:
+    """int64 [len(ids)]: per position, how many chunks hold its token."""
+    n_chunks = -(-len(ids) // CHUNK_TOKENS) or 1
+    pairs = np.unique(ids * n_chunks + np.arange(len(ids)) // CHUNK_TOKENS)  # each (token, chunk) once
+    tokens, held_by = np.unique(pairs // n_chunks, return_counts=True)
+    return held_by[np.searchsorted(tokens, ids)]
 
 
 def _hash(ids: np.ndarray, n: int) -> np.ndarray:

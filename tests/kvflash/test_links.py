@@ -68,18 +68,20 @@ def test_the_second_round_takes_the_chunk_the_question_names_then_the_first_roun
 def chain_context() -> tuple[list[int], dict[str, int]]:
     """40 chunks of random lines (a line break every 16 tokens) holding a chain of assignments, one a line:
     `value` in chunk 30 (the last 16 tokens, the question, name it), then A = value in chunk 4, B = A in chunk 9
-    (across the boundary with chunk 10), C = B in chunk 17; chunk 25 shares text with chunk 4 off its line."""
+    (across the boundary with chunk 10), C = B in chunk 17; chunk 25 shares text with chunk 4 off its line, chunk 33 a
+    2-gram of common tokens on it (a coincidence: no link)."""
     ids = context(40, seed=5)
     for p in range(15, len(ids), 16):
         ids[p] = NL
     a, b, c, value, eq = [9101, 9102], [9201, 9202], [9301, 9302], [9401, 9402, 9403], 9500
-    plant(ids, 4 * 64 + 16, [*a, eq, *value, NL])
+    plant(ids, 4 * 64 + 16, [*a, eq, *value, *COMMON[1::-1], NL])
     plant(ids, 10 * 64 - 3, [*b, eq, *a, NL])  # "B =" on chunk 9, A on chunk 10
     plant(ids, 17 * 64 + 32, [*c, eq, *b, NL])
     plant(ids, 4 * 64 + 40, [9601, 9602, 9603])  # beside A's line in chunk 4...
     plant(ids, 25 * 64 + 40, [9601, 9602, 9603])  # ...and in chunk 25: a neighbour's link, not the line's
+    plant(ids, 33 * 64 + 5, COMMON[1::-1])  # A's line and chunk 33 alone hold this 2-gram, of tokens every chunk holds
     plant(ids, 40 * 64 - 8, value)
-    return ids, {"A": 4, "B": 9, "B's end": 10, "C": 17, "off the line": 25}
+    return ids, {"A": 4, "B": 9, "B's end": 10, "C": 17}
 
 
 def test_links_follow_the_chain_from_line_to_line_and_a_line_brings_its_neighbour_chunk():
