@@ -139,7 +139,8 @@ def link_round(scores: np.ndarray, candidates: np.ndarray, tokens: Sequence[int]
                breaks: np.ndarray | None = None, budget: int | None = None) -> np.ndarray:
     """Scores for the second round, float64 [len(scores)]: first the chunks `follow` takes (`budget` of them at most,
     the first round's best candidate among them), then the candidates by their link to the question (the last
-    `question` tokens), ties (no link: most) by the first round's order. Chunks not among `candidates` (protected
+    `question` tokens), ties (no link: most) by the first round's order, last the chunks of lines it could not take
+    whole. Chunks not among `candidates` (protected
     ones) keep their scores. `breaks`: see ChunkGrams."""
     out = np.array(scores, np.float64)
     cand = candidates[candidates < len(out)]
@@ -153,19 +154,22 @@ def link_round(scores: np.ndarray, candidates: np.ndarray, tokens: Sequence[int]
     first = out[cand]
     best = int(cand[np.argmax(first)])
     out[cand] = grams.strength(*asked)[cand] + 1e-3 * (first - first.min()) / (first.max() - first.min() + 1e-300)
-    taken = follow(grams, best, asked, cand, len(cand) if budget is None else budget)
-    out[taken] = out[cand].max() + 1 + np.arange(len(taken))[::-1]  # above any link, in the order taken
+    taken, cut = follow(grams, best, asked, cand, len(cand) if budget is None else budget)
+    low, high = out[cand].min(), out[cand].max()
+    out[taken] = high + 1 + np.arange(len(taken))[::-1]  # above any link, in the order taken
+    out[cut] = low - 1  # below any: part of a needle would mislead
     return out
 
 
-def follow(grams: ChunkGrams, best: int, asked: tuple[int, int], candidates: np.ndarray, budget: int) -> list[int]:
+def follow(grams: ChunkGrams, best: int, asked: tuple[int, int], candidates: np.ndarray,
+           budget: int) -> tuple[list[int], list[int]]:
     """Up to `budget` candidates in the order the links take them (see the module's doc): the chunks the question
     names (linked to it at least NAMED times as strongly as the most linked), then the chunks linked to the lines
     taken, most linked first, at most HOPS lines away from the question, as long as any is; then `best` (the first
     round's), and again what its line links to. Chunks that are not candidates (protected) are visited for their
-    lines, never taken."""
+    lines, never taken. Also the candidates linked whose line the budget left could not hold whole."""
     if budget <= 0:
-        return []
+        return [], []
     free = np.zeros(grams.n_chunks, bool)
     free[candidates] = True
     from_question = grams.strength(*asked)
@@ -175,23 +179,26 @@ def follow(grams: ChunkGrams, best: int, asked: tuple[int, int], candidates: np.
     lines: list[tuple[int, int, int]] = []  # (start, end, hops from the question)
     seen: set[tuple[int, int]] = set()
     taken: list[int] = []
+    cut: list[int] = []  # chunks whose line the budget could not hold whole
 
     def visit(chunk: int, source: tuple[int, int], hops: int) -> None:
-        """Take `chunk` if it is free, and the line where it matches `source`, with the chunks that line crosses; the
-        line's links are followed later. A chunk taken already is visited too: it may hold the chain's next line."""
-        if free[chunk]:
-            taken.append(chunk)
-            free[chunk] = False
+        """Take `chunk` if it is free, and the line where it matches `source`, with the chunks that line crosses (all
+        or none: a needle cut short misleads more than one left out); the line's links are followed later. A chunk
+        taken already is visited too: it may hold the chain's next line."""
         named[chunk], from_lines[chunk] = False, 0
         found = grams.match(chunk, *source)
         line = found and grams.line(*found)
+        crossed = range(line[0] // CHUNK_TOKENS, (line[1] - 1) // CHUNK_TOKENS + 1) if line else []
+        new = [c for c in dict.fromkeys([chunk, *crossed]) if free[c]]
+        if len(taken) + len(new) > budget:
+            cut.extend(new)
+            free[new] = False
+            return
+        taken.extend(new)
+        free[new] = False
         if not line or line in seen:
             return
         seen.add(line)
-        for other in range(line[0] // CHUNK_TOKENS, (line[1] - 1) // CHUNK_TOKENS + 1):
-            if free[other]:  # the line goes on in a neighbour
-                taken.append(other)
-                free[other] = False
         if hops < HOPS:
             link = grams.strength(*line, pairs_only=True)
             stronger = (link >= from_lines) & (link > 0)  # ties: the newer line's (a chain is followed to its end)
@@ -209,7 +216,7 @@ def follow(grams: ChunkGrams, best: int, asked: tuple[int, int], candidates: np.
             visit(best, asked, 0)
         else:
             break
-    return taken[:budget]
+    return taken, cut
 
 
 def _chunks_holding(ids: np.ndarray) -> np.ndarray:

@@ -88,16 +88,18 @@ def test_links_follow_the_chain_from_line_to_line_and_a_line_brings_its_neighbou
     ids, at = chain_context()
     grams = ChunkGrams(ids, 40, BREAKS)
     candidates = np.arange(1, 38)
-    taken = follow(grams, 2, (40 * 64 - 16, 40 * 64), candidates, budget=8)
+    taken, cut = follow(grams, 2, (40 * 64 - 16, 40 * 64), candidates, budget=8)
     # the chunk the question names (A's), the next hop's two chunks (B's: linked from A's line by A's name, B's line
     # ends in chunk 10), the hop after (C's, linked from B's line by B's name), then the first round's best (2);
     # nothing else is linked from a line, so the budget is left to the question's other links
-    assert taken == [at["A"], at["B's end"], at["B"], at["C"], 2]
+    assert taken == [at["A"], at["B's end"], at["B"], at["C"], 2] and cut == []
     # without line breaks a line is its match alone: the chain stops at A (A's name on A's line is linked from B's
     # line, not from A's value)
-    assert follow(ChunkGrams(ids, 40), 2, (40 * 64 - 16, 40 * 64), candidates, budget=8) == [at["A"], 2]
-    # the budget bounds what follow takes
-    assert follow(grams, 2, (40 * 64 - 16, 40 * 64), candidates, budget=3) == [at["A"], at["B's end"], at["B"]]
+    assert follow(ChunkGrams(ids, 40), 2, (40 * 64 - 16, 40 * 64), candidates, budget=8) == ([at["A"], 2], [])
+    # the budget bounds what follow takes...
+    assert follow(grams, 2, (40 * 64 - 16, 40 * 64), candidates, budget=3) == ([at["A"], at["B's end"], at["B"]], [])
+    # ...and a line it cannot hold whole is not taken in part (nor followed): B's two chunks are cut, the best fits
+    assert follow(grams, 2, (40 * 64 - 16, 40 * 64), candidates, budget=2) == ([at["A"], 2], [at["B's end"], at["B"]])
 
 
 def test_a_chain_is_followed_at_most_hops_lines_from_the_question():
@@ -109,7 +111,7 @@ def test_a_chain_is_followed_at_most_hops_lines_from_the_question():
     for k in range(1, HOPS + 3):  # hop k on chunk 1 + 3k: "name k = name k-1"
         plant(ids, (1 + 3 * k) * 64 + 16, [*names[k], 9500, *names[k - 1], NL])
     plant(ids, 40 * 64 - 8, [9500, 9501, 9502])
-    taken = follow(ChunkGrams(ids, 40, BREAKS), 2, (40 * 64 - 16, 40 * 64), np.arange(1, 38), budget=30)
+    taken, _ = follow(ChunkGrams(ids, 40, BREAKS), 2, (40 * 64 - 16, 40 * 64), np.arange(1, 38), budget=30)
     assert taken == [*[1 + 3 * k for k in range(HOPS + 1)], 2]
 
 
@@ -122,6 +124,10 @@ def test_the_second_round_puts_the_chain_above_the_question_links_and_the_first_
     order = candidates[np.argsort(-out[candidates], kind="stable")].tolist()
     assert order[:5] == [at["A"], at["B's end"], at["B"], at["C"], 2]
     assert order[5:] == [c for c in candidates if c not in order[:5]]  # the first round's order: no other link
+    # with 2 blocks B's line (two chunks) cannot come whole: its chunks go last, below every unlinked one
+    out = link_round(scores, candidates, ids, 16, BREAKS, budget=2)
+    order = candidates[np.argsort(-out[candidates], kind="stable")].tolist()
+    assert order[:2] == [at["A"], 2] and order[-2:] == [at["B"], at["B's end"]]
 
 
 class FixedScorer(LruScorer):
