@@ -12,9 +12,11 @@ So the second round follows links, most linked first:
   repeats each variable once, on the next hop's line; the chunks of one source file share many identifiers, but
   mostly with several chunks; two digits or ` == ` may follow a needle's line into the haystack by chance), at most
   HOPS lines from the question; a chunk taken already is visited for its line too (the next hop may sit in it);
-and a line crossing a chunk boundary brings the chunk on the other side too (a needle cut in two). Then comes the first
-round's best chunk (first when the question names nothing) and what its line links to; what is left of the budget
-goes by the question's links, then by the first round's order. Pure bookkeeping on token ids: no model, no keys.
+and a line crossing a chunk boundary brings the chunk on the other side too (a needle cut in two), or is left out when
+the budget cannot hold it whole (then its chunks rank last: a needle without its first words misleads). Then comes
+the first round's best chunk (first when the question names nothing) and what its line links to; what is left of the
+budget goes by the question's links, then by the first round's order. Pure bookkeeping on token ids: no model, no
+keys.
 
 Issue 29's diagnosis (bench/niah_ranks.py, qwen2.5-coder-0.5b at 4K, the draft scorer, 5 recallable blocks; the share
 of the answer's needles the budget holds): the question's links alone took multivalue from 0.58 to 0.83 and left
