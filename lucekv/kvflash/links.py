@@ -15,8 +15,8 @@ So the second round follows links, most linked first:
 and a line crossing a chunk boundary brings the chunk on the other side too (a needle cut in two), or is left out when
 the budget cannot hold it whole (then its chunks rank last: a needle without its first words misleads). Then comes
 the first round's best chunk (first when the question names nothing) and what its line links to; what is left of the
-budget goes by the question's links, then by the first round's order. Pure bookkeeping on token ids: no model, no
-keys.
+budget goes by the question's other links (whole lines too, not followed), then by the first round's order. Pure
+bookkeeping on token ids: no model, no keys.
 
 Issue 29's diagnosis (bench/niah_ranks.py, qwen2.5-coder-0.5b at 4K, the draft scorer, 5 recallable blocks; the share
 of the answer's needles the budget holds): the question's links alone took multivalue from 0.58 to 0.83 and left
@@ -168,8 +168,9 @@ def follow(grams: ChunkGrams, best: int, asked: tuple[int, int], candidates: np.
     """Up to `budget` candidates in the order the links take them (see the module's doc): the chunks the question
     names (linked to it at least NAMED times as strongly as the most linked), then the chunks linked to the lines
     taken, most linked first, at most HOPS lines away from the question, as long as any is; then `best` (the first
-    round's), and again what its line links to. Chunks that are not candidates (protected) are visited for their
-    lines, never taken. Also the candidates linked whose line the budget left could not hold whole."""
+    round's), and again what its line links to; then the question's other links, whole lines. Chunks that are not
+    candidates (protected) are visited for their lines, never taken. Also the candidates linked whose line the budget
+    left could not hold whole."""
     if budget <= 0:
         return [], []
     free = np.zeros(grams.n_chunks, bool)
@@ -216,6 +217,8 @@ def follow(grams: ChunkGrams, best: int, asked: tuple[int, int], candidates: np.
             visit(chunk, (start, end), hops + 1)
         elif free[best]:  # the first round's best (and what its line links to)
             visit(best, asked, 0)
+        elif (free & (from_question > 0)).any():  # the question's other links, whole lines too (not followed)
+            visit(int(np.argmax(np.where(free, from_question, 0))), asked, HOPS)
         else:
             break
     return taken, cut
