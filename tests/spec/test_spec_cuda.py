@@ -14,6 +14,7 @@ import pytest
 
 import lucekv
 from lucekv.engine.sampling import SamplingParams
+from lucekv.engine.types import Usage
 from lucekv.kernels.cuda import available, cuda
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
@@ -83,22 +84,30 @@ def test_a_verify_width_replayed_from_its_graph_equals_its_eager_run(model, n):
     assert first.tolist() == replayed.tolist() == eager.tolist() == np.argmax(logits[:, :VOCAB], axis=1).tolist()
 
 
-@gpu
-@needs_gpu
-@pytest.mark.parametrize("pool", [None, 512], ids=["whole", "paged"])
-def test_greedy_rounds_on_the_gpu_equal_its_plain_greedy(model, pool):
+def plain_and_oracle_greedy_on_the_gpu(model, pool, mode: str, oracle) -> tuple[list[int], list[int], Usage]:
+    """150 greedy tokens after one 700-token prompt on CUDA, each run on a fresh engine: plainly, then speculating
+    with `mode`, whose drafter is `oracle` (a drafter class) of the prompt and the plain tokens. Returns (plain
+    tokens, speculative tokens, the speculative run's last usage)."""
     ids = np.random.default_rng(7).integers(10, 500, 700).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
 
     def run(speculation, reference=None):
         engine = lucekv.load(model, backend="cuda", kv_dtype="f32", kv_pool=pool, kv_policy="lru")
         if reference is not None:
-            engine.drafters["suffix"] = lambda: OracleDrafter(reference)
+            engine.drafters[speculation] = lambda: oracle(reference)
         out = list(engine.generate(ids, params, speculation=speculation))
         return [t for d in out for t in d.token_ids], out[-1].usage
 
     plain, _ = run("off")
-    spec, usage = run("suffix", ids + plain)
+    spec, usage = run(mode, ids + plain)
+    return plain, spec, usage
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("pool", [None, 512], ids=["whole", "paged"])
+def test_greedy_rounds_on_the_gpu_equal_its_plain_greedy(model, pool):
+    plain, spec, usage = plain_and_oracle_greedy_on_the_gpu(model, pool, "suffix", OracleDrafter)
     assert spec == plain
     assert 0 < usage.speculation.accepted < usage.speculation.drafted
 
@@ -243,18 +252,7 @@ def test_greedy_tree_rounds_on_the_gpu_equal_its_plain_greedy(model, pool):
     """Tree verify blocks replayed from the verify graphs (masks in their fixed buffers), accepted paths moved."""
     from tests.spec.test_tree_engine import OracleTreeDrafter
 
-    ids = np.random.default_rng(7).integers(10, 500, 700).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
-
-    def run(speculation, reference=None):
-        engine = lucekv.load(model, backend="cuda", kv_dtype="f32", kv_pool=pool, kv_policy="lru")
-        if reference is not None:
-            engine.drafters["suffix-tree"] = lambda: OracleTreeDrafter(reference)
-        out = list(engine.generate(ids, params, speculation=speculation))
-        return [t for d in out for t in d.token_ids], out[-1].usage
-
-    plain, _ = run("off")
-    tree, usage = run("suffix-tree", ids + plain)
+    plain, tree, usage = plain_and_oracle_greedy_on_the_gpu(model, pool, "suffix-tree", OracleTreeDrafter)
     assert tree == plain
     assert usage.speculation.rounds < len(plain) / 2
 
