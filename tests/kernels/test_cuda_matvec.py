@@ -35,7 +35,7 @@ def test_token_plans_cover_every_token_in_whole_register_buffers_and_gate_groups
     from lucekv.kernels.cuda import matvec
     from lucekv.kernels.cuda.packed import GATE_ROWS, DeviceMatrix
 
-    monkeypatch.setattr(matvec, "_sm_count", lambda: 132)
+    monkeypatch.setattr(matvec, "sm_count", lambda: 132)
     for kind in matvec.TOKEN_KINDS:
         for rows, cols in [(128, 896), (896, 4864), (1536, 1536), (4096, 12288), (17920, 1536), (24576, 4096)]:
             w = DeviceMatrix(kind, rows, cols, 5, 3, None, None, None, None, True, True)

@@ -46,7 +46,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from lucekv.kernels.cuda._numba import (
-    SIMULATOR,
     WARP,
     await_grid,
     blocks,
@@ -58,6 +57,7 @@ from lucekv.kernels.cuda._numba import (
     jit_kernel,
     load_f32x4,
     load_u32x4,
+    sm_count,
     warp_shfl_xor,
     warp_sum,
 )
@@ -215,7 +215,7 @@ def _rows_per_block(shapes: list[tuple[int, str, bool]], n_warps: int, copies: i
     big product's time (measured: 12-warp blocks of 44 rows of a 4096 x 12288 matrix left 38 of 132 SMs idle).
     copies: grid rows of that many blocks each (several-token products); most: the rows a block holds at most;
     resident_warps: the warps an SM holds at the kernel's launch bounds."""
-    slots = _sm_count() * max(resident_warps // n_warps, 1)
+    slots = sm_count() * max(resident_warps // n_warps, 1)
     steps = [max(2 * GROUP[kind], 2 * GATE_ROWS) if gated else 2 * GROUP[kind] for _, kind, gated in shapes]
     for k in range(1, MAX_ROWS_PER_BLOCK + 1):
         per_block = [min(blocks(k * 2 * GROUP[kind], step) * step, most)
@@ -223,11 +223,6 @@ def _rows_per_block(shapes: list[tuple[int, str, bool]], n_warps: int, copies: i
         if copies * sum(blocks(rows, r) for (rows, _, _), r in zip(shapes, per_block, strict=True)) <= slots:
             return per_block
     return per_block
-
-
-@functools.cache
-def _sm_count() -> int:
-    return 1 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
 # ---- shared pieces: x as two int8 parts, cross-warp sums --------------------------------------------------
@@ -609,7 +604,7 @@ def token_plan(w: DeviceMatrix, n: int, gated: bool, tokens: int | None = None) 
         groups = blocks(n, most)
         per_block = 1 << (blocks(n, groups) - 1).bit_length()
         room = min(MAX_TOKEN_ROWS, TOKEN_PARTIALS // (n_warps * per_block)) // step * step
-        slots = _sm_count() * (TOKEN_WARPS * TOKEN_BLOCKS_PER_SM[per_block] // warps)
+        slots = sm_count() * (TOKEN_WARPS * TOKEN_BLOCKS_PER_SM[per_block] // warps)
         for rows_per_block in range(step, max(room, step) + 1, step):
             waves = blocks(groups * blocks(w.rows, rows_per_block), slots)
             chain = n_warps // warps * n_pass * per_block * (QUANTIZE_ROWS + rows_per_block)
@@ -634,7 +629,7 @@ def _per_token_cost(w: DeviceMatrix, n: int) -> float:
     """The cost model's estimate of the one-token kernel's grid rows for n tokens (see token_plan)."""
     n_warps, n_pass = _warps_and_passes(w.cols)
     rows = _rows_per_block([(w.rows, w.kind, False)], n_warps)[0]
-    waves = blocks(n * blocks(w.rows, rows), _sm_count() * max(RESIDENT_WARPS_PER_SM // n_warps, 1))
+    waves = blocks(n * blocks(w.rows, rows), sm_count() * max(RESIDENT_WARPS_PER_SM // n_warps, 1))
     return waves * n_pass * (QUANTIZE_ROWS + rows)
 
 
