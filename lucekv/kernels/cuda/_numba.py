@@ -142,9 +142,13 @@ if SIMULATOR:
 
     _SCRATCH = 1024  # the most threads a block may have
 
+    def _thread_index():
+        """This thread's index in its block, x fastest."""
+        return cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+
     def _warp_reduce(v, op):
         scratch = cuda.shared.array(_SCRATCH, np.float64)  # one array for every call: barriers guard it
-        t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        t = _thread_index()
         cuda.syncthreads()
         scratch[t] = v
         cuda.syncthreads()
@@ -160,7 +164,7 @@ if SIMULATOR:
         """The warp's sum of v as the GPU's `warp_sum` adds it (v += lane ^ offset's v, offsets 16 down to 1, in v's
         type): kernels may rely on sums equal bit for bit to that butterfly's (matvec's several-token kernels)."""
         scratch = cuda.shared.array(_SCRATCH, np.float64)
-        t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        t = _thread_index()
         cuda.syncthreads()
         scratch[t] = v
         cuda.syncthreads()
@@ -185,7 +189,7 @@ if SIMULATOR:
     def _lane_value(v, source):
         """Lane source(t)'s v for thread t, exchanged through a block-wide scratch array between barriers."""
         scratch = cuda.shared.array(_SCRATCH, np.float64)
-        t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+        t = _thread_index()
         cuda.syncthreads()
         scratch[t] = v
         cuda.syncthreads()
@@ -221,22 +225,30 @@ if SIMULATOR:
         return a, b, c
 
     _MMA_A, _MMA_B, _MMA_C = _mma_layout()
-    _mma_thread = threading.local()
+    _EXCHANGE_WORDS = 6  # the most words a thread hands the block's others in one `_exchange` (mma's operands)
+    _exchange_thread = threading.local()
+
+    def _exchange(*words):
+        """This thread's words (unsigned 32-bit) where every thread of the block reads them, for the twins of
+        warp-wide instructions: (the block's rows of words [thread, _EXCHANGE_WORDS], this thread's row).
+        Two buffers, used in turn, need one barrier per call: a call's reads of a buffer end before the next call's
+        barrier, and only the call after that writes the buffer again (so every call is made in block-uniform
+        control flow). A simulated thread lives for one block: its thread-local state holds the block's scratch
+        (fetched once: shared.array is slow, and tells its arrays apart by the line asking, this one for every
+        twin) and its count of calls."""
+        mine = _exchange_thread
+        if getattr(mine, "calls", None) is None:
+            mine.scratch, mine.calls = cuda.shared.array((2, _SCRATCH, _EXCHANGE_WORDS), np.uint32), 0
+        buffer = mine.scratch[mine.calls % 2]
+        mine.calls += 1
+        t = _thread_index()
+        buffer[t, : len(words)] = words
+        cuda.syncthreads()
+        return buffer, t
 
     @cuda.jit(device=True)
     def mma_f16_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        # Two buffers, used in turn, need one barrier per call: a call's reads of a buffer end before the next
-        # call's barrier, and only the call after that writes the buffer again. A simulated thread lives for
-        # one block: its thread-local state holds the block's scratch (fetched once: shared.array is slow)
-        # and its count of calls.
-        mine = _mma_thread
-        if getattr(mine, "calls", None) is None:
-            mine.scratch, mine.calls = cuda.shared.array((2, _SCRATCH, 6), np.uint32), 0
-        buffer = mine.scratch[mine.calls % 2]
-        mine.calls += 1
-        t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
-        buffer[t] = (a0, a1, a2, a3, b0, b1)
-        cuda.syncthreads()
+        buffer, t = _exchange(a0, a1, a2, a3, b0, b1)
         first = t - t % WARP
         halves = buffer[first:first + WARP].view(np.float16).astype(np.float64)  # [lane, 12 halves]
         a = np.zeros((16, 16))
@@ -246,23 +258,13 @@ if SIMULATOR:
         d = (a @ b)[_MMA_C[0][t - first], _MMA_C[1][t - first]] + np.array([c0, c1, c2, c3], np.float64)
         return np.float32(d[0]), np.float32(d[1]), np.float32(d[2]), np.float32(d[3])
 
-    _ldmatrix_thread = threading.local()
-
     @cuda.jit(device=True)
     def load_matrix_x4(tile, b, r, c):
-        # one barrier per call, two scratch buffers used in turn (see mma_f16_16816)
-        mine = _ldmatrix_thread
-        if getattr(mine, "calls", None) is None:
-            mine.scratch, mine.calls = cuda.shared.array((2, _SCRATCH, 3), np.int64), 0
-        buffer = mine.scratch[mine.calls % 2]
-        mine.calls += 1
-        t = cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
-        buffer[t] = (b, r, c)
-        cuda.syncthreads()
+        buffer, t = _exchange(b, r, c)  # every lane's address
         first, lane = t - t % WARP, t % WARP
         words = []
         for m in range(4):  # matrix m: its row lane // 4 from lane 8m + lane // 4's address, word lane % 4
-            mb, mr, mc = buffer[first + 8 * m + lane // 4]
+            mb, mr, mc = buffer[first + 8 * m + lane // 4, :3]
             words.append(tile[mb, mr, mc + lane % 4])
         return words[0], words[1], words[2], words[3]
 
