@@ -218,14 +218,27 @@ def quantize_x16(x, xq, xd):
     """x (float32, whole 32-blocks) as int16 codes xq and one float32 scale per 32-block, xd = max|x| / 32767:
     x ~ xd * xq within xd / 2 (a relative 1.5e-5 of the block's largest element)."""
     for b in range(x.shape[0] // X_BLOCK):
-        amax = np.float32(0)
-        for j in range(X_BLOCK):
-            amax = max(amax, abs(x[b * X_BLOCK + j]))
-        d = amax / np.float32(32767)
+        block = x[b * X_BLOCK:(b + 1) * X_BLOCK]
+        d = _abs_max(block) / np.float32(32767)
         xd[b] = d
-        inv = np.float32(1) / d if d > 0 else np.float32(0)
-        for j in range(X_BLOCK):
-            xq[b * X_BLOCK + j] = np.int16(np.round(x[b * X_BLOCK + j] * inv))
+        _round_codes(block, np.float32(1) / d if d > 0 else np.float32(0), xq[b * X_BLOCK:(b + 1) * X_BLOCK])
+
+
+# The two loops of quantize_x16, vectorized by fastmath's flags (2.4x faster on 128 x 4864 floats): a maximum is
+# exact in any order, and one multiply and round have nothing to reassociate. A NaN in x gives code 0, as it did
+# before (the comparisons of max() skip it).
+@njit(cache=True, nogil=True, fastmath=True)
+def _abs_max(x):
+    m = np.float32(0)
+    for j in range(x.shape[0]):
+        m = max(m, abs(x[j]))
+    return m
+
+
+@njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz"})
+def _round_codes(x, inv, out):
+    for j in range(x.shape[0]):
+        out[j] = np.int16(np.rint(x[j] * inv))
 
 
 # ---- prefill: a tile of weight rows against 16 tokens at once ----------------------------------------------------
@@ -240,7 +253,7 @@ def quantize_x16(x, xq, xd):
 # prompt. Each block's int32 sums are exact (|code| <= 128, |xq| <= 32767, 32 products: < 2^31); the convert rounds
 # a sum beyond 2^24 (a relative 6e-8).
 
-TILE_ROWS = 8  # weight rows a tile: 8 rows x 2 accumulators in flight cover vpdpwssd's latency at two a cycle
+TILE_ROWS = 16  # weight rows a tile: 16 accumulators in flight cover vpdpwssd's latency at two a cycle
 TILE_TOKENS = 16  # tokens a tile: one 512-bit vector of int32 lanes
 
 
@@ -269,13 +282,11 @@ def _pair_dot(builder, acc, x, w, native):
     return builder.add(acc, builder.add(_shuffle(builder, p, lanes[0::2]), _shuffle(builder, p, lanes[1::2])))
 
 
-def _tile_codegen(block_pairs, with_bias, native):
+def _tile_codegen(block_pairs, with_bias, native, tile_rows=TILE_ROWS, n_acc=1):
     """Codegen of one tile (TILE_ROWS weight rows x TILE_TOKENS tokens) over n_blocks weight blocks of block_pairs
     pairs of elements (16: 32-blocks, 8: 16-blocks). Per block and row: the int32 sums of the block's pairs (two
     accumulators, even and odd pairs), converted and multiplied by the row's block scale times each token's xd, added
     to the row's 16 float lanes; with_bias: then the row's block bias times each token's block sum of x."""
-    n_acc = 2
-
     def codegen(context, builder, sig, args):
         w, xp, xd, sc, bi, xs, out = (_ptr(context, builder, sig.args[i], args[i], ir.Constant(_I64, 0))
                                       for i in range(7))
@@ -283,16 +294,16 @@ def _tile_codegen(block_pairs, with_bias, native):
         v16i, v16f = _vec(_I32, TILE_TOKENS), _vec(_F32, TILE_TOKENS)
         fma = _fn(builder, "llvm.fma.v16f32", v16f, [v16f] * 3)
         n_pairs = builder.mul(n_blocks, ir.Constant(_I64, block_pairs))
-        row_at = [builder.mul(n_pairs, ir.Constant(_I64, i)) for i in range(TILE_ROWS)]
+        row_at = [builder.mul(n_pairs, ir.Constant(_I64, i)) for i in range(tile_rows)]
         zero_i, zero_f = ir.Constant(v16i, [0] * TILE_TOKENS), ir.Constant(v16f, [0.0] * TILE_TOKENS)
 
         def block(b, accs):
             p0 = builder.mul(b, ir.Constant(_I64, block_pairs))
-            sums = [[zero_i] * n_acc for _ in range(TILE_ROWS)]
+            sums = [[zero_i] * n_acc for _ in range(tile_rows)]
             for p in range(block_pairs):
                 pair = builder.add(p0, ir.Constant(_I64, p))
                 x = _load(builder, xp, builder.mul(pair, ir.Constant(_I64, TILE_TOKENS)), v16i)
-                for i in range(TILE_ROWS):
+                for i in range(tile_rows):
                     wv = _splat(builder, builder.load(builder.gep(w, [builder.add(row_at[i], pair)])), TILE_TOKENS)
                     sums[i][p % n_acc] = _pair_dot(builder, sums[i][p % n_acc], x, wv, native)
             # the 32-block of x this weight block lies in (a 16-block: every other block shares one)
@@ -300,10 +311,13 @@ def _tile_codegen(block_pairs, with_bias, native):
             xdv = _load(builder, xd, builder.mul(xb, ir.Constant(_I64, TILE_TOKENS)), v16f)
             xsv = _load(builder, xs, builder.mul(b, ir.Constant(_I64, TILE_TOKENS)), v16f) if with_bias else None
             new = []
-            for i in range(TILE_ROWS):
+            for i in range(tile_rows):
                 at = builder.add(builder.mul(n_blocks, ir.Constant(_I64, i)), b)
                 s = builder.fmul(_splat(builder, builder.load(builder.gep(sc, [at])), TILE_TOKENS), xdv)
-                total = builder.sitofp(builder.add(*sums[i]), v16f)
+                total = sums[i][0]
+                for more in sums[i][1:]:
+                    total = builder.add(total, more)
+                total = builder.sitofp(total, v16f)
                 acc = builder.call(fma, [total, s, accs[i]])
                 if with_bias:
                     acc = builder.call(fma, [_splat(builder, builder.load(builder.gep(bi, [at])), TILE_TOKENS), xsv,
@@ -311,7 +325,7 @@ def _tile_codegen(block_pairs, with_bias, native):
                 new.append(acc)
             return new
 
-        accs = _counted_loop(builder, n_blocks, f"tile{block_pairs}", block, [zero_f] * TILE_ROWS)
+        accs = _counted_loop(builder, n_blocks, f"tile{block_pairs}", block, [zero_f] * tile_rows)
         for i, acc in enumerate(accs):
             builder.store(acc, builder.bitcast(builder.gep(out, [ir.Constant(_I64, i * TILE_TOKENS)]),
                                                v16f.as_pointer()), align=4)

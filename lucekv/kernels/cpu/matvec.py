@@ -341,32 +341,36 @@ def prepare_tiles(xs, g0, g1, xp, xd, xsum32, xsum16):
     """Groups g0..g1 of TILE_TOKENS tokens of X float32 [n, cols] as the tile kernels take them (lanes past n:
     zeros): xp int32 [groups, cols / 2 * 16] (pair p of token l's int16 codes, intdot.quantize_x16, at p * 16 + l),
     xd float32 [groups, cols / 32 * 16] (their scales), xsum32 / xsum16 float32 [groups, cols / 32 (16) * 16]: x's
-    sums over blocks of 32 (16) elements."""
+    sums over blocks of 32 (16) elements (a 32-block's: its two 16-blocks' sums added)."""
     n, cols = xs.shape
-    xq = np.empty(cols, np.int16)
-    xdr = np.empty(cols // X_BLOCK, np.float32)
+    xq = np.zeros((TILE_TOKENS, cols), np.int16)
+    xdr = np.zeros((TILE_TOKENS, cols // X_BLOCK), np.float32)
     for g in range(g0, g1):
-        xp[g, :] = 0
-        xd[g, :] = 0
-        xsum32[g, :] = 0
-        xsum16[g, :] = 0
-        for t in range(g * TILE_TOKENS, min((g + 1) * TILE_TOKENS, n)):
-            lane = t % TILE_TOKENS
-            quantize_x16(xs[t], xq, xdr)
-            pairs = xq.view(np.int32)
-            for p in range(cols // 2):
-                xp[g, p * TILE_TOKENS + lane] = pairs[p]
-            for b in range(cols // X_BLOCK):
-                xd[g, b * TILE_TOKENS + lane] = xdr[b]
+        t0 = g * TILE_TOKENS
+        lanes = min(TILE_TOKENS, n - t0)
+        if lanes < TILE_TOKENS:
+            xq[:] = 0
+            xdr[:] = 0
+            xsum16[g, :] = 0
+        for lane in range(lanes):
+            x = xs[t0 + lane]
+            quantize_x16(x, xq[lane], xdr[lane])
             for b in range(cols // 16):
                 s16 = np.float32(0)
                 for j in range(16):
-                    s16 += xs[t, b * 16 + j]
+                    s16 += x[b * 16 + j]
                 xsum16[g, b * TILE_TOKENS + lane] = s16
-                if b % 2:
-                    xsum32[g, b // 2 * TILE_TOKENS + lane] += s16
-                else:
-                    xsum32[g, b // 2 * TILE_TOKENS + lane] = s16
+        pairs = xq.reshape(-1).view(np.int32)
+        for p in range(cols // 2):
+            for lane in range(TILE_TOKENS):
+                xp[g, p * TILE_TOKENS + lane] = pairs[lane * (cols // 2) + p]
+        for b in range(cols // X_BLOCK):
+            for lane in range(TILE_TOKENS):
+                xd[g, b * TILE_TOKENS + lane] = xdr[lane, b]
+        for b in range(cols // 32):
+            for lane in range(TILE_TOKENS):
+                xsum32[g, b * TILE_TOKENS + lane] = (xsum16[g, 2 * b * TILE_TOKENS + lane]
+                                                     + xsum16[g, (2 * b + 1) * TILE_TOKENS + lane])
 
 
 @njit(cache=True, nogil=True)
