@@ -247,7 +247,8 @@ def _round_codes(x, inv, out):
 # integer products when each (row, token) pair gets its own 8 lanes (the decode kernels above). Here the tokens are
 # the lanes instead: x comes transposed, each 32-bit lane of a vector one token's pair of int16 codes (elements 2p,
 # 2p + 1), and a weight row's pair of codes is broadcast against it. One `vpdpwssd` (AVX-512 VNNI) then adds 32
-# products into 16 tokens' int32 sums, and a block's float work is one convert and two multiply-adds per 16 tokens.
+# products into 16 tokens' int32 sums, and a block's float work is one convert, one multiply and one fused add (two
+# with bias terms) per 16 tokens.
 # On this repository's development Xeon (Sapphire Rapids) `vpdpwssd zmm` issues twice a cycle, as `vfmadd zmm`:
 # twice float32 BLAS's products a cycle. A token's number depends on its own lane alone, so on nothing else in the
 # prompt. Each block's int32 sums are exact (|code| <= 128, |xq| <= 32767, 32 products: < 2^31); the convert rounds
@@ -282,11 +283,12 @@ def _pair_dot(builder, acc, x, w, native):
     return builder.add(acc, builder.add(_shuffle(builder, p, lanes[0::2]), _shuffle(builder, p, lanes[1::2])))
 
 
-def _tile_codegen(block_pairs, with_bias, native, tile_rows=TILE_ROWS, n_acc=1):
+def _tile_codegen(block_pairs, with_bias, native):
     """Codegen of one tile (TILE_ROWS weight rows x TILE_TOKENS tokens) over n_blocks weight blocks of block_pairs
-    pairs of elements (16: 32-blocks, 8: 16-blocks). Per block and row: the int32 sums of the block's pairs (two
-    accumulators, even and odd pairs), converted and multiplied by the row's block scale times each token's xd, added
-    to the row's 16 float lanes; with_bias: then the row's block bias times each token's block sum of x."""
+    pairs of elements (16: 32-blocks, 8: 16-blocks). Per block and row: the int32 sums of the block's pairs (one
+    accumulator a row: 16 independent chains), converted and multiplied by the row's block scale times each token's
+    xd, added to the row's 16 float lanes; with_bias: then the row's block bias times each token's block sum of x.
+    (8 rows with two accumulators each measured 1.1-1.3x slower.)"""
     def codegen(context, builder, sig, args):
         w, xp, xd, sc, bi, xs, out = (_ptr(context, builder, sig.args[i], args[i], ir.Constant(_I64, 0))
                                       for i in range(7))
@@ -294,38 +296,34 @@ def _tile_codegen(block_pairs, with_bias, native, tile_rows=TILE_ROWS, n_acc=1):
         v16i, v16f = _vec(_I32, TILE_TOKENS), _vec(_F32, TILE_TOKENS)
         fma = _fn(builder, "llvm.fma.v16f32", v16f, [v16f] * 3)
         n_pairs = builder.mul(n_blocks, ir.Constant(_I64, block_pairs))
-        row_at = [builder.mul(n_pairs, ir.Constant(_I64, i)) for i in range(tile_rows)]
+        row_at = [builder.mul(n_pairs, ir.Constant(_I64, i)) for i in range(TILE_ROWS)]
         zero_i, zero_f = ir.Constant(v16i, [0] * TILE_TOKENS), ir.Constant(v16f, [0.0] * TILE_TOKENS)
 
         def block(b, accs):
             p0 = builder.mul(b, ir.Constant(_I64, block_pairs))
-            sums = [[zero_i] * n_acc for _ in range(tile_rows)]
+            sums = [zero_i] * TILE_ROWS
             for p in range(block_pairs):
                 pair = builder.add(p0, ir.Constant(_I64, p))
                 x = _load(builder, xp, builder.mul(pair, ir.Constant(_I64, TILE_TOKENS)), v16i)
-                for i in range(tile_rows):
+                for i in range(TILE_ROWS):
                     wv = _splat(builder, builder.load(builder.gep(w, [builder.add(row_at[i], pair)])), TILE_TOKENS)
-                    sums[i][p % n_acc] = _pair_dot(builder, sums[i][p % n_acc], x, wv, native)
+                    sums[i] = _pair_dot(builder, sums[i], x, wv, native)
             # the 32-block of x this weight block lies in (a 16-block: every other block shares one)
             xb = b if 2 * block_pairs == X_BLOCK else builder.ashr(b, ir.Constant(_I64, 1))
             xdv = _load(builder, xd, builder.mul(xb, ir.Constant(_I64, TILE_TOKENS)), v16f)
             xsv = _load(builder, xs, builder.mul(b, ir.Constant(_I64, TILE_TOKENS)), v16f) if with_bias else None
             new = []
-            for i in range(tile_rows):
+            for i in range(TILE_ROWS):
                 at = builder.add(builder.mul(n_blocks, ir.Constant(_I64, i)), b)
                 s = builder.fmul(_splat(builder, builder.load(builder.gep(sc, [at])), TILE_TOKENS), xdv)
-                total = sums[i][0]
-                for more in sums[i][1:]:
-                    total = builder.add(total, more)
-                total = builder.sitofp(total, v16f)
-                acc = builder.call(fma, [total, s, accs[i]])
+                acc = builder.call(fma, [builder.sitofp(sums[i], v16f), s, accs[i]])
                 if with_bias:
                     acc = builder.call(fma, [_splat(builder, builder.load(builder.gep(bi, [at])), TILE_TOKENS), xsv,
                                              acc])
                 new.append(acc)
             return new
 
-        accs = _counted_loop(builder, n_blocks, f"tile{block_pairs}", block, [zero_f] * tile_rows)
+        accs = _counted_loop(builder, n_blocks, f"tile{block_pairs}", block, [zero_f] * TILE_ROWS)
         for i, acc in enumerate(accs):
             builder.store(acc, builder.bitcast(builder.gep(out, [ir.Constant(_I64, i * TILE_TOKENS)]),
                                                v16f.as_pointer()), align=4)
