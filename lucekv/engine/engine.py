@@ -371,6 +371,9 @@ class Engine:
                 r.session.paged.park()
             self._reclaim(step.reclaim)
             works = [w for w in step.works if w.seq.computed == w.start and self._admitted(w.seq, step)]
+            # decided before any runs: a round whose gate turns speculation off must not be followed by a plain step
+            # in the same step (after its last token that made one more: the call got 32 tokens, usage said 33)
+            rows = [w.seq for w in works if not w.prefill and not w.seq.speculating]
             for w in works:
                 if w.prefill and w.seq.compress is not None:
                     self._compress(w.seq)
@@ -379,7 +382,6 @@ class Engine:
                     self._prefill(w.seq, w.start, w.n)
                 elif w.seq.speculating:
                     self._round(w.seq, len(works))
-            rows = [w.seq for w in works if not w.prefill and not w.seq.speculating]
             if solo and rows:
                 self._decode_greedy(rows[0])
             elif rows:

@@ -219,3 +219,28 @@ def verify_forwards_past_a_boundary(engine, ids, params, mode) -> int:
             crossings += 1
             assert start % 64 == 0 and start < request.computed
     return crossings
+
+
+def test_a_round_that_ends_speculation_with_the_last_token_is_the_last_word(model, monkeypatch):
+    """The gate may turn speculation off in the round that makes the last token: the same step must not decode a
+    plain token after it (it did: two finish deltas, the server kept the second, the call got one token fewer than
+    its usage counted)."""
+    from lucekv.spec.speculator import Speculator
+
+    ids = prompt(100, seed=4)
+    engine = load(model, None)
+    plain, _ = generate(engine, ids, n=40)
+    with_oracle(engine, ids + plain)
+    real_round = Speculator.round
+
+    def round_then_off(self, target, last, position, budget, *args, **kw):
+        block = real_round(self, target, last, position, budget, *args, **kw)
+        self.off = len(block.tokens) == budget  # the generation's last block: the gate says stop here
+        return block
+
+    monkeypatch.setattr(Speculator, "round", round_then_off)
+    monkeypatch.setattr(Speculator, "speculating", property(lambda self: not getattr(self, "off", False)))
+    tokens, out = generate(engine, ids, "suffix", n=40)
+    assert tokens == plain
+    assert [d.finish_reason for d in out if d.finish_reason] == ["length"]
+    assert out[-1].usage.completion_tokens == 40
