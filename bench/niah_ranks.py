@@ -258,7 +258,7 @@ def main() -> None:
     ap.add_argument("--pools", default="512,256")
     ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="the drafter (here also the target)")
     ap.add_argument("--corpus", default=".data/niah-corpus.json")
-    ap.add_argument("--cache", default="/tmp/niah-ranks")
+    ap.add_argument("--cache", default=".data/niah-ranks")
     ap.add_argument("--cached-only", action="store_true", help="rank the cases already read (no model)")
     ap.add_argument("--lexical", action="store_true", help="no drafter's read: the question's links as the first "
                     "round (no model, any context)")
