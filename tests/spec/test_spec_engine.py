@@ -67,6 +67,14 @@ def generate(engine, ids, speculation="off", session_id="", n=150, **kw):
     return [t for d in out for t in d.token_ids], out
 
 
+def restore_through_a_blob(engine, session_id, other):
+    """`engine`'s session written as a snapshot blob and restored into `other` under the same id."""
+    header, chunks = engine.snapshot(session_id)
+    other.restore(read_snapshot(write_snapshot(header, chunks.__getitem__), other.layout, max_tokens=other.n_ctx,
+                                vocab_size=other.spec.vocab_size), session_id)
+    return header
+
+
 def with_oracle(engine, reference, **kw):
     engine.drafters["suffix"] = lambda: OracleDrafter(reference, **kw)  # each request gets its own
     return engine
@@ -141,11 +149,8 @@ def test_a_session_speculates_through_turns_and_a_snapshot(model, pool):
     engine = with_oracle(load(model, pool), first + a)
     a_spec, _ = generate(engine, first, "suffix", session_id="s", n=70)
     assert a_spec == a
-    header, chunks = engine.snapshot("s")
     other = with_oracle(load(model, pool), first + a + second + b)
-    snap = read_snapshot(write_snapshot(header, chunks.__getitem__), other.layout, max_tokens=other.n_ctx,
-                         vocab_size=other.spec.vocab_size)
-    other.restore(snap, "s")
+    restore_through_a_blob(engine, "s", other)
     b_spec, out = generate(other, first + a + second, "suffix", session_id="s", n=70)
     assert b_spec == b
     assert out[-1].usage.cached_tokens == len(first) + len(a) - 1

@@ -6,7 +6,6 @@ accepted path's K/V must move to its positions), every third proposal spoilt par
 import pytest
 
 from lucekv.engine.sampling import SamplingParams
-from lucekv.snapshot.blob import read_snapshot, write_snapshot
 from lucekv.spec.tree import DraftTree
 from tests.spec.test_spec_engine import (  # noqa: F401  (model: a fixture)
     POOLS,
@@ -16,6 +15,7 @@ from tests.spec.test_spec_engine import (  # noqa: F401  (model: a fixture)
     load,
     model,
     prompt,
+    restore_through_a_blob,
 )
 
 
@@ -115,12 +115,9 @@ def test_a_session_speculates_by_tree_through_turns_and_a_snapshot(model, pool):
     b, _ = generate(ref_engine, first + a + second, session_id="s", n=70)
     engine = with_tree_oracle(load(model, pool), first + a)
     assert generate(engine, first, "suffix-tree", session_id="s", n=70)[0] == a
-    header, chunks = engine.snapshot("s")
-    assert len(header.token_ids) == len(first) + len(a) - 1  # no node of a tree past the answer
     other = with_tree_oracle(load(model, pool), first + a + second + b)
-    snap = read_snapshot(write_snapshot(header, chunks.__getitem__), other.layout, max_tokens=other.n_ctx,
-                         vocab_size=other.spec.vocab_size)
-    other.restore(snap, "s")
+    header = restore_through_a_blob(engine, "s", other)
+    assert len(header.token_ids) == len(first) + len(a) - 1  # no node of a tree past the answer
     b_spec, out = generate(other, first + a + second, "suffix-tree", session_id="s", n=70)
     assert b_spec == b
     assert out[-1].usage.cached_tokens == len(first) + len(a) - 1
