@@ -131,12 +131,6 @@ class ChunkGrams:
         return np.repeat(lo - before, count) + np.arange(int(count.sum()))
 
 
-def link_strength(tokens: Sequence[int], n_chunks: int, sources: list[tuple[int, int]]) -> np.ndarray:
-    """float64 [n_chunks]: per chunk, the largest over `sources` (token spans [start, end)) of ChunkGrams.strength."""
-    grams = ChunkGrams(tokens, n_chunks)
-    return np.max([grams.strength(a, b) for a, b in sources], axis=0, initial=0.0)
-
-
 def link_round(scores: np.ndarray, candidates: np.ndarray, tokens: Sequence[int], question: int,
                breaks: np.ndarray | None = None, budget: int | None = None) -> np.ndarray:
     """Scores for the second round, float64 [len(scores)]: first the chunks `follow` takes (`budget` of them at most,

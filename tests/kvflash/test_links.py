@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from lucekv.kvflash.links import HOPS, ChunkGrams, follow, link_round, link_strength
+from lucekv.kvflash.links import HOPS, ChunkGrams, follow, link_round
 from lucekv.kvflash.pager import PageIn, Pager
 from lucekv.kvflash.policy import LruScorer, Policy
 from tests.kvflash.fake_backend import FakeBackend, check_invariants
@@ -35,7 +35,7 @@ def test_chunks_sharing_rare_text_with_a_source_are_linked_and_text_everyone_hol
     plant(ids, 3 * 64 + 10, RARE)
     plant(ids, 11 * 64 + 30, RARE)
     plant(ids, 6 * 64 + 20, RARE[:3])  # a shorter share: fewer n-grams
-    strength = link_strength(ids, 16, [(3 * 64, 4 * 64)])
+    strength = ChunkGrams(ids, 16).strength(3 * 64, 4 * 64)
     assert int(np.argmax(strength)) == 11 and strength[3] == 0  # the source's own chunk gains nothing
     assert 0 < strength[6] < strength[11]
     assert np.all(strength[[c for c in range(16) if c not in (6, 11)]] == 0)  # COMMON is in every chunk: log(1) = 0
@@ -43,7 +43,7 @@ def test_chunks_sharing_rare_text_with_a_source_are_linked_and_text_everyone_hol
     ids = context(16)
     plant(ids, 3 * 64 + 10, RARE)
     plant(ids, 12 * 64 - 2, RARE)
-    strength = link_strength(ids, 16, [(3 * 64, 4 * 64)])
+    strength = ChunkGrams(ids, 16).strength(3 * 64, 4 * 64)
     assert strength[11] == strength[12] == np.log(16 / 2) and np.count_nonzero(strength) == 2
 
 
