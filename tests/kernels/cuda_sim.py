@@ -14,6 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lucekv.kernels.cuda import SIMULATOR, available
@@ -22,6 +23,34 @@ needs_kernels = pytest.mark.skipif(not available(), reason="no CUDA GPU (the sim
 needs_gpu = pytest.mark.skipif(SIMULATOR or not available(), reason="needs a CUDA GPU")
 ROOT = Path(__file__).resolve().parents[2]
 
+
+def lock_shared_allocations() -> None:
+    """numba's simulator makes a block's shared array the first time a thread asks for it at a source line, without a
+    lock: under load two threads of a block can both find none and each make its own, and the block's reduction then
+    reads an array some threads never wrote (CI once: argmax's block-wide tree returned a wrong index). Here the
+    lookup and the making are one step under a lock, keyed as numba keys them (file and line of the asking code)."""
+    from numba.core import types
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    from numba.np import numpy_support
+
+    unlocked, lock = FakeCUDAShared.array, threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory (no lookup), or refused
+            return unlocked(self, shape, dtype, alignment)
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        with lock:
+            if key not in self._allocations:
+                dtype = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else dtype
+                self._allocations[key] = np.empty(shape, dtype)
+            return self._allocations[key]
+
+    FakeCUDAShared.array = array
+
+
+if SIMULATOR:  # a child run: every test file under the simulator imports this module
+    lock_shared_allocations()
 
 _runs: dict[str, queue.Queue] = {}  # test file -> where its child run, started ahead, leaves its result
 
