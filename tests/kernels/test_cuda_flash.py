@@ -36,6 +36,16 @@ def test_flash_attention_skips_hidden_tiles_and_launches_again():
 
 
 @needs_kernels
+@pytest.mark.parametrize("window", [0, 120])
+def test_flash_attention_prompt_piece_over_whole_tiles(window):
+    # a prompt piece as the engine runs it: slots in position order, none free, the piece's 48 tokens (2 blocks of
+    # rows) the sequence's last; tiles every row of a block sees whole take no masks (tile 0 for both blocks without
+    # a window, tile 1 for the second), the others do (the diagonal; the window's edge)
+    check_attention(167, 2, 1, 16, np.arange(112, 160, dtype=np.int32), window, np.float16, ordered=True, free=0,
+                    flash=True)
+
+
+@needs_kernels
 def test_flash_attention_reads_a_sequence_in_scattered_blocks():
     # one sequence's 20 queries over its blocks 3, 0, 2 of the pool (block 1 is another sequence's)
     check_table_attention([((3, 0, 2), p) for p in range(150, 170)], 4, 2, 16, window=0, flash=True)

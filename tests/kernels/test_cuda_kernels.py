@@ -381,16 +381,16 @@ def attention_reference(q, k_pool, v_pool, slot_pos, positions, window, scale):
 
 
 def check_attention(n_slots, n_head, n_kv, d, positions, window, kv_dtype, seed=0, ordered=False, launches=1,
-                    flash=False):
-    """Random pool with a shuffled (or, `ordered`, increasing) slot -> position map and free slots, queries at
-    `positions`; `launches` times with the same scratch, as a replayed graph does. `flash`: the tensor-core
-    prefill kernel (`flash.attend`) instead of the per-query one."""
+                    flash=False, free=0.1):
+    """Random pool with a shuffled (or, `ordered`, increasing) slot -> position map and a `free` share of free
+    slots, queries at `positions`; `launches` times with the same scratch, as a replayed graph does. `flash`: the
+    tensor-core prefill kernel (`flash.attend`) instead of the per-query one."""
     from lucekv.kernels.cuda.attention import BLOCK, attend, identity_tables, partials
     from lucekv.kernels.cuda.flash import attend as flash_attend
 
     rng = np.random.default_rng(seed)
     slot_pos = (np.arange(n_slots) if ordered else rng.permutation(n_slots)).astype(np.int32)
-    slot_pos[rng.random(n_slots) < 0.1] = -1
+    slot_pos[rng.random(n_slots) < free] = -1
     n = len(positions)
     q = rng.standard_normal((n, n_head * d)).astype(np.float32)
     k_pool = (rng.standard_normal((n_slots, n_kv, d)) * 0.5).astype(kv_dtype)

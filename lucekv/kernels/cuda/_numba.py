@@ -35,7 +35,12 @@ Compatibility shims live here and nowhere else:
   passing through registers (`cp.async.cg`), `copy_async_commit` closes a group of them, `copy_async_wait_all`
   / `copy_async_wait_one` wait until none / at most the latest group is still in flight; a barrier after the
   wait makes every thread's copies visible to the block. So a kernel copies its next tile while it computes on
-  this one. In the simulator the copy is immediate and the commit and waits do nothing.
+  this one. In the simulator the copy is immediate and the commit and waits do nothing. The destination is
+  any C-contiguous shared array, indexed in its flat order (a 3-D tile that ldmatrix then reads).
+- `load_matrix_x4_trans` is `load_matrix_x4` with `.trans`: each 8 x 8 matrix transposed on the way, so a lane
+  holds two rows' halves of one column (a B fragment of P V from V's rows as stored); its twin shares the
+  other's exchange. `exp2_approx` is `ex2.approx.ftz.f32` (one MUFU instruction; math.exp2 compiles to the
+  same with denormal handling around it): a softmax's weights, where a denormal is as good as 0.
 - Overlapped launches (sm_90+): every kernel begins with `await_grid()`, `griddepcontrol.wait` (wait until the
   grid this one depends on has finished and its writes are visible) then `griddepcontrol.launch_dependents` (the
   next grid may be launched now). Outside a programmatic dependency both do nothing; inside one (the edges of a
@@ -116,7 +121,7 @@ if SIMULATOR:
         tile[b, r, c], tile[b, r, c + 1], tile[b, r, c + 2], tile[b, r, c + 3] = v0, v1, v2, v3
 
     def copy_async16(tile, i, words, r, c):
-        tile[i], tile[i + 1], tile[i + 2], tile[i + 3] = words[r, c], words[r, c + 1], words[r, c + 2], words[r, c + 3]
+        tile.reshape(-1)[i : i + 4] = words[r, c], words[r, c + 1], words[r, c + 2], words[r, c + 3]
 
     def copy_async_commit():
         pass
@@ -129,6 +134,9 @@ if SIMULATOR:
 
     def await_grid():
         pass
+
+    def exp2_approx(x):
+        return np.float32(np.exp2(np.float32(x)))
 
     def _bytes(word, signed):
         return [((int(word) >> (8 * j)) & 0xFF) - (256 if signed and (int(word) >> (8 * j)) & 0x80 else 0)
@@ -258,15 +266,30 @@ if SIMULATOR:
         d = (a @ b)[_MMA_C[0][t - first], _MMA_C[1][t - first]] + np.array([c0, c1, c2, c3], np.float64)
         return np.float32(d[0]), np.float32(d[1]), np.float32(d[2]), np.float32(d[3])
 
+    def _warp_matrices(tile, b, r, c):
+        """The four 8 x 8 float16 matrices the warp's lanes address (matrix m's rows at lanes 8m .. 8m + 7), as
+        uint16 [4, 8, 8], and this thread's lane."""
+        buffer, t = _exchange(b, r, c)  # every lane's address
+        first = t - t % WARP
+        rows = np.empty((4, 8, 4), np.uint32)
+        for lane in range(WARP):
+            mb, mr, mc = buffer[first + lane, :3]
+            rows[lane // 8, lane % 8] = tile[mb, mr, mc : mc + 4]
+        return rows.view(np.uint16), t % WARP
+
+    def _lane_words(matrices, lane):
+        """Lane's word of each matrix: row lane // 4, word lane % 4."""
+        words = np.ascontiguousarray(matrices).view(np.uint32)[:, lane // 4, lane % 4]
+        return words[0], words[1], words[2], words[3]
+
     @cuda.jit(device=True)
     def load_matrix_x4(tile, b, r, c):
-        buffer, t = _exchange(b, r, c)  # every lane's address
-        first, lane = t - t % WARP, t % WARP
-        words = []
-        for m in range(4):  # matrix m: its row lane // 4 from lane 8m + lane // 4's address, word lane % 4
-            mb, mr, mc = buffer[first + 8 * m + lane // 4, :3]
-            words.append(tile[mb, mr, mc + lane % 4])
-        return words[0], words[1], words[2], words[3]
+        return _lane_words(*_warp_matrices(tile, b, r, c))
+
+    @cuda.jit(device=True)
+    def load_matrix_x4_trans(tile, b, r, c):
+        matrices, lane = _warp_matrices(tile, b, r, c)
+        return _lane_words(matrices.transpose(0, 2, 1), lane)
 
     @cuda.jit(device=True)
     def warp_broadcast(v, src):
@@ -414,9 +437,12 @@ else:
     @intrinsic
     def copy_async16(typingctx, tile, i, words, r, c):
         """Start copying words[r, c:c+4] (a C-contiguous uint32 matrix in global memory, c a multiple of 4, rows
-        16-byte aligned) to tile[i:i+4] (a 16-byte aligned shared array, i a multiple of 4)."""
+        16-byte aligned) to elements i .. i + 3 of tile in flat order (a 16-byte aligned, C-contiguous shared array,
+        i a multiple of 4)."""
         def codegen(context, builder, sig, args):
-            dst = _item_pointer(context, builder, sig, args)  # reads the first two arguments
+            # element i of the tile in flat order (any C-contiguous array)
+            tile = context.make_array(sig.args[0])(context, builder, value=args[0])
+            dst = builder.gep(tile.data, [context.cast(builder, args[1], sig.args[1], types.intp)])
             words_type = sig.args[2]
             array = context.make_array(words_type)(context, builder, value=args[2])
             index = [context.cast(builder, v, t, types.intp) for v, t in zip(args[3:], sig.args[3:], strict=True)]
@@ -456,6 +482,16 @@ else:
     def await_grid(typingctx):
         """Wait for the grid this kernel depends on, then let the one after it launch (see the module's notes)."""
         return _control(AWAIT_GRID_PTX if overlapped_launches() else "")
+
+    @intrinsic
+    def exp2_approx(typingctx, x):
+        """2 ** x in float32 by the special function unit (ex2.approx.ftz: about 2 ulp, denormals flushed to 0)."""
+        def codegen(context, builder, sig, args):
+            f = ir.FloatType()
+            value = context.cast(builder, args[0], sig.args[0], types.float32)
+            return builder.call(ir.InlineAsm(ir.FunctionType(f, [f]), "ex2.approx.ftz.f32 $0, $1;", "=f,f"), [value])
+
+        return types.float32(x), codegen
 
     @intrinsic
     def pack_half2(typingctx, lo, hi):
@@ -507,11 +543,8 @@ else:
 
         return types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
 
-    @intrinsic
-    def load_matrix_x4(typingctx, tile, b, r, c):
-        """ldmatrix .x4 for the warp: this lane's word of each of four 8 x 8 float16 matrices, whose rows (8
-        float16, 16 bytes) start at tile[b, r, c] of lanes 8m .. 8m + 7 for matrix m. tile: a uint32 shared array
-        [., ., words], 16-byte aligned, c a multiple of 4 and the row stride a multiple of 4 words."""
+    def _load_matrices(ptx: str):
+        """Codegen of an ldmatrix .x4 (`ptx`, its operands {$0..$3}, [$4]) from the address of tile[b, r, c]."""
         def codegen(context, builder, sig, args):
             tile_type = sig.args[0]
             array = context.make_array(tile_type)(context, builder, value=args[0])
@@ -521,14 +554,28 @@ else:
             # address space, so that a base register plus constant offsets remain
             shared = builder.addrspacecast(ptr, ir.PointerType(I32, addrspace=3))
             address = builder.trunc(builder.ptrtoint(shared, ir.IntType(64)), I32)
-            ptx = "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];"
             fn = ir.FunctionType(ir.LiteralStructType([I32] * 4), [I32])
             # reads what other threads stored before a barrier: a memory clobber keeps it after the barrier and
             # every loop iteration's load its own
             loaded = builder.call(ir.InlineAsm(fn, ptx, "=r,=r,=r,=r,r,~{memory}", side_effect=True), [address])
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, i) for i in range(4)])
 
-        return types.UniTuple(types.uint32, 4)(tile, b, r, c), codegen
+        return codegen
+
+    @intrinsic
+    def load_matrix_x4(typingctx, tile, b, r, c):
+        """ldmatrix .x4 for the warp: this lane's word of each of four 8 x 8 float16 matrices, whose rows (8
+        float16, 16 bytes) start at tile[b, r, c] of lanes 8m .. 8m + 7 for matrix m. tile: a uint32 shared array
+        [., ., words], 16-byte aligned, c a multiple of 4 and the row stride a multiple of 4 words."""
+        return (types.UniTuple(types.uint32, 4)(tile, b, r, c),
+                _load_matrices("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];"))
+
+    @intrinsic
+    def load_matrix_x4_trans(typingctx, tile, b, r, c):
+        """`load_matrix_x4` of the four matrices transposed: lane l's word of matrix m holds column l // 4 of
+        stored rows 2 (l % 4) (low half) and 2 (l % 4) + 1."""
+        return (types.UniTuple(types.uint32, 4)(tile, b, r, c),
+                _load_matrices("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];"))
 
     @intrinsic
     def store_u32x4(typingctx, tile, b, r, c, v0, v1, v2, v3):

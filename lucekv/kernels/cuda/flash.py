@@ -9,13 +9,19 @@ S = Q K^T and then O += P V with `mma.m16n8k16` (float16 operands, float32 accum
 between (FlashAttention-2's order: scores never leave registers; a row's max and sum are kept per thread and
 shared across the 4 lanes that hold the row by two shuffles).
 - Fragments (PTX ISA layout, lane = 4 g + c): a thread holds rows g and g + 8 of its warp's 16, columns 2c, 2c + 1
-  (+ 8) of each 8-wide tile. The query is rounded to float16 once, times the softmax scale. A score tile's C
-  fragment is, rounded, the A fragment of P for the next product. K's rows (slots) are B's columns as stored;
-  V's columns (dimensions) are not, so a B word of V pairs two slots' halves of one dimension.
+  (+ 8) of each 8-wide tile. The query is rounded to float16 once, times the softmax scale and log2(e), so that
+  the softmax's exponentials are exp2 (one special-function instruction each). A score tile's C fragment is,
+  rounded, the A fragment of P for the next product. B fragments come from shared memory by ldmatrix, four 8 x 8
+  matrices a lane-wide instruction: K's rows (slots) are B's columns as stored (two score tiles' k16 slice per
+  load); V's columns (dimensions) are not, so V's come transposed (`load_matrix_x4_trans`: two output tiles' k16
+  slice of P V per load).
 - Slot s is visible to a row at position p iff 0 <= slot_pos[s] <= p (and slot_pos[s] > p - window with a
-  window): position-exact in slot space, as `attention`. A tile no row of the block sees is skipped whole.
-- Rows of K and V are staged padded to `words + 4` words: the fragment reads of 8 rows at one word offset
-  then fall in 8 different bank quads.
+  window): position-exact in slot space, as `attention`. Against the lowest and highest position of the block's
+  rows, one slot a thread: a tile no row sees is skipped whole, and a tile every row sees whole (a long prompt's
+  tiles before the diagonal) is scored without masks.
+- K and V are copied as two groups (cp.async): the scores wait for K only, V lands meanwhile. Rows are staged
+  padded to `words + 4` words: the 8 rows an ldmatrix matrix reads at one word offset fall in 8 different bank
+  quads.
 Float16 pools and head_dim a multiple of 16 up to MAX_HEAD_DIM only (`serves`); the others keep `attention`.
 """
 
@@ -35,8 +41,12 @@ from lucekv.kernels.cuda._numba import (
     copy_async16,
     copy_async_commit,
     copy_async_wait_all,
+    copy_async_wait_one,
     cuda,
+    exp2_approx,
     jit_bounded,
+    load_matrix_x4,
+    load_matrix_x4_trans,
     mma_f16_16816,
     pack_half2,
     warp_shfl_xor,
@@ -52,7 +62,7 @@ MAX_HEAD_DIM = 128  # the output accumulators: head_dim / 2 float32 registers pe
 # (bench/results/h100-attention-queries.json). So verify blocks and decode rows take the split kernel.
 MIN_TOKENS = 64
 BLOCKS_PER_SM = 3  # resident blocks the registers are bounded for (see _kernel)
-LOW_HALF = np.uint32(0xFFFF)
+LOG2E = 1 / math.log(2)  # folded into the query's scale: the softmax's exponentials are exp2
 
 
 def serves(n_tokens: int, pool_dtype, head_dim: int) -> bool:
@@ -75,18 +85,13 @@ def attend(q, k_pool, v_pool, slot_pos, tables, positions, window: int, scale: f
     v_words = v_pool.view(np.uint32).reshape(size * n_kv, -1)
     grid = (n_kv, blocks(q.shape[0] * group, ROWS))
     _kernel(head_dim)[grid, WARPS * WARP, stream](q, k_words, v_words, slot_pos, tables, positions, window,
-                                                  np.float32(scale), out)
+                                                  np.float32(scale * LOG2E), out)
 
 
 @cuda.jit(device=True, inline=True)
 def slot_visible(sp, pos, window):
     """Whether a slot holding position sp (-1: free) is visible to a query at `pos` (both attention kernels)."""
     return sp >= 0 and sp <= pos and (window <= 0 or sp > pos - window)
-
-
-@cuda.jit(device=True, inline=True)
-def _half(word, odd):
-    return (word >> 16) if odd else (word & LOW_HALF)
 
 
 @cuda.jit(device=True, inline=True)
@@ -106,12 +111,13 @@ def _quad_sum(v):
 def _kernel(head_dim: int):
     words = head_dim // 2  # float16 pairs per row
     stride = words + 4  # padded staged rows (see the module's notes)
-    tile_words = TILE * stride
     quads = words // 4  # 16-byte copies per row
     k_steps = head_dim // 16  # k16 slices of a query row
     d_tiles = head_dim // 8  # n8 tiles of an output row
     s_tiles = TILE // 8  # n8 tiles of a score row
     threads = WARPS * WARP
+    copy_rows = threads // quads  # rows a pass of the block's 16-byte copies stages
+    copy_passes = -(-TILE // copy_rows)
 
     @cuda.jit(device=True, inline=True)
     def query_value(q, row, n_rows, group, kvh, col, scale):
@@ -125,11 +131,15 @@ def _kernel(head_dim: int):
         return positions[row // group] if row < n_rows else np.int32(-1)
 
     @cuda.jit(device=True, inline=True)
-    def v_pair(v_tile, slot, dim):
-        """Word of V[slot][dim] (low half) and V[slot + 1][dim] (high half): a B word of P V."""
-        at = slot * stride + (dim >> 1)
-        odd = dim & 1
-        return _half(v_tile[at], odd) | (_half(v_tile[at + stride], odd) << 16)
+    def stage(kv, which, words_of, block_at, last, n_kv, kvh, row, w):
+        """Start copying the tile's K (which 0) or V (1) rows of KV head kvh into kv[which], as one group: this
+        thread's words w .. w + 3 of rows row, row + copy_rows..."""
+        for p in range(copy_passes):  # (a constant count: unrolled)
+            i = row + p * copy_rows
+            if row < copy_rows and i < TILE:
+                r = (block_at + min(i, last)) * n_kv + kvh  # past the used slots: a used row (P is 0 there)
+                copy_async16(kv, (which * TILE + i) * stride + w, words_of, r, w)
+        copy_async_commit()
 
     @cuda.jit(device=True, inline=True)
     def store_row(out, o, row, n_rows, group, kvh, c, upper, total):
@@ -147,14 +157,22 @@ def _kernel(head_dim: int):
         n_kv = cuda.gridDim.x
         group = q.shape[1] // head_dim // n_kv
         n_rows = q.shape[0] * group
-        lane = cuda.threadIdx.x & (WARP - 1)
+        tid = cuda.threadIdx.x
+        lane = tid & (WARP - 1)
         g, c = lane >> 2, lane & 3
-        row_a = cuda.blockIdx.y * ROWS + (cuda.threadIdx.x // WARP) * 16 + g
+        first_row = cuda.blockIdx.y * ROWS
+        row_a = first_row + (tid // WARP) * 16 + g
         row_b = row_a + 8
         pos_a = row_position(positions, row_a, n_rows, group)
         pos_b = row_position(positions, row_b, n_rows, group)
-        k_tile = cuda.shared.array(tile_words, np.uint32, alignment=ALIGN_16)
-        v_tile = cuda.shared.array(tile_words, np.uint32, alignment=ALIGN_16)
+        lo = np.int32(0x7FFFFFFF)  # the block's rows' lowest and highest positions
+        hi = np.int32(-1)
+        for t in range(first_row // group, min(q.shape[0], (first_row + ROWS - 1) // group + 1)):
+            lo = min(lo, positions[t])
+            hi = max(hi, positions[t])
+        copy_row = tid // quads  # this thread's 16-byte copy of each staged row it copies (see stage)
+        copy_word = 4 * (tid - copy_row * quads)
+        kv = cuda.shared.array((2, TILE, stride), np.uint32, alignment=ALIGN_16)  # the tile's K rows, its V rows
         tile_pos = cuda.shared.array(TILE, np.int32)
         qf = cuda.local.array((k_steps, 4), np.uint32)  # this thread's A fragments of the query rows
         for kk in range(k_steps):
@@ -167,12 +185,18 @@ def _kernel(head_dim: int):
                                    query_value(q, row_a, n_rows, group, kvh, col + 9, scale))
             qf[kk, 3] = pack_half2(query_value(q, row_b, n_rows, group, kvh, col + 8, scale),
                                    query_value(q, row_b, n_rows, group, kvh, col + 9, scale))
+        # this lane's ldmatrix rows (see the module's notes): K's slot 16 jj + k_row, word 8 kk + k_word; V's slot
+        # 16 kk + v_row, word 4 j + v_word
+        k_row = (lane & 7) + ((lane >> 4) << 3)
+        k_word = ((lane >> 3) & 1) << 2
+        v_row = (lane & 7) + (((lane >> 3) & 1) << 3)
+        v_word = (lane >> 4) << 2
         o = cuda.local.array((d_tiles, 4), np.float32)
         for j in range(d_tiles):
             for e in range(4):
                 o[j, e] = np.float32(0)
         s = cuda.local.array((s_tiles, 4), np.float32)
-        m_a = NEG_INF
+        m_a = NEG_INF  # row a's running max, in log2 units (the query is scaled by log2(e))
         m_b = NEG_INF
         l_a = np.float32(0)  # this thread's share of row a's softmax sum
         l_b = np.float32(0)
@@ -180,58 +204,58 @@ def _kernel(head_dim: int):
         used = tables.used[0]
         for base in range(0, used, TILE):
             block_at = tables.flat[base // TILE] * TILE  # the tile's block in the pool
-            for i in range(cuda.threadIdx.x, TILE, threads):
-                tile_pos[i] = slot_pos[block_at + i] if base + i < used else np.int32(-1)
-            cuda.syncthreads()
-            seen_any = False
-            for i in range(TILE):
-                sp = tile_pos[i]
-                seen_any = seen_any or slot_visible(sp, pos_a, window) or slot_visible(sp, pos_b, window)
-            if cuda.syncthreads_or(np.int32(seen_any)) == 0:  # no row of the block sees the tile
+            seen = False  # slot tid: some row of the block may see it
+            every = True  # every row of the block sees it
+            if tid < TILE:
+                sp = slot_pos[block_at + tid] if base + tid < used else np.int32(-1)
+                tile_pos[tid] = sp
+                seen = sp >= 0 and sp <= hi and (window <= 0 or sp > lo - window)
+                every = sp >= 0 and sp <= lo and (window <= 0 or sp > hi - window)
+            if cuda.syncthreads_or(np.int32(seen)) == 0:  # no row of the block sees the tile
                 continue
-            for e in range(cuda.threadIdx.x, TILE * quads, threads):
-                i = e // quads
-                w = 4 * (e - i * quads)
-                r = (block_at + min(i, used - 1 - base)) * n_kv + kvh  # past the used slots: a used row (P is 0 there)
-                copy_async16(k_tile, i * stride + w, k_words, r, w)
-                copy_async16(v_tile, i * stride + w, v_words, r, w)
-            copy_async_commit()
-            copy_async_wait_all()
+            masked = cuda.syncthreads_and(np.int32(every)) == 0  # else no score needs a mask
+            last = used - 1 - base
+            stage(kv, 0, k_words, block_at, last, n_kv, kvh, copy_row, copy_word)
+            stage(kv, 1, v_words, block_at, last, n_kv, kvh, copy_row, copy_word)  # lands while scores are computed
+            copy_async_wait_one()
             cuda.syncthreads()
-            # scores of this thread's two rows and columns 2c, 2c + 1 of each n8 tile, masked
+            # scores of this thread's two rows and columns 2c, 2c + 1 of each n8 tile (score tiles 2jj, 2jj + 1
+            # from one ldmatrix of K per k16 slice)
+            for jj in range(s_tiles // 2):
+                c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = np.float32(0)
+                for kk in range(k_steps):
+                    b0, b1, b2, b3 = load_matrix_x4(kv, 0, 16 * jj + k_row, 8 * kk + k_word)
+                    c0, c1, c2, c3 = mma_f16_16816(qf[kk, 0], qf[kk, 1], qf[kk, 2], qf[kk, 3], b0, b1, c0, c1, c2, c3)
+                    c4, c5, c6, c7 = mma_f16_16816(qf[kk, 0], qf[kk, 1], qf[kk, 2], qf[kk, 3], b2, b3, c4, c5, c6, c7)
+                s[2 * jj, 0], s[2 * jj, 1], s[2 * jj, 2], s[2 * jj, 3] = c0, c1, c2, c3
+                s[2 * jj + 1, 0], s[2 * jj + 1, 1], s[2 * jj + 1, 2], s[2 * jj + 1, 3] = c4, c5, c6, c7
+            if masked:  # (block-uniform) a tile on the diagonal, a window's edge, free slots
+                for j in range(s_tiles):
+                    sp0 = tile_pos[8 * j + 2 * c]
+                    sp1 = tile_pos[8 * j + 2 * c + 1]
+                    s[j, 0] = s[j, 0] if slot_visible(sp0, pos_a, window) else NEG_INF
+                    s[j, 1] = s[j, 1] if slot_visible(sp1, pos_a, window) else NEG_INF
+                    s[j, 2] = s[j, 2] if slot_visible(sp0, pos_b, window) else NEG_INF
+                    s[j, 3] = s[j, 3] if slot_visible(sp1, pos_b, window) else NEG_INF
             mx_a = NEG_INF
             mx_b = NEG_INF
             for j in range(s_tiles):
-                at = (8 * j + g) * stride + c  # B: K's row 8j + g, words 8kk + c and 8kk + c + 4
-                c0 = np.float32(0)
-                c1 = np.float32(0)
-                c2 = np.float32(0)
-                c3 = np.float32(0)
-                for kk in range(k_steps):
-                    c0, c1, c2, c3 = mma_f16_16816(qf[kk, 0], qf[kk, 1], qf[kk, 2], qf[kk, 3],
-                                                   k_tile[at + 8 * kk], k_tile[at + 8 * kk + 4], c0, c1, c2, c3)
-                sp0 = tile_pos[8 * j + 2 * c]
-                sp1 = tile_pos[8 * j + 2 * c + 1]
-                s[j, 0] = c0 if slot_visible(sp0, pos_a, window) else NEG_INF
-                s[j, 1] = c1 if slot_visible(sp1, pos_a, window) else NEG_INF
-                s[j, 2] = c2 if slot_visible(sp0, pos_b, window) else NEG_INF
-                s[j, 3] = c3 if slot_visible(sp1, pos_b, window) else NEG_INF
                 mx_a = max(mx_a, max(s[j, 0], s[j, 1]))
                 mx_b = max(mx_b, max(s[j, 2], s[j, 3]))
             new_a = max(m_a, _quad_max(mx_a))
             new_b = max(m_b, _quad_max(mx_b))
-            # a row that has seen nothing yet keeps -inf: its exps are 0, not exp(-inf + inf)
+            # a row that has seen nothing yet keeps -inf: its exps are 0, not exp2(-inf + inf)
             ref_a = new_a if new_a != NEG_INF else np.float32(0)
             ref_b = new_b if new_b != NEG_INF else np.float32(0)
-            corr_a = math.exp(m_a - ref_a)
-            corr_b = math.exp(m_b - ref_b)
+            corr_a = exp2_approx(m_a - ref_a)
+            corr_b = exp2_approx(m_b - ref_b)
             m_a = new_a
             m_b = new_b
             for j in range(s_tiles):
-                s[j, 0] = math.exp(s[j, 0] - ref_a)
-                s[j, 1] = math.exp(s[j, 1] - ref_a)
-                s[j, 2] = math.exp(s[j, 2] - ref_b)
-                s[j, 3] = math.exp(s[j, 3] - ref_b)
+                s[j, 0] = exp2_approx(s[j, 0] - ref_a)
+                s[j, 1] = exp2_approx(s[j, 1] - ref_a)
+                s[j, 2] = exp2_approx(s[j, 2] - ref_b)
+                s[j, 3] = exp2_approx(s[j, 3] - ref_b)
             l_a *= corr_a
             l_b *= corr_b
             for j in range(s_tiles):
@@ -242,22 +266,24 @@ def _kernel(head_dim: int):
                 o[j, 1] *= corr_a
                 o[j, 2] *= corr_b
                 o[j, 3] *= corr_b
+            copy_async_wait_all()
+            cuda.syncthreads()
             for kk in range(TILE // 16):  # P's k16 slice kk: score tiles 2kk and 2kk + 1
                 a0 = pack_half2(s[2 * kk, 0], s[2 * kk, 1])
                 a1 = pack_half2(s[2 * kk, 2], s[2 * kk, 3])
                 a2 = pack_half2(s[2 * kk + 1, 0], s[2 * kk + 1, 1])
                 a3 = pack_half2(s[2 * kk + 1, 2], s[2 * kk + 1, 3])
-                slot = 16 * kk + 2 * c
-                for j in range(d_tiles):
-                    dim = 8 * j + g
-                    o[j, 0], o[j, 1], o[j, 2], o[j, 3] = mma_f16_16816(
-                        a0, a1, a2, a3, v_pair(v_tile, slot, dim), v_pair(v_tile, slot + 8, dim),
-                        o[j, 0], o[j, 1], o[j, 2], o[j, 3])
+                for j in range(0, d_tiles, 2):  # output tiles j, j + 1 from one transposed ldmatrix of V
+                    b0, b1, b2, b3 = load_matrix_x4_trans(kv, 1, 16 * kk + v_row, 4 * j + v_word)
+                    o[j, 0], o[j, 1], o[j, 2], o[j, 3] = mma_f16_16816(a0, a1, a2, a3, b0, b1,
+                                                                       o[j, 0], o[j, 1], o[j, 2], o[j, 3])
+                    o[j + 1, 0], o[j + 1, 1], o[j + 1, 2], o[j + 1, 3] = mma_f16_16816(
+                        a0, a1, a2, a3, b2, b3, o[j + 1, 0], o[j + 1, 1], o[j + 1, 2], o[j + 1, 3])
             cuda.syncthreads()  # every warp is done with the tile before the next is copied over it
         store_row(out, o, row_a, n_rows, group, kvh, c, 0, _quad_sum(l_a))
         store_row(out, o, row_b, n_rows, group, kvh, c, 1, _quad_sum(l_b))
 
     kernel.__name__ = kernel.__qualname__ = f"_attend_flash_{head_dim}"
-    # three blocks an SM: reading the sequence's block table took head_dim 64 from 159 registers to 171 (two blocks);
-    # bounded, 161 (head_dim 128: 168, as before the tables, with 16 bytes of spills)
+    # three blocks an SM (ptxas, sm_90): head_dim 128 168 registers, 56 bytes of spills (a few reloads of staging
+    # addresses a tile); 64: 158, none
     return jit_bounded(kernel, WARPS * WARP, BLOCKS_PER_SM)
