@@ -9,11 +9,20 @@ several pools when one pool fits twice in L2, as the 36 layers of a step each re
 and V bytes the launch must read; ms/step is that time for the 36 layers. `--queries 1,8,20,64`: n queries of one
 sequence at its last n positions (a speculative verify block, a prompt piece), each through the split kernel and
 the tensor-core one (flash), timed the same way.
+
+    python -m lucekv.bench.attention_speed --prefill 8192,32768 [--pieces 512,2048] [--baseline OLD_FLASH.py]
+
+A long prompt's attention as the engine prefills it: the prompt cut into pieces, piece k's queries at its positions
+over the slots of pieces 0..k (slots in position order, causal), every piece's launch in one captured graph; µs per
+layer, ms for the 36 layers and TFLOP/s of the causal products (4 x head_dim flops per query head and visible
+slot). `--baseline`: a flash.py of another commit (e.g. `git show REV:lucekv/kernels/cuda/flash.py`), timed in the
+same run, and its outputs' relative difference from this kernel's.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 from pathlib import Path
 
@@ -56,17 +65,85 @@ def bench_depth(depth: int, dtype: np.dtype, rng: np.random.Generator, replays: 
             "kv_bytes": kv_bytes, "us": us, "gbps": kv_bytes / (us * 1e3), "ms_per_token": us * N_LAYER / 1000}
 
 
+def load_flash(path: Path):
+    """A flash module from a file (another commit's kernel), beside this one."""
+    spec = importlib.util.spec_from_file_location(f"flash_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_prefill(prompt: int, piece: int, kernels: dict, rng: np.random.Generator, replays: int, stream) -> list[dict]:
+    """A `prompt`-token prefill's attention in pieces of `piece` tokens, one row per kernel (flash modules by name)."""
+    if prompt % piece:
+        raise SystemExit(f"a prompt of {prompt} tokens is not a whole number of {piece}-token pieces")
+    shape = (prompt, N_KV_HEAD, HEAD_DIM)
+    block = rng.standard_normal((min(prompt, 4096), N_KV_HEAD, HEAD_DIM)).astype(np.float16)
+    k = cuda.to_device(np.resize(block, shape), stream=stream)
+    v = cuda.to_device(np.roll(np.resize(block, shape), 1, 0), stream=stream)
+    slot_pos = cuda.to_device(np.arange(prompt, dtype=np.int32), stream=stream)
+    blocks = cuda.to_device(np.arange(-(-prompt // attention.BLOCK), dtype=np.int32), stream=stream)
+    seq_of = cuda.to_device(np.zeros(piece, np.int32), stream=stream)
+    q = cuda.to_device(rng.standard_normal((piece, N_HEAD * HEAD_DIM)).astype(np.float32), stream=stream)
+    scale = 1 / math.sqrt(HEAD_DIM)
+    pieces = []  # piece i: its positions and the tables of the slots written so far (the high-water mark)
+    for end in range(piece, prompt + 1, piece):
+        used = cuda.to_device(np.array([end], np.int32), stream=stream)
+        pieces.append((cuda.to_device(np.arange(end - piece, end, dtype=np.int32), stream=stream),
+                       attention.identity_tables(blocks, used, seq_of)))
+    flops = 4 * HEAD_DIM * N_HEAD * prompt * (prompt + 1) / 2  # causal: the query at position p sees p + 1 slots
+    rows, outs = [], {}
+    for name, module in kernels.items():
+        out = cuda.device_array((piece, N_HEAD * HEAD_DIM), np.float32, stream=stream)
+
+        def launch(s, at, module=module, out=out):
+            module.attend(q, k, v, slot_pos, at[1], at[0], 0, scale, out, stream=s)
+
+        us = graph_us(stream, [lambda s, at=at: launch(s, at) for at in pieces], replays) * len(pieces)
+        outs[name] = out.copy_to_host(stream=stream)  # the last piece's
+        rows.append({"prompt": prompt, "piece": piece, "kernel": name, "pieces": len(pieces), "us_per_layer": us,
+                     "ms_per_prompt": us * N_LAYER / 1000, "tflops": flops / (us * 1e6)})
+    first = outs[next(iter(kernels))]
+    for row in rows[1:]:
+        other = outs[row["kernel"]]
+        row["rel_diff_vs_" + rows[0]["kernel"]] = float(np.linalg.norm(other - first) / np.linalg.norm(first))
+    return rows
+
+
+def main_prefill(a, name: str, stream) -> None:
+    kernels = {"flash": flash}
+    if a.baseline:
+        kernels[f"baseline:{a.baseline.name}"] = load_flash(a.baseline)
+    rng = np.random.default_rng(0)
+    rows = [row for p in a.prefill.split(",") for c in a.pieces.split(",")
+            for row in bench_prefill(int(p), int(c), kernels, rng, a.replays, stream)]
+    print(f"{name}: prefill attention, {N_HEAD} heads on {N_KV_HEAD} KV heads x {HEAD_DIM}, f16 KV, causal, "
+          f"{N_LAYER} layers")
+    print(f"{'prompt':>7s} {'piece':>6s} {'kernel':>28s} {'µs/layer':>10s} {'ms/prompt':>10s} {'TFLOP/s':>8s}")
+    for r in rows:
+        print(f"{r['prompt']:7d} {r['piece']:6d} {r['kernel']:>28s} {r['us_per_layer']:10.0f} "
+              f"{r['ms_per_prompt']:10.1f} {r['tflops']:8.1f}")
+    write_json(a.json, {"device": name, "heads": [N_HEAD, N_KV_HEAD, HEAD_DIM], "kv_dtype": "f16",
+                        "replays": a.replays, "prefill": rows})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--depths", default="512,4096,16384,65536,131072")
     ap.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"])
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--queries", default="1", help="queries of one sequence per launch, comma-separated")
+    ap.add_argument("--prefill", help="prompt lengths: time a long prompt's prefill attention instead")
+    ap.add_argument("--pieces", default="512,2048", help="with --prefill: tokens per piece, comma-separated")
+    ap.add_argument("--baseline", type=Path, help="with --prefill: another commit's flash.py, timed beside")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     dev = cuda.get_current_device()
     name = device_name(dev)
     stream = cuda.stream()
+    if a.prefill:
+        main_prefill(a, name, stream)
+        return
     dtype = np.dtype(np.float16 if a.kv_dtype == "f16" else np.float32)
     rng = np.random.default_rng(0)
     l2 = int(dev.L2_CACHE_SIZE)
