@@ -71,6 +71,14 @@
 #                                      compiled, from disk), each start's time and kernels loaded / compiled, then
 #                                      two 8192-token prompts in each (prefill tok/s, kernels compiled mid-request)
 #                                      (~4-7 min: the cold start compiles every kernel the warm-up meets; .anchors/)
+#   bash bench/gpu_session.sh prefill-long kernels|e2e  long prompts (issue 27), 8B shape. `kernels`: the flash tests
+#                                      (gpu shapes and the simulator's), then attention_speed --prefill 8192,32768 in
+#                                      512- and 2048-token pieces: µs per layer, ms per prompt, TFLOP/s, beside the
+#                                      kernel before when carried as .anchors/flash_before.py (git show
+#                                      e5a8a1f:lucekv/kernels/cuda/flash.py > .anchors/flash_before.py) (~2-3 min).
+#                                      `e2e`: lucekv bench decode --prompt-tokens 8192, then 32768 (prefill tok/s, 2
+#                                      runs each after a warm-up) beside llama-bench -p 8192,32768 -n 0 (FA, f16 KV) on
+#                                      the same file (~8 min with a cold kernel cache; llama-bench from `depth build`)
 # Results go to $OUT (the device tool brings them back). Prepare here first (all git-ignored):
 #   .whl/     wheels the GPU machine lacks (gguf, threadpoolctl, grpcio>=1.85.1, protobuf, pytest), see shared/GPU.md
 #   .anchors/ bash ../shared/tools/prepare_llamacpp_anchor.sh .anchors; cp ../shared/tools/synth_gguf.py .anchors/
@@ -304,6 +312,25 @@ startup)
   python3 -m lucekv.cli bench startup --model $M8 --backend cuda --prompt-tokens 8192 --prompts 2 --gen-tokens 16 \
     --json "$OUT/startup-qwen3-8b-shape.json" 2>&1 >/dev/null | grep --line-buffered -v -i warning \
     | tee "$OUT/startup.log"
+  ;;
+prefill-long)
+  M8=/tmp/qwen3-8b-shape.gguf
+  if [ "${2:-kernels}" = kernels ]; then
+    python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/kernels/test_cuda_flash.py 2>&1 | tail -3
+    python3 -m lucekv.bench.attention_speed --prefill 8192,32768 --pieces 512,2048 \
+      $([ -f .anchors/flash_before.py ] && echo --baseline .anchors/flash_before.py) \
+      --json "$OUT/attention-prefill-long.json" 2>&1 | grep -v -i warning
+    exit 0
+  fi
+  [ -f $M8 ] || { echo "writing $M8" >&2; timeout 120 python3 .anchors/synth_gguf.py $M8 qwen3-8b-shape >&2; }
+  for P in 8192 32768; do
+    python3 -m lucekv.cli bench decode --model $M8 --backend cuda --prompt-tokens $P --gen-tokens 16 --repeats 2 \
+      --json "$OUT/cuda-prefill-$P-qwen3-8b-shape.json" 2>&1 | grep -E "^run|warm-up|rror"
+  done
+  [ -x "$LB" ] || { echo "no llama-bench at $LB (run 'depth build' first)" >&2; exit 1; }
+  $LB -m $M8 -p 8192,32768 -n 0 -fa 1 -ngl 99 -r 3 -o json > "$OUT/llama-bench-prefill-long.json" 2>/dev/null
+  python3 -c "import json,sys; [print('llama-bench pp', r['n_prompt'], round(r['avg_ts'], 1)) for r in json.load(open(sys.argv[1]))]" \
+    "$OUT/llama-bench-prefill-long.json"
   ;;
 depth)
   M8=/tmp/qwen3-8b-shape.gguf
