@@ -19,9 +19,10 @@ shared across the 4 lanes that hold the row by two shuffles).
   window): position-exact in slot space, as `attention`. Against the lowest and highest position of the block's
   rows, one slot a thread: a tile no row sees is skipped whole, and a tile every row sees whole (a long prompt's
   tiles before the diagonal) is scored without masks.
-- K and V are copied as two groups (cp.async): the scores wait for K only, V lands meanwhile. Rows are staged
-  padded to `words + 4` words: the 8 rows an ldmatrix matrix reads at one word offset fall in 8 different bank
-  quads.
+- Pipelined copies (cp.async, two groups in flight): once every warp has scored a tile, the next visible tile's K
+  is copied over its K (landing during this tile's softmax and P V), and once every warp is done with P V, the
+  next tile's V over its V (landing during the next tile's scores). Rows are staged padded to `words + 4` words:
+  the 8 rows an ldmatrix matrix reads at one word offset fall in 8 different bank quads.
 Float16 pools and head_dim a multiple of 16 up to MAX_HEAD_DIM only (`serves`); the others keep `attention`.
 """
 
@@ -131,14 +132,44 @@ def _kernel(head_dim: int):
         return positions[row // group] if row < n_rows else np.int32(-1)
 
     @cuda.jit(device=True, inline=True)
-    def stage(kv, which, words_of, block_at, last, n_kv, kvh, row, w):
-        """Start copying the tile's K (which 0) or V (1) rows of KV head kvh into kv[which], as one group: this
-        thread's words w .. w + 3 of rows row, row + copy_rows..."""
-        for p in range(copy_passes):  # (a constant count: unrolled)
-            i = row + p * copy_rows
-            if row < copy_rows and i < TILE:
-                r = (block_at + min(i, last)) * n_kv + kvh  # past the used slots: a used row (P is 0 there)
-                copy_async16(kv, (which * TILE + i) * stride + w, words_of, r, w)
+    def slot_position(slot_pos, tables, used, t):
+        """The position slot cuda.threadIdx.x of tile t holds (-1: free, past the used slots or no such slot)."""
+        i = cuda.threadIdx.x
+        if i < TILE and t * TILE + i < used:
+            return slot_pos[tables.flat[t] * TILE + i]
+        return np.int32(-1)
+
+    @cuda.jit(device=True, inline=True)
+    def next_tile(t, sp, slot_pos, tables, used, tile_pos, lo, hi, window):
+        """The first tile from t that some row of the block may see (past the last: none), its slots' positions in
+        tile_pos, and whether a row sees only part of it (its scores take masks). sp: this thread's slot position
+        in tile t, loaded ahead. Against the block's rows' lowest and highest positions, one slot a thread;
+        block-uniform (two barriers a tile it looks at)."""
+        n_tiles = (used + TILE - 1) // TILE
+        while t < n_tiles:
+            if cuda.threadIdx.x < TILE:
+                tile_pos[cuda.threadIdx.x] = sp
+            seen = sp >= 0 and sp <= hi and (window <= 0 or sp > lo - window)
+            every = cuda.threadIdx.x >= TILE or (sp >= 0 and sp <= lo and (window <= 0 or sp > hi - window))
+            if cuda.syncthreads_or(np.int32(seen)) != 0:
+                return t, cuda.syncthreads_and(np.int32(every)) == 0
+            t += 1
+            sp = slot_position(slot_pos, tables, used, t)
+        return t, False
+
+    @cuda.jit(device=True, inline=True)
+    def stage(kv, which, words_of, tables, t, used, n_kv, kvh, row, w):
+        """Start copying tile t's K (which 0) or V (1) rows of KV head kvh into kv[which], as one group (empty past
+        the last tile, so that the groups in flight stay two): this thread's words w .. w + 3 of rows row,
+        row + copy_rows..."""
+        if t * TILE < used:
+            block_at = tables.flat[t] * TILE  # the tile's block in the pool
+            last = used - 1 - t * TILE
+            for p in range(copy_passes):  # (a constant count: unrolled)
+                i = row + p * copy_rows
+                if row < copy_rows and i < TILE:
+                    r = (block_at + min(i, last)) * n_kv + kvh  # past the used slots: a used row (P is 0 there)
+                    copy_async16(kv, (which * TILE + i) * stride + w, words_of, r, w)
         copy_async_commit()
 
     @cuda.jit(device=True, inline=True)
@@ -173,7 +204,7 @@ def _kernel(head_dim: int):
         copy_row = tid // quads  # this thread's 16-byte copy of each staged row it copies (see stage)
         copy_word = 4 * (tid - copy_row * quads)
         kv = cuda.shared.array((2, TILE, stride), np.uint32, alignment=ALIGN_16)  # the tile's K rows, its V rows
-        tile_pos = cuda.shared.array(TILE, np.int32)
+        tile_pos = cuda.shared.array((2, TILE), np.int32)  # slot positions of this tile and the next
         qf = cuda.local.array((k_steps, 4), np.uint32)  # this thread's A fragments of the query rows
         for kk in range(k_steps):
             col = 16 * kk + 2 * c
@@ -200,24 +231,18 @@ def _kernel(head_dim: int):
         m_b = NEG_INF
         l_a = np.float32(0)  # this thread's share of row a's softmax sum
         l_b = np.float32(0)
-        # one sequence: its blocks from flat[0] (read through `start`, the kernel took 241 registers, not 168)
+        # one sequence: its blocks from flat[0] (read through `start`, the kernel took 241 registers, not 168).
+        # Pipelined: tile t's K lands while tile t - 1's P V runs, its V while its own scores do (the two buffers
+        # are free by then: see the barriers)
         used = tables.used[0]
-        for base in range(0, used, TILE):
-            block_at = tables.flat[base // TILE] * TILE  # the tile's block in the pool
-            seen = False  # slot tid: some row of the block may see it
-            every = True  # every row of the block sees it
-            if tid < TILE:
-                sp = slot_pos[block_at + tid] if base + tid < used else np.int32(-1)
-                tile_pos[tid] = sp
-                seen = sp >= 0 and sp <= hi and (window <= 0 or sp > lo - window)
-                every = sp >= 0 and sp <= lo and (window <= 0 or sp > hi - window)
-            if cuda.syncthreads_or(np.int32(seen)) == 0:  # no row of the block sees the tile
-                continue
-            masked = cuda.syncthreads_and(np.int32(every)) == 0  # else no score needs a mask
-            last = used - 1 - base
-            stage(kv, 0, k_words, block_at, last, n_kv, kvh, copy_row, copy_word)
-            stage(kv, 1, v_words, block_at, last, n_kv, kvh, copy_row, copy_word)  # lands while scores are computed
-            copy_async_wait_one()
+        t, masked = next_tile(0, slot_position(slot_pos, tables, used, 0), slot_pos, tables, used, tile_pos[0], lo,
+                              hi, window)
+        stage(kv, 0, k_words, tables, t, used, n_kv, kvh, copy_row, copy_word)
+        stage(kv, 1, v_words, tables, t, used, n_kv, kvh, copy_row, copy_word)
+        turn = 0  # tile_pos[turn]: this tile's slot positions
+        while t * TILE < used:
+            sp_next = slot_position(slot_pos, tables, used, t + 1)  # (its latency hidden behind the scores)
+            copy_async_wait_one()  # this tile's K (its V may still be on its way)
             cuda.syncthreads()
             # scores of this thread's two rows and columns 2c, 2c + 1 of each n8 tile (score tiles 2jj, 2jj + 1
             # from one ldmatrix of K per k16 slice)
@@ -229,10 +254,14 @@ def _kernel(head_dim: int):
                     c4, c5, c6, c7 = mma_f16_16816(qf[kk, 0], qf[kk, 1], qf[kk, 2], qf[kk, 3], b2, b3, c4, c5, c6, c7)
                 s[2 * jj, 0], s[2 * jj, 1], s[2 * jj, 2], s[2 * jj, 3] = c0, c1, c2, c3
                 s[2 * jj + 1, 0], s[2 * jj + 1, 1], s[2 * jj + 1, 2], s[2 * jj + 1, 3] = c4, c5, c6, c7
+            # the next tile some row sees: its barriers also tell that every warp is done with this tile's K
+            t_next, masked_next = next_tile(t + 1, sp_next, slot_pos, tables, used, tile_pos[turn ^ 1], lo, hi,
+                                            window)
+            stage(kv, 0, k_words, tables, t_next, used, n_kv, kvh, copy_row, copy_word)
             if masked:  # (block-uniform) a tile on the diagonal, a window's edge, free slots
                 for j in range(s_tiles):
-                    sp0 = tile_pos[8 * j + 2 * c]
-                    sp1 = tile_pos[8 * j + 2 * c + 1]
+                    sp0 = tile_pos[turn, 8 * j + 2 * c]
+                    sp1 = tile_pos[turn, 8 * j + 2 * c + 1]
                     s[j, 0] = s[j, 0] if slot_visible(sp0, pos_a, window) else NEG_INF
                     s[j, 1] = s[j, 1] if slot_visible(sp1, pos_a, window) else NEG_INF
                     s[j, 2] = s[j, 2] if slot_visible(sp0, pos_b, window) else NEG_INF
@@ -266,7 +295,7 @@ def _kernel(head_dim: int):
                 o[j, 1] *= corr_a
                 o[j, 2] *= corr_b
                 o[j, 3] *= corr_b
-            copy_async_wait_all()
+            copy_async_wait_one()  # this tile's V (the next tile's K may still be on its way)
             cuda.syncthreads()
             for kk in range(TILE // 16):  # P's k16 slice kk: score tiles 2kk and 2kk + 1
                 a0 = pack_half2(s[2 * kk, 0], s[2 * kk, 1])
@@ -279,11 +308,14 @@ def _kernel(head_dim: int):
                                                                        o[j, 0], o[j, 1], o[j, 2], o[j, 3])
                     o[j + 1, 0], o[j + 1, 1], o[j + 1, 2], o[j + 1, 3] = mma_f16_16816(
                         a0, a1, a2, a3, b2, b3, o[j + 1, 0], o[j + 1, 1], o[j + 1, 2], o[j + 1, 3])
-            cuda.syncthreads()  # every warp is done with the tile before the next is copied over it
+            cuda.syncthreads()  # every warp is done with this tile's V before the next tile's is copied over it
+            stage(kv, 1, v_words, tables, t_next, used, n_kv, kvh, copy_row, copy_word)
+            t, masked, turn = t_next, masked_next, turn ^ 1
+        copy_async_wait_all()  # (two empty groups)
         store_row(out, o, row_a, n_rows, group, kvh, c, 0, _quad_sum(l_a))
         store_row(out, o, row_b, n_rows, group, kvh, c, 1, _quad_sum(l_b))
 
     kernel.__name__ = kernel.__qualname__ = f"_attend_flash_{head_dim}"
-    # three blocks an SM (ptxas, sm_90): head_dim 128 168 registers, 56 bytes of spills (a few reloads of staging
-    # addresses a tile); 64: 158, none
+    # three blocks an SM (ptxas, sm_90): head_dim 128 168 registers, 104 bytes of spill stores (~40 reloads a tile,
+    # most of them staging addresses); 64: 163, none
     return jit_bounded(kernel, WARPS * WARP, BLOCKS_PER_SM)
