@@ -10,13 +10,13 @@ and V bytes the launch must read; ms/step is that time for the 36 layers. `--que
 sequence at its last n positions (a speculative verify block, a prompt piece), each through the split kernel and
 the tensor-core one (flash), timed the same way.
 
-    python -m lucekv.bench.attention_speed --prefill 8192,32768 [--pieces 512,2048] [--baseline OLD_FLASH.py]
+    python -m lucekv.bench.attention_speed --prefill 8192,32768 [--pieces 512,2048] [--baseline OLD_FLASH.py ...]
 
 A long prompt's attention as the engine prefills it: the prompt cut into pieces, piece k's queries at its positions
 over the slots of pieces 0..k (slots in position order, causal), every piece's launch in one captured graph; µs per
 layer, ms for the 36 layers and TFLOP/s of the causal products (4 x head_dim flops per query head and visible
-slot). `--baseline`: a flash.py of another commit (e.g. `git show REV:lucekv/kernels/cuda/flash.py`), timed in the
-same run, and its outputs' relative difference from this kernel's.
+slot). `--baseline`: flash.py files of other commits (e.g. `git show REV:lucekv/kernels/cuda/flash.py`), timed in
+the same run, with their outputs' relative difference from this kernel's.
 """
 
 from __future__ import annotations
@@ -111,9 +111,7 @@ def bench_prefill(prompt: int, piece: int, kernels: dict, rng: np.random.Generat
 
 
 def main_prefill(a, name: str, stream) -> None:
-    kernels = {"flash": flash}
-    if a.baseline:
-        kernels[f"baseline:{a.baseline.name}"] = load_flash(a.baseline)
+    kernels = {"flash": flash, **{f"baseline:{path.name}": load_flash(path) for path in a.baseline}}
     rng = np.random.default_rng(0)
     rows = [row for p in a.prefill.split(",") for c in a.pieces.split(",")
             for row in bench_prefill(int(p), int(c), kernels, rng, a.replays, stream)]
@@ -135,7 +133,8 @@ def main() -> None:
     ap.add_argument("--queries", default="1", help="queries of one sequence per launch, comma-separated")
     ap.add_argument("--prefill", help="prompt lengths: time a long prompt's prefill attention instead")
     ap.add_argument("--pieces", default="512,2048", help="with --prefill: tokens per piece, comma-separated")
-    ap.add_argument("--baseline", type=Path, help="with --prefill: another commit's flash.py, timed beside")
+    ap.add_argument("--baseline", type=Path, nargs="*", default=[],
+                    help="with --prefill: other commits' flash.py files, timed beside")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     dev = cuda.get_current_device()
