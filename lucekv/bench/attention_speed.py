@@ -10,18 +10,21 @@ and V bytes the launch must read; ms/step is that time for the 36 layers. `--que
 sequence at its last n positions (a speculative verify block, a prompt piece), each through the split kernel and
 the tensor-core one (flash), timed the same way.
 
-    python -m lucekv.bench.attention_speed --prefill 8192,32768 [--pieces 512,2048] [--baseline OLD_FLASH.py ...]
+    python -m lucekv.bench.attention_speed --prefill 8192,32768 [--pieces 512,2048] [--shapes 4x2,8x1]
+                                           [--baseline OLD_FLASH.py ...]
 
 A long prompt's attention as the engine prefills it: the prompt cut into pieces, piece k's queries at its positions
 over the slots of pieces 0..k (slots in position order, causal), every piece's launch in one captured graph; µs per
 layer, ms for the 36 layers and TFLOP/s of the causal products (4 x head_dim flops per query head and visible
-slot). `--baseline`: flash.py files of other commits (e.g. `git show REV:lucekv/kernels/cuda/flash.py`), timed in
-the same run, with their outputs' relative difference from this kernel's.
+slot). `--shapes`: the kernel with other warps a block x resident blocks an SM (registers bounded for them) than
+the backend's, `--baseline`: flash.py files of other commits (e.g. `git show REV:lucekv/kernels/cuda/flash.py`),
+timed in the same run, with their outputs' relative difference from the backend's kernel's.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import math
 from pathlib import Path
@@ -74,7 +77,8 @@ def load_flash(path: Path):
 
 
 def bench_prefill(prompt: int, piece: int, kernels: dict, rng: np.random.Generator, replays: int, stream) -> list[dict]:
-    """A `prompt`-token prefill's attention in pieces of `piece` tokens, one row per kernel (flash modules by name)."""
+    """A `prompt`-token prefill's attention in pieces of `piece` tokens, one row per kernel (`flash.attend`s by
+    name)."""
     if prompt % piece:
         raise SystemExit(f"a prompt of {prompt} tokens is not a whole number of {piece}-token pieces")
     shape = (prompt, N_KV_HEAD, HEAD_DIM)
@@ -93,11 +97,11 @@ def bench_prefill(prompt: int, piece: int, kernels: dict, rng: np.random.Generat
                        attention.identity_tables(blocks, used, seq_of)))
     flops = 4 * HEAD_DIM * N_HEAD * prompt * (prompt + 1) / 2  # causal: the query at position p sees p + 1 slots
     rows, outs = [], {}
-    for name, module in kernels.items():
+    for name, attend in kernels.items():
         out = cuda.device_array((piece, N_HEAD * HEAD_DIM), np.float32, stream=stream)
 
-        def launch(s, at, module=module, out=out):
-            module.attend(q, k, v, slot_pos, at[1], at[0], 0, scale, out, stream=s)
+        def launch(s, at, attend=attend, out=out):
+            attend(q, k, v, slot_pos, at[1], at[0], 0, scale, out, stream=s)
 
         us = graph_us(stream, [lambda s, at=at: launch(s, at) for at in pieces], replays) * len(pieces)
         outs[name] = out.copy_to_host(stream=stream)  # the last piece's
@@ -111,7 +115,11 @@ def bench_prefill(prompt: int, piece: int, kernels: dict, rng: np.random.Generat
 
 
 def main_prefill(a, name: str, stream) -> None:
-    kernels = {"flash": flash, **{f"baseline:{path.name}": load_flash(path) for path in a.baseline}}
+    kernels = {"flash": flash.attend}
+    for shape in filter(None, a.shapes.split(",")):
+        warps, blocks_per_sm = map(int, shape.split("x"))
+        kernels[f"flash {shape}"] = functools.partial(flash.attend, warps=warps, blocks_per_sm=blocks_per_sm)
+    kernels.update({f"baseline:{path.name}": load_flash(path).attend for path in a.baseline})
     rng = np.random.default_rng(0)
     rows = [row for p in a.prefill.split(",") for c in a.pieces.split(",")
             for row in bench_prefill(int(p), int(c), kernels, rng, a.replays, stream)]
@@ -133,6 +141,8 @@ def main() -> None:
     ap.add_argument("--queries", default="1", help="queries of one sequence per launch, comma-separated")
     ap.add_argument("--prefill", help="prompt lengths: time a long prompt's prefill attention instead")
     ap.add_argument("--pieces", default="512,2048", help="with --prefill: tokens per piece, comma-separated")
+    ap.add_argument("--shapes", default="", help="with --prefill: WARPSxBLOCKS_PER_SM of the flash kernel, timed "
+                    f"beside the backend's {flash.WARPS}x{flash.BLOCKS_PER_SM}")
     ap.add_argument("--baseline", type=Path, nargs="*", default=[],
                     help="with --prefill: other commits' flash.py files, timed beside")
     ap.add_argument("--json", type=Path)

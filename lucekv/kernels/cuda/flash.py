@@ -53,8 +53,8 @@ from lucekv.kernels.cuda._numba import (
     warp_shfl_xor,
 )
 
-WARPS = 4
-ROWS = 16 * WARPS  # (token, head) rows per block: one m16 tile per warp
+WARPS = 4  # warps a block: 16 (token, head) rows each (an m16 tile), ROWS a block
+ROWS = 16 * WARPS
 TILE = 64  # slots per K/V tile
 MAX_HEAD_DIM = 128  # the output accumulators: head_dim / 2 float32 registers per thread
 # Fewer queries: the split kernel is faster. A block here walks every tile of its rows' sequence, and few queries
@@ -76,17 +76,21 @@ def runs(pool_dtype, head_dim: int) -> bool:
     return np.dtype(pool_dtype) == np.float16 and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
 
 
-def attend(q, k_pool, v_pool, slot_pos, tables, positions, window: int, scale: float, out, stream=0) -> None:
+def attend(q, k_pool, v_pool, slot_pos, tables, positions, window: int, scale: float, out, stream=0,
+           warps: int = WARPS, blocks_per_sm: int = BLOCKS_PER_SM) -> None:
     """out[n, n_head * head_dim] for queries q [n, n_head * head_dim] at `positions`, all of one sequence (`tables`,
     an attention.BlockTables of that one sequence: its blocks from flat[0]), of the float16 pools [slots, n_kv,
-    head_dim] (the contract of `attention.attend`, where `serves`). A tile is one block of the sequence."""
+    head_dim] (the contract of `attention.attend`, where `serves`). A tile is one block of the sequence. `warps`
+    a block and the resident blocks an SM its registers are bounded for: the backend takes the defaults;
+    attention_speed times others beside them (8 warps: each staged tile serves twice the rows)."""
     size, n_kv, head_dim = k_pool.shape
     group = q.shape[1] // head_dim // n_kv
     k_words = k_pool.view(np.uint32).reshape(size * n_kv, -1)  # row s * n_kv + h: slot s, KV head h
     v_words = v_pool.view(np.uint32).reshape(size * n_kv, -1)
-    grid = (n_kv, blocks(q.shape[0] * group, ROWS))
-    _kernel(head_dim)[grid, WARPS * WARP, stream](q, k_words, v_words, slot_pos, tables, positions, window,
-                                                  np.float32(scale * LOG2E), out)
+    grid = (n_kv, blocks(q.shape[0] * group, 16 * warps))
+    kernel = _kernel(head_dim, warps, blocks_per_sm)
+    kernel[grid, warps * WARP, stream](q, k_words, v_words, slot_pos, tables, positions, window,
+                                       np.float32(scale * LOG2E), out)
 
 
 @cuda.jit(device=True, inline=True)
@@ -109,14 +113,15 @@ def _quad_sum(v):
 
 
 @functools.cache
-def _kernel(head_dim: int):
+def _kernel(head_dim: int, warps: int = WARPS, blocks_per_sm: int = BLOCKS_PER_SM):
     words = head_dim // 2  # float16 pairs per row
     stride = words + 4  # padded staged rows (see the module's notes)
     quads = words // 4  # 16-byte copies per row
     k_steps = head_dim // 16  # k16 slices of a query row
     d_tiles = head_dim // 8  # n8 tiles of an output row
     s_tiles = TILE // 8  # n8 tiles of a score row
-    threads = WARPS * WARP
+    rows = 16 * warps  # a block's
+    threads = warps * WARP
     copy_rows = threads // quads  # rows a pass of the block's 16-byte copies stages
     copy_passes = -(-TILE // copy_rows)
 
@@ -191,14 +196,14 @@ def _kernel(head_dim: int):
         tid = cuda.threadIdx.x
         lane = tid & (WARP - 1)
         g, c = lane >> 2, lane & 3
-        first_row = cuda.blockIdx.y * ROWS
+        first_row = cuda.blockIdx.y * rows
         row_a = first_row + (tid // WARP) * 16 + g
         row_b = row_a + 8
         pos_a = row_position(positions, row_a, n_rows, group)
         pos_b = row_position(positions, row_b, n_rows, group)
         lo = np.int32(0x7FFFFFFF)  # the block's rows' lowest and highest positions
         hi = np.int32(-1)
-        for t in range(first_row // group, min(q.shape[0], (first_row + ROWS - 1) // group + 1)):
+        for t in range(first_row // group, min(q.shape[0], (first_row + rows - 1) // group + 1)):
             lo = min(lo, positions[t])
             hi = max(hi, positions[t])
         copy_row = tid // quads  # this thread's 16-byte copy of each staged row it copies (see stage)
@@ -315,7 +320,8 @@ def _kernel(head_dim: int):
         store_row(out, o, row_a, n_rows, group, kvh, c, 0, _quad_sum(l_a))
         store_row(out, o, row_b, n_rows, group, kvh, c, 1, _quad_sum(l_b))
 
-    kernel.__name__ = kernel.__qualname__ = f"_attend_flash_{head_dim}"
+    shape = "" if (warps, blocks_per_sm) == (WARPS, BLOCKS_PER_SM) else f"_{warps}x{blocks_per_sm}"
+    kernel.__name__ = kernel.__qualname__ = f"_attend_flash_{head_dim}{shape}"
     # three blocks an SM (ptxas, sm_90): head_dim 128 168 registers, 104 bytes of spill stores (~40 reloads a tile,
     # most of them staging addresses); 64: 163, none
-    return jit_bounded(kernel, WARPS * WARP, BLOCKS_PER_SM)
+    return jit_bounded(kernel, threads, blocks_per_sm)
