@@ -76,7 +76,8 @@
 #                                      512- and 2048-token pieces: µs per layer, ms per prompt, TFLOP/s, beside the
 #                                      kernel at 4 warps x 2 blocks an SM and 8 x 1 (registers bounded for them), and
 #                                      other commits' kernels carried as .anchors/flash_*.py (git show
-#                                      e5a8a1f:lucekv/kernels/cuda/flash.py > .anchors/flash_before.py) (~2-3 min).
+#                                      e5a8a1f:lucekv/kernels/cuda/flash.py > .anchors/flash_before.py), and the
+#                                      split and flash kernels at 16/32/64 queries (flash.MIN_TOKENS) (~3-4 min).
 #                                      `e2e`: lucekv bench decode --prompt-tokens 8192, then 32768 (prefill tok/s, 2
 #                                      runs each after a warm-up) beside llama-bench -p 8192,32768 -n 0 (FA, f16 KV) on
 #                                      the same file (~8 min with a cold kernel cache; llama-bench from `depth build`)
@@ -321,6 +322,9 @@ prefill-long)
     python3 -m lucekv.bench.attention_speed --prefill 8192,32768 --pieces 512,2048 --shapes 4x2,8x1 \
       $(ls .anchors/flash_*.py >/dev/null 2>&1 && echo --baseline .anchors/flash_*.py) \
       --json "$OUT/attention-prefill-long.json" 2>&1 | grep -v -i warning
+    # where the tensor-core kernel overtakes the split one now (flash.MIN_TOKENS: 64 queries, measured before)
+    python3 -m lucekv.bench.attention_speed --depths 4096,32768 --queries 16,32,64 \
+      --json "$OUT/attention-queries.json" 2>&1 | grep -v -i warning
     exit 0
   fi
   [ -f $M8 ] || { echo "writing $M8" >&2; timeout 120 python3 .anchors/synth_gguf.py $M8 qwen3-8b-shape >&2; }

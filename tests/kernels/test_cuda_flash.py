@@ -67,3 +67,12 @@ def test_flash_serves_float16_prefills_of_supported_heads():
                          ids=["qwen3-8b", "qwen2.5-0.5b", "smollm2"])
 def test_flash_attention_model_shapes_gpu(n_head, n_kv, d):
     check_attention(1100, n_head, n_kv, d, np.arange(500, 1012, dtype=np.int32), 0, np.float16, flash=True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_flash_attention_long_prompt_piece_gpu():
+    # the 8B's heads, a prompt piece of 256 tokens after 1792 (slots in position order, none free): 28 tiles every
+    # row sees whole (no masks, pipelined copies), the diagonal's masked
+    check_attention(2055, 32, 8, 128, np.arange(1792, 2048, dtype=np.int32), 0, np.float16, ordered=True, free=0,
+                    flash=True)
