@@ -74,7 +74,7 @@
 #   bash bench/gpu_session.sh prefill-long kernels|e2e  long prompts (issue 27), 8B shape. `kernels`: the flash tests
 #                                      (gpu shapes and the simulator's), then attention_speed --prefill 8192,32768 in
 #                                      512- and 2048-token pieces: µs per layer, ms per prompt, TFLOP/s, beside the
-#                                      kernel at 4 warps x 2 blocks an SM and 8 x 1 (registers bounded for them), and
+#                                      kernel at 4 warps x 3 blocks an SM and 8 x 1 (registers bounded for them), and
 #                                      other commits' kernels carried as .anchors/flash_*.py (git show
 #                                      e5a8a1f:lucekv/kernels/cuda/flash.py > .anchors/flash_before.py), and the
 #                                      split and flash kernels at 16/32/64 queries (flash.MIN_TOKENS) (~3-4 min).
@@ -319,7 +319,7 @@ prefill-long)
   M8=/tmp/qwen3-8b-shape.gguf
   if [ "${2:-kernels}" = kernels ]; then
     python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/kernels/test_cuda_flash.py 2>&1 | tail -3
-    python3 -m lucekv.bench.attention_speed --prefill 8192,32768 --pieces 512,2048 --shapes 4x2,8x1 \
+    python3 -m lucekv.bench.attention_speed --prefill 8192,32768 --pieces 512,2048 --shapes 4x3,8x1 \
       $(ls .anchors/flash_*.py >/dev/null 2>&1 && echo --baseline .anchors/flash_*.py) \
       --json "$OUT/attention-prefill-long.json" 2>&1 | grep -v -i warning
     # where the tensor-core kernel overtakes the split one now (flash.MIN_TOKENS: 64 queries, measured before)

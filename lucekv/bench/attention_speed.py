@@ -10,7 +10,7 @@ and V bytes the launch must read; ms/step is that time for the 36 layers. `--que
 sequence at its last n positions (a speculative verify block, a prompt piece), each through the split kernel and
 the tensor-core one (flash), timed the same way.
 
-    python -m lucekv.bench.attention_speed --prefill 8192,32768 [--pieces 512,2048] [--shapes 4x2,8x1]
+    python -m lucekv.bench.attention_speed --prefill 8192,32768 [--pieces 512,2048] [--shapes 4x3,8x1]
                                            [--baseline OLD_FLASH.py ...]
 
 A long prompt's attention as the engine prefills it: the prompt cut into pieces, piece k's queries at its positions

@@ -80,7 +80,7 @@ CHECKS = {
     "attend_f32_160": (attention._split_kernel(1, 160), ATTEND),
     "flash_128": (flash._kernel(128), FLASH),
     "flash_64": (flash._kernel(64), FLASH),
-    "flash_128_4x2": (flash._kernel(128, 4, 2), FLASH),  # the shapes attention_speed --shapes times beside
+    "flash_128_4x3": (flash._kernel(128, 4, 3), FLASH),  # the shapes attention_speed --shapes times beside
     "flash_128_8x1": (flash._kernel(128, 8, 1), FLASH),
     "combine": (attention._combine, (PART[0], PART[1], F2, F2)),
     "set_slot_pos": (attention._set_slot_pos, (I1, I1, I1)),

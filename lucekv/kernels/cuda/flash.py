@@ -62,7 +62,9 @@ MAX_HEAD_DIM = 128  # the output accumulators: head_dim / 2 float32 registers pe
 # 114 / 763 / 5999 us here at 512 / 4K / 32K slots; at 64 queries the two meet (111 / 765 against 106 / 654 us)
 # (bench/results/h100-attention-queries.json). So verify blocks and decode rows take the split kernel.
 MIN_TOKENS = 64
-BLOCKS_PER_SM = 3  # resident blocks the registers are bounded for (see _kernel)
+# resident blocks an SM the registers are bounded for: a 512-token piece (the engine's) of the 8B shape makes 256
+# blocks, two an SM on an H100's 132, and the smaller models' fewer; a third block's bound (168 registers) spilled
+BLOCKS_PER_SM = 2
 LOG2E = 1 / math.log(2)  # folded into the query's scale: the softmax's exponentials are exp2
 
 
@@ -322,6 +324,6 @@ def _kernel(head_dim: int, warps: int = WARPS, blocks_per_sm: int = BLOCKS_PER_S
 
     shape = "" if (warps, blocks_per_sm) == (WARPS, BLOCKS_PER_SM) else f"_{warps}x{blocks_per_sm}"
     kernel.__name__ = kernel.__qualname__ = f"_attend_flash_{head_dim}{shape}"
-    # three blocks an SM (ptxas, sm_90): head_dim 128 168 registers, 104 bytes of spill stores (~40 reloads a tile,
-    # most of them staging addresses); 64: 163, none
+    # ptxas, sm_90, head_dim 128: 4 x 2 228 registers, no spills; 4 x 3 168, 104 bytes of spill stores (~40 reloads a
+    # tile, most of them staging addresses); 8 x 1 220, none. head_dim 64, 4 x 3: 163, none
     return jit_bounded(kernel, threads, blocks_per_sm)
