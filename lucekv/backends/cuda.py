@@ -468,8 +468,9 @@ class CudaOps:
                            put(pack_stacked(down), n_embd), n_ff, routed)
 
     def moe_ffn(self, x, m: MoeWeights, norm):
-        """One token (or float experts): the chosen experts' products as matvecs, experts picked on the device.
-        More: tokens grouped by expert on the device, each expert's run through the tensor-core tile."""
+        """One token (or float experts): the chosen experts' products as matvecs, experts picked on the device, the
+        down products summing themselves back (`moe.routed_sum`). More: tokens grouped by expert on the device, each
+        expert's run through the tensor-core tile."""
         spec, e, s = self.spec, m.experts, self.stream
         n, k, n_embd = x.shape[0], spec.n_expert_used, spec.n_embd
         ids = e.routed if n == 1 and e.routed is not None else self._alloc((n, k), np.int32)
@@ -484,18 +485,22 @@ class CudaOps:
             h = self.rmsnorm(x, norm)
             moe.route(e.router, h, None, logits, self._route_counter(n), ids, weights, spec.arch.norm_topk, stream=s)
         act_out = self._empty(n * k, e.n_ff)
+        if n == 1 and e.gate_up is not None and moe.sums_routed(e.down, k):
+            # the down products sum themselves back into the residual (no combine launch), the shared expert's
+            # products before them
+            shared = self._shared_expert(x, m, norm)
+            source, fused = (x, (norm, spec.rms_eps)) if h is None else (h, None)
+            moe.routed_matvecs(e.gate_up, 2 * e.n_ff, source, ids, epilogue((act_out,), gate=gate), x_per_slot=False,
+                               stream=s, norm=fused)
+            out = self._empty(n, n_embd)
+            moe.routed_sum(e.down, n_embd, act_out, ids, weights, x, out, shared, stream=s)
+            return out
         outs = self._empty(n * k, n_embd)
         if e.gate_up is None:  # float experts
             parts = [self._empty(n * k, e.n_ff) for _ in range(2)]
             for w, part in zip((e.gate, e.up), parts, strict=True):
                 moe.routed_matvecs(w, e.n_ff, h, ids, part, x_per_slot=False, stream=s)
             act.gated_act(*parts, gate == GELU, act_out, stream=s)
-            moe.routed_matvecs(e.down, n_embd, act_out, ids, outs, x_per_slot=True, stream=s)
-            pos = self._slot_rows(n, k)
-        elif n == 1:
-            source, fused = (x, (norm, spec.rms_eps)) if h is None else (h, None)
-            moe.routed_matvecs(e.gate_up, 2 * e.n_ff, source, ids, epilogue((act_out,), gate=gate), x_per_slot=False,
-                               stream=s, norm=fused)
             moe.routed_matvecs(e.down, n_embd, act_out, ids, outs, x_per_slot=True, stream=s)
             pos = self._slot_rows(n, k)
         else:
@@ -508,13 +513,17 @@ class CudaOps:
             moe.grouped_matmul(e.gate_up, 2 * e.n_ff, gathered, starts, tiles, epilogue((act_out,), gate=gate),
                                stream=s)
             moe.grouped_matmul(e.down, n_embd, act_out, starts, tiles, outs, stream=s)
-        shared = None
-        if m.shared is not None:
-            sh = m.shared
-            shared = (self.linear(sh.gate, x, norm=norm), self.linear(sh.down, self.gated_linear(x, sh.gate_up, norm)))
+        shared = self._shared_expert(x, m, norm)
         out = self._empty(n, n_embd)
         moe.combine(outs, pos, weights, x, out, shared, stream=s)
         return out
+
+    def _shared_expert(self, x, m: MoeWeights, norm) -> tuple | None:
+        """(gate logits [n, 1], output [n, n_embd]) of the layer's shared expert of norm(x), or None (see combine)."""
+        if m.shared is None:
+            return None
+        sh = m.shared
+        return self.linear(sh.gate, x, norm=norm), self.linear(sh.down, self.gated_linear(x, sh.gate_up, norm))
 
     def _route_counter(self, n: int):
         """The router's per-token arrival counters: zeros, which every route launch leaves zero."""

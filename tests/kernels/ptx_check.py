@@ -105,6 +105,10 @@ for kind, quant in QUANTS.items():
 for (kind, block, placed), kernel in moe._GROUPED.items():
     CHECKS[f"moe_grouped_{kind}_{block}" + "_placed" * placed] = (kernel, (QUANTS[kind], QUANTS[kind], I1, I64, F32,
                                                                           F2, I1, I2, EP))
+for kind, quant in QUANTS.items():
+    summed = (quant, quant, I1, I64, F2, XNORM, I2, F2, F2, F2, F2, B, F2, I64, I64, I64)
+    for placed in (False, True):
+        CHECKS[f"moe_routed_sum_{kind}" + "_placed" * placed] = (moe._ROUTED_SUM[kind, placed], summed)
 CHECKS["moe_routed_f32"] = (moe._routed_f32, (F2, F2, I1, I64, F2, I2, B, EP))
 CHECKS["moe_group"] = (moe._group, (I2, I64, I1, I2, I1, I2))
 CHECKS["moe_gather"] = (moe._gather, (F2, I1, F2))

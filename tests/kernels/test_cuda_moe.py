@@ -66,9 +66,10 @@ def test_moe_ffn_matches_float64(tmp_path, arch, qtype, n_tokens):
 
 @needs_kernels
 def test_spark_products_read_cold_experts_from_the_host_copy_and_filled_slots_exactly():
-    """The routed matvecs and the grouped matmul over Spark's storage (backends/cuda_spark): experts 5 and 1 placed
-    (slots 0, 1), one spare slot; every product equals the all-resident one bit for bit: hot, cold (read from the
-    host copy), after a step boundary's fill cached, and after a promotion placed in the demoted expert's slot. In
+    """The routed matvecs (and their sum back, `routed_sum`) and the grouped matmul over Spark's storage
+    (backends/cuda_spark): experts 5 and 1 placed (slots 0, 1), one spare slot; every product equals the all-resident
+    one bit for bit: hot, cold (read from the host copy), after a step boundary's fill cached, and after a promotion
+    placed in the demoted expert's slot. In
     the simulator a mapped array is a plain device array: this checks the remap's indexing between the two tables,
     the copies and when the remap shows them."""
     from types import SimpleNamespace
@@ -97,9 +98,17 @@ def test_spark_products_read_cold_experts_from_the_host_copy_and_filled_slots_ex
         moe.routed_matvecs(table, rows, x[:1], store.routed_rows[0], out, x_per_slot=False)
         return out.copy_to_host()
 
+    def summed(table) -> np.ndarray:  # the down products' launch: rows of every chosen expert summed back
+        out = cuda.device_array((1, rows), np.float32)
+        moe.routed_sum(table, rows, x_slots, store.routed_rows[0], weights, x[:1, :rows], out)
+        return out.copy_to_host()
+
     store.routed_rows[0].copy_to_device(np.array([[2, 5, 7]], np.int32))  # as a one-token step's router leaves them
     want = routed(resident)
     np.testing.assert_array_equal(routed(spark), want)  # 2, 7 cold
+    x_slots = cuda.to_device(rng.standard_normal((3, cols)).astype(np.float32))
+    weights = cuda.to_device(np.array([[0.5, 0.3, 0.2]], np.float32))
+    np.testing.assert_array_equal(summed(spark), summed(resident))
     store.observe_now()  # the step boundary: 2 copied into the spare slot, not shown until its copy has completed
     assert store.slots.remap[0, 2] == 2 and store.remap.copy_to_host()[0, 2] == COLD
     store.observe_now()
@@ -176,6 +185,42 @@ def test_cuda_backend_runs_an_moe_model_like_the_cpu_backend(tmp_path):
     """The decoder through CudaOps.moe_ffn: a 4-token prefill (grouped path) and 2 decode steps (routed path) of a
     tiny qwen2moe against the CPU backend (slow: 75 s of CPU in the simulator; on a GPU it is quick)."""
     check_backend_matches_cpu(tmp_path, "qwen2moe", Q.Q8_0, decode_steps=2, **TINY, n_ff_expert=32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_1, pytest.param(Q.Q8_0, marks=pytest.mark.slow)],
+                         ids=lambda q: q.name)
+def test_routed_sum_is_the_routed_products_combined_bit_for_bit(qtype):
+    """routed_sum, a decode step's down products summing themselves back into the residual in one launch: bit for bit
+    the routed matvecs' rows combined (`combine`, with and without a shared expert; q4 with a bias, q6 and, slow, q8:
+    4 s of CPU each in the simulator), and within the x quantization's rounding of float64. 20 rows an expert: a
+    block's rows run past the last."""
+    from lucekv.kernels.cuda import moe
+    from lucekv.kernels.cuda.packed import upload
+    from tests.kernels.test_cuda_kernels import dense, random_packed
+
+    n_expert, rows, cols, k = 6, 20, 32, 2
+    rng = np.random.default_rng(7)
+    packed = random_packed(rng, qtype, n_expert * rows, cols)
+    experts = moe.resident(upload(packed), n_expert)
+    ids = np.array([[4, 1]], np.int32)
+    weights = np.array([[0.7, 0.3]], np.float32)
+    x = rng.standard_normal((k, cols)).astype(np.float32)  # one token's activations, a row per chosen expert
+    residual, gate, values = (rng.standard_normal((1, w)).astype(np.float32) for w in (rows, 1, rows))
+    d_ids, d_weights, d_x, d_residual = (cuda.to_device(a) for a in (ids, weights, x, residual))
+    outs = cuda.device_array((k, rows), np.float32)
+    moe.routed_matvecs(experts, rows, d_x, d_ids, outs, x_per_slot=True)
+    w64 = dense(packed).reshape(n_expert, rows, cols)
+    ref = residual[0] + sum(weights[0, s] * (w64[e] @ x[s].astype(np.float64)) for s, e in enumerate(ids[0]))
+    for shared in (None, (gate, values)):
+        d_shared = None if shared is None else tuple(cuda.to_device(a) for a in shared)
+        want, got = cuda.device_array((1, rows), np.float32), cuda.device_array((1, rows), np.float32)
+        moe.combine(outs, cuda.to_device(np.arange(k, dtype=np.int32).reshape(1, k)), d_weights, d_residual, want,
+                    d_shared)
+        moe.routed_sum(experts, rows, d_x, d_ids, d_weights, d_residual, got, d_shared)
+        np.testing.assert_array_equal(got.copy_to_host(), want.copy_to_host())
+        if shared is None:
+            assert rel_err(got.copy_to_host()[0], ref) <= 1e-3
 
 
 @needs_kernels

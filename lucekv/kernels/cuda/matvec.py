@@ -461,6 +461,20 @@ def _bounded(kernel):
 DESTS = {"rows": (_no_rotation, _store_rows), "qkv": (_pair_rotation, _store_pairs)}
 
 
+def _body_of(stream, store_rows):
+    """`body(w, x, tx, xnorm, ep, t, n_pass, rows_per_block, block, part, sums)`: block `block` of the product of x's
+    row tx to token t's rows of ep, a warp per column segment (`stream`), then the rows stored."""
+
+    @cuda.jit(device=True, inline=True)
+    def body(w, x, tx, xnorm, ep, t, n_pass, rows_per_block, block, part, sums):
+        first_row, n_warps = _begin(block, rows_per_block, part)
+        rotation = stream(w, x, tx, xnorm, ep, t, n_pass, first_row, rows_per_block, cuda.threadIdx.x // WARP,
+                          n_warps, part, sums)
+        store_rows(part, first_row, rows_per_block, w.codes.shape[0], ep, t, rotation)
+
+    return body
+
+
 def _group_loader(group: int, load, words: int):
     """`load_group(w, first, run, buf)`: rows first.. first + group - 1 of a lane's run into buf (zeros where the run
     is past the row's end), by `load` (see _make_run_body)."""
@@ -479,7 +493,7 @@ def _group_loader(group: int, load, words: int):
 
 
 def _make_run_body(kind: str, load, row, words: int, dest: str):
-    """A block's work for `kind` storing to `dest` (see _kernel): `load(w, r, run, buf, i)` issues row r's `words`
+    """(stream, body) for `kind` storing to `dest` (see _body_of): `load(w, r, run, buf, i)` issues row r's `words`
     words of a lane's run into buf[i], `row(w, buf, i, xq, xs)` is that row's partial dot product, xs = (u, sums of
     x over columns 0..15 and 16..31, `_offset_sum` of both)."""
     group = GROUP[kind]
@@ -492,16 +506,16 @@ def _make_run_body(kind: str, load, row, words: int, dest: str):
             _add_row(part, i0 + i, row(w, buf, i, xq, 0, xs))
 
     @cuda.jit(device=True, inline=True)
-    def body(w, x, tx, xnorm, ep, t, n_pass, rows_per_block, block, part, sums):
-        """Block `block` of the product of x's row tx, to token t's rows of ep."""
+    def stream(w, x, tx, xnorm, ep, t, n_pass, first_row, rows_per_block, warp, n_warps, part, sums):
+        """Warp `warp` of the n_warps over a row's columns: its partials of rows first_row.. of the product of x's row
+        tx into its slot of `part` (cleared); returns what this thread stores with (see DESTS)."""
         xv = cuda.local.array(32, np.float32)
         xq = cuda.local.array(16, np.uint32)
         buf_a = cuda.local.array((group, words), np.uint32)  # two register buffers of `group` rows
         buf_b = cuda.local.array((group, words), np.uint32)
-        first_row, n_warps = _begin(block, rows_per_block, part)
         rotation = (np.float32(1), np.float32(0))
         for p in range(n_pass):
-            run = (p * n_warps + cuda.threadIdx.x // WARP) * WARP + cuda.threadIdx.x % WARP  # this lane's run
+            run = (p * n_warps + warp) * WARP + cuda.threadIdx.x % WARP  # this lane's run
             load_group(w, first_row, run, buf_a)  # in flight while x is read
             if p == 0:
                 await_grid()
@@ -520,9 +534,9 @@ def _make_run_body(kind: str, load, row, words: int, dest: str):
                 if i0 + 2 * group < rows_per_block:
                     load_group(w, first_row + i0 + 2 * group, run, buf_a)
                 add_group(w, part, i0 + group, buf_b, xq, xs)
-        store_rows(part, first_row, rows_per_block, w.codes.shape[0], ep, t, rotation)
+        return rotation
 
-    return body
+    return stream, _body_of(stream, store_rows)
 
 
 # ---- several tokens: each weight word loaded once for all of them ----------------------------------------------
@@ -925,22 +939,21 @@ def _chunk_columns(run):
 
 
 def _make_q8_body(dest: str):
-    """A block's work for q8 storing to `dest` (see _make_run_body)."""
+    """(stream, body) for q8 storing to `dest` (see _make_run_body)."""
     rotation_of, store_rows = DESTS[dest]
 
     @cuda.jit(device=True, inline=True)
-    def body(w, x, tx, xnorm, ep, t, n_pass, rows_per_block, block, part, sums):
+    def stream(w, x, tx, xnorm, ep, t, n_pass, first_row, rows_per_block, warp, n_warps, part, sums):
         xv = cuda.local.array(32, np.float32)
         xq = cuda.local.array(16, np.uint32)
         code_a = cuda.local.array((2, 8), np.uint32)  # two buffers of GROUP["q8"] rows, two 16-byte chunks each
         sw_a = cuda.local.array((2, 4), np.uint32)  # scale and sub words of chunk 0, then of chunk 1
         code_b = cuda.local.array((2, 8), np.uint32)
         sw_b = cuda.local.array((2, 4), np.uint32)
-        first_row, n_warps = _begin(block, rows_per_block, part)
         rotation = (np.float32(1), np.float32(0))
         for p in range(n_pass):
             # lane l owns the 16-column chunks l and l + 32 of its warp's segment
-            c0 = (p * n_warps + cuda.threadIdx.x // WARP) * 2 * WARP + cuda.threadIdx.x % WARP
+            c0 = (p * n_warps + warp) * 2 * WARP + cuda.threadIdx.x % WARP
             _q8_load(w, first_row, c0, code_a, sw_a)  # in flight while x is read
             if p == 0:
                 await_grid()
@@ -958,9 +971,9 @@ def _make_q8_body(dest: str):
                 if i0 + 4 < rows_per_block:
                     _q8_load(w, first_row + i0 + 4, c0, code_a, sw_a)
                 _q8_rows(w, part, i0 + 2, code_b, sw_b, xq, u, xsum0, xsum1)
-        store_rows(part, first_row, rows_per_block, w.codes.shape[0], ep, t, rotation)
+        return rotation
 
-    return body
+    return stream, _body_of(stream, store_rows)
 
 
 # ---- f32 ------------------------------------------------------------------------------------------------
@@ -986,8 +999,11 @@ _RUN_KINDS = {"q4": (_q4_load, _q4_row, 6), "q6": (_q6_load, _q6_row, 9)}
 _TOKEN_PARTS = {**{kind: (*parts, _run_columns) for kind, parts in _RUN_KINDS.items()},
                 "q8": (_q8_run_load, _q8_run_row, 12, _chunk_columns)}
 TOKEN_KINDS = tuple(_TOKEN_PARTS)
-_BODIES = {**{(kind, dest): _make_run_body(kind, *parts, dest) for kind, parts in _RUN_KINDS.items() for dest in DESTS},
-           **{("q8", dest): _make_q8_body(dest) for dest in DESTS}}
+# (kind, dest) -> (stream, body): a warp's partials of a block's rows, and a block's product (see _body_of)
+_PARTS = {**{(kind, dest): _make_run_body(kind, *parts, dest) for kind, parts in _RUN_KINDS.items() for dest in DESTS},
+          **{("q8", dest): _make_q8_body(dest) for dest in DESTS}}
+_BODIES = {key: body for key, (_, body) in _PARTS.items()}
+STREAMS = {kind: _PARTS[kind, "rows"][0] for kind in TOKEN_KINDS}  # (the routed products' sum, kernels.cuda.moe)
 
 
 def _kernel_name(kinds: Sequence[str], dest: str) -> str:

@@ -14,7 +14,9 @@ takes expert e as a view of those rows (`expert_rows`), so the dense products' b
   matmul tile over each expert's run of rows (a tile map of (expert, first row) per grid row; grid rows past the
   last tile return at once: the grid is sized for the worst case, so a prefill graph replays whatever the routing).
 - `combine`: each token's expert outputs weighted and summed in rank order, plus the residual and, where the model
-  has one, the shared expert scaled by the sigmoid of its gate: the weighted scatter back.
+  has one, the shared expert scaled by the sigmoid of its gate: the weighted scatter back. A decode step's down
+  products do it themselves (`routed_sum`: the chosen experts' rows of a block summed in the block, in rank order),
+  a launch less per layer.
 
 The products take a layer's experts as an `ExpertTable` (Spark, DESIGN §7): a GPU table of slots, every expert in
 host memory mapped into the device's address space, and a device `remap` from expert to slot. A kernel reads
@@ -310,6 +312,78 @@ def _routed_f32(table, host, remap, rows_per_expert, x, ids, x_per_slot, ep):
         put(ep, row, r, acc)
 
 
+# ---- decode: the down products summed back in the same launch --------------------------------------------------
+
+
+def sums_routed(experts: ExpertTable, k: int) -> bool:
+    """Whether `routed_sum` takes these experts for k chosen a token: quantized, a warp for each of the k (MAX_WARPS
+    a block)."""
+    return experts.kind != "f32" and k <= mv.MAX_WARPS
+
+
+def routed_sum(experts: ExpertTable, rows_per_expert: int, x, ids, weights, residual, out, shared=None,
+               stream=0) -> None:
+    """out[t] = residual[t] + the sum over s, in rank order, of weights[t, s] * (expert ids[t, s] times x[t * k + s]),
+    plus the shared expert as `combine` adds it: `routed_matvecs` and `combine` in one launch (where `sums_routed`).
+    A block takes a few rows of every chosen expert, a warp (or a few) per slot over the columns, as the dense matvec's
+    warps own column segments, and sums its rows itself in rank order: no atomics, bit-stable, and bit for bit the
+    two launches' sums where a slot's warps cover its columns in one pass (k x segments <= MAX_WARPS).
+    The kernel reads ids, and loads its first rows of weights, before it waits for the kernel before it (overlapped
+    launches, see _numba): ids must come from an earlier launch than that one (the router's, before the gate/up
+    product)."""
+    n, k = ids.shape
+    w = experts.table
+    if not sums_routed(experts, k):
+        raise ValueError(f"routed_sum: {k} {w.kind} experts a token (quantized, up to {mv.MAX_WARPS})")
+    segments = blocks(w.cols, mv.SEGMENT)
+    warps = min(segments, mv.MAX_WARPS // k)  # per slot
+    n_pass = blocks(segments, warps)
+    rows = mv._rows_per_block([(rows_per_expert, w.kind, False)], k * warps)[0]
+    gate, values = (weights, residual) if shared is None else shared
+    _ROUTED_SUM[w.kind, experts.placed][(blocks(rows_per_expert, rows), n), k * warps * WARP, stream](
+        *experts.args(), rows_per_expert, x, (x, np.float32(0), False), ids, weights, residual, gate, values,
+        shared is not None, out, warps, n_pass, rows)
+
+
+def _make_routed_sum(kind: str, placed: bool):
+    stream_rows = mv.STREAMS[kind]
+
+    def kernel(table, host, remap, rows_per_expert, x, xnorm, ids, weights, residual, gate, shared, has_shared, out,
+               warps, n_pass, rows_per_block):
+        part = cuda.shared.array(PARTIALS, np.float32)
+        sums = cuda.shared.array(PRODUCT_WARPS, np.float32)
+        t = cuda.blockIdx.y
+        k = ids.shape[1]
+        warp = cuda.threadIdx.x // WARP
+        slot = warp // warps
+        e = ids[t, slot]  # before the wait: the router wrote it two launches back (see routed_sum)
+        if placed:  # a constant: the other branch is compiled out
+            w = resident_rows(table, host, remap, e, rows_per_expert)
+        else:
+            w = expert_rows(table, e, rows_per_expert)
+        first_row = cuda.blockIdx.x * rows_per_block
+        mv._clear_partials(part)
+        stream_rows(w, x, t * k + slot, xnorm, out, t, n_pass, first_row, rows_per_block, warp % warps, warps, part,
+                    sums)
+        cuda.syncthreads()
+        for i in range(cuda.threadIdx.x, rows_per_block, cuda.blockDim.x):
+            r = first_row + i
+            if r < rows_per_expert:
+                acc = np.float32(0)
+                for s in range(k):
+                    value = np.float32(0)  # slot s's row: its warps' partials in order, as `matvec` sums them
+                    for j in range(s * warps, (s + 1) * warps):
+                        value += part[j * mv.MAX_ROWS_PER_BLOCK + i]
+                    acc += value * weights[t, s]
+                out[t, r] = _sum_back(acc, t, r, residual, gate, shared, has_shared)
+
+    kernel.__name__ = kernel.__qualname__ = f"_routed_sum_{kind}" + ("_placed" if placed else "")
+    return mv._bounded(kernel)
+
+
+_ROUTED_SUM = {(kind, placed): _make_routed_sum(kind, placed) for kind in mv.TOKEN_KINDS for placed in (False, True)}
+
+
 # ---- prefill: grouped by expert -------------------------------------------------------------------------------
 
 
@@ -435,6 +509,13 @@ def _combine(outs, pos, weights, residual, gate, shared, has_shared, out):
         acc = np.float32(0)
         for s in range(pos.shape[1]):
             acc += outs[pos[t, s], j] * weights[t, s]
-        if has_shared:
-            acc += shared[t, j] * (np.float32(1) / (np.float32(1) + math.exp(-gate[t, 0])))
-        out[t, j] = residual[t, j] + acc
+        out[t, j] = _sum_back(acc, t, j, residual, gate, shared, has_shared)
+
+
+@cuda.jit(device=True, inline=True)
+def _sum_back(acc, t, j, residual, gate, shared, has_shared):
+    """Column j of token t's output: the residual plus acc, its experts' weighted sum, plus the shared expert's value
+    scaled by the sigmoid of its gate where the model has one."""
+    if has_shared:
+        acc += shared[t, j] * (np.float32(1) / (np.float32(1) + math.exp(-gate[t, 0])))
+    return residual[t, j] + acc
