@@ -54,7 +54,7 @@ from lucekv.kernels.cuda.rope import Rotary, pair_order
 from lucekv.kvflash.host_store import HostStore
 from lucekv.kvflash.pager import CHUNK_TOKENS, RECENT_QUERIES, Move, PageOut
 from lucekv.model.arch import ModelSpec
-from lucekv.model.decoder import LayerWeights, MoeWeights, Weights, forward, load_weights, project_qkv
+from lucekv.model.decoder import LayerWeights, MoeWeights, Weights, forward, load_weights
 from lucekv.model.gguf import GGUFFile, TensorInfo
 
 
@@ -639,11 +639,12 @@ class CudaOps:
                             for st, row0 in zip(lw.qkv, row0s, strict=True)], x, norm)
             self._use_pool(layer % 2)  # a new segment: it overwrites the arrays of two layers back
         else:
-            q, k, v = project_qkv(spec, self, x, lw)
+            q, k, v = self.project(x, lw.qkv, lw.attn_norm)  # (project_qkv's q/k norms: rope_and_store's)
             self._use_pool(layer % 2)
             q_rot = self._empty(n, q.shape[1])
+            qk_norm = None if lw.q_norm is None else (lw.q_norm, lw.k_norm, spec.rms_eps)
             attention.rope_and_store(q, k, v, self.positions, self.slots, rotary, pool.k[layer], pool.v[layer],
-                                     q_rot, pool.last_q[: self.kept_rows, layer], stream=s)
+                                     q_rot, pool.last_q[: self.kept_rows, layer], qk_norm, stream=s)
             q = q_rot
             if pool.recent_rows:
                 pool.recent_q[layer, : pool.recent_rows].copy_to_device(q[n - pool.recent_rows :], stream=s)
@@ -695,7 +696,7 @@ class CudaBackend(RunAhead):
         placement of another model is refused."""
         if why := attention.unsupported(spec.n_head, spec.n_kv_head, spec.head_dim):
             raise UnsupportedModelError(f"the CUDA backend cannot run {spec.name}: {why}")
-        if spec.n_expert and (why := moe.unsupported(spec.n_expert, spec.n_expert_used)):
+        if spec.n_expert and (why := moe.unsupported(spec.n_expert, spec.n_embd)):
             raise UnsupportedModelError(f"the CUDA backend cannot run {spec.name}: {why}")
         super().__init__()
         self.spec = spec

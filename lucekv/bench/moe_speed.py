@@ -30,6 +30,7 @@ from lucekv.bench.decode import git_commit
 from lucekv.bench.matvec_speed import Shape, device_name, random_matrix, write_json
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows, pack
 from lucekv.kernels.cuda import cuda, moe
+from lucekv.kernels.cuda.matvec import GROUP
 from lucekv.kernels.cuda.packed import GATE_ROWS, SILU, epilogue, upload
 
 N_EXPERT, K, N_EMBD, N_FF = 128, 8, 2048, 768
@@ -75,6 +76,7 @@ class Step:
         self.outs = cuda.device_array((K, N_EMBD), np.float32)
         self.slot_rows = cuda.to_device(np.arange(K, dtype=np.int32).reshape(1, K))
         self.out = cuda.device_array((1, N_EMBD), np.float32)
+        self.rows_per_block: dict[str, int] = {}  # kernel -> its blocks' rows, where not the kernels' own choice
 
     def route(self, stream) -> None:
         m = self.layer
@@ -84,7 +86,8 @@ class Step:
     def gate_up(self, stream) -> None:
         m = self.layer
         moe.routed_matvecs(m.d_gate_up, 2 * N_FF, self.x, self.ids, epilogue((self.act,), gate=SILU),
-                           x_per_slot=False, stream=stream, norm=(m.d_norm, EPS))
+                           x_per_slot=False, stream=stream, norm=(m.d_norm, EPS),
+                           rows_per_block=self.rows_per_block.get("gate_up"))
 
     def down(self, stream) -> None:
         moe.routed_matvecs(self.layer.d_down, N_EMBD, self.act, self.ids, self.outs, x_per_slot=True, stream=stream)
@@ -93,10 +96,14 @@ class Step:
         moe.combine(self.outs, self.slot_rows, self.weights, self.x, self.out, stream=stream)
 
     def routed_sum(self, stream) -> None:
-        moe.routed_sum(self.layer.d_down, N_EMBD, self.act, self.ids, self.weights, self.x, self.out, stream=stream)
+        moe.routed_sum(self.layer.d_down, N_EMBD, self.act, self.ids, self.weights, self.x, self.out, stream=stream,
+                       rows_per_block=self.rows_per_block.get("routed_sum"))
 
 
 PATHS = {"before": ("route", "gate_up", "down", "combine"), "after": ("route", "gate_up", "routed_sum")}
+# rows per block tried besides the kernels' own choice (whole register buffers: GROUP rows of q4 4, q6 2; gate/up:
+# 16 rows, 8 of gate and their 8 of up)
+SWEEP = {"gate_up": (16, 32, 64), "routed_sum": (4, 8, 16, 32)}
 
 
 def graph_us(stream, launches: list, replays: int) -> float:
@@ -133,9 +140,19 @@ def bench_alone(layers: list[Layer], rng: np.random.Generator, replays: int, str
         steps.append(step)
     result = {}
     for kernel in ("route", "gate_up", "down", "combine", "routed_sum"):
-        us = graph_us(stream, [getattr(s, kernel) for s in steps], replays) / LAUNCHES
         nbytes = weight_bytes(layers[0])[kernel]
+        us = graph_us(stream, [getattr(s, kernel) for s in steps], replays) / LAUNCHES
         result[kernel] = {"us": us, "gbps": nbytes / (us * 1e3) if nbytes else None, "weight_bytes": nbytes}
+        for rows in SWEEP.get(kernel, ()):
+            matrix = layers[0].d_gate_up if kernel == "gate_up" else layers[0].d_down
+            if rows % (2 * GROUP[matrix.kind]):  # whole pairs of register buffers
+                continue
+            for s in steps:
+                s.rows_per_block = {kernel: rows}
+            result[kernel][f"us_at_{rows}_rows_per_block"] = graph_us(
+                stream, [getattr(s, kernel) for s in steps], replays) / LAUNCHES
+        for s in steps:
+            s.rows_per_block = {}
     return result
 
 
@@ -201,6 +218,10 @@ def main() -> None:
         result["downs"][down.name] = {"alone": alone, "chain": chains}
         print(f"down {down.name}: " + ", ".join(
             f"{k} {v['us']:.1f} µs" + (f" ({v['gbps']:.0f} GB/s)" if v["gbps"] else "") for k, v in alone.items()))
+        for kernel, v in alone.items():
+            sweep = {k.split("_")[2]: us for k, us in v.items() if k.startswith("us_at_")}
+            if sweep:
+                print(f"  {kernel} by rows per block: " + ", ".join(f"{r} {us:.1f} µs" for r, us in sweep.items()))
         print(f"  a layer: before (route, gate/up, down, combine) {chains['before_us_per_layer']:.1f} µs, after "
               f"(route, gate/up, routed_sum) {chains['after_us_per_layer']:.1f} µs ({chains['speedup']:.2f}x); "
               f"outputs equal: {chains['after_equals_before']}, error vs float64 "

@@ -43,6 +43,7 @@ _m = np.zeros((2, 4), np.float32)
 EP = typeof(epilogue((_m, _m), bias=_m[0]))
 XNORM = typeof((_m, np.float32(0), True))
 ROTARY = typeof(Rotary(np.zeros(4), True, True))
+QK_NORM = typeof((_m[0], _m[0], np.float32(0), True))
 QKV = typeof(attention_inputs(_m, *(np.zeros((2, 2, 4), np.float16) for _ in range(2)), *(np.zeros(1, np.int32),) * 2,
                               Rotary(np.zeros(4), True, True), 4, 2, bias=_m[0]))
 
@@ -74,7 +75,8 @@ CHECKS = {
     "rmsnorm": (norm._rmsnorm, (F2, F1, F32, F2)),
     "gated_act": (act._gated_act, (F2, F2, B, F2)),
     "add": (act._add, (F2, F2, F2)),
-    "rope_and_store_f16": (attention._rope_and_store, (F2, F2, F2, I1, I1, ROTARY, H3, H3, F2, types.float32[:, :])),
+    "rope_and_store_f16": (attention._rope_and_store, (F2, F2, F2, I1, I1, ROTARY, H3, H3, F2, types.float32[:, :],
+                                                       QK_NORM)),
     "attend_f16_128": (attention._split_kernel(2, 64), ATTEND),
     "attend_f32_128": (attention._split_kernel(1, 128), ATTEND),
     "attend_f32_160": (attention._split_kernel(1, 160), ATTEND),

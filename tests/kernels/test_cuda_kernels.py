@@ -233,8 +233,11 @@ def rope_reference(x: np.ndarray, n_heads: int, head_dim: int, rope_dim: int, po
 
 
 @needs_kernels
-@pytest.mark.parametrize(("neox", "paired"), [(False, False), (True, False), (True, True)])
-def test_rope_and_store(neox, paired):
+@pytest.mark.parametrize(("neox", "paired", "normed"), [(False, False, False), (True, False, False),
+                                                        (True, True, False), (True, False, True)])
+def test_rope_and_store(neox, paired, normed):
+    """q and k rotated (norm or neox style, a neox model's pairs on adjacent columns where paired), first normalized
+    per head where normed (qwen3's q/k norms), k and v stored, against float64."""
     from lucekv.kernels.cuda.attention import rope_and_store
     from lucekv.kernels.cuda.rope import Rotary, pair_order
     from lucekv.model.rope import RopeScaling, frequencies
@@ -249,8 +252,18 @@ def test_rope_and_store(neox, paired):
     # paired: q and k as a product of paired weights gives them (see rope.pair_order); the outputs stay natural
     q_in, k_in = (x[:, pair_order(h, head_dim, rope_dim)] if paired else x for x, h in ((q, n_heads), (k, n_kv)))
     rope = Rotary(cuda.to_device(frequencies(base, rope_dim, RopeScaling("linear", scale))), neox, paired)
+    norms = [(1 + 0.5 * rng.standard_normal(head_dim)).astype(np.float32) for _ in range(2)]
+    eps = 1e-6
     rope_and_store(cuda.to_device(q_in), cuda.to_device(k_in), cuda.to_device(v), cuda.to_device(positions),
-                   cuda.to_device(slots), rope, k_pool, v_pool, q_out, last_q)
+                   cuda.to_device(slots), rope, k_pool, v_pool, q_out, last_q,
+                   (*(cuda.to_device(w) for w in norms), eps) if normed else None)
+
+    def normalized(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        heads = x.astype(np.float64).reshape(len(x), -1, head_dim)
+        return (heads / np.sqrt(np.mean(heads * heads, axis=2, keepdims=True) + eps) * w).reshape(x.shape)
+
+    if normed:
+        q, k = normalized(q, norms[0]), normalized(k, norms[1])
     ref_q = rope_reference(q, n_heads, head_dim, rope_dim, positions, base, scale, neox)
     ref_k = rope_reference(k, n_kv, head_dim, rope_dim, positions, base, scale, neox)
     assert rel_err(q_out.copy_to_host(), ref_q) <= 1e-6

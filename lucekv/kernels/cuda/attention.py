@@ -72,6 +72,7 @@ MIN_CHUNK = 2 * WARP  # slots per chunk of a full pool at least: below that the 
 # cut into fewer, down to one tile per chunk (512 of 4096 used: 11.6 us with 32-slot chunks, 15.1 with 64)
 TILE = WARP  # slots per tile: one per lane for the scores and the softmax
 MAX_HEAD_DIM = 256
+HEAD_WARPS = MAX_HEAD_DIM // WARP  # warps of a rope_and_store block at most (a kernel's shared array: a literal size)
 MAX_GROUP = 8  # query heads per KV head: one warp each
 MAX_ROW_WORDS = MAX_HEAD_DIM  # a float32 row of MAX_HEAD_DIM
 # K rows are staged 4 words longer than they are (lane i reads row i, 16 bytes at a time: a quarter-warp's
@@ -109,14 +110,34 @@ def pool_slot(tables, first, j):
     return tables.flat[first + j // BLOCK] * BLOCK + j % BLOCK
 
 
-def rope_and_store(q, k, v, positions, slots, rope: Rotary, k_pool, v_pool, q_out, last_q, stream=0) -> None:
+def rope_and_store(q, k, v, positions, slots, rope: Rotary, k_pool, v_pool, q_out, last_q, qk_norm: tuple | None = None,
+                   stream=0) -> None:
     """A step's attention inputs, one launch: q_out = RoPE(q); k_pool[slots[t]] = RoPE(k[t]) and
     v_pool[slots[t]] = v[t], in the pool's dtype; last_q [kept, n_head * head_dim] = the last `kept` rows of q_out
-    (what KVFlash scorers read: a prompt's last token, or every row of a batch's decode rows).
+    (what KVFlash scorers read: a prompt's last token, or every row of a batch's decode rows). qk_norm: (q_norm,
+    k_norm [head_dim], eps): each head of q and k RMS-normalized first (qwen3's, gemma3's q/k norms: two launches
+    less).
     q, q_out: [n, n_head * head_dim]; k, v: [n, n_kv * head_dim]; q_out and the pool in natural order."""
-    n = q.shape[0] * (q.shape[1] + 2 * k.shape[1])
-    _rope_and_store[blocks(n, THREADS), THREADS, stream](q, k, v, positions, slots, rope, k_pool, v_pool, q_out,
-                                                         last_q)
+    head_dim = k_pool.shape[2]
+    if qk_norm is None:
+        qk_norm = (_no_norm(), _no_norm(), np.float32(0), False)
+    elif rope.paired:
+        raise ValueError("q/k norms take heads in natural order, not paired")
+    else:
+        qk_norm = (qk_norm[0], qk_norm[1], np.float32(qk_norm[2]), True)
+    heads = (q.shape[1] + 2 * k.shape[1]) // head_dim
+    _rope_and_store[(q.shape[0], heads), blocks(head_dim, WARP) * WARP, stream](
+        q, k, v, positions, slots, rope, k_pool, v_pool, q_out, last_q, qk_norm)
+
+
+_no_norms: list = []
+
+
+def _no_norm():
+    """A float32 vector standing in for the q/k norms' weights (never read), made once."""
+    if not _no_norms:
+        _no_norms.append(cuda.to_device(np.zeros(1, np.float32)))
+    return _no_norms[0]
 
 
 def attend(q, k_pool, v_pool, slot_pos, tables: BlockTables, positions, window: int, scale: float, parts, out,
@@ -206,32 +227,42 @@ def partials(n: int, n_head: int, n_kv: int, head_dim: int, slots: int, alloc=cu
 
 
 @jit_kernel
-def _rope_and_store(q, k, v, positions, slots, rope, k_pool, v_pool, q_out, last_q):
-    # one thread per value of the token's q, then k, then v row
+def _rope_and_store(q, k, v, positions, slots, rope, k_pool, v_pool, q_out, last_q, qk_norm):
+    # a block per (token, head of its q, then k, then v row), a thread per dimension (whole warps: the norm's sums)
     await_grid()
-    i = cuda.grid(1)
-    n_q, n_k = q.shape[1], k.shape[1]
-    width = n_q + 2 * n_k
-    if i >= q.shape[0] * width:
-        return
-    t = i // width
-    j = i % width
+    sums = cuda.shared.array(HEAD_WARPS, np.float32)
+    t, h, d = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     head_dim = k_pool.shape[2]
-    if j >= n_q + n_k:
-        c = j - n_q - n_k
-        v_pool[slots[t], c // head_dim, c % head_dim] = v[t, c]
+    n_qh, n_kh = q.shape[1] // head_dim, k.shape[1] // head_dim
+    if h >= n_qh + n_kh:
+        if d < head_dim:
+            v_pool[slots[t], h - n_qh - n_kh, d] = v[t, (h - n_qh - n_kh) * head_dim + d]
         return
-    is_q = j < n_q
-    c = j if is_q else j - n_q
-    d = c % head_dim
-    value = rotated(q if is_q else k, t, c - d, d, positions[t], rope)
+    is_q = h < n_qh
+    x = q if is_q else k
+    at = (h if is_q else h - n_qh) * head_dim
+    q_w, k_w, eps, on = qk_norm
+    inv = np.float32(1)
+    if on:  # the block's branch: its sums stay block-wide
+        value = x[t, at + d] if d < head_dim else np.float32(0)
+        ss = warp_sum(value * value)
+        if d % WARP == 0:
+            sums[d // WARP] = ss
+        cuda.syncthreads()
+        total = np.float32(0)
+        for j in range(cuda.blockDim.x // WARP):
+            total += sums[j]
+        inv = np.float32(1) / math.sqrt(total / np.float32(head_dim) + eps)
+    if d >= head_dim:
+        return
+    value = rotated(x, t, at, d, positions[t], rope, (q_w if is_q else k_w, inv, on))
     if is_q:
-        q_out[t, c] = value
+        q_out[t, at + d] = value
         kept = t - (q.shape[0] - last_q.shape[0])
         if kept >= 0:
-            last_q[kept, c] = value
+            last_q[kept, at + d] = value
     else:
-        k_pool[slots[t], c // head_dim, d] = value
+        k_pool[slots[t], h - n_qh, d] = value
 
 
 @functools.cache

@@ -35,17 +35,19 @@ import numpy as np
 from lucekv.kernels.cuda import matmul as mm
 from lucekv.kernels.cuda import matvec as mv
 from lucekv.kernels.cuda._numba import WARP, await_grid, blocks, cuda, jit_bounded, jit_kernel, warp_max, warp_sum
-from lucekv.kernels.cuda.packed import DeviceMatrix, Quant, as_epilogue, element_decoder, put
+from lucekv.kernels.cuda.packed import GATE_ROWS, DeviceMatrix, Quant, as_epilogue, element_decoder, put
 
 MAX_EXPERTS = 256  # the router's top-k holds a token's logits in registers: 8 per lane
 PER_LANE = MAX_EXPERTS // WARP
 PARTIALS, PRODUCT_WARPS = mv.PARTIALS, mv.MAX_WARPS  # the matvec bodies' shared arrays
-# threads of a router block, over an expert row's columns (a warp per row was latency-bound: 64 loads in turn per
-# lane at n_embd 2048, 38 us a layer of the 30B-A3B shape on an H100, a quarter of its decode step; a block per
-# row: 212 decode tok/s there, from 178). A prefill's block takes ROUTER_PREFILL_ROWS rows in turn, so that the
+# a router block takes an expert row over its threads, ROUTER_COLUMNS columns a thread held in registers, their loads
+# issued together (a warp per row was latency-bound: 64 loads in turn per lane at n_embd 2048, 38 us a layer of the
+# 30B-A3B shape on an H100, a quarter of its decode step; a block per row: 212 decode tok/s there, from 178, but
+# still a loop of 16 loads in turn per thread). A prefill's block takes ROUTER_PREFILL_ROWS rows in turn, so that the
 # token's RMSNorm, which every block takes, is not taken once per expert (prefill fell from 1659 to 975 tok/s).
-ROUTER_THREADS = 128
-ROUTER_WARPS = ROUTER_THREADS // WARP  # a module constant: a kernel's shared array needs a literal size
+ROUTER_COLUMNS = 16
+ROUTER_MAX_THREADS = 1024  # rows up to ROUTER_COLUMNS x that wide
+ROUTER_WARPS = ROUTER_MAX_THREADS // WARP  # a module constant: a kernel's shared array needs a literal size
 ROUTER_PREFILL_ROWS = 16
 GROUP_THREADS = 256
 EXPERT_SLOTS = MAX_EXPERTS + 1  # per-expert shared arrays of the grouping, with the end
@@ -53,9 +55,11 @@ THREADS = 256
 TAKEN = np.float32(-1)  # a probability already picked (probabilities are >= 0)
 
 
-def unsupported(n_expert: int, n_used: int) -> str | None:
+def unsupported(n_expert: int, n_embd: int) -> str | None:
     if n_expert > MAX_EXPERTS:
         return f"{n_expert} experts (the CUDA router takes up to {MAX_EXPERTS})"
+    if n_embd > ROUTER_COLUMNS * ROUTER_MAX_THREADS:
+        return f"n_embd {n_embd} (the CUDA router takes up to {ROUTER_COLUMNS * ROUTER_MAX_THREADS})"
     return None
 
 
@@ -126,31 +130,55 @@ def route(router: DeviceMatrix, x, norm: tuple | None, logits, counter, ids, wei
     (divided by their sum where `renormalise`); h = RMSNorm(x) * norm[0] with norm = (weight, eps), or x.
     logits: float32 scratch [>= n, n_expert]; counter: int32 [>= n], zeros (the kernel leaves them zero)."""
     n_expert = router.rows
-    if unsupported(n_expert, ids.shape[1]):
-        raise ValueError(unsupported(n_expert, ids.shape[1]))
+    if unsupported(n_expert, router.cols):
+        raise ValueError(unsupported(n_expert, router.cols))
     xnorm = (x, np.float32(0), False) if norm is None else (norm[0].reshape(1, -1), np.float32(norm[1]), True)
     n = x.shape[0]
     rows = 1 if n == 1 else ROUTER_PREFILL_ROWS
-    _ROUTERS[router.kind][(blocks(n_expert, rows), n), ROUTER_THREADS, stream](
+    threads = blocks(blocks(router.cols, ROUTER_COLUMNS), WARP) * WARP
+    _ROUTERS[router.kind][(blocks(n_expert, rows), n), threads, stream](
         router.quant, x, xnorm, logits, counter, ids, weights, renormalise, rows)
 
 
 def _make_router(kind: str):
     at = element_decoder(kind)
 
+    @cuda.jit(device=True, inline=True)
+    def load_row(w, e, cols, wv):
+        """Row e of the router over this thread's columns (zeros past the end) into wv, every load in flight at once."""
+        for j in range(ROUTER_COLUMNS):
+            c = cuda.threadIdx.x + j * cuda.blockDim.x
+            wv[j] = at(w, e, c) if c < cols else np.float32(0)
+
     def kernel(w, x, xnorm, logits, counter, ids, weights, renormalise, rows):
-        await_grid()
         sums = cuda.shared.array(ROUTER_WARPS, np.float32)
         last = cuda.shared.array(1, np.int32)
+        h = cuda.local.array(ROUTER_COLUMNS, np.float32)
+        wv = cuda.local.array(ROUTER_COLUMNS, np.float32)
         t = cuda.blockIdx.y
         n_expert, cols = w.codes.shape[0], x.shape[1]
+        first = cuda.blockIdx.x * rows
+        load_row(w, first, cols, wv)  # weights: their loads run while the kernel before finishes
+        await_grid()
+        for j in range(ROUTER_COLUMNS):
+            c = cuda.threadIdx.x + j * cuda.blockDim.x
+            h[j] = x[t, c] if c < cols else np.float32(0)
         scale_w, eps, on = xnorm
-        inv = _inv_rms(x, t, eps, sums) if on else np.float32(1)
-        for e in range(cuda.blockIdx.x * rows, min(n_expert, (cuda.blockIdx.x + 1) * rows)):
+        if on:  # h = RMSNorm(x) * scale_w, the sum of squares taken by the whole block
+            ss = np.float32(0)
+            for j in range(ROUTER_COLUMNS):
+                ss += h[j] * h[j]
+            inv = np.float32(1) / math.sqrt(_block_sum(ss, sums) / np.float32(cols) + eps)
+            for j in range(ROUTER_COLUMNS):
+                c = cuda.threadIdx.x + j * cuda.blockDim.x
+                if c < cols:
+                    h[j] = h[j] * inv * scale_w[0, c]
+        for e in range(first, min(n_expert, first + rows)):
+            if e > first:
+                load_row(w, e, cols, wv)
             acc = np.float32(0)
-            for c in range(cuda.threadIdx.x, cols, cuda.blockDim.x):
-                h = x[t, c] * inv * scale_w[0, c] if on else x[t, c]
-                acc += h * at(w, e, c)
+            for j in range(ROUTER_COLUMNS):
+                acc += h[j] * wv[j]
             acc = _block_sum(acc, sums)
             if cuda.threadIdx.x == 0:
                 logits[t, e] = acc
@@ -167,15 +195,6 @@ def _make_router(kind: str):
 
     kernel.__name__ = kernel.__qualname__ = f"_route_{kind}"
     return jit_kernel(kernel)
-
-
-@cuda.jit(device=True, inline=True)
-def _inv_rms(x, t, eps, sums):
-    """1 / rms(x[t]) + eps, summed by the whole block."""
-    ss = np.float32(0)
-    for c in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-        ss += x[t, c] * x[t, c]
-    return np.float32(1) / math.sqrt(_block_sum(ss, sums) / np.float32(x.shape[1]) + eps)
 
 
 @cuda.jit(device=True, inline=True)
@@ -239,10 +258,11 @@ _ROUTERS = {kind: _make_router(kind) for kind in ("q4", "q6", "q8", "f32")}
 
 
 def routed_matvecs(experts: ExpertTable, rows_per_expert: int, x, ids, out, x_per_slot: bool, stream=0,
-                   norm: tuple | None = None) -> None:
+                   norm: tuple | None = None, rows_per_block: int | None = None) -> None:
     """out[t * k + s] = expert ids[t, s] of the experts (rows rows_per_expert) times x[t] (x[t * k + s] where
     `x_per_slot`), for each token t of ids [n, k]; out: a device array or an Epilogue (a gated one for interleaved
-    gate/up experts). norm: (weight, eps) to normalize x first (`matvec.fuses_norm`)."""
+    gate/up experts). norm: (weight, eps) to normalize x first (`matvec.fuses_norm`). rows_per_block: a block's rows
+    instead of the matvec's choice (`block_rows`; benchmarks compare)."""
     n, k = ids.shape
     ep = as_epilogue(out)
     w = experts.table
@@ -259,7 +279,7 @@ def routed_matvecs(experts: ExpertTable, rows_per_expert: int, x, ids, out, x_pe
     segments = blocks(w.cols, mv.SEGMENT)
     n_pass = blocks(segments, mv.MAX_WARPS)
     n_warps = blocks(segments, n_pass)
-    rows = mv._rows_per_block([(k * rows_per_expert, w.kind, bool(ep.gate))], n_warps)[0]
+    rows = block_rows(w, k * rows_per_expert, bool(ep.gate), n_warps, rows_per_block)
     per_expert = blocks(rows_per_expert, rows)
     _ROUTED[w.kind, experts.placed][(k * per_expert, n), n_warps * WARP, stream](
         *experts.args(), rows_per_expert, x, xnorm, ep, n_pass, rows, per_expert, ids, x_per_slot)
@@ -321,13 +341,25 @@ def sums_routed(experts: ExpertTable, k: int) -> bool:
     return experts.kind != "f32" and k <= mv.MAX_WARPS
 
 
+def block_rows(w: DeviceMatrix, rows: int, gated: bool, warps: int, given: int | None = None) -> int:
+    """Rows per block of the routed products of `rows` rows in all (of blocks of `warps` warps): the dense matvec's
+    choice (one wave of resident blocks), or `given`, checked: whole register buffers (and gate/up groups)."""
+    if given is None:
+        return mv._rows_per_block([(rows, w.kind, gated)], warps)[0]
+    step = max(2 * mv.GROUP[w.kind], 2 * GATE_ROWS if gated else 0)
+    if given % step or given > mv.MAX_ROWS_PER_BLOCK:
+        raise ValueError(f"{given} rows a block: a multiple of {step} up to {mv.MAX_ROWS_PER_BLOCK}")
+    return given
+
+
 def routed_sum(experts: ExpertTable, rows_per_expert: int, x, ids, weights, residual, out, shared=None,
-               stream=0) -> None:
+               stream=0, rows_per_block: int | None = None) -> None:
     """out[t] = residual[t] + the sum over s, in rank order, of weights[t, s] * (expert ids[t, s] times x[t * k + s]),
     plus the shared expert as `combine` adds it: `routed_matvecs` and `combine` in one launch (where `sums_routed`).
     A block takes a few rows of every chosen expert, a warp (or a few) per slot over the columns, as the dense matvec's
     warps own column segments, and sums its rows itself in rank order: no atomics, bit-stable, and bit for bit the
     two launches' sums where a slot's warps cover its columns in one pass (k x segments <= MAX_WARPS).
+    rows_per_block: as `routed_matvecs`'.
     The kernel reads ids, and loads its first rows of weights, before it waits for the kernel before it (overlapped
     launches, see _numba): ids must come from an earlier launch than that one (the router's, before the gate/up
     product)."""
@@ -338,7 +370,7 @@ def routed_sum(experts: ExpertTable, rows_per_expert: int, x, ids, weights, resi
     segments = blocks(w.cols, mv.SEGMENT)
     warps = min(segments, mv.MAX_WARPS // k)  # per slot
     n_pass = blocks(segments, warps)
-    rows = mv._rows_per_block([(rows_per_expert, w.kind, False)], k * warps)[0]
+    rows = block_rows(w, rows_per_expert, False, k * warps, rows_per_block)
     gate, values = (weights, residual) if shared is None else shared
     _ROUTED_SUM[w.kind, experts.placed][(blocks(rows_per_expert, rows), n), k * warps * WARP, stream](
         *experts.args(), rows_per_expert, x, (x, np.float32(0), False), ids, weights, residual, gate, values,

@@ -50,17 +50,25 @@ def pair_dims(i, half, neox):
 
 
 @cuda.jit(device=True, inline=True)
-def rotated(x, t, head_at, d, position, rope):
+def rotated(x, t, head_at, d, position, rope, norm):
     """Dimension d of the head at column head_at of x[t], rotated for `position` by `rope` (a Rotary; dimensions
-    past the rotary ones, 2 * len(rope.inv), pass through); one thread per output value."""
+    past the rotary ones, 2 * len(rope.inv), pass through); one thread per output value. norm: (weight [head_dim],
+    inv, on): where on, the head is normalized first, x * inv * weight (a per-head RMSNorm, inv its 1 / rms; heads in
+    natural order, not paired)."""
     neox = rope.neox
     half = rope.inv.shape[0]
     if d >= 2 * half:
-        return x[t, head_at + d]
+        return _normalized(x, t, head_at, d, norm)
     i = d % half if neox else d // 2
     first = d == pair_dims(i, half, neox)[0]
     lo, hi = pair_dims(i, half, neox and not rope.paired)  # where x holds the pair
     c, s = cos_sin(position, rope.inv, i)
-    a = x[t, head_at + lo]
-    b = x[t, head_at + hi]
+    a = _normalized(x, t, head_at, lo, norm)
+    b = _normalized(x, t, head_at, hi, norm)
     return a * c - b * s if first else a * s + b * c
+
+
+@cuda.jit(device=True, inline=True)
+def _normalized(x, t, head_at, d, norm):
+    w, inv, on = norm
+    return x[t, head_at + d] * inv * w[d] if on else x[t, head_at + d]
