@@ -1224,7 +1224,7 @@ def verify_bucket(width: int) -> int:
     return -(-width // VERIFY_STEP) * VERIFY_STEP
 
 
-def capture_graph(stream, record: Callable[[], None]) -> tuple[object, int]:
+def capture_graph(stream, record: Callable[[], None], busy_warps: float = BUSY_WARPS_PER_SM) -> tuple[object, int]:
     """The launches `record()` makes on `stream`, captured (relaxed mode) as an executable CUDA graph with its
     kernel-to-kernel edges made programmatic where they may be (`overlap_kernel_launches`); returns the graph and
     the number of such edges. Nothing runs: replay it with `launch_graph`."""
@@ -1238,7 +1238,7 @@ def capture_graph(stream, record: Callable[[], None]) -> tuple[object, int]:
         finally:
             graph = _check(driver.cuStreamEndCapture(handle))
         try:
-            overlapped = overlap_kernel_launches(graph)
+            overlapped = overlap_kernel_launches(graph, busy_warps)
             return _check(driver.cuGraphInstantiate(graph, 0)), overlapped
         finally:
             _check(driver.cuGraphDestroy(graph))  # the executable graph is independent of it
@@ -1251,7 +1251,7 @@ def launch_graph(executable, stream) -> None:
     _check(driver.cuGraphLaunch(executable, driver.CUstream(int(stream.handle))))
 
 
-def overlap_kernel_launches(graph) -> int:
+def overlap_kernel_launches(graph, busy_warps: float = BUSY_WARPS_PER_SM) -> int:
     """Make the captured graph's kernel-to-kernel edges programmatic (sm_90+): the next kernel is launched once
     every block of this one is past its own `await_grid`, and its blocks wait in theirs until this one has
     finished, instead of being launched after it. Most of a decode step's kernels run for a few microseconds, so
@@ -1261,15 +1261,15 @@ def overlap_kernel_launches(graph) -> int:
     attention, one wave of blocks by design) stays a plain one: launched while such a kernel runs, the next one's
     blocks land on whichever SMs have room first, unevenly. Measured on an H200, decode step of the 8B shape: every
     edge programmatic 5.1% slower, all but those out of the big kernels 0.8% faster (3.637 -> 3.607 ms); 0.5B shape
-    (its kernels a fraction of a wave, every edge programmatic) 4.8% faster (1.226 -> 1.168 ms). Returns the edges
-    changed."""
+    (its kernels a fraction of a wave, every edge programmatic) 4.8% faster (1.226 -> 1.168 ms). busy_warps: that
+    threshold (benchmarks compare; inf: every edge programmatic). Returns the edges changed."""
     if not overlapped_launches():
         return 0
     from cuda.bindings import driver
 
     _, _, _, n = _check(driver.cuGraphGetEdges(graph, 0))
     src, dst, data, n = _check(driver.cuGraphGetEdges(graph, n))
-    busy = {int(node): _busy(node) for node in (*src[:n], *dst[:n])}  # None: not a kernel node
+    busy = {int(node): _busy(node, busy_warps) for node in (*src[:n], *dst[:n])}  # None: not a kernel node
     edges = [(a, b, d) for a, b, d in zip(src[:n], dst[:n], data[:n], strict=True)
              if busy[int(a)] is False and busy[int(b)] is not None]
     if not edges:
@@ -1287,15 +1287,15 @@ def overlap_kernel_launches(graph) -> int:
     return len(src)
 
 
-def _busy(node) -> bool | None:
-    """Whether a kernel node's grid has BUSY_WARPS_PER_SM warps per SM or more; None for other nodes."""
+def _busy(node, busy_warps: float) -> bool | None:
+    """Whether a kernel node's grid has busy_warps warps per SM or more; None for other nodes."""
     from cuda.bindings import driver
 
     if _check(driver.cuGraphNodeGetType(node)) != driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
         return None
     p = _check(driver.cuGraphKernelNodeGetParams(node))
     warps = p.gridDimX * p.gridDimY * p.gridDimZ * -(-p.blockDimX * p.blockDimY * p.blockDimZ // 32)
-    return warps >= BUSY_WARPS_PER_SM * cuda.get_current_device().MULTIPROCESSOR_COUNT
+    return warps >= busy_warps * cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
 def copy_to_device_async(dst, src: np.ndarray, stream, at: int = 0) -> None:
