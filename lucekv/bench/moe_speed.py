@@ -197,7 +197,14 @@ def bench_chains(layers: list[Layer], rng: np.random.Generator, replays: int, st
             ref = reference(first.layer, x0[0], first.ids.copy_to_host()[0], first.weights.copy_to_host()[0])
             got = first.out.copy_to_host()[0].astype(np.float64)
             result["max_rel_err_vs_float64"] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref - x0[0])))
-    result["after_equals_before"] = bool(np.array_equal(outs["after"], outs["before"]))
+            # routed_sum's rows per block also decide whether it fills the GPU (then its edge out stays plain)
+            for rows in SWEEP["routed_sum"]:
+                if rows % (2 * GROUP[layers[0].d_down.kind]) == 0:
+                    for st in steps:
+                        st.rows_per_block = {"routed_sum": rows}
+                    result[f"after_us_per_layer_at_{rows}_rows_per_block"] = graph_us(stream, launches, replays) / CHAIN
+                    outs[f"after at {rows} rows per block"] = steps[-1].out.copy_to_host()
+    result["after_equals_before"] = all(np.array_equal(out, outs["before"]) for out in outs.values())
     result["speedup"] = result["before_us_per_layer"] / result["after_us_per_layer"]
     return result
 
@@ -233,6 +240,9 @@ def main() -> None:
               f"{chains['max_rel_err_vs_float64']:.1e}; every edge programmatic: before "
               f"{chains['before_us_per_layer_all_edges_programmatic']:.1f}, after "
               f"{chains['after_us_per_layer_all_edges_programmatic']:.1f} µs", flush=True)
+        at = {k.split("_")[5]: us for k, us in chains.items() if k.startswith("after_us_per_layer_at_")}
+        print("  a layer after, by routed_sum's rows per block: "
+              + ", ".join(f"{r} {us:.1f} µs" for r, us in at.items()))
         del layers
     write_json(a.json, result)
 
