@@ -187,31 +187,28 @@ def test_cuda_backend_runs_an_moe_model_like_the_cpu_backend(tmp_path):
     check_backend_matches_cpu(tmp_path, "qwen2moe", Q.Q8_0, decode_steps=2, **TINY, n_ff_expert=32)
 
 
-@needs_kernels
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_1, pytest.param(Q.Q8_0, marks=pytest.mark.slow)],
-                         ids=lambda q: q.name)
-def test_routed_sum_is_the_routed_products_combined_bit_for_bit(qtype):
-    """routed_sum, a decode step's down products summing themselves back into the residual in one launch: bit for bit
-    the routed matvecs' rows combined (`combine`, with and without a shared expert; q4 with a bias, q6 and, slow, q8:
-    4 s of CPU each in the simulator), and within the x quantization's rounding of float64. 20 rows an expert: a
-    block's rows run past the last."""
+def check_routed_sum(qtype, n_expert: int, rows: int, cols: int, k: int, seed: int = 7) -> None:
+    """routed_sum of random experts (k chosen of n_expert, `rows` x `cols` each) against the routed matvecs' rows
+    combined (`combine`), bit for bit, with and without a shared expert, and within the x quantization's rounding of
+    float64."""
+    from lucekv.kernels.cpu.quants import dequantize_rows
     from lucekv.kernels.cuda import moe
     from lucekv.kernels.cuda.packed import upload
-    from tests.kernels.test_cuda_kernels import dense, random_packed
+    from tests.kernels.test_cuda_kernels import random_packed
 
-    n_expert, rows, cols, k = 6, 20, 32, 2
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     packed = random_packed(rng, qtype, n_expert * rows, cols)
     experts = moe.resident(upload(packed), n_expert)
-    ids = np.array([[4, 1]], np.int32)
-    weights = np.array([[0.7, 0.3]], np.float32)
+    ids = rng.permutation(n_expert)[:k].astype(np.int32).reshape(1, k)
+    weights = rng.random((1, k)).astype(np.float32)
     x = rng.standard_normal((k, cols)).astype(np.float32)  # one token's activations, a row per chosen expert
     residual, gate, values = (rng.standard_normal((1, w)).astype(np.float32) for w in (rows, 1, rows))
     d_ids, d_weights, d_x, d_residual = (cuda.to_device(a) for a in (ids, weights, x, residual))
     outs = cuda.device_array((k, rows), np.float32)
     moe.routed_matvecs(experts, rows, d_x, d_ids, outs, x_per_slot=True)
-    w64 = dense(packed).reshape(n_expert, rows, cols)
-    ref = residual[0] + sum(weights[0, s] * (w64[e] @ x[s].astype(np.float64)) for s, e in enumerate(ids[0]))
+    ref = residual[0].astype(np.float64)
+    for s, e in enumerate(ids[0]):
+        ref += weights[0, s] * (dequantize_rows(packed, e * rows, (e + 1) * rows).astype(np.float64) @ x[s])
     for shared in (None, (gate, values)):
         d_shared = None if shared is None else tuple(cuda.to_device(a) for a in shared)
         want, got = cuda.device_array((1, rows), np.float32), cuda.device_array((1, rows), np.float32)
@@ -221,6 +218,15 @@ def test_routed_sum_is_the_routed_products_combined_bit_for_bit(qtype):
         np.testing.assert_array_equal(got.copy_to_host(), want.copy_to_host())
         if shared is None:
             assert rel_err(got.copy_to_host()[0], ref) <= 1e-3
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_1, pytest.param(Q.Q8_0, marks=pytest.mark.slow)],
+                         ids=lambda q: q.name)
+def test_routed_sum_is_the_routed_products_combined_bit_for_bit(qtype):
+    """routed_sum, a decode step's down products summing themselves back into the residual in one launch (q4 with a
+    bias, q6 and, slow, q8: 4 s of CPU each in the simulator). 20 rows an expert: a block's rows run past the last."""
+    check_routed_sum(qtype, n_expert=6, rows=20, cols=32, k=2)
 
 
 @needs_kernels
@@ -290,6 +296,16 @@ def test_moe_ffn_at_qwen3_30b_a3b_shapes_gpu(a3b_layer, qtype, n_tokens):
     err = rel_err(out, ref)
     print(f"{qtype.name}, {n_tokens} tokens: max relative error {err:.2e}")
     assert err <= 2e-3
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_routed_sum_at_qwen3_30b_a3b_shapes_gpu(qtype):
+    """The down products of 8 of 128 experts (2048 x 768) summed back by routed_sum: the two launches' sums bit for
+    bit, within rounding of float64."""
+    check_routed_sum(qtype, n_expert=A3B["n_expert"], rows=A3B["n_embd"], cols=A3B["n_ff_expert"],
+                     k=A3B["n_expert_used"])
 
 
 @pytest.mark.gpu
