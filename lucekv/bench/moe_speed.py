@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType as Q
 
 from lucekv.backends.cuda import BUSY_WARPS_PER_SM, capture_graph, launch_graph
 from lucekv.bench.decode import git_commit
-from lucekv.bench.matvec_speed import Shape, device_name, random_matrix, write_json
+from lucekv.bench.matvec_speed import Shape, device_name, random_matrix, stream_launch, write_json
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows, pack
 from lucekv.kernels.cuda import cuda, moe
 from lucekv.kernels.cuda.matvec import GROUP
@@ -133,8 +133,18 @@ def weight_bytes(layer: Layer) -> dict[str, int]:
     return {"route": layer.d_router.nbytes, "gate_up": gate_up, "down": down, "combine": 0, "routed_sum": down}
 
 
+def stream_us(nbytes: int, replays: int, stream) -> float:
+    """µs of a kernel that only reads nbytes, contiguous (matvec_speed's `stream` reference: what a kernel of that
+    size can reach), a buffer of its own per launch."""
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    bufs = [cuda.device_array((1, nbytes // 4), np.uint32) for _ in range(LAUNCHES)]
+    flag = cuda.device_array(1, np.uint32)
+    return graph_us(stream, [stream_launch(b, flag, sms) for b in bufs], replays) / LAUNCHES
+
+
 def bench_alone(layers: list[Layer], rng: np.random.Generator, replays: int, stream) -> dict:
-    """µs and GB/s of each kernel by itself, each launch on experts of its own."""
+    """µs and GB/s of each kernel by itself, each launch on experts of its own; the products' bytes read by the
+    `stream` reference."""
     steps = []
     for j in range(LAUNCHES):
         x = cuda.to_device(rng.standard_normal((1, N_EMBD)).astype(np.float32))
@@ -146,6 +156,8 @@ def bench_alone(layers: list[Layer], rng: np.random.Generator, replays: int, str
         nbytes = weight_bytes(layers[0])[kernel]
         us = graph_us(stream, [getattr(s, kernel) for s in steps], replays) / LAUNCHES
         result[kernel] = {"us": us, "gbps": nbytes / (us * 1e3) if nbytes else None, "weight_bytes": nbytes}
+        if kernel in ("gate_up", "routed_sum"):
+            result[kernel]["stream_us"] = stream_us(nbytes, replays, stream)
         for rows in SWEEP.get(kernel, ()):
             matrix = layers[0].d_gate_up if kernel == "gate_up" else layers[0].d_down
             if rows % (2 * GROUP[matrix.kind]):  # whole pairs of register buffers
@@ -229,7 +241,9 @@ def main() -> None:
         chains = bench_chains(layers, rng, a.replays, stream)
         result["downs"][down.name] = {"alone": alone, "chain": chains}
         print(f"down {down.name}: " + ", ".join(
-            f"{k} {v['us']:.1f} µs" + (f" ({v['gbps']:.0f} GB/s)" if v["gbps"] else "") for k, v in alone.items()))
+            f"{k} {v['us']:.1f} µs" + (f" ({v['gbps']:.0f} GB/s)" if v["gbps"] else "") for k, v in alone.items())
+              + f"; reading their bytes alone: gate/up {alone['gate_up']['stream_us']:.1f}, down "
+              f"{alone['routed_sum']['stream_us']:.1f} µs")
         for kernel, v in alone.items():
             sweep = {k.split("_")[2]: us for k, us in v.items() if k.startswith("us_at_")}
             if sweep:
