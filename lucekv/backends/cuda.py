@@ -502,7 +502,8 @@ class CudaOps:
             starts, pos = self._alloc((spec.n_expert + 1,), np.int32), self._alloc((n, k), np.int32)
             src = self._alloc((n * k,), np.int32)
             tiles = self._alloc((moe.max_tiles(n * k, spec.n_expert), 2), np.int32)
-            moe.group(ids, spec.n_expert, starts, pos, src, tiles, stream=s)
+            counts = self._alloc((moe.group_blocks(n * k), spec.n_expert), np.int32)
+            moe.group(ids, spec.n_expert, starts, pos, src, tiles, counts, stream=s)
             gathered = self._empty(n * k, n_embd)
             moe.gather(h, src, gathered, stream=s)
             moe.grouped_matmul(e.gate_up, 2 * e.n_ff, gathered, starts, tiles, epilogue((act_out,), gate=gate),

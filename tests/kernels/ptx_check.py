@@ -106,7 +106,8 @@ for (kind, block, placed), kernel in moe._GROUPED.items():
     CHECKS[f"moe_grouped_{kind}_{block}" + "_placed" * placed] = (kernel, (QUANTS[kind], QUANTS[kind], I1, I64, F32,
                                                                           F2, I1, I2, EP))
 CHECKS["moe_routed_f32"] = (moe._routed_f32, (F2, F2, I1, I64, F2, I2, B, EP))
-CHECKS["moe_group"] = (moe._group, (I2, I64, I1, I2, I1, I2))
+CHECKS["moe_count"] = (moe._count, (I2, I64, I2, I2))
+CHECKS["moe_place"] = (moe._place, (I2, I64, I2, I1, I2, I1, I2))
 CHECKS["moe_gather"] = (moe._gather, (F2, I1, F2))
 CHECKS["moe_combine"] = (moe._combine, (F2, I2, F2, F2, F2, F2, B, F2))
 

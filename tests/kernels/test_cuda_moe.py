@@ -115,7 +115,7 @@ def test_spark_products_read_cold_experts_from_the_host_copy_and_filled_slots_ex
     ids = cuda.to_device(np.array([[2], [7]], np.int32))  # the grouped prefill: one token each of 2 and 7
     starts, pos = cuda.device_array(n_expert + 1, np.int32), cuda.device_array((2, 1), np.int32)
     src, tiles = cuda.device_array(2, np.int32), cuda.device_array((moe.max_tiles(2, n_expert), 2), np.int32)
-    moe.group(ids, n_expert, starts, pos, src, tiles)
+    moe.group(ids, n_expert, starts, pos, src, tiles, cuda.device_array((1, n_expert), np.int32))
     gathered = cuda.to_device(x.copy_to_host()[src.copy_to_host()])
     outs = []
     for table in (resident, spark):
@@ -209,11 +209,39 @@ def test_router_top_k_and_grouping_are_exact():
     starts = cuda.device_array(5, np.int32)
     pos, src = cuda.device_array((4, 2), np.int32), cuda.device_array(8, np.int32)
     tiles = cuda.device_array((moe.max_tiles(8, 4), 2), np.int32)
-    moe.group(cuda.to_device(slots), 4, starts, pos, src, tiles)
+    moe.group(cuda.to_device(slots), 4, starts, pos, src, tiles, cuda.device_array((1, 4), np.int32))
     assert starts.copy_to_host().tolist() == [0, 3, 4, 8, 8]
     assert src.copy_to_host().tolist() == [0, 2, 3, 1, 0, 1, 2, 3]  # expert 0: tokens 0, 2, 3; 1: 1; 2: 0, 1, 2, 3
     assert pos.copy_to_host().tolist() == [[4, 0], [5, 3], [1, 6], [7, 2]]
     assert tiles.copy_to_host().tolist() == [[0, 0], [1, 3], [2, 4]] + [[-1, 0]] * (len(tiles) - 3)
+
+
+@needs_kernels
+def test_grouping_over_several_blocks_is_a_stable_sort():
+    """group over three blocks of slots (560 = 70 tokens x top-8 of 16 experts) and with the most experts (256): the
+    rows, runs and tile map of numpy's stable argsort of the flattened ids."""
+    from lucekv.kernels.cuda import matmul as mm
+    from lucekv.kernels.cuda import moe
+
+    rng = np.random.default_rng(3)
+    for n, k, n_expert in ((70, 8, 16), (40, 3, moe.MAX_EXPERTS)):
+        ids = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(n)]).astype(np.int32)
+        starts, pos = cuda.device_array(n_expert + 1, np.int32), cuda.device_array((n, k), np.int32)
+        src = cuda.device_array(n * k, np.int32)
+        tiles = cuda.device_array((moe.max_tiles(n * k, n_expert), 2), np.int32)
+        counts = cuda.device_array((moe.group_blocks(n * k), n_expert), np.int32)
+        moe.group(cuda.to_device(ids), n_expert, starts, pos, src, tiles, counts)
+        order = np.argsort(ids.reshape(-1), kind="stable")
+        rows = np.empty(n * k, np.int64)
+        rows[order] = np.arange(n * k)
+        per_expert = np.bincount(ids.reshape(-1), minlength=n_expert)
+        first = np.concatenate([[0], np.cumsum(per_expert)])
+        want_tiles = [[e, first[e] + j * mm.TOKENS] for e in range(n_expert)
+                      for j in range(-(-per_expert[e] // mm.TOKENS))]
+        assert starts.copy_to_host().tolist() == first.tolist()
+        assert src.copy_to_host().tolist() == (order // k).tolist()
+        assert pos.copy_to_host().reshape(-1).tolist() == rows.tolist()
+        assert tiles.copy_to_host().tolist() == want_tiles + [[-1, 0]] * (len(tiles) - len(want_tiles))
 
 
 # ---- the GPU, at the Qwen3-30B-A3B shapes: 128 experts, top-8, n_embd 2048, experts 768 wide ------------------
