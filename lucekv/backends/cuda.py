@@ -499,16 +499,10 @@ class CudaOps:
             moe.routed_matvecs(e.down, n_embd, act_out, ids, outs, x_per_slot=True, stream=s)
             pos = self._slot_rows(n, k)
         else:
-            starts, pos = self._alloc((spec.n_expert + 1,), np.int32), self._alloc((n, k), np.int32)
-            src = self._alloc((n * k,), np.int32)
-            tiles = self._alloc((moe.max_tiles(n * k, spec.n_expert), 2), np.int32)
-            counts = self._alloc((moe.group_blocks(n * k), spec.n_expert), np.int32)
-            moe.group(ids, spec.n_expert, starts, pos, src, tiles, counts, stream=s)
-            gathered = self._empty(n * k, n_embd)
-            moe.gather(h, src, gathered, stream=s)
-            moe.grouped_matmul(e.gate_up, 2 * e.n_ff, gathered, starts, tiles, epilogue((act_out,), gate=gate),
-                               stream=s)
-            moe.grouped_matmul(e.down, n_embd, act_out, starts, tiles, outs, stream=s)
+            grouping = moe.Grouping.allocate(self._alloc, n, k, spec.n_expert, n_embd)
+            moe.grouped_experts(e.gate_up, e.down, e.n_ff, h, ids, spec.n_expert, gate, grouping, act_out, outs,
+                                stream=s)
+            pos = grouping.pos
         shared = None
         if m.shared is not None:
             sh = m.shared

@@ -9,10 +9,11 @@ takes expert e as a view of those rows (`expert_rows`), so the dense products' b
   that a replayed graph finds it at zero): expert ids and their weights stay on the device.
 - Decode (`routed_matvecs`): the dense matvec bodies over the chosen experts, the expert ids read on the device, so
   a decode step stays one captured graph; one grid row per token, blocks by (slot, row block of the expert).
-- Prefill (`group`, `gather`, `grouped_matmul`): the token-slots sorted by expert on the device (per block of
-  slots a histogram and each slot's rank, then a scan and a stable placement by every block), the normalized inputs gathered in that order, and the tensor-core
-  matmul tile over each expert's run of rows (a tile map of (expert, first row) per grid row; grid rows past the
-  last tile return at once: the grid is sized for the worst case, so a prefill graph replays whatever the routing).
+- Prefill (`grouped_experts`: `group`, `gather`, `grouped_matmul`): the token-slots sorted by expert on the device
+  (per block of slots a histogram and each slot's rank, then a scan and a stable placement by every block), the
+  normalized inputs gathered in that order, and the tensor-core matmul tile over each expert's run of rows (a tile
+  map of (expert, first row) per grid row; grid rows past the last tile return at once: the grid is sized for the
+  worst case, so a prefill graph replays whatever the routing).
 - `combine`: each token's expert outputs weighted and summed in rank order, plus the residual and, where the model
   has one, the shared expert scaled by the sigmoid of its gate: the weighted scatter back.
 
@@ -33,7 +34,7 @@ import numpy as np
 from lucekv.kernels.cuda import matmul as mm
 from lucekv.kernels.cuda import matvec as mv
 from lucekv.kernels.cuda._numba import WARP, await_grid, blocks, cuda, jit_bounded, jit_kernel, warp_max, warp_sum
-from lucekv.kernels.cuda.packed import DeviceMatrix, Quant, as_epilogue, element_decoder, put
+from lucekv.kernels.cuda.packed import DeviceMatrix, Quant, as_epilogue, element_decoder, epilogue, put
 
 MAX_EXPERTS = 256  # the router's top-k holds a token's logits in registers: 8 per lane
 PER_LANE = MAX_EXPERTS // WARP
@@ -310,6 +311,37 @@ def _routed_f32(table, host, remap, rows_per_expert, x, ids, x_per_slot, ep):
 
 
 # ---- prefill: grouped by expert -------------------------------------------------------------------------------
+
+
+@dataclass
+class Grouping:
+    """A prefill's token-slots grouped by expert on the device (see `group`: runs, rows, tokens, tile map, the
+    per-block counts) and its normalized inputs in that order (`gathered`)."""
+
+    starts: object
+    pos: object
+    src: object
+    tiles: object
+    counts: object
+    gathered: object
+
+    @classmethod
+    def allocate(cls, alloc, n: int, k: int, n_expert: int, n_embd: int) -> Grouping:
+        """The arrays of n tokens' top-k of n_expert experts; alloc(shape, dtype) gives a device array."""
+        return cls(alloc((n_expert + 1,), np.int32), alloc((n, k), np.int32), alloc((n * k,), np.int32),
+                   alloc((max_tiles(n * k, n_expert), 2), np.int32),
+                   alloc((group_blocks(n * k), n_expert), np.int32), alloc((n * k, n_embd), np.float32))
+
+
+def grouped_experts(gate_up: ExpertTable, down: ExpertTable, n_ff: int, h, ids, n_expert: int, gate: int,
+                    g: Grouping, act_out, outs, stream=0) -> None:
+    """outs[g.pos[t, s]] = the FFN of expert ids[t, s] on h[t] (gate and up interleaved, their activation `gate`
+    applied by the product's epilogue into act_out [n * k, n_ff], then down), each expert's run of token-slots
+    through the tensor-core tiles: the prefill's experts (CudaOps.moe_ffn, and bench.moe_speed times it)."""
+    group(ids, n_expert, g.starts, g.pos, g.src, g.tiles, g.counts, stream)
+    gather(h, g.src, g.gathered, stream)
+    grouped_matmul(gate_up, 2 * n_ff, g.gathered, g.starts, g.tiles, epilogue((act_out,), gate=gate), stream)
+    grouped_matmul(down, h.shape[1], act_out, g.starts, g.tiles, outs, stream)
 
 
 def max_tiles(n_rows: int, n_expert: int) -> int:
