@@ -482,7 +482,12 @@ class CudaOps:
                       spec.arch.norm_topk, stream=s)
         else:
             h = self.rmsnorm(x, norm)
-            moe.route(e.router, h, None, logits, self._route_counter(n), ids, weights, spec.arch.norm_topk, stream=s)
+            if n == 1:
+                moe.route(e.router, h, None, logits, self._route_counter(n), ids, weights, spec.arch.norm_topk,
+                          stream=s)
+            else:
+                parts = self._alloc(moe.router_parts(n, spec.n_expert, n_embd), np.float32)
+                moe.route_prefill(e.router, h, parts, logits, ids, weights, spec.arch.norm_topk, stream=s)
         act_out = self._empty(n * k, e.n_ff)
         outs = self._empty(n * k, n_embd)
         if e.gate_up is None:  # float experts

@@ -80,8 +80,8 @@ class Buffers:
 
     x: object
     h: object
+    parts: object
     logits: object
-    counter: object
     ids: object
     weights: object
     grouping: moe.Grouping
@@ -97,7 +97,7 @@ class Buffers:
             return cuda.device_array(shape, dtype, stream=stream)
 
         return cls(cuda.to_device(x, stream=stream), cuda.to_device(x, stream=stream),
-                   alloc((n, s.n_expert), np.float32), cuda.to_device(np.zeros(n, np.int32), stream=stream),
+                   alloc(moe.router_parts(n, s.n_expert, s.n_embd), np.float32), alloc((n, s.n_expert), np.float32),
                    alloc((n, s.k), np.int32), alloc((n, s.k), np.float32),
                    moe.Grouping.allocate(alloc, n, s.k, s.n_expert, s.n_embd), alloc((n * s.k, s.n_ff), np.float32),
                    alloc((n * s.k, s.n_embd), np.float32), alloc((n, s.n_embd), np.float32))
@@ -108,7 +108,7 @@ def ffn(layer: Layer, b: Buffers, stream, stage=lambda name: None) -> None:
     expert); stage(name) is called before each stage's launches."""
     s = layer.shape
     stage("route")
-    moe.route(layer.device_router, b.h, None, b.logits, b.counter, b.ids, b.weights, True, stream=stream)
+    moe.route_prefill(layer.device_router, b.h, b.parts, b.logits, b.ids, b.weights, True, stream=stream)
     stage("experts")
     moe.grouped_experts(layer.gate_up, layer.device_down, s.n_ff, b.h, b.ids, s.n_expert, SILU, b.grouping,
                         b.act_out, b.outs, stream=stream)

@@ -180,8 +180,8 @@ def test_cuda_backend_runs_an_moe_model_like_the_cpu_backend(tmp_path):
 
 @needs_kernels
 def test_router_top_k_and_grouping_are_exact():
-    """route: ids and weights of a softmax top-k, ties to the lower id, weights renormalised; group: a stable
-    placement by expert, the tile map of each expert's rows, tiles past the last marked -1."""
+    """route and route_prefill: ids and weights of a softmax top-k, ties to the lower id, weights renormalised;
+    group: a stable placement by expert, the tile map of each expert's rows, tiles past the last marked -1."""
     from lucekv.kernels.cpu.quants import pack
     from lucekv.kernels.cuda import moe
     from lucekv.kernels.cuda.packed import upload
@@ -196,13 +196,18 @@ def test_router_top_k_and_grouping_are_exact():
     weights = cuda.device_array((6, k), np.float32)
     counter = cuda.to_device(np.zeros(6, np.int32))
     logits = cuda.device_array((6, n_expert), np.float32)
+    parts = cuda.device_array(moe.router_parts(6, n_expert, n_embd), np.float32)
+    w = upload(pack(router, Q.F32, router.shape))
     for renormalise in (False, True):
-        moe.route(upload(pack(router, Q.F32, router.shape)), cuda.to_device(x), None, logits, counter, ids, weights,
-                  renormalise)
         ref_ids, ref_w = moe_reference.route(x.astype(np.float64), router.astype(np.float64), k, renormalise)
-        np.testing.assert_array_equal(ids.copy_to_host(), ref_ids)
-        np.testing.assert_allclose(weights.copy_to_host(), ref_w, rtol=1e-5)
-        assert ids.copy_to_host()[0, :2].tolist() == [3, 7]
+        for prefill in (False, True):  # one token's kernel (over six here), the prefill's tiles and top-k
+            if prefill:
+                moe.route_prefill(w, cuda.to_device(x), parts, logits, ids, weights, renormalise)
+            else:
+                moe.route(w, cuda.to_device(x), None, logits, counter, ids, weights, renormalise)
+            np.testing.assert_array_equal(ids.copy_to_host(), ref_ids)
+            np.testing.assert_allclose(weights.copy_to_host(), ref_w, rtol=1e-5)
+            assert ids.copy_to_host()[0, :2].tolist() == [3, 7]
         assert (counter.copy_to_host() == 0).all()  # left zero for the next launch
 
     slots = np.array([[2, 0], [2, 1], [0, 2], [2, 0]], np.int32)
@@ -350,11 +355,15 @@ def test_upcycled_distinct_experts_on_cuda_equal_the_cpu_layer_by_layer_gpu(tmp_
     path = write_upcycled_gguf(tmp_path / "moe.gguf", model_path("smollm2-135m"), distinct=True)
     g = open_gguf(path)
     spec = ModelSpec.from_gguf(g)
-    calls, routed, own_moe, own_route = [], [], CudaOps.moe_ffn, moe.route
+    calls, routed, own_moe, own_route, own_route_prefill = [], [], CudaOps.moe_ffn, moe.route, moe.route_prefill
 
     def route(*args, **kwargs):
         own_route(*args, **kwargs)
         routed.append(args[5])  # the ids the router wrote
+
+    def route_prefill(*args, **kwargs):
+        own_route_prefill(*args, **kwargs)
+        routed.append(args[4])
 
     def recorded(self, x, m, norm):
         out = own_moe(self, x, m, norm)
@@ -363,6 +372,7 @@ def test_upcycled_distinct_experts_on_cuda_equal_the_cpu_layer_by_layer_gpu(tmp_
         return out
 
     monkeypatch.setattr(moe, "route", route)
+    monkeypatch.setattr(moe, "route_prefill", route_prefill)
     monkeypatch.setattr(CudaOps, "moe_ffn", recorded)
     backend = CudaBackend(g, spec, "f32", 256, use_graph=False)
     tokens = np.array(Tokenizer.from_metadata(g.metadata).encode(PROSE * 4)[:64], np.int32)

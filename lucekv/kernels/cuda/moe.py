@@ -46,6 +46,10 @@ PARTIALS, PRODUCT_WARPS = mv.PARTIALS, mv.MAX_WARPS  # the matvec bodies' shared
 ROUTER_THREADS = 128
 ROUTER_WARPS = ROUTER_THREADS // WARP  # a module constant: a kernel's shared array needs a literal size
 ROUTER_PREFILL_ROWS = 16
+ROUTER_TILE = 32  # tokens and experts per block of the prefill's router (`route_prefill`)
+ROUTER_SPLIT = 256  # columns per block of it: each block makes a part of its logits
+ROUTER_TILE_THREADS = 256  # a thread per 2 tokens x 2 experts
+ROUTER_STRIDE = ROUTER_TILE + 1  # its shared rows, padded so that the staging's stores hit 32 banks
 GROUP_SLOTS = MAX_EXPERTS  # token-slots per block of the grouping, a thread each (and a thread per expert)
 THREADS = 256
 TAKEN = np.float32(-1)  # a probability already picked (probabilities are >= 0)
@@ -311,6 +315,92 @@ def _routed_f32(table, host, remap, rows_per_expert, x, ids, x_per_slot, ep):
 
 
 # ---- prefill: grouped by expert -------------------------------------------------------------------------------
+
+
+def router_parts(n: int, n_expert: int, cols: int) -> tuple[int, int, int]:
+    """The shape of `route_prefill`'s partial logits: a part per ROUTER_SPLIT columns, of each token and expert."""
+    return blocks(cols, ROUTER_SPLIT), n, n_expert
+
+
+def route_prefill(router: DeviceMatrix, h, parts, logits, ids, weights, renormalise: bool, stream=0) -> None:
+    """`route` for n > 1 tokens of normalized input h [n, n_embd]: the logits as a tiled product over column splits
+    (parts: float32 scratch of `router_parts`' shape; a 512-token prompt of 128 experts at n_embd 2048 is 512 blocks
+    of 32 tokens x 32 experts x 256 columns), then per token one warp sums the parts in split order (no atomics: a
+    replayed graph gives the eager logits bit for bit) into logits (scratch [>= n, n_expert]) and takes the top-k.
+    (`route`'s arrival-counted blocks, each token's rows in turn, are for one token.)"""
+    n, cols = h.shape
+    n_expert = router.rows
+    if unsupported(n_expert, ids.shape[1]):
+        raise ValueError(unsupported(n_expert, ids.shape[1]))
+    splits = blocks(cols, ROUTER_SPLIT)
+    if parts.shape[0] < splits or parts.shape[1] < n or parts.shape[2] != n_expert:
+        raise ValueError(f"route_prefill: parts {parts.shape} for {router_parts(n, n_expert, cols)}")
+    grid = (blocks(n_expert, ROUTER_TILE), blocks(n, ROUTER_TILE), splits)
+    _ROUTER_PARTS[router.kind][grid, ROUTER_TILE_THREADS, stream](router.quant, h, parts)
+    _sum_top_k[n, WARP, stream](parts, splits, logits, ids, weights, renormalise)
+
+
+def _make_router_parts(kind: str):
+    at = element_decoder(kind)
+
+    def kernel(w, x, parts):
+        await_grid()
+        xs = cuda.shared.array((ROUTER_TILE, ROUTER_STRIDE), np.float32)  # [column, token]
+        ws = cuda.shared.array((ROUTER_TILE, ROUTER_STRIDE), np.float32)  # [column, expert]
+        tid = cuda.threadIdx.x
+        n, cols, n_expert = x.shape[0], x.shape[1], w.codes.shape[0]
+        e0, t0 = cuda.blockIdx.x * ROUTER_TILE, cuda.blockIdx.y * ROUTER_TILE
+        c_begin = cuda.blockIdx.z * ROUTER_SPLIT
+        c_end = min(cols, c_begin + ROUTER_SPLIT)
+        te, tt = 2 * (tid % 16), 2 * (tid // 16)  # this thread's experts te, te + 1 and tokens tt, tt + 1
+        sc, sr = tid % ROUTER_TILE, tid // ROUTER_TILE  # staging: column sc of rows sr, sr + 8, ..
+        a00, a01, a10, a11 = np.float32(0), np.float32(0), np.float32(0), np.float32(0)
+        for c0 in range(c_begin, c_end, ROUTER_TILE):
+            c = c0 + sc
+            for i in range(ROUTER_TILE * ROUTER_TILE // ROUTER_TILE_THREADS):
+                r = sr + i * (ROUTER_TILE_THREADS // ROUTER_TILE)
+                xs[sc, r] = x[t0 + r, c] if t0 + r < n and c < c_end else np.float32(0)
+                ws[sc, r] = at(w, e0 + r, c) if e0 + r < n_expert and c < c_end else np.float32(0)
+            cuda.syncthreads()
+            for kk in range(ROUTER_TILE):
+                x0, x1, w0, w1 = xs[kk, tt], xs[kk, tt + 1], ws[kk, te], ws[kk, te + 1]
+                a00 += x0 * w0
+                a01 += x0 * w1
+                a10 += x1 * w0
+                a11 += x1 * w1
+            cuda.syncthreads()
+        z, t, e = cuda.blockIdx.z, t0 + tt, e0 + te
+        _put_part(parts, z, t, e, a00)
+        _put_part(parts, z, t, e + 1, a01)
+        _put_part(parts, z, t + 1, e, a10)
+        _put_part(parts, z, t + 1, e + 1, a11)
+
+    kernel.__name__ = kernel.__qualname__ = f"_router_parts_{kind}"
+    return jit_kernel(kernel)
+
+
+_ROUTER_PARTS = {kind: _make_router_parts(kind) for kind in ("q4", "q6", "q8", "f32")}
+
+
+@cuda.jit(device=True, inline=True)
+def _put_part(parts, z, t, e, v):
+    if t < parts.shape[1] and e < parts.shape[2]:
+        parts[z, t, e] = v
+
+
+@jit_kernel
+def _sum_top_k(parts, splits, logits, ids, weights, renormalise):
+    """Token blockIdx.x's logits, its parts summed in split order, then its top-k (one warp: lane l's experts are
+    l, l + 32, .., those `_top_k` reads back)."""
+    await_grid()
+    t = cuda.blockIdx.x
+    n_expert = parts.shape[2]
+    for e in range(cuda.threadIdx.x, n_expert, WARP):
+        v = np.float32(0)
+        for z in range(splits):
+            v += parts[z, t, e]
+        logits[t, e] = v
+    _top_k(logits, t, n_expert, ids, weights, renormalise)
 
 
 @dataclass
