@@ -504,7 +504,7 @@ class CudaOps:
             moe.routed_matvecs(e.down, n_embd, act_out, ids, outs, x_per_slot=True, stream=s)
             pos = self._slot_rows(n, k)
         else:
-            grouping = moe.Grouping.allocate(self._alloc, n, k, spec.n_expert, n_embd)
+            grouping = moe.Grouping.allocate(self._alloc, n, k, spec.n_expert, n_embd, e.n_ff)
             moe.grouped_experts(e.gate_up, e.down, e.n_ff, h, ids, spec.n_expert, gate, grouping, act_out, outs,
                                 stream=s)
             pos = grouping.pos

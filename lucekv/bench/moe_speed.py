@@ -99,8 +99,9 @@ class Buffers:
         return cls(cuda.to_device(x, stream=stream), cuda.to_device(x, stream=stream),
                    alloc(moe.router_parts(n, s.n_expert, s.n_embd), np.float32), alloc((n, s.n_expert), np.float32),
                    alloc((n, s.k), np.int32), alloc((n, s.k), np.float32),
-                   moe.Grouping.allocate(alloc, n, s.k, s.n_expert, s.n_embd), alloc((n * s.k, s.n_ff), np.float32),
-                   alloc((n * s.k, s.n_embd), np.float32), alloc((n, s.n_embd), np.float32))
+                   moe.Grouping.allocate(alloc, n, s.k, s.n_expert, s.n_embd, s.n_ff),
+                   alloc((n * s.k, s.n_ff), np.float32), alloc((n * s.k, s.n_embd), np.float32),
+                   alloc((n, s.n_embd), np.float32))
 
 
 def ffn(layer: Layer, b: Buffers, stream, stage=lambda name: None) -> None:

@@ -104,14 +104,14 @@ for kind, quant in QUANTS.items():
         CHECKS[f"moe_routed_{kind}" + "_placed" * placed] = (moe._ROUTED[kind, placed], routed)
 for (kind, block, placed), kernel in moe._GROUPED.items():
     CHECKS[f"moe_grouped_{kind}_{block}" + "_placed" * placed] = (kernel, (QUANTS[kind], QUANTS[kind], I1, I64, F32,
-                                                                          F2, I1, I2, EP))
+                                                                          U2, I1, I2, EP))
 CHECKS["moe_routed_f32"] = (moe._routed_f32, (F2, F2, I1, I64, F2, I2, B, EP))
 for kind, quant in (("q4", Q4_K), ("f32", _quant(np.float32, np.uint8, np.uint8))):
     CHECKS[f"moe_router_parts_{kind}"] = (moe._ROUTER_PARTS[kind], (quant, F2, types.float32[:, :, ::1]))
 CHECKS["moe_sum_top_k"] = (moe._sum_top_k, (types.float32[:, :, ::1], I64, F2, I2, F2, B))
 CHECKS["moe_count"] = (moe._count, (I2, I64, I2, I2))
 CHECKS["moe_place"] = (moe._place, (I2, I64, I2, I1, I2, I1, I2))
-CHECKS["moe_gather"] = (moe._gather, (F2, I1, F2))
+CHECKS["moe_gather"] = (moe._gather, (F2, I1, I64, I64, U2))
 CHECKS["moe_combine"] = (moe._combine, (F2, I2, F2, F2, F2, F2, B, F2))
 
 

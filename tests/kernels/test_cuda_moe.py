@@ -116,7 +116,8 @@ def test_spark_products_read_cold_experts_from_the_host_copy_and_filled_slots_ex
     starts, pos = cuda.device_array(n_expert + 1, np.int32), cuda.device_array((2, 1), np.int32)
     src, tiles = cuda.device_array(2, np.int32), cuda.device_array((moe.max_tiles(2, n_expert), 2), np.int32)
     moe.group(ids, n_expert, starts, pos, src, tiles, cuda.device_array((1, n_expert), np.int32))
-    gathered = cuda.to_device(x.copy_to_host()[src.copy_to_host()])
+    gathered = cuda.device_array((2, cols // 2), np.uint32)
+    moe.gather(x, src, gathered, "q8")
     outs = []
     for table in (resident, spark):
         out = cuda.device_array((2, rows), np.float32)

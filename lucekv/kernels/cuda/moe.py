@@ -11,7 +11,8 @@ takes expert e as a view of those rows (`expert_rows`), so the dense products' b
   a decode step stays one captured graph; one grid row per token, blocks by (slot, row block of the expert).
 - Prefill (`grouped_experts`: `group`, `gather`, `grouped_matmul`): the token-slots sorted by expert on the device
   (per block of slots a histogram and each slot's rank, then a scan and a stable placement by every block), the
-  normalized inputs gathered in that order, and the tensor-core matmul tile over each expert's run of rows (a tile
+  normalized inputs gathered in that order as float16 pairs (as matmul.stage_halves stages a dense product's x),
+  and the tensor-core matmul tile over each expert's run of rows (a tile
   map of (expert, first row) per grid row; grid rows past the last tile return at once: the grid is sized for the
   worst case, so a prefill graph replays whatever the routing).
 - `combine`: each token's expert outputs weighted and summed in rank order, plus the residual and, where the model
@@ -406,7 +407,8 @@ def _sum_top_k(parts, splits, logits, ids, weights, renormalise):
 @dataclass
 class Grouping:
     """A prefill's token-slots grouped by expert on the device (see `group`: runs, rows, tokens, tile map, the
-    per-block counts) and its normalized inputs in that order (`gathered`)."""
+    per-block counts) and the grouped products' inputs in that order, as float16 pairs (`gather`): the normalized
+    inputs (`gathered`) and the activations between gate/up and down (`act_halves`)."""
 
     starts: object
     pos: object
@@ -414,13 +416,15 @@ class Grouping:
     tiles: object
     counts: object
     gathered: object
+    act_halves: object
 
     @classmethod
-    def allocate(cls, alloc, n: int, k: int, n_expert: int, n_embd: int) -> Grouping:
+    def allocate(cls, alloc, n: int, k: int, n_expert: int, n_embd: int, n_ff: int) -> Grouping:
         """The arrays of n tokens' top-k of n_expert experts; alloc(shape, dtype) gives a device array."""
         return cls(alloc((n_expert + 1,), np.int32), alloc((n, k), np.int32), alloc((n * k,), np.int32),
                    alloc((max_tiles(n * k, n_expert), 2), np.int32),
-                   alloc((group_blocks(n * k), n_expert), np.int32), alloc((n * k, n_embd), np.float32))
+                   alloc((group_blocks(n * k), n_expert), np.int32), alloc((n * k, n_embd // 2), np.uint32),
+                   alloc((n * k, n_ff // 2), np.uint32))
 
 
 def grouped_experts(gate_up: ExpertTable, down: ExpertTable, n_ff: int, h, ids, n_expert: int, gate: int,
@@ -429,9 +433,10 @@ def grouped_experts(gate_up: ExpertTable, down: ExpertTable, n_ff: int, h, ids, 
     applied by the product's epilogue into act_out [n * k, n_ff], then down), each expert's run of token-slots
     through the tensor-core tiles: the prefill's experts (CudaOps.moe_ffn, and bench.moe_speed times it)."""
     group(ids, n_expert, g.starts, g.pos, g.src, g.tiles, g.counts, stream)
-    gather(h, g.src, g.gathered, stream)
+    gather(h, g.src, g.gathered, gate_up.kind, stream)
     grouped_matmul(gate_up, 2 * n_ff, g.gathered, g.starts, g.tiles, epilogue((act_out,), gate=gate), stream)
-    grouped_matmul(down, h.shape[1], act_out, g.starts, g.tiles, outs, stream)
+    mm.stage_halves(down.kind, act_out, g.act_halves, stream)
+    grouped_matmul(down, h.shape[1], g.act_halves, g.starts, g.tiles, outs, stream)
 
 
 def max_tiles(n_rows: int, n_expert: int) -> int:
@@ -538,35 +543,43 @@ def _place(ids, n_expert, counts, starts, pos, src, tiles):
             tiles[j, 1] = 0
 
 
-def gather(x, src, out, stream=0) -> None:
-    """out[p] = x[src[p]]: the normalized inputs in expert order."""
-    _gather[(blocks(x.shape[1], THREADS), out.shape[0]), THREADS, stream](x, src, out)
+def gather(x, src, out, kind: str, stream=0) -> None:
+    """out[p] = x[src[p]] (x: float32 [n, cols]) as float16 pairs in the order a `kind` product's tile stages them
+    (out: uint32 [n * k, cols // 2]; see matmul.stage_halves): the normalized inputs in expert order, rounded once
+    for the grouped gate/up product, which then copies 16 bytes of them a thread and step (half float32's)."""
+    cols = x.shape[1]
+    if out.shape[1] * 2 != cols or cols % mm.K_STEP:
+        raise ValueError(f"gather: x {x.shape} into {out.shape}: need [rows, cols // 2], cols a multiple of "
+                         f"{mm.K_STEP}")
+    _gather[blocks(out.size // 4, THREADS), THREADS, stream](x, src, *mm.x_order(kind), out)
 
 
 @jit_kernel
-def _gather(x, src, out):
+def _gather(x, src, span, gap, out):
     await_grid()
-    j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    p = cuda.blockIdx.y
-    if j < x.shape[1]:
-        out[p, j] = x[src[p], j]
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    parts = out.shape[1] >> 2
+    if i < out.shape[0] * parts:
+        p = i // parts
+        mm.stage_words(x, src[p], span, gap, out, p, i % parts)
 
 
 def grouped_matmul(experts: ExpertTable, rows_per_expert: int, x, starts, tiles, out, stream=0) -> None:
     """out[p] = expert e of the experts times x[p] for each row p of expert e's run (see `group`), on tensor cores
-    (a cold expert's tiles read it through the host mapping); out: a device array or an Epilogue (a gated one for
-    interleaved gate/up experts)."""
+    (a cold expert's tiles read it through the host mapping); x: the rows' float16 pairs in the experts' staged order
+    (`gather`, matmul.stage_halves); out: a device array or an Epilogue (a gated one for interleaved gate/up
+    experts)."""
     w = experts.table
-    if w.kind == "f32" or w.cols % mm.K_STEP:
+    if w.kind == "f32" or w.cols % mm.K_STEP or 2 * x.shape[1] != w.cols:
         raise ValueError(f"grouped matmul: {w.kind} experts of {w.cols} columns (quantized, a multiple of "
-                         f"{mm.K_STEP})")
+                         f"{mm.K_STEP}) times x {x.shape} (float16 pairs: half the columns)")
     kernel = _GROUPED[w.kind, 1 << w.block_log2, experts.placed]
     kernel[(blocks(rows_per_expert, mm.ROWS), tiles.shape[0]), mm.THREADS, stream](
         *experts.args(), rows_per_expert, np.float32(w.half_scale), x, starts, tiles, as_epilogue(out))
 
 
 def _make_grouped(kind: str, block: int, placed: bool):
-    tile = mm.TILES[kind, block]
+    tile = mm._make_tile(kind, block, mm.SHORT_TILE, halves=True)
     shared_tiles = mm.SHARED_TILES[mm.TOKENS]
 
     def kernel(table, host, remap, rows_per_expert, half_scale, x, starts, tiles, ep):
