@@ -64,7 +64,8 @@ class Layer:
 def build_layer(rng: np.random.Generator, s: MoeShape, down_qtype: Q, gate_up: tuple | None = None) -> Layer:
     """Random experts of shape s (gate/up Q4_K, down `down_qtype`); gate_up: (gate, up, their table) of another
     layer to share."""
-    router = (rng.standard_normal((s.n_expert, s.n_embd)) / np.sqrt(s.n_embd)).astype(np.float32)
+    # logits about N(0, 1) on inputs of X_SCALE: picks that vary by token, no near-ties at float32's rounding
+    router = (rng.standard_normal((s.n_expert, s.n_embd)) / (X_SCALE * np.sqrt(s.n_embd))).astype(np.float32)
     if gate_up is None:
         gate, up = (random_matrix(rng, Shape(name, s.n_expert * s.n_ff, s.n_embd, Q.Q4_K, 0)) for name in ("g", "u"))
         # interleaving the stacks interleaves each expert's rows (CudaOps.experts)
