@@ -12,9 +12,9 @@ takes expert e as a view of those rows (`expert_rows`), so the dense products' b
 - Prefill (`grouped_experts`: `group`, `gather`, `grouped_matmul`): the token-slots sorted by expert on the device
   (per block of slots a histogram and each slot's rank, then a scan and a stable placement by every block), the
   normalized inputs gathered in that order as float16 pairs (as matmul.stage_halves stages a dense product's x),
-  and the tensor-core matmul tile over each expert's run of rows (a tile
-  map of (expert, first row) per grid row; grid rows past the last tile return at once: the grid is sized for the
-  worst case, so a prefill graph replays whatever the routing).
+  and the tensor-core matmul tile over each expert's run of rows (a tile map of (expert, first row) per grid row;
+  grid rows past the last tile return at once: the grid is sized for the worst case, so a prefill graph replays
+  whatever the routing). The router of a prompt piece is `route_prefill`: a tiled product, then a top-k per token.
 - `combine`: each token's expert outputs weighted and summed in rank order, plus the residual and, where the model
   has one, the shared expert scaled by the sigmoid of its gate: the weighted scatter back.
 
