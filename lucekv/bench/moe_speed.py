@@ -9,8 +9,9 @@ Q4_K_M file has both): the whole FFN captured as one CUDA graph (programmatic ed
 replayed, then captured again with an event node before every kernel (kernel_profile's LaunchRecorder) for each
 kernel's time at its place. Also: the routing's spread (token-slots per expert, tiles of the grouped products), the
 useful TFLOP/s, the rate at which the layer's expert bytes go by, and the FFN's error against float64 numpy on the
-first REF_TOKENS tokens (the router's picks compared too). A layer's experts (~390 MB) are far beyond L2: a replay
-reads them from memory as a prefill does.
+first REF_TOKENS tokens (the router's picks compared too). Each launch bound the grouped products are built for
+(moe.GROUPED_BLOCKS_PER_SM: 2 blocks of 8 warps an SM, the default, or 3) is timed, its output checked equal.
+A layer's experts (~390 MB) are far beyond L2: a replay reads them from memory as a prefill does.
 """
 
 from __future__ import annotations
@@ -105,15 +106,15 @@ class Buffers:
                    alloc((n, s.n_embd), np.float32))
 
 
-def ffn(layer: Layer, b: Buffers, stream, stage=lambda name: None) -> None:
+def ffn(layer: Layer, b: Buffers, stream, stage=lambda name: None, blocks_per_sm: int = mm.BLOCKS_PER_SM) -> None:
     """out = x + the MoE FFN of h, as CudaOps.moe_ffn's n > 1 path (qwen3moe: top-k renormalised, SiLU, no shared
-    expert); stage(name) is called before each stage's launches."""
+    expert); stage(name) is called before each stage's launches; blocks_per_sm: the grouped products' launch bound."""
     s = layer.shape
     stage("route")
     moe.route_prefill(layer.device_router, b.h, b.parts, b.logits, b.ids, b.weights, True, stream=stream)
     stage("experts")
     moe.grouped_experts(layer.gate_up, layer.device_down, s.n_ff, b.h, b.ids, s.n_expert, SILU, b.grouping,
-                        b.act_out, b.outs, stream=stream)
+                        b.act_out, b.outs, stream=stream, blocks_per_sm=blocks_per_sm)
     stage("combine")
     moe.combine(b.outs, b.grouping.pos, b.weights, b.x, b.out, stream=stream)
 
@@ -169,7 +170,7 @@ def replay_us(executable, stream, replays: int) -> float:
     return statistics.median(times[1:])
 
 
-def kernel_us(layer: Layer, b: Buffers, stream, replays: int) -> list[dict]:
+def kernel_us(layer: Layer, b: Buffers, stream, replays: int, blocks_per_sm: int) -> list[dict]:
     """Each kernel's median µs inside the FFN's graph captured with an event node before every launch."""
     from lucekv.backends.cuda import capture_graph, launch_graph
     from lucekv.bench.kernel_profile import LaunchRecorder
@@ -180,7 +181,7 @@ def kernel_us(layer: Layer, b: Buffers, stream, replays: int) -> list[dict]:
         recorder.op = name
 
     def record() -> None:
-        ffn(layer, b, stream, stage)
+        ffn(layer, b, stream, stage, blocks_per_sm)
         recorder.mark("end", "", 0)
 
     with recorder.patched():
@@ -207,26 +208,34 @@ def bench_layer(layer: Layer, n: int, replays: int, rng: np.random.Generator) ->
     b = Buffers.allocate(s, x, stream)
     ffn(layer, b, stream)  # compiles and loads every kernel outside the captures
     stream.synchronize()
-    result = {"tokens": n, "down": layer.down.kind, **check(layer, b, x), **routing(s, b)}
-    executable, edges = capture_graph(stream, lambda: ffn(layer, b, stream))
-    us = replay_us(executable, stream, replays)
+    first = b.out.copy_to_host()
+    result = {"tokens": n, "down": layer.down.kind, **check(layer, b, x), **routing(s, b), "variants": []}
     expert_bytes = sum(t.table.nbytes for t in (layer.gate_up, layer.device_down))
     flops = 2 * n * s.k * 3 * s.n_ff * s.n_embd
-    result.update({"ffn_us": us, "programmatic_edges": edges, "useful_tflops": flops / us / 1e6,
-                   "expert_mb": expert_bytes / 1e6, "expert_gbps": expert_bytes / us / 1e3,
-                   "kernels": kernel_us(layer, b, stream, replays)})
+    for bound in moe.GROUPED_BLOCKS_PER_SM:  # the same code under another launch bound: the same output
+        ffn(layer, b, stream, blocks_per_sm=bound)
+        stream.synchronize()
+        executable, edges = capture_graph(stream, lambda bound=bound: ffn(layer, b, stream, blocks_per_sm=bound))
+        us = replay_us(executable, stream, replays)
+        result["variants"].append({
+            "blocks_per_sm": bound, "same_output": bool((b.out.copy_to_host() == first).all()), "ffn_us": us,
+            "programmatic_edges": edges, "useful_tflops": flops / us / 1e6, "expert_mb": expert_bytes / 1e6,
+            "expert_gbps": expert_bytes / us / 1e3, "kernels": kernel_us(layer, b, stream, replays, bound)})
     return result
 
 
 def print_result(r: dict) -> None:
-    print(f"{r['tokens']} tokens, down {r['down']}: FFN {r['ffn_us']:.1f} us ({r['useful_tflops']:.1f} useful TFLOP/s, "
-          f"{r['expert_mb']:.0f} MB of experts at {r['expert_gbps']:.0f} GB/s); error {r['max_rel_err']:.2e}, "
-          f"same experts {r['same_experts']}; slots per expert {r['slots_per_expert_min']}.."
-          f"{r['slots_per_expert_max']} (median {r['slots_per_expert_median']:.0f}), {r['tiles']} tiles "
-          f"({r['tile_rows_filled']:.0%} filled) of a grid of {r['grid_tiles']}")
-    total = sum(k["us"] for k in r["kernels"])
-    for k in r["kernels"]:
-        print(f"  {k['stage']:8s} {k['kernel']:22s} {k['us']:9.1f} us {k['us'] / total:6.1%}")
+    print(f"{r['tokens']} tokens, down {r['down']}: error {r['max_rel_err']:.2e}, same experts {r['same_experts']}; "
+          f"slots per expert {r['slots_per_expert_min']}..{r['slots_per_expert_max']} (median "
+          f"{r['slots_per_expert_median']:.0f}), {r['tiles']} tiles ({r['tile_rows_filled']:.0%} filled) of a grid of "
+          f"{r['grid_tiles']}")
+    for v in r["variants"]:
+        print(f" grouped products at {v['blocks_per_sm']} blocks per SM: FFN {v['ffn_us']:.1f} us "
+              f"({v['useful_tflops']:.1f} useful TFLOP/s, {v['expert_mb']:.0f} MB of experts at "
+              f"{v['expert_gbps']:.0f} GB/s), output as the first: {v['same_output']}")
+        total = sum(k["us"] for k in v["kernels"])
+        for k in v["kernels"]:
+            print(f"  {k['stage']:8s} {k['kernel']:26s} {k['us']:9.1f} us {k['us'] / total:6.1%}")
 
 
 def main() -> None:

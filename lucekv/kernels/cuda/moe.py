@@ -428,15 +428,17 @@ class Grouping:
 
 
 def grouped_experts(gate_up: ExpertTable, down: ExpertTable, n_ff: int, h, ids, n_expert: int, gate: int,
-                    g: Grouping, act_out, outs, stream=0) -> None:
+                    g: Grouping, act_out, outs, stream=0, blocks_per_sm: int = mm.BLOCKS_PER_SM) -> None:
     """outs[g.pos[t, s]] = the FFN of expert ids[t, s] on h[t] (gate and up interleaved, their activation `gate`
     applied by the product's epilogue into act_out [n * k, n_ff], then down), each expert's run of token-slots
-    through the tensor-core tiles: the prefill's experts (CudaOps.moe_ffn, and bench.moe_speed times it)."""
+    through the tensor-core tiles: the prefill's experts (CudaOps.moe_ffn, and bench.moe_speed times it).
+    blocks_per_sm: see `grouped_matmul`."""
     group(ids, n_expert, g.starts, g.pos, g.src, g.tiles, g.counts, stream)
     gather(h, g.src, g.gathered, gate_up.kind, stream)
-    grouped_matmul(gate_up, 2 * n_ff, g.gathered, g.starts, g.tiles, epilogue((act_out,), gate=gate), stream)
+    grouped_matmul(gate_up, 2 * n_ff, g.gathered, g.starts, g.tiles, epilogue((act_out,), gate=gate), stream,
+                   blocks_per_sm)
     mm.stage_halves(down.kind, act_out, g.act_halves, stream)
-    grouped_matmul(down, h.shape[1], g.act_halves, g.starts, g.tiles, outs, stream)
+    grouped_matmul(down, h.shape[1], g.act_halves, g.starts, g.tiles, outs, stream, blocks_per_sm)
 
 
 def max_tiles(n_rows: int, n_expert: int) -> int:
@@ -564,21 +566,24 @@ def _gather(x, src, span, gap, out):
         mm.stage_words(x, src[p], span, gap, out, p, i % parts)
 
 
-def grouped_matmul(experts: ExpertTable, rows_per_expert: int, x, starts, tiles, out, stream=0) -> None:
+def grouped_matmul(experts: ExpertTable, rows_per_expert: int, x, starts, tiles, out, stream=0,
+                   blocks_per_sm: int = mm.BLOCKS_PER_SM) -> None:
     """out[p] = expert e of the experts times x[p] for each row p of expert e's run (see `group`), on tensor cores
     (a cold expert's tiles read it through the host mapping); x: the rows' float16 pairs in the experts' staged order
     (`gather`, matmul.stage_halves); out: a device array or an Epilogue (a gated one for interleaved gate/up
-    experts)."""
+    experts). blocks_per_sm: the launch bound the kernel is compiled for (GROUPED_BLOCKS_PER_SM, for the benchmark's
+    comparison: at ~32 token-slots an expert the tile waits on loads and barriers more than it computes, and 3
+    blocks of 8 warps fit an SM at 80 registers a thread, 16 to 48 bytes spilled by ptxas, against 2 at 128)."""
     w = experts.table
     if w.kind == "f32" or w.cols % mm.K_STEP or 2 * x.shape[1] != w.cols:
         raise ValueError(f"grouped matmul: {w.kind} experts of {w.cols} columns (quantized, a multiple of "
                          f"{mm.K_STEP}) times x {x.shape} (float16 pairs: half the columns)")
-    kernel = _GROUPED[w.kind, 1 << w.block_log2, experts.placed]
+    kernel = _GROUPED[w.kind, 1 << w.block_log2, experts.placed, blocks_per_sm]
     kernel[(blocks(rows_per_expert, mm.ROWS), tiles.shape[0]), mm.THREADS, stream](
         *experts.args(), rows_per_expert, np.float32(w.half_scale), x, starts, tiles, as_epilogue(out))
 
 
-def _make_grouped(kind: str, block: int, placed: bool):
+def _make_grouped(kind: str, block: int, placed: bool, blocks_per_sm: int):
     tile = mm._make_tile(kind, block, mm.SHORT_TILE, halves=True)
     shared_tiles = mm.SHARED_TILES[mm.TOKENS]
 
@@ -594,11 +599,14 @@ def _make_grouped(kind: str, block: int, placed: bool):
             tile(w, rows_per_expert, half_scale, x, starts[e + 1], ep, cuda.blockIdx.x * mm.ROWS,
                  tiles[cuda.blockIdx.y, 1], a_tile, x_tile)
 
-    kernel.__name__ = kernel.__qualname__ = f"_grouped_{kind}_{block}" + ("_placed" if placed else "")
-    return jit_bounded(kernel, mm.THREADS, mm.BLOCKS_PER_SM)
+    kernel.__name__ = kernel.__qualname__ = (f"_grouped_{kind}_{block}" + ("_placed" if placed else "")
+                                             + ("" if blocks_per_sm == mm.BLOCKS_PER_SM else f"_sm{blocks_per_sm}"))
+    return jit_bounded(kernel, mm.THREADS, blocks_per_sm)
 
 
-_GROUPED = {(*key, placed): _make_grouped(*key, placed) for key in mm.TILES for placed in (False, True)}
+GROUPED_BLOCKS_PER_SM = (mm.BLOCKS_PER_SM, 3)  # launch bounds the grouped products are built for (see grouped_matmul)
+_GROUPED = {(*key, placed, bound): _make_grouped(*key, placed, bound) for key in mm.TILES for placed in (False, True)
+            for bound in GROUPED_BLOCKS_PER_SM}
 
 
 # ---- the weighted sum back ------------------------------------------------------------------------------------
