@@ -10,7 +10,7 @@
 #                                      (~17 GB in /tmp, a call of its own), then `moe bench` (lucekv decode/prefill
 #                                      beside llama-bench, GPU memory) and `moe profile` (the decode step's and the
 #                                      512-token prefill's kernels, each inside its graph); `moe ffn`: one layer's MoE
-#                                      FFN at prefill, random experts in memory (no file; per-kernel us, ~2-3 min)
+#                                      FFN at prefill, random experts in memory (no file; per-kernel us, ~3-5 min)
 #   bash bench/gpu_session.sh spark    Spark (issue 24): `spark write` writes the 30B-A3B-shaped Q4_K_M file with a
 #                                      Zipf-skewed router (~5 min, a call of its own); `spark tests`: Spark's gpu and
 #                                      kernel tests (128 greedy tokens of the k-means-routed upcycled smollm2 at 30/50%
