@@ -223,6 +223,32 @@ def test_router_top_k_and_grouping_are_exact():
 
 
 @needs_kernels
+def test_route_prefill_of_a_quantized_router_matches_float64():
+    """route_prefill decodes a quantized router's elements in its tiles (Q8_0, Q4_0 and Q5_1: the device's q8, q4
+    and q6 forms; GGUF routers are F32 as llama.cpp keeps them, but a file may hold another kind): the float64 top-k
+    of the dequantized router, over 34 tokens (two token tiles) and two column splits."""
+    from gguf.quants import dequantize, quantize
+
+    from lucekv.kernels.cpu.quants import pack
+    from lucekv.kernels.cuda import moe
+    from lucekv.kernels.cuda.packed import upload
+
+    n, n_expert, n_embd, k = 34, 12, 320, 4
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((n, n_embd)).astype(np.float32)
+    for qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_1):
+        raw = quantize((rng.standard_normal((n_expert, n_embd)) / 8).astype(np.float32), qtype)
+        router = dequantize(raw, qtype).reshape(n_expert, n_embd).astype(np.float64)
+        ids, weights = cuda.device_array((n, k), np.int32), cuda.device_array((n, k), np.float32)
+        moe.route_prefill(upload(pack(raw, qtype, (n_expert, n_embd))), cuda.to_device(x),
+                          cuda.device_array(moe.router_parts(n, n_expert, n_embd), np.float32),
+                          cuda.device_array((n, n_expert), np.float32), ids, weights, True)
+        ref_ids, ref_w = moe_reference.route(x.astype(np.float64), router, k, True)
+        np.testing.assert_array_equal(ids.copy_to_host(), ref_ids)
+        np.testing.assert_allclose(weights.copy_to_host(), ref_w, rtol=1e-4)
+
+
+@needs_kernels
 def test_grouping_over_several_blocks_is_a_stable_sort():
     """group over three blocks of slots (560 = 70 tokens x top-8 of 16 experts) and with the most experts (256): the
     rows, runs and tile map of numpy's stable argsort of the flattened ids."""
