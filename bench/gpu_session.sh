@@ -224,7 +224,7 @@ moe)
       --json "$OUT/kernel-profile-prefill512-qwen3-30b-a3b-shape.json" 2>&1 | grep -v -i warning | tail -30
     exit 0 ;;
   ffn)
-    python3 -m lucekv.bench.moe_speed --tokens 128,512 --json "$OUT/moe-ffn-speed-a3b.json" 2>&1 | grep -v -i warning
+    python3 -m lucekv.bench.moe_speed --tokens 64,512 --json "$OUT/moe-ffn-speed-a3b.json" 2>&1 | grep -v -i warning
     exit 0 ;;
   esac
   LUCEKV_TEST_MODELS_DIR=/tmp python3 -m pytest -q -s -m gpu tests/kernels/test_cuda_moe.py 2>&1 \
