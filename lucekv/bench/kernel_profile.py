@@ -50,11 +50,11 @@ OPS = {"embed": "embed", "_products": "linear", "rmsnorm": "rmsnorm", "attention
 
 
 class LaunchRecorder:
-    """While `active`, records an event on `stream` before every kernel launch, labelled by op and kernel."""
+    """While `active`, records an event node into the stream capture on `stream` before every kernel launch, labelled
+    by op and kernel."""
 
-    def __init__(self, stream, captured: bool = True):
+    def __init__(self, stream):
         self.stream = stream
-        self.captured = captured  # marks become event record nodes of a stream capture
         self.active = False
         self.op = "step"
         self.op_bytes = 0
@@ -65,12 +65,9 @@ class LaunchRecorder:
         from cuda.bindings import driver
 
         ev = cuda.event(timing=True)
-        if self.captured:  # external: an event record node (a plain record would only order the capture)
-            _check(driver.cuEventRecordWithFlags(driver.CUevent(int(ev.handle)),
-                                                 driver.CUstream(int(self.stream.handle)),
-                                                 driver.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL))
-        else:
-            ev.record(self.stream)
+        # external: an event record node (a plain record would only order the capture)
+        _check(driver.cuEventRecordWithFlags(driver.CUevent(int(ev.handle)), driver.CUstream(int(self.stream.handle)),
+                                             driver.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL))
         self.events.append(ev)
         self.marks.append((op, kernel, nbytes))
 
