@@ -8,7 +8,9 @@
 #   bash bench/gpu_session.sh moe      MoE: kernel tests at the Qwen3-30B-A3B shapes, CUDA==CPU on the upcycled
 #                                      smollm2 (needs its pieces); `moe write` writes the 30B-A3B-shaped Q4_K_M file
 #                                      (~17 GB in /tmp, a call of its own), then `moe bench` (lucekv decode/prefill
-#                                      beside llama-bench, GPU memory) and `moe profile` (the decode step's kernels);
+#                                      beside llama-bench, GPU memory) and `moe profile` (the decode step's and the
+#                                      512-token prefill's kernels, each inside its graph); `moe ffn`: one layer's MoE
+#                                      FFN at prefill, random experts in memory (no file; per-kernel us, ~3-5 min);
 #                                      `moe speed`: one MoE layer's decode kernels at the A3B shape, random experts in
 #                                      memory (no file): each kernel's µs and GB/s, a layer before / after routed_sum
 #                                      (~1-2 min with the compiles)
@@ -221,9 +223,14 @@ moe)
   profile)
     python3 -m lucekv.bench.kernel_profile $A3B --json "$OUT/kernel-profile-qwen3-30b-a3b-shape.json" 2>&1 \
       | grep -v -i warning | tail -30
+    python3 -m lucekv.bench.kernel_profile $A3B --prefill --prompt 512 --pool 1024 \
+      --json "$OUT/kernel-profile-prefill512-qwen3-30b-a3b-shape.json" 2>&1 | grep -v -i warning | tail -30
+    exit 0 ;;
+  ffn)
+    python3 -m lucekv.bench.moe_speed --tokens 64,512 --json "$OUT/moe-ffn-speed-a3b.json" 2>&1 | grep -v -i warning
     exit 0 ;;
   speed)
-    python3 -m lucekv.bench.moe_speed --json "$OUT/moe-speed-a3b.json" 2>&1 | grep -v -i warning
+    python3 -m lucekv.bench.moe_decode_speed --json "$OUT/moe-decode-speed-a3b.json" 2>&1 | grep -v -i warning
     exit 0 ;;
   esac
   LUCEKV_TEST_MODELS_DIR=/tmp python3 -m pytest -q -s -m gpu tests/kernels/test_cuda_moe.py 2>&1 \

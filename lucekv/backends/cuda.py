@@ -483,7 +483,12 @@ class CudaOps:
                       spec.arch.norm_topk, stream=s)
         else:
             h = self.rmsnorm(x, norm)
-            moe.route(e.router, h, None, logits, self._route_counter(n), ids, weights, spec.arch.norm_topk, stream=s)
+            if n == 1:
+                moe.route(e.router, h, None, logits, self._route_counter(n), ids, weights, spec.arch.norm_topk,
+                          stream=s)
+            else:
+                parts = self._alloc(moe.router_parts(n, spec.n_expert, n_embd), np.float32)
+                moe.route_prefill(e.router, h, parts, logits, ids, weights, spec.arch.norm_topk, stream=s)
         act_out = self._empty(n * k, e.n_ff)
         if n == 1 and e.gate_up is not None and moe.sums_routed(e.down, k):
             # the down products sum themselves back into the residual (no combine launch), the shared expert's
@@ -504,15 +509,10 @@ class CudaOps:
             moe.routed_matvecs(e.down, n_embd, act_out, ids, outs, x_per_slot=True, stream=s)
             pos = self._slot_rows(n, k)
         else:
-            starts, pos = self._alloc((spec.n_expert + 1,), np.int32), self._alloc((n, k), np.int32)
-            src = self._alloc((n * k,), np.int32)
-            tiles = self._alloc((moe.max_tiles(n * k, spec.n_expert), 2), np.int32)
-            moe.group(ids, spec.n_expert, starts, pos, src, tiles, stream=s)
-            gathered = self._empty(n * k, n_embd)
-            moe.gather(h, src, gathered, stream=s)
-            moe.grouped_matmul(e.gate_up, 2 * e.n_ff, gathered, starts, tiles, epilogue((act_out,), gate=gate),
-                               stream=s)
-            moe.grouped_matmul(e.down, n_embd, act_out, starts, tiles, outs, stream=s)
+            grouping = moe.Grouping.allocate(self._alloc, n, k, spec.n_expert, n_embd, e.n_ff)
+            moe.grouped_experts(e.gate_up, e.down, e.n_ff, h, ids, spec.n_expert, gate, grouping, act_out, outs,
+                                stream=s)
+            pos = grouping.pos
         shared = self._shared_expert(x, m, norm)
         out = self._empty(n, n_embd)
         moe.combine(outs, pos, weights, x, out, shared, stream=s)

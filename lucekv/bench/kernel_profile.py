@@ -1,5 +1,5 @@
 """Per-kernel GPU time of one CUDA decode step or verify forward, measured inside the captured graph (no launch
-overhead), or of one prefill forward.
+overhead), or of one prefill forward (`--prefill`, inside its captured graph too).
 
     python -m lucekv.bench.kernel_profile MODEL.gguf [--pool 131072] [--prompt 512] [--replays 20] [--prefill]
                                          [--verify N[,N..]] [--json OUT]
@@ -11,8 +11,8 @@ the gap to the next node); replaying the first gives the step's real time, so th
 event nodes add. `--verify N` does the same for a speculative round's verify forward of N tokens (the graph of its
 bucket, RowsGraph: all rows' logits and argmax); several widths (`--verify 1,2,4,8,17,32`, 1: the decode step) are
 profiled one after another on the same loaded model, and the JSON holds one result per width. `--prefill` times the
-`--prompt`-token forward instead, run eagerly with an event recorded before every launch (its kernels are long
-enough that the host stays ahead). Launches are labelled with the CudaOps op that made them (linears with their
+`--prompt`-token forward instead, the same way (its prompt piece's graph, and that forward captured with event
+nodes). Launches are labelled with the CudaOps op that made them (linears with their
 matrix shape and kind, and GB/s of the weight bytes they read) and grouped by (op, kernel).
 """
 
@@ -27,7 +27,16 @@ from pathlib import Path
 
 import numpy as np
 
-from lucekv.backends.cuda import CudaBackend, CudaOps, DecodeGraph, RowsGraph, _check, verify_bucket
+from lucekv.backends.cuda import (
+    CudaBackend,
+    CudaOps,
+    DecodeGraph,
+    ForwardGraph,
+    RowsGraph,
+    _check,
+    prefill_bucket,
+    verify_bucket,
+)
 from lucekv.bench.matvec_speed import device_name
 from lucekv.kernels.cuda import cuda, sample
 from lucekv.kernels.cuda.packed import DeviceMatrix
@@ -41,11 +50,11 @@ OPS = {"embed": "embed", "_products": "linear", "rmsnorm": "rmsnorm", "attention
 
 
 class LaunchRecorder:
-    """While `active`, records an event on `stream` before every kernel launch, labelled by op and kernel."""
+    """While `active`, records an event node into the stream capture on `stream` before every kernel launch, labelled
+    by op and kernel."""
 
-    def __init__(self, stream, captured: bool = True):
+    def __init__(self, stream):
         self.stream = stream
-        self.captured = captured  # marks become event record nodes of a stream capture
         self.active = False
         self.op = "step"
         self.op_bytes = 0
@@ -56,12 +65,9 @@ class LaunchRecorder:
         from cuda.bindings import driver
 
         ev = cuda.event(timing=True)
-        if self.captured:  # external: an event record node (a plain record would only order the capture)
-            _check(driver.cuEventRecordWithFlags(driver.CUevent(int(ev.handle)),
-                                                 driver.CUstream(int(self.stream.handle)),
-                                                 driver.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL))
-        else:
-            ev.record(self.stream)
+        # external: an event record node (a plain record would only order the capture)
+        _check(driver.cuEventRecordWithFlags(driver.CUevent(int(ev.handle)), driver.CUstream(int(self.stream.handle)),
+                                             driver.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL))
         self.events.append(ev)
         self.marks.append((op, kernel, nbytes))
 
@@ -173,6 +179,18 @@ def _profile_width(path: str, b: CudaBackend, spec: ModelSpec, rng, logits, pool
         finally:
             recorder.active = False
             sample.argmax = real_argmax
+    rows, timed_ms = _replay_marked(b, timed, recorder, inputs, tables, replays)
+    return {"bench": "kernel_profile", "device": device_name(cuda.get_current_device()), "model": Path(path).name,
+            "pool": pool, "prompt_tokens": n_prompt, "tokens": verify, "graph_width": graph.n_tokens,
+            "replays": replays, "kernels_per_step": len(recorder.marks) - 1, "graph_step_ms": step_ms,
+            "timed_step_ms": timed_ms,
+            "sum_of_kernels_ms": sum(r["total_us"] for r in rows) / 1000, "kernels": rows}
+
+
+def _replay_marked(b: CudaBackend, timed, recorder: LaunchRecorder, inputs: tuple, tables, replays: int
+                   ) -> tuple[list[dict], float]:
+    """Replays of `timed` (captured with the recorder's event nodes, the last after its last kernel) on `inputs`:
+    (kernel_rows of the launches, the median ms from the first event to the last)."""
     tokens, positions, slots = inputs
     b.pool.assign(slots, positions)
     b.ops.begin_step(tokens, positions, slots, tables=tables)
@@ -185,46 +203,49 @@ def _profile_width(path: str, b: CudaBackend, spec: ModelSpec, rng, logits, pool
         for i in range(len(per_launch)):
             per_launch[i].append(cuda.event_elapsed_time(ev[i], ev[i + 1]) * 1000)
         timed_ms.append(cuda.event_elapsed_time(ev[0], ev[-1]))
-
-    rows = kernel_rows(recorder.marks[:-1], per_launch)
-    return {"bench": "kernel_profile", "device": device_name(cuda.get_current_device()), "model": Path(path).name,
-            "pool": pool, "prompt_tokens": n_prompt, "tokens": verify, "graph_width": graph.n_tokens,
-            "replays": replays, "kernels_per_step": len(per_launch), "graph_step_ms": step_ms,
-            "timed_step_ms": statistics.median(timed_ms),
-            "sum_of_kernels_ms": sum(r["total_us"] for r in rows) / 1000, "kernels": rows}
+    return kernel_rows(recorder.marks[:-1], per_launch), statistics.median(timed_ms)
 
 
-def profile_prefill(path: str, pool: int, n_prompt: int, repeats: int) -> dict:
-    """Per-kernel time of one `n_prompt`-token forward, run eagerly (after a warm-up that compiles)."""
+class _EndMarkedForward(ForwardGraph):
+    """A prompt piece's graph whose capture ends with an event node after its last kernel."""
+
+    def __init__(self, backend: CudaBackend, n_tokens: int, recorder: LaunchRecorder):
+        super().__init__(backend, n_tokens)
+        self.recorder = recorder
+
+    def _record_after(self) -> None:
+        self.recorder.mark("end", "", 0)
+
+
+def profile_prefill(path: str, pool: int, n_prompt: int, replays: int) -> dict:
+    """Per-kernel time of one `n_prompt`-token forward (last logits) inside its captured graph, as `profile` times
+    the decode step: the prefill graph replayed as the engine replays it, then the same forward captured once more
+    with an event node before every kernel. (An eager forward with events said little: at the 30B-A3B shape its ~700
+    launches made it host-bound, ~410 us a launch.)"""
     g = open_gguf(path)
     spec = ModelSpec.from_gguf(g)
-    b = CudaBackend(g, spec, "f16", pool, use_graph=False)
+    b = CudaBackend(g, spec, "f16", pool)
     prompt = np.random.default_rng(0).integers(3, spec.vocab_size, n_prompt).astype(np.int32)
     pos = np.arange(n_prompt, dtype=np.int32)
-    b.forward(prompt, pos, pos)
-    recorder = LaunchRecorder(b.stream, captured=False)
-    per_launch: list[list[float]] = []
-    forward_ms = []
-    for _ in range(repeats):  # each forward rewrites the same slots
-        recorder.marks, recorder.events = [], []
-        with recorder.patched():
-            recorder.active = True
-            try:
-                b.forward(prompt, pos, pos)
-            finally:
-                recorder.active = False
-        recorder.mark("end", "", 0)
-        recorder.events[-1].synchronize()
-        ev = recorder.events
-        per_launch = per_launch or [[] for _ in recorder.marks[:-1]]
-        for i, times in enumerate(per_launch):
-            times.append(cuda.event_elapsed_time(ev[i], ev[i + 1]) * 1000)
-        forward_ms.append(cuda.event_elapsed_time(ev[0], ev[-1]))
-    rows = kernel_rows(recorder.marks[:-1], per_launch)
-    ms = statistics.median(forward_ms)
+    for _ in range(2):  # the first runs eagerly and captures the piece's graph, the second replays it
+        b.forward(prompt, pos, pos)
+    graph = b.prefill_graphs[prefill_bucket(n_prompt, b.prefill_chunk)]
+    b.stream.synchronize()
+    forward_ms = replay_ms(graph, b.stream, replays)
+    recorder = LaunchRecorder(b.stream)
+    timed = _EndMarkedForward(b, graph.n_tokens, recorder)
+    inputs = b._padded(graph.n_tokens, prompt, pos, pos, first=True)
+    with recorder.patched():
+        recorder.active = True
+        try:
+            timed.capture(*inputs)
+        finally:
+            recorder.active = False
+    rows, timed_ms = _replay_marked(b, timed, recorder, inputs, None, replays)
     return {"bench": "kernel_profile_prefill", "device": device_name(cuda.get_current_device()),
-            "model": Path(path).name, "pool": pool, "prompt_tokens": n_prompt, "repeats": repeats,
-            "kernels_per_forward": len(per_launch), "forward_ms": ms, "tok_s": n_prompt / ms * 1000,
+            "model": Path(path).name, "pool": pool, "prompt_tokens": n_prompt, "graph_width": graph.n_tokens,
+            "replays": replays, "kernels_per_forward": len(recorder.marks) - 1, "forward_ms": forward_ms,
+            "tok_s": n_prompt / forward_ms * 1000, "timed_forward_ms": timed_ms,
             "sum_of_kernels_ms": sum(r["total_us"] for r in rows) / 1000, "kernels": rows}
 
 
@@ -249,8 +270,9 @@ def print_table(r: dict) -> None:
               f"{what} {r['graph_step_ms']:.3f} ms; with event nodes {r['timed_step_ms']:.3f} ms, "
               f"{r['kernels_per_step']} kernels")
     else:
-        print(f"{r['device']}, {r['model']}, pool {r['pool']}, {r['prompt_tokens']}-token forward: "
-              f"{r['forward_ms']:.2f} ms ({r['tok_s']:.0f} tok/s), {r['kernels_per_forward']} kernels")
+        print(f"{r['device']}, {r['model']}, pool {r['pool']}, {r['prompt_tokens']}-token forward: graph "
+              f"{r['forward_ms']:.2f} ms ({r['tok_s']:.0f} tok/s); with event nodes {r['timed_forward_ms']:.2f} ms, "
+              f"{r['kernels_per_forward']} kernels")
     print(f"{'op':34s} {'kernel':22s} {'n':>4s} {'us each':>9s} {'total us':>9s} {'share':>6s} {'GB/s':>6s}")
     total = sum(x["total_us"] for x in r["kernels"])
     for x in r["kernels"]:

@@ -104,16 +104,19 @@ for kind, quant in QUANTS.items():
     routed = (quant, quant, I1, I64, F2, XNORM, EP, I64, I64, I64, I2, B)  # an ExpertTable's (table, host, remap)
     for placed in (False, True):
         CHECKS[f"moe_routed_{kind}" + "_placed" * placed] = (moe._ROUTED[kind, placed], routed)
-for (kind, block, placed), kernel in moe._GROUPED.items():
-    CHECKS[f"moe_grouped_{kind}_{block}" + "_placed" * placed] = (kernel, (QUANTS[kind], QUANTS[kind], I1, I64, F32,
-                                                                          F2, I1, I2, EP))
+for (kind, *_), kernel in moe._GROUPED.items():
+    CHECKS["moe" + kernel.py_func.__name__] = (kernel, (QUANTS[kind], QUANTS[kind], I1, I64, F32, U2, I1, I2, EP))
 for kind, quant in QUANTS.items():
     summed = (quant, quant, I1, I64, F2, XNORM, I2, F2, F2, F2, F2, B, F2, I64, I64, I64)
     for placed in (False, True):
         CHECKS[f"moe_routed_sum_{kind}" + "_placed" * placed] = (moe._ROUTED_SUM[kind, placed], summed)
 CHECKS["moe_routed_f32"] = (moe._routed_f32, (F2, F2, I1, I64, F2, I2, B, EP))
-CHECKS["moe_group"] = (moe._group, (I2, I64, I1, I2, I1, I2))
-CHECKS["moe_gather"] = (moe._gather, (F2, I1, F2))
+for kind, quant in (("q4", Q4_K), ("f32", _quant(np.float32, np.uint8, np.uint8))):
+    CHECKS[f"moe_router_parts_{kind}"] = (moe._ROUTER_PARTS[kind], (quant, F2, types.float32[:, :, ::1]))
+CHECKS["moe_sum_top_k"] = (moe._sum_top_k, (types.float32[:, :, ::1], I64, F2, I2, F2, B))
+CHECKS["moe_count"] = (moe._count, (I2, I64, I2, I2))
+CHECKS["moe_place"] = (moe._place, (I2, I64, I2, I1, I2, I1, I2))
+CHECKS["moe_gather"] = (moe._gather, (F2, I1, I64, I64, U2))
 CHECKS["moe_combine"] = (moe._combine, (F2, I2, F2, F2, F2, F2, B, F2))
 
 

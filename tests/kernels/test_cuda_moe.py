@@ -124,8 +124,9 @@ def test_spark_products_read_cold_experts_from_the_host_copy_and_filled_slots_ex
     ids = cuda.to_device(np.array([[2], [7]], np.int32))  # the grouped prefill: one token each of 2 and 7
     starts, pos = cuda.device_array(n_expert + 1, np.int32), cuda.device_array((2, 1), np.int32)
     src, tiles = cuda.device_array(2, np.int32), cuda.device_array((moe.max_tiles(2, n_expert), 2), np.int32)
-    moe.group(ids, n_expert, starts, pos, src, tiles)
-    gathered = cuda.to_device(x.copy_to_host()[src.copy_to_host()])
+    moe.group(ids, n_expert, starts, pos, src, tiles, cuda.device_array((1, n_expert), np.int32))
+    gathered = cuda.device_array((2, cols // 2), np.uint32)
+    moe.gather(x, src, gathered, "q8")
     outs = []
     for table in (resident, spark):
         out = cuda.device_array((2, rows), np.float32)
@@ -243,8 +244,8 @@ def test_routed_sum_of_wide_experts_takes_passes():
 
 @needs_kernels
 def test_router_top_k_and_grouping_are_exact():
-    """route: ids and weights of a softmax top-k, ties to the lower id, weights renormalised; group: a stable
-    placement by expert, the tile map of each expert's rows, tiles past the last marked -1."""
+    """route and route_prefill: ids and weights of a softmax top-k, ties to the lower id, weights renormalised;
+    group: a stable placement by expert, the tile map of each expert's rows, tiles past the last marked -1."""
     from lucekv.kernels.cpu.quants import pack
     from lucekv.kernels.cuda import moe
     from lucekv.kernels.cuda.packed import upload
@@ -259,24 +260,83 @@ def test_router_top_k_and_grouping_are_exact():
     weights = cuda.device_array((6, k), np.float32)
     counter = cuda.to_device(np.zeros(6, np.int32))
     logits = cuda.device_array((6, n_expert), np.float32)
+    parts = cuda.device_array(moe.router_parts(6, n_expert, n_embd), np.float32)
+    w = upload(pack(router, Q.F32, router.shape))
     for renormalise in (False, True):
-        moe.route(upload(pack(router, Q.F32, router.shape)), cuda.to_device(x), None, logits, counter, ids, weights,
-                  renormalise)
         ref_ids, ref_w = moe_reference.route(x.astype(np.float64), router.astype(np.float64), k, renormalise)
-        np.testing.assert_array_equal(ids.copy_to_host(), ref_ids)
-        np.testing.assert_allclose(weights.copy_to_host(), ref_w, rtol=1e-5)
-        assert ids.copy_to_host()[0, :2].tolist() == [3, 7]
+        for prefill in (False, True):  # one token's kernel (over six here), the prefill's tiles and top-k
+            if prefill:
+                moe.route_prefill(w, cuda.to_device(x), parts, logits, ids, weights, renormalise)
+            else:
+                moe.route(w, cuda.to_device(x), None, logits, counter, ids, weights, renormalise)
+            np.testing.assert_array_equal(ids.copy_to_host(), ref_ids)
+            np.testing.assert_allclose(weights.copy_to_host(), ref_w, rtol=1e-5)
+            assert ids.copy_to_host()[0, :2].tolist() == [3, 7]
         assert (counter.copy_to_host() == 0).all()  # left zero for the next launch
 
     slots = np.array([[2, 0], [2, 1], [0, 2], [2, 0]], np.int32)
     starts = cuda.device_array(5, np.int32)
     pos, src = cuda.device_array((4, 2), np.int32), cuda.device_array(8, np.int32)
     tiles = cuda.device_array((moe.max_tiles(8, 4), 2), np.int32)
-    moe.group(cuda.to_device(slots), 4, starts, pos, src, tiles)
+    moe.group(cuda.to_device(slots), 4, starts, pos, src, tiles, cuda.device_array((1, 4), np.int32))
     assert starts.copy_to_host().tolist() == [0, 3, 4, 8, 8]
     assert src.copy_to_host().tolist() == [0, 2, 3, 1, 0, 1, 2, 3]  # expert 0: tokens 0, 2, 3; 1: 1; 2: 0, 1, 2, 3
     assert pos.copy_to_host().tolist() == [[4, 0], [5, 3], [1, 6], [7, 2]]
     assert tiles.copy_to_host().tolist() == [[0, 0], [1, 3], [2, 4]] + [[-1, 0]] * (len(tiles) - 3)
+
+
+@needs_kernels
+def test_route_prefill_of_a_quantized_router_matches_float64():
+    """route_prefill decodes a quantized router's elements in its tiles (Q8_0, Q4_0 and Q5_1: the device's q8, q4
+    and q6 forms; GGUF routers are F32 as llama.cpp keeps them, but a file may hold another kind): the float64 top-k
+    of the dequantized router, over 34 tokens (two token tiles) and two column splits."""
+    from gguf.quants import dequantize, quantize
+
+    from lucekv.kernels.cpu.quants import pack
+    from lucekv.kernels.cuda import moe
+    from lucekv.kernels.cuda.packed import upload
+
+    n, n_expert, n_embd, k = 34, 12, 320, 4
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((n, n_embd)).astype(np.float32)
+    for qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_1):
+        raw = quantize((rng.standard_normal((n_expert, n_embd)) / 8).astype(np.float32), qtype)
+        router = dequantize(raw, qtype).reshape(n_expert, n_embd).astype(np.float64)
+        ids, weights = cuda.device_array((n, k), np.int32), cuda.device_array((n, k), np.float32)
+        moe.route_prefill(upload(pack(raw, qtype, (n_expert, n_embd))), cuda.to_device(x),
+                          cuda.device_array(moe.router_parts(n, n_expert, n_embd), np.float32),
+                          cuda.device_array((n, n_expert), np.float32), ids, weights, True)
+        ref_ids, ref_w = moe_reference.route(x.astype(np.float64), router, k, True)
+        np.testing.assert_array_equal(ids.copy_to_host(), ref_ids)
+        np.testing.assert_allclose(weights.copy_to_host(), ref_w, rtol=1e-4)
+
+
+@needs_kernels
+def test_grouping_over_several_blocks_is_a_stable_sort():
+    """group over three blocks of slots (560 = 70 tokens x top-8 of 16 experts) and with the most experts (256): the
+    rows, runs and tile map of numpy's stable argsort of the flattened ids."""
+    from lucekv.kernels.cuda import matmul as mm
+    from lucekv.kernels.cuda import moe
+
+    rng = np.random.default_rng(3)
+    for n, k, n_expert in ((70, 8, 16), (40, 3, moe.MAX_EXPERTS)):
+        ids = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(n)]).astype(np.int32)
+        starts, pos = cuda.device_array(n_expert + 1, np.int32), cuda.device_array((n, k), np.int32)
+        src = cuda.device_array(n * k, np.int32)
+        tiles = cuda.device_array((moe.max_tiles(n * k, n_expert), 2), np.int32)
+        counts = cuda.device_array((moe.group_blocks(n * k), n_expert), np.int32)
+        moe.group(cuda.to_device(ids), n_expert, starts, pos, src, tiles, counts)
+        order = np.argsort(ids.reshape(-1), kind="stable")
+        rows = np.empty(n * k, np.int64)
+        rows[order] = np.arange(n * k)
+        per_expert = np.bincount(ids.reshape(-1), minlength=n_expert)
+        first = np.concatenate([[0], np.cumsum(per_expert)])
+        want_tiles = [[e, first[e] + j * mm.TOKENS] for e in range(n_expert)
+                      for j in range(-(-per_expert[e] // mm.TOKENS))]
+        assert starts.copy_to_host().tolist() == first.tolist()
+        assert src.copy_to_host().tolist() == (order // k).tolist()
+        assert pos.copy_to_host().reshape(-1).tolist() == rows.tolist()
+        assert tiles.copy_to_host().tolist() == want_tiles + [[-1, 0]] * (len(tiles) - len(want_tiles))
 
 
 # ---- the GPU, at the Qwen3-30B-A3B shapes: 128 experts, top-8, n_embd 2048, experts 768 wide ------------------
@@ -395,11 +455,15 @@ def test_upcycled_distinct_experts_on_cuda_equal_the_cpu_layer_by_layer_gpu(tmp_
     path = write_upcycled_gguf(tmp_path / "moe.gguf", model_path("smollm2-135m"), distinct=True)
     g = open_gguf(path)
     spec = ModelSpec.from_gguf(g)
-    calls, routed, own_moe, own_route = [], [], CudaOps.moe_ffn, moe.route
+    calls, routed, own_moe, own_route, own_route_prefill = [], [], CudaOps.moe_ffn, moe.route, moe.route_prefill
 
     def route(*args, **kwargs):
         own_route(*args, **kwargs)
         routed.append(args[5])  # the ids the router wrote
+
+    def route_prefill(*args, **kwargs):
+        own_route_prefill(*args, **kwargs)
+        routed.append(args[4])
 
     def recorded(self, x, m, norm):
         out = own_moe(self, x, m, norm)
@@ -408,6 +472,7 @@ def test_upcycled_distinct_experts_on_cuda_equal_the_cpu_layer_by_layer_gpu(tmp_
         return out
 
     monkeypatch.setattr(moe, "route", route)
+    monkeypatch.setattr(moe, "route_prefill", route_prefill)
     monkeypatch.setattr(CudaOps, "moe_ffn", recorded)
     backend = CudaBackend(g, spec, "f32", 256, use_graph=False)
     tokens = np.array(Tokenizer.from_metadata(g.metadata).encode(PROSE * 4)[:64], np.int32)

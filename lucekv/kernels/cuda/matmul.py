@@ -487,13 +487,19 @@ def _stage_halves(x, span, gap, out):
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     parts = out.shape[1] >> 2
     if i < out.shape[0] * parts:
-        t, q = i // parts, i % parts
-        c = 32 * (q >> 2) + span * (q & 3)
-        first, second = load_f32x4(x, t, c), load_f32x4(x, t, c + gap)
-        out[t, 4 * q] = pack_half2(first[0], first[2])
-        out[t, 4 * q + 1] = pack_half2(first[1], first[3])
-        out[t, 4 * q + 2] = pack_half2(second[0], second[2])
-        out[t, 4 * q + 3] = pack_half2(second[1], second[3])
+        t = i // parts
+        stage_words(x, t, span, gap, out, t, i % parts)
+
+
+@cuda.jit(device=True, inline=True)
+def stage_words(x, row, span, gap, out, t, q):
+    """out[t, 4 q .. 4 q + 3]: x[row]'s staged words of `_stage_halves` (the grouped MoE products gather rows so)."""
+    c = 32 * (q >> 2) + span * (q & 3)
+    first, second = load_f32x4(x, row, c), load_f32x4(x, row, c + gap)
+    out[t, 4 * q] = pack_half2(first[0], first[2])
+    out[t, 4 * q + 1] = pack_half2(first[1], first[3])
+    out[t, 4 * q + 2] = pack_half2(second[0], second[2])
+    out[t, 4 * q + 3] = pack_half2(second[1], second[3])
 
 
 def stage_halves(kind: str, x, out, stream=0) -> None:

@@ -9,10 +9,12 @@ takes expert e as a view of those rows (`expert_rows`), so the dense products' b
   that a replayed graph finds it at zero): expert ids and their weights stay on the device.
 - Decode (`routed_matvecs`): the dense matvec bodies over the chosen experts, the expert ids read on the device, so
   a decode step stays one captured graph; one grid row per token, blocks by (slot, row block of the expert).
-- Prefill (`group`, `gather`, `grouped_matmul`): the token-slots sorted by expert on the device (a histogram, a
-  scan and a stable placement, in one block), the normalized inputs gathered in that order, and the tensor-core
-  matmul tile over each expert's run of rows (a tile map of (expert, first row) per grid row; grid rows past the
-  last tile return at once: the grid is sized for the worst case, so a prefill graph replays whatever the routing).
+- Prefill (`grouped_experts`: `group`, `gather`, `grouped_matmul`): the token-slots sorted by expert on the device
+  (per block of slots a histogram and each slot's rank, then a scan and a stable placement by every block), the
+  normalized inputs gathered in that order as float16 pairs (as matmul.stage_halves stages a dense product's x),
+  and the tensor-core matmul tile over each expert's run of rows (a tile map of (expert, first row) per grid row;
+  grid rows past the last tile return at once: the grid is sized for the worst case, so a prefill graph replays
+  whatever the routing). The router of a prompt piece is `route_prefill`: a tiled product, then a top-k per token.
 - `combine`: each token's expert outputs weighted and summed in rank order, plus the residual and, where the model
   has one, the shared expert scaled by the sigmoid of its gate: the weighted scatter back. A decode step's down
   products do it themselves (`routed_sum`: the chosen experts' rows of a block summed in the block, in rank order),
@@ -35,7 +37,7 @@ import numpy as np
 from lucekv.kernels.cuda import matmul as mm
 from lucekv.kernels.cuda import matvec as mv
 from lucekv.kernels.cuda._numba import WARP, await_grid, blocks, cuda, jit_bounded, jit_kernel, warp_max, warp_sum
-from lucekv.kernels.cuda.packed import GATE_ROWS, DeviceMatrix, Quant, as_epilogue, element_decoder, put
+from lucekv.kernels.cuda.packed import GATE_ROWS, DeviceMatrix, Quant, as_epilogue, element_decoder, epilogue, put
 
 MAX_EXPERTS = 256  # the router's top-k holds a token's logits in registers: 8 per lane
 PER_LANE = MAX_EXPERTS // WARP
@@ -49,8 +51,11 @@ ROUTER_COLUMNS = 16
 ROUTER_MAX_THREADS = 1024  # rows up to ROUTER_COLUMNS x that wide
 ROUTER_WARPS = ROUTER_MAX_THREADS // WARP  # a module constant: a kernel's shared array needs a literal size
 ROUTER_PREFILL_ROWS = 16
-GROUP_THREADS = 256
-EXPERT_SLOTS = MAX_EXPERTS + 1  # per-expert shared arrays of the grouping, with the end
+ROUTER_TILE = 32  # tokens and experts per block of the prefill's router (`route_prefill`)
+ROUTER_SPLIT = 256  # columns per block of it: each block makes a part of its logits
+ROUTER_TILE_THREADS = 256  # a thread per 2 tokens x 2 experts
+ROUTER_STRIDE = ROUTER_TILE + 1  # its shared rows, padded so that the staging's stores hit 32 banks
+GROUP_SLOTS = MAX_EXPERTS  # token-slots per block of the grouping, a thread each (and a thread per expert)
 THREADS = 256
 TAKEN = np.float32(-1)  # a probability already picked (probabilities are >= 0)
 
@@ -419,87 +424,273 @@ _ROUTED_SUM = {(kind, placed): _make_routed_sum(kind, placed) for kind in mv.TOK
 # ---- prefill: grouped by expert -------------------------------------------------------------------------------
 
 
+def router_parts(n: int, n_expert: int, cols: int) -> tuple[int, int, int]:
+    """The shape of `route_prefill`'s partial logits: a part per ROUTER_SPLIT columns, of each token and expert."""
+    return blocks(cols, ROUTER_SPLIT), n, n_expert
+
+
+def route_prefill(router: DeviceMatrix, h, parts, logits, ids, weights, renormalise: bool, stream=0) -> None:
+    """`route` for n > 1 tokens of normalized input h [n, n_embd]: the logits as a tiled product over column splits
+    (parts: float32 scratch of `router_parts`' shape; a 512-token prompt of 128 experts at n_embd 2048 is 512 blocks
+    of 32 tokens x 32 experts x 256 columns), then per token one warp sums the parts in split order (no atomics: a
+    replayed graph gives the eager logits bit for bit) into logits (scratch [>= n, n_expert]) and takes the top-k.
+    (`route`'s arrival-counted blocks, each token's rows in turn, are for one token.)"""
+    n, cols = h.shape
+    n_expert = router.rows
+    if unsupported(n_expert, ids.shape[1]):
+        raise ValueError(unsupported(n_expert, ids.shape[1]))
+    splits = blocks(cols, ROUTER_SPLIT)
+    if parts.shape[0] < splits or parts.shape[1] < n or parts.shape[2] != n_expert:
+        raise ValueError(f"route_prefill: parts {parts.shape} for {router_parts(n, n_expert, cols)}")
+    grid = (blocks(n_expert, ROUTER_TILE), blocks(n, ROUTER_TILE), splits)
+    _ROUTER_PARTS[router.kind][grid, ROUTER_TILE_THREADS, stream](router.quant, h, parts)
+    _sum_top_k[n, WARP, stream](parts, splits, logits, ids, weights, renormalise)
+
+
+def _make_router_parts(kind: str):
+    at = element_decoder(kind)
+
+    def kernel(w, x, parts):
+        await_grid()
+        xs = cuda.shared.array((ROUTER_TILE, ROUTER_STRIDE), np.float32)  # [column, token]
+        ws = cuda.shared.array((ROUTER_TILE, ROUTER_STRIDE), np.float32)  # [column, expert]
+        tid = cuda.threadIdx.x
+        n, cols, n_expert = x.shape[0], x.shape[1], w.codes.shape[0]
+        e0, t0 = cuda.blockIdx.x * ROUTER_TILE, cuda.blockIdx.y * ROUTER_TILE
+        c_begin = cuda.blockIdx.z * ROUTER_SPLIT
+        c_end = min(cols, c_begin + ROUTER_SPLIT)
+        te, tt = 2 * (tid % 16), 2 * (tid // 16)  # this thread's experts te, te + 1 and tokens tt, tt + 1
+        sc, sr = tid % ROUTER_TILE, tid // ROUTER_TILE  # staging: column sc of rows sr, sr + 8, ..
+        a00, a01, a10, a11 = np.float32(0), np.float32(0), np.float32(0), np.float32(0)
+        for c0 in range(c_begin, c_end, ROUTER_TILE):
+            c = c0 + sc
+            for i in range(ROUTER_TILE * ROUTER_TILE // ROUTER_TILE_THREADS):
+                r = sr + i * (ROUTER_TILE_THREADS // ROUTER_TILE)
+                xs[sc, r] = x[t0 + r, c] if t0 + r < n and c < c_end else np.float32(0)
+                ws[sc, r] = at(w, e0 + r, c) if e0 + r < n_expert and c < c_end else np.float32(0)
+            cuda.syncthreads()
+            for kk in range(ROUTER_TILE):
+                x0, x1, w0, w1 = xs[kk, tt], xs[kk, tt + 1], ws[kk, te], ws[kk, te + 1]
+                a00 += x0 * w0
+                a01 += x0 * w1
+                a10 += x1 * w0
+                a11 += x1 * w1
+            cuda.syncthreads()
+        z, t, e = cuda.blockIdx.z, t0 + tt, e0 + te
+        _put_part(parts, z, t, e, a00)
+        _put_part(parts, z, t, e + 1, a01)
+        _put_part(parts, z, t + 1, e, a10)
+        _put_part(parts, z, t + 1, e + 1, a11)
+
+    kernel.__name__ = kernel.__qualname__ = f"_router_parts_{kind}"
+    return jit_kernel(kernel)
+
+
+_ROUTER_PARTS = {kind: _make_router_parts(kind) for kind in ("q4", "q6", "q8", "f32")}
+
+
+@cuda.jit(device=True, inline=True)
+def _put_part(parts, z, t, e, v):
+    if t < parts.shape[1] and e < parts.shape[2]:
+        parts[z, t, e] = v
+
+
+@jit_kernel
+def _sum_top_k(parts, splits, logits, ids, weights, renormalise):
+    """Token blockIdx.x's logits, its parts summed in split order, then its top-k (one warp: lane l's experts are
+    l, l + 32, .., those `_top_k` reads back)."""
+    await_grid()
+    t = cuda.blockIdx.x
+    n_expert = parts.shape[2]
+    for e in range(cuda.threadIdx.x, n_expert, WARP):
+        v = np.float32(0)
+        for z in range(splits):
+            v += parts[z, t, e]
+        logits[t, e] = v
+    _top_k(logits, t, n_expert, ids, weights, renormalise)
+
+
+@dataclass
+class Grouping:
+    """A prefill's token-slots grouped by expert on the device (see `group`: runs, rows, tokens, tile map, the
+    per-block counts) and the grouped products' inputs in that order, as float16 pairs (`gather`): the normalized
+    inputs (`gathered`) and the activations between gate/up and down (`act_halves`)."""
+
+    starts: object
+    pos: object
+    src: object
+    tiles: object
+    counts: object
+    gathered: object
+    act_halves: object
+
+    @classmethod
+    def allocate(cls, alloc, n: int, k: int, n_expert: int, n_embd: int, n_ff: int) -> Grouping:
+        """The arrays of n tokens' top-k of n_expert experts; alloc(shape, dtype) gives a device array."""
+        return cls(alloc((n_expert + 1,), np.int32), alloc((n, k), np.int32), alloc((n * k,), np.int32),
+                   alloc((max_tiles(n * k, n_expert), 2), np.int32),
+                   alloc((group_blocks(n * k), n_expert), np.int32), alloc((n * k, n_embd // 2), np.uint32),
+                   alloc((n * k, n_ff // 2), np.uint32))
+
+
+def grouped_experts(gate_up: ExpertTable, down: ExpertTable, n_ff: int, h, ids, n_expert: int, gate: int,
+                    g: Grouping, act_out, outs, stream=0, blocks_per_sm: int = mm.BLOCKS_PER_SM) -> None:
+    """outs[g.pos[t, s]] = the FFN of expert ids[t, s] on h[t] (gate and up interleaved, their activation `gate`
+    applied by the product's epilogue into act_out [n * k, n_ff], then down), each expert's run of token-slots
+    through the tensor-core tiles: the prefill's experts (CudaOps.moe_ffn, and bench.moe_speed times it).
+    blocks_per_sm: see `grouped_matmul`."""
+    group(ids, n_expert, g.starts, g.pos, g.src, g.tiles, g.counts, stream)
+    gather(h, g.src, g.gathered, gate_up.kind, stream)
+    grouped_matmul(gate_up, 2 * n_ff, g.gathered, g.starts, g.tiles, epilogue((act_out,), gate=gate), stream,
+                   blocks_per_sm)
+    mm.stage_halves(down.kind, act_out, g.act_halves, stream)
+    grouped_matmul(down, h.shape[1], g.act_halves, g.starts, g.tiles, outs, stream, blocks_per_sm)
+
+
 def max_tiles(n_rows: int, n_expert: int) -> int:
     """Tiles of mm.TOKENS rows that n_rows token-slots, grouped by expert, can need at most."""
     return blocks(n_rows, mm.TOKENS) + min(n_expert, n_rows)
 
 
-def group(ids, n_expert: int, starts, pos, src, tiles, stream=0) -> None:
+def group_blocks(n_rows: int) -> int:
+    """Blocks of the grouping of n_rows token-slots (the rows of `group`'s per-block counts)."""
+    return blocks(n_rows, GROUP_SLOTS)
+
+
+def group(ids, n_expert: int, starts, pos, src, tiles, counts, stream=0) -> None:
     """The n * k token-slots of ids [n, k] sorted by expert, stably (by token, then rank): expert e's run is rows
     starts[e] .. starts[e + 1] (starts: int32 [n_expert + 1]), slot (t, s) goes to row pos[t, s] ([n, k]), row p
     holds token src[p] ([n * k]); tiles [max_tiles, 2]: per tile of mm.TOKENS rows its expert and first row, expert
-    -1 past the last."""
-    _group[1, GROUP_THREADS, stream](ids, n_expert, starts, pos, src, tiles)
+    -1 past the last. counts: int32 scratch [>= group_blocks(n * k), n_expert].
 
-
-@jit_kernel
-def _group(ids, n_expert, starts, pos, src, tiles):
-    await_grid()
-    counts = cuda.shared.array(EXPERT_SLOTS, np.int32)
-    first_tile = cuda.shared.array(EXPERT_SLOTS, np.int32)
-    first_row = cuda.shared.array(EXPERT_SLOTS, np.int32)
-    tid, step = cuda.threadIdx.x, cuda.blockDim.x
+    Two launches over blocks of GROUP_SLOTS consecutive slots, a thread each: the first counts its block's slots per
+    expert and ranks each slot among the block's earlier slots of its expert; the second places them: a slot's row is
+    its expert's first row (the scan of all blocks' counts), plus its expert's count in the blocks before, plus its
+    rank. (One block used to do it all, each thread walking all n * k slots for its experts: 4096 dependent steps a
+    layer at the 30B-A3B shape's 512-token prefill.)"""
     n, k = ids.shape
-    for e in range(tid, n_expert + 1, step):
-        counts[e] = 0
-    cuda.syncthreads()
-    for i in range(tid, n * k, step):  # the histogram
-        cuda.atomic.add(counts, ids[i // k, i % k], 1)
-    cuda.syncthreads()
-    if tid == 0:  # the scan: n_expert steps
-        row, tile = 0, 0
-        for e in range(n_expert):
-            first_row[e], first_tile[e] = row, tile
-            row += counts[e]
-            tile += (counts[e] + mm.TOKENS - 1) // mm.TOKENS
-        first_row[n_expert], first_tile[n_expert] = row, tile
-    cuda.syncthreads()
-    for e in range(tid, n_expert + 1, step):
-        starts[e] = first_row[e]
-    for e in range(tid, n_expert, step):  # the placement: each thread walks every slot for its experts, in order
-        p = first_row[e]
-        for i in range(n * k):
-            if ids[i // k, i % k] == e:
-                pos[i // k, i % k] = p
-                src[p] = i // k
-                p += 1
-        for j in range(first_tile[e + 1] - first_tile[e]):
-            tiles[first_tile[e] + j, 0] = e
-            tiles[first_tile[e] + j, 1] = first_row[e] + j * mm.TOKENS
-    for i in range(first_tile[n_expert] + tid, tiles.shape[0], step):
-        tiles[i, 0] = -1
-        tiles[i, 1] = 0
-
-
-def gather(x, src, out, stream=0) -> None:
-    """out[p] = x[src[p]]: the normalized inputs in expert order."""
-    _gather[(blocks(x.shape[1], THREADS), out.shape[0]), THREADS, stream](x, src, out)
+    if n_expert > GROUP_SLOTS:
+        raise ValueError(f"grouping {n_expert} experts: at most {GROUP_SLOTS}")
+    grid = group_blocks(n * k)
+    if counts.shape[0] < grid or counts.shape[1] < n_expert:
+        raise ValueError(f"group: counts {counts.shape} for {grid} blocks of {n_expert} experts")
+    _count[grid, GROUP_SLOTS, stream](ids, n_expert, pos, counts)
+    _place[grid, GROUP_SLOTS, stream](ids, n_expert, counts, starts, pos, src, tiles)
 
 
 @jit_kernel
-def _gather(x, src, out):
+def _count(ids, n_expert, rank, counts):
+    """counts[b, e]: block b's slots of expert e; rank[t, s]: slot (t, s)'s place among its block's slots of its
+    expert."""
     await_grid()
-    j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    p = cuda.blockIdx.y
-    if j < x.shape[1]:
-        out[p, j] = x[src[p], j]
+    experts = cuda.shared.array(GROUP_SLOTS, np.int32)
+    hist = cuda.shared.array(GROUP_SLOTS, np.int32)
+    tid = cuda.threadIdx.x
+    n, k = ids.shape
+    i = cuda.blockIdx.x * GROUP_SLOTS + tid
+    hist[tid] = 0
+    e = ids[i // k, i % k] if i < n * k else -1
+    experts[tid] = e
+    cuda.syncthreads()
+    if e >= 0:
+        cuda.atomic.add(hist, e, 1)
+        before = 0
+        for j in range(tid):
+            if experts[j] == e:
+                before += 1
+        rank[i // k, i % k] = before
+    cuda.syncthreads()
+    if tid < n_expert:
+        counts[cuda.blockIdx.x, tid] = hist[tid]
 
 
-def grouped_matmul(experts: ExpertTable, rows_per_expert: int, x, starts, tiles, out, stream=0) -> None:
+@jit_kernel
+def _place(ids, n_expert, counts, starts, pos, src, tiles):
+    await_grid()
+    rows = cuda.shared.array(GROUP_SLOTS, np.int32)  # per expert: its rows, then the inclusive scan of them
+    n_tiles = cuda.shared.array(GROUP_SLOTS, np.int32)  # per expert: its tiles, then their inclusive scan
+    earlier = cuda.shared.array(GROUP_SLOTS, np.int32)  # per expert: its slots in the blocks before this one
+    tid, b = cuda.threadIdx.x, cuda.blockIdx.x
+    n, k = ids.shape
+    before, total = 0, 0
+    if tid < n_expert:
+        for c in range(cuda.gridDim.x):
+            count = counts[c, tid]
+            total += count
+            if c < b:
+                before += count
+    rows[tid], n_tiles[tid], earlier[tid] = total, (total + mm.TOKENS - 1) // mm.TOKENS, before
+    cuda.syncthreads()
+    step = 1
+    while step < GROUP_SLOTS:  # the inclusive scans, Hillis-Steele
+        row_sum = rows[tid - step] if tid >= step else 0
+        tile_sum = n_tiles[tid - step] if tid >= step else 0
+        cuda.syncthreads()
+        rows[tid] += row_sum
+        n_tiles[tid] += tile_sum
+        cuda.syncthreads()
+        step *= 2
+    i = b * GROUP_SLOTS + tid
+    if i < n * k:
+        t, s = i // k, i % k
+        e = ids[t, s]
+        p = (rows[e - 1] if e > 0 else 0) + earlier[e] + pos[t, s]
+        pos[t, s] = p
+        src[p] = t
+    if b == 0:  # the expert runs and the tile map
+        if tid == 0:
+            starts[n_expert] = rows[n_expert - 1]
+        if tid < n_expert:
+            first_row, first_tile = (rows[tid - 1], n_tiles[tid - 1]) if tid > 0 else (0, 0)
+            starts[tid] = first_row
+            for j in range(n_tiles[tid] - first_tile):
+                tiles[first_tile + j, 0] = tid
+                tiles[first_tile + j, 1] = first_row + j * mm.TOKENS
+        for j in range(n_tiles[n_expert - 1] + tid, tiles.shape[0], GROUP_SLOTS):
+            tiles[j, 0] = -1
+            tiles[j, 1] = 0
+
+
+def gather(x, src, out, kind: str, stream=0) -> None:
+    """out[p] = x[src[p]] (x: float32 [n, cols]) as float16 pairs in the order a `kind` product's tile stages them
+    (out: uint32 [n * k, cols // 2]; see matmul.stage_halves): the normalized inputs in expert order, rounded once
+    for the grouped gate/up product, which then copies 16 bytes of them a thread and step (half float32's)."""
+    cols = x.shape[1]
+    if out.shape[1] * 2 != cols or cols % mm.K_STEP:
+        raise ValueError(f"gather: x {x.shape} into {out.shape}: need [rows, cols // 2], cols a multiple of "
+                         f"{mm.K_STEP}")
+    _gather[blocks(out.size // 4, THREADS), THREADS, stream](x, src, *mm.x_order(kind), out)
+
+
+@jit_kernel
+def _gather(x, src, span, gap, out):
+    await_grid()
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    parts = out.shape[1] >> 2
+    if i < out.shape[0] * parts:
+        p = i // parts
+        mm.stage_words(x, src[p], span, gap, out, p, i % parts)
+
+
+def grouped_matmul(experts: ExpertTable, rows_per_expert: int, x, starts, tiles, out, stream=0,
+                   blocks_per_sm: int = mm.BLOCKS_PER_SM) -> None:
     """out[p] = expert e of the experts times x[p] for each row p of expert e's run (see `group`), on tensor cores
-    (a cold expert's tiles read it through the host mapping); out: a device array or an Epilogue (a gated one for
-    interleaved gate/up experts)."""
+    (a cold expert's tiles read it through the host mapping); x: the rows' float16 pairs in the experts' staged order
+    (`gather`, matmul.stage_halves); out: a device array or an Epilogue (a gated one for interleaved gate/up
+    experts). blocks_per_sm: the launch bound the kernel is compiled for (GROUPED_BLOCKS_PER_SM, for the benchmark's
+    comparison: at ~32 token-slots an expert the tile waits on loads and barriers more than it computes, and 3
+    blocks of 8 warps fit an SM at 80 registers a thread, 16 to 48 bytes spilled by ptxas, against 2 at 128)."""
     w = experts.table
-    if w.kind == "f32" or w.cols % mm.K_STEP:
+    if w.kind == "f32" or w.cols % mm.K_STEP or 2 * x.shape[1] != w.cols:
         raise ValueError(f"grouped matmul: {w.kind} experts of {w.cols} columns (quantized, a multiple of "
-                         f"{mm.K_STEP})")
-    kernel = _GROUPED[w.kind, 1 << w.block_log2, experts.placed]
+                         f"{mm.K_STEP}) times x {x.shape} (float16 pairs: half the columns)")
+    kernel = _GROUPED[w.kind, 1 << w.block_log2, experts.placed, blocks_per_sm]
     kernel[(blocks(rows_per_expert, mm.ROWS), tiles.shape[0]), mm.THREADS, stream](
         *experts.args(), rows_per_expert, np.float32(w.half_scale), x, starts, tiles, as_epilogue(out))
 
 
-def _make_grouped(kind: str, block: int, placed: bool):
-    tile = mm.TILES[kind, block]
+def _make_grouped(kind: str, block: int, placed: bool, blocks_per_sm: int):
+    tile = mm._make_tile(kind, block, mm.SHORT_TILE, halves=True)
     shared_tiles = mm.SHARED_TILES[mm.TOKENS]
 
     def kernel(table, host, remap, rows_per_expert, half_scale, x, starts, tiles, ep):
@@ -514,11 +705,14 @@ def _make_grouped(kind: str, block: int, placed: bool):
             tile(w, rows_per_expert, half_scale, x, starts[e + 1], ep, cuda.blockIdx.x * mm.ROWS,
                  tiles[cuda.blockIdx.y, 1], a_tile, x_tile)
 
-    kernel.__name__ = kernel.__qualname__ = f"_grouped_{kind}_{block}" + ("_placed" if placed else "")
-    return jit_bounded(kernel, mm.THREADS, mm.BLOCKS_PER_SM)
+    kernel.__name__ = kernel.__qualname__ = (f"_grouped_{kind}_{block}" + ("_placed" if placed else "")
+                                             + ("" if blocks_per_sm == mm.BLOCKS_PER_SM else f"_sm{blocks_per_sm}"))
+    return jit_bounded(kernel, mm.THREADS, blocks_per_sm)
 
 
-_GROUPED = {(*key, placed): _make_grouped(*key, placed) for key in mm.TILES for placed in (False, True)}
+GROUPED_BLOCKS_PER_SM = (mm.BLOCKS_PER_SM, 3)  # launch bounds the grouped products are built for (see grouped_matmul)
+_GROUPED = {(*key, placed, bound): _make_grouped(*key, placed, bound) for key in mm.TILES for placed in (False, True)
+            for bound in GROUPED_BLOCKS_PER_SM}
 
 
 # ---- the weighted sum back ------------------------------------------------------------------------------------
