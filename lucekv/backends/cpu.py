@@ -15,7 +15,7 @@ from lucekv.backends.ahead import RunAhead
 from lucekv.backends.cpu_step import DecodeStep, Workers
 from lucekv.backends.slots import SlotMap
 from lucekv.kernels.cpu.attention import attend_batch, attend_rows
-from lucekv.kernels.cpu.matvec import matmul, matmul_rows, matvec_rows
+from lucekv.kernels.cpu.matvec import PromptInput, matmul, matvec_rows, prompt_input, prompt_rows
 from lucekv.kernels.cpu.moe import group_by_expert, route
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, dequantize_rows, pack_stacked, pack_tensor, split_rows
 from lucekv.kvflash.host_store import HostStore
@@ -166,6 +166,9 @@ class CpuOps:
     def project(self, x: np.ndarray, p: list[tuple[PackedMatrix, np.ndarray | None]], norm: np.ndarray
                 ) -> list[np.ndarray]:
         h = self.rmsnorm(x, norm)
+        if self._offsets is None and len(h) > 1:  # a prompt's tokens: h prepared once for the projections
+            prepared = self._prompt_input(h)
+            return [self._matmul(w, prepared) if b is None else self._matmul(w, prepared) + b for w, b in p]
         return [self.linear(w, h) if b is None else self.linear(w, h) + b for w, b in p]
 
     def linear(self, w: PackedMatrix, x: np.ndarray, norm: np.ndarray | None = None,
@@ -180,12 +183,15 @@ class CpuOps:
             y = self._matmul(w, x)
         return y if residual is None else residual + y
 
-    def _matmul(self, w: PackedMatrix, x: np.ndarray) -> np.ndarray:
-        """X @ W.T with W's rows split among the backend's threads (each: dequantized tiles, one-thread BLAS)."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        out = np.empty((len(x), w.rows), np.float32)
-        self._split(w.rows, lambda r0, r1: matmul_rows(w, x, out, r0, r1))
+    def _matmul(self, w: PackedMatrix, x: np.ndarray | PromptInput) -> np.ndarray:
+        """X @ W.T with W's rows split among the backend's threads (matvec.prompt_rows)."""
+        x = x if isinstance(x, PromptInput) else self._prompt_input(x)
+        out = np.empty((len(x.xs), w.rows), np.float32)
+        self._split(w.rows, lambda r0, r1: prompt_rows(w, x, out, r0, r1))
         return out
+
+    def _prompt_input(self, x: np.ndarray) -> PromptInput:
+        return prompt_input(x, self._split)
 
     def _split(self, n_items: int, part) -> None:
         """part(i0, i1) for a share of range(n_items) on each of the backend's threads (numba's thread count); a
@@ -265,13 +271,13 @@ class CpuOps:
     def _gated(self, h: np.ndarray, gate: PackedMatrix, up: PackedMatrix) -> np.ndarray:
         if len(h) == 1 or self._offsets is not None:  # one token, or decode rows (matvec_rows)
             return self._gated_act(self.linear(gate, h), self.linear(up, h))
-        h = np.ascontiguousarray(h, dtype=np.float32)
+        x = self._prompt_input(h)
         out = np.empty((len(h), gate.rows), np.float32)
         up_out = np.empty_like(out)
 
         def rows(r0: int, r1: int) -> None:  # each thread: its rows of both products, then their activation
-            matmul_rows(gate, h, out, r0, r1)
-            matmul_rows(up, h, up_out, r0, r1)
+            prompt_rows(gate, x, out, r0, r1)
+            prompt_rows(up, x, up_out, r0, r1)
             out[:, r0:r1] = self._gated_act(out[:, r0:r1], up_out[:, r0:r1])
         self._split(gate.rows, rows)
         return out
@@ -313,9 +319,9 @@ class CpuOps:
 
 
 class CpuDraftOps(CpuOps):
-    """The ops of a DFlash drafter's forward (lucekv.spec.dflash): every product through BLAS tiles, one context row
-    too (the parallel matvec's launch costs more than a drafter's small products: 4 ms against 50 us for a 64x128
-    Q8_0 matrix on a busy 2-core machine)."""
+    """The ops of a DFlash drafter's forward (lucekv.spec.dflash): every product a prompt's (matvec.prompt_rows), one
+    context row too (the parallel matvec's launch costs more than a drafter's small products: 4 ms against 50 us
+    for a 64x128 Q8_0 matrix on a busy 2-core machine)."""
 
     def linear(self, w: PackedMatrix, x: np.ndarray, norm: np.ndarray | None = None,
                residual: np.ndarray | None = None) -> np.ndarray:
@@ -356,9 +362,10 @@ class CpuBackend(RunAhead):
 
         all_logits (every token's logits: a decode step, alone or in rows, or a verify block) takes the decode step,
         each token a row whose numbers do not depend on the others, so the three give the same logits bit for bit.
-        A prompt piece (the last logits only) goes op by op, its products dequantized tiles through BLAS, whatever
-        its length: its K/V must not depend on how the scheduler cut the prompt into pieces (the step is ~1e-5 off
-        that path). One token without a table (a draft model's step, the profilers) takes the step too."""
+        A prompt piece (the last logits only) goes op by op, its products matvec.prompt_rows (each token's numbers
+        its own) whatever its length: its K/V must not depend on how the scheduler cut the prompt into pieces (the
+        step is ~2e-4 off that path). One token without a table (a draft model's step, the profilers) takes the step
+        too."""
         self.pool.assign(slots, positions)
         self.ops.begin_step(len(tokens), tables)
         if self.decode_step is not None and (all_logits or (tables is None and len(tokens) == 1)):

@@ -2,6 +2,9 @@
 step reads against this machine's measured memory bandwidth.
 
     python -m lucekv.bench.cpu_profile --model smollm2-135m [--tokens 32] [--context 128] [--json OUT]
+    python -m lucekv.bench.cpu_profile --model qwen2.5-coder-0.5b --prefill 128 [--json OUT]
+
+With --prefill N: where a prompt of N tokens (one forward, op by op) goes instead, per op and kernel.
 
 Every numba kernel the backend calls (a `Dispatcher` in lucekv.kernels.cpu.* or lucekv.backends.cpu) and every
 method of the backend's ops is wrapped in a timer; a step's time not spent inside any kernel is host overhead
@@ -178,14 +181,56 @@ def profile(model: str, tokens: int, context: int, kv_dtype: str) -> dict:
     }
 
 
+def profile_prefill(model: str, tokens: int, kv_dtype: str, repeats: int = 3) -> dict:
+    """A prompt of `tokens` tokens through the backend op by op (what the engine's prefill runs): the best of
+    `repeats` untimed forwards, then one timed per op and kernel (the same work: the same slots again)."""
+    import lucekv
+    from lucekv.bench.decode import prompt_ids
+    from lucekv.model.registry import resolve_model
+
+    path = resolve_model(model)
+    engine = lucekv.load(path, backend="cpu", kv_dtype=kv_dtype)
+    backend = engine.backend
+    ids = np.array(prompt_ids(engine.tokenizer.encode, tokens, 0), np.int32)
+    at = np.arange(len(ids), dtype=np.int32)
+    backend.forward(ids, at, at)  # warm-up: numba's dispatch and caches
+    untimed = []
+    for _ in range(repeats):
+        w, c = time.perf_counter(), time.process_time()
+        backend.forward(ids, at, at)
+        untimed.append((time.perf_counter() - w, time.process_time() - c))
+    timers = Timers()
+    with instrumented(backend.ops, timers):
+        w = time.perf_counter()
+        backend.forward(ids, at, at)
+        timed_ms = 1e3 * (time.perf_counter() - w)
+    wall, cpu = min(untimed)
+    return {
+        "bench": "cpu_profile_prefill", "commit": git_commit(), "machine": machine(), "load_avg": os.getloadavg(),
+        "numba_threads": numba.get_num_threads(), "model": path.name, "kv_dtype": kv_dtype, "tokens": len(ids),
+        "prefill_ms_untimed": 1e3 * wall, "prefill_cpu_ms_untimed": 1e3 * cpu, "tok_s": len(ids) / wall,
+        "prefill_ms_timed": timed_ms,
+        "ms": {k: 1e3 * v for k, v in sorted(timers.wall.items(), key=lambda kv: -kv[1])},
+        "cpu_ms": {k: 1e3 * v for k, v in sorted(timers.cpu.items(), key=lambda kv: -kv[1])},
+        "calls": dict(timers.calls),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--kv-dtype", default="f16")
+    ap.add_argument("--prefill", type=int, metavar="N", help="profile a prompt of N tokens instead")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.prefill:
+        result = profile_prefill(args.model, args.prefill, args.kv_dtype)
+        report(result, args.json)
+        print(f"prefill {result['prefill_ms_untimed']:.0f} ms ({result['prefill_cpu_ms_untimed']:.0f} CPU ms, "
+              f"{result['tok_s']:.1f} tok/s)", file=sys.stderr)
+        return 0
     result = profile(args.model, args.tokens, args.context, args.kv_dtype)
     report(result, args.json)
     print(f"step {result['step_ms_untimed']:.2f} ms ({result['step_cpu_ms_untimed']:.2f} CPU ms), kernels "

@@ -22,6 +22,10 @@ K_DIMS = {"n_embd": 256, "head_dim": 64, "n_ff": 512}
 # float32: measured up to 2.2e-4 apart in the logits (relative to the largest) on the llama Q4_1 verify block, whose
 # synthetic biases are ~7x its scales (the float sums cancel, so x's rounding weighs more), 4.3e-5 on qwen2
 STEP_BOUND = 5e-4
+# The post-RoPE queries of the same token, step against op by op: up to 1.4e-4 apart (relative to the largest) on the
+# qwen3 Q4_K case, whose second layer meets the prompt's K/V (the prompt's int16 tile products; 7.5e-5 when they
+# were float32 BLAS: a different K/V, differently sensitive to x's rounding), 8e-5 or less on the others
+QUERY_BOUND = 2e-4
 
 
 @pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
@@ -48,7 +52,7 @@ def test_decode_step_equals_op_by_op_forward(arch, qtype, overrides, kv_dtype, t
             numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
         err = np.abs(logits - ref).max() / np.abs(ref).max()
         assert err <= STEP_BOUND, f"{arch} {kv_dtype} {threads} threads: {err:.2e}"
-        assert np.abs(backend.last_queries() - ref_q).max() <= 1e-4 * np.abs(ref_q).max()
+        assert np.abs(backend.last_queries() - ref_q).max() <= QUERY_BOUND * np.abs(ref_q).max()
 
 
 @pytest.mark.parametrize("arch,qtype,overrides", CASES[:2], ids=[c[0] for c in CASES[:2]])

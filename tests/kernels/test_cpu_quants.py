@@ -10,7 +10,10 @@ from gguf.quants import dequantize as gguf_dequantize
 from numba import njit
 
 from lucekv.errors import UnsupportedModelError
+from lucekv.kernels.cpu import matvec as matvec_module
 from lucekv.kernels.cpu.intdot import (
+    TILE_ROWS,
+    TILE_TOKENS,
     dot_q4,
     dot_q4_generic,
     dot_q8,
@@ -18,6 +21,14 @@ from lucekv.kernels.cpu.intdot import (
     dot_q8_16_generic,
     dot_q8_generic,
     quantize_x16,
+    tile_16,
+    tile_16_bias,
+    tile_16_bias_generic,
+    tile_16_generic,
+    tile_32,
+    tile_32_bias,
+    tile_32_bias_generic,
+    tile_32_generic,
 )
 from lucekv.kernels.cpu.matvec import (
     INT_Q4,
@@ -226,6 +237,74 @@ def test_int_rows_match_float64(qtype):
     assert np.array_equal(alone[0], out[1])
     native, generic = _row0_dots(codes, m.scale, m.bias, xq[1], xd[1], _block_sums(xs[1:], m.block)[0], cols // 32)
     assert native[layout] == generic[layout]
+
+
+@njit(cache=True)
+def _tiles_native_and_generic(w, xp, xd, scale, bias, xsum16, xsum32, n_pairs):
+    """Each tile kernel (32- and 16-blocks, with and without bias terms) as _tile_rows runs it (VNNI where the CPU
+    has it) and in intdot's generic IR (what a CPU without runs): out[0] and out[1]."""
+    out = np.empty((2, 4, TILE_ROWS * TILE_TOKENS), np.float32)
+    nb32, nb16 = n_pairs // 16, n_pairs // 8
+    tile_32(w, xp, xd, scale, bias, xsum32, out[0, 0], nb32)
+    tile_32_generic(w, xp, xd, scale, bias, xsum32, out[1, 0], nb32)
+    tile_32_bias(w, xp, xd, scale, bias, xsum32, out[0, 1], nb32)
+    tile_32_bias_generic(w, xp, xd, scale, bias, xsum32, out[1, 1], nb32)
+    tile_16(w, xp, xd, scale, bias, xsum16, out[0, 2], nb16)
+    tile_16_generic(w, xp, xd, scale, bias, xsum16, out[1, 2], nb16)
+    tile_16_bias(w, xp, xd, scale, bias, xsum16, out[0, 3], nb16)
+    tile_16_bias_generic(w, xp, xd, scale, bias, xsum16, out[1, 3], nb16)
+    return out
+
+
+def test_tile_kernels_native_equal_generic():
+    """The VNNI tile kernels and their generic IR give the same bits (exact int32 sums, the same float steps), and
+    the generic one's numbers are float64's within float32's bound, codes at their extremes."""
+    rng = np.random.default_rng(7)
+    n_pairs = 48  # 3 blocks of 32, 6 of 16
+    codes = rng.integers(-128, 128, size=(TILE_ROWS, 2 * n_pairs)).astype(np.int16)
+    codes[0] = -128
+    xq = rng.integers(-32767, 32768, size=(TILE_TOKENS, 2 * n_pairs)).astype(np.int16)
+    xq[1] = -32767
+    w = codes.view(np.int32).reshape(-1)
+    xp = np.ascontiguousarray(xq.view(np.int32).T).reshape(-1)
+    xd = rng.uniform(0, 1e-3, size=(n_pairs // 16, TILE_TOKENS)).astype(np.float32)
+    scale, bias = (rng.normal(size=TILE_ROWS * n_pairs // 8).astype(np.float32) for _ in range(2))
+    xsum16, xsum32 = (rng.normal(size=n_pairs // k * TILE_TOKENS).astype(np.float32) for k in (8, 16))
+    out = _tiles_native_and_generic(w, xp, xd.reshape(-1), scale, bias, xsum16, xsum32, n_pairs)
+    assert np.array_equal(out[0], out[1])
+    # the 16-block kernel with its bias terms, in float64
+    sums = (codes.astype(np.int64).reshape(TILE_ROWS, 1, -1, 16) * xq.astype(np.int64).reshape(1, TILE_TOKENS, -1, 16)
+            ).sum(axis=-1)  # [row, token, 16-block]
+    sc, bi = scale.reshape(TILE_ROWS, -1)[:, None, :6], bias.reshape(TILE_ROWS, -1)[:, None, :6]
+    xd16 = np.repeat(xd.T, 2, axis=1)[None].astype(np.float64)
+    ref = (sums * sc * xd16 + bi * xsum16.reshape(-1, TILE_TOKENS).T[None]).sum(axis=-1)
+    got = out[1, 3].reshape(TILE_ROWS, TILE_TOKENS)
+    bound = (np.abs(sums * sc * xd16) + np.abs(bi * xsum16.reshape(-1, TILE_TOKENS).T[None])).sum(axis=-1)
+    assert np.all(np.abs(got - ref) <= 1e-6 * bound)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q8_0, Q.Q5_1, Q.Q6_K], ids=lambda q: q.name)
+def test_prompt_tiles_match_float64(qtype, monkeypatch):
+    """A prompt's products through the tile kernels (tokens the lanes, weight rows broadcast): within float32's bound
+    of float64 on the int16-rounded x (as the decode step's), every token's row the same alone as among others."""
+    monkeypatch.setattr(matvec_module, "TILES", True)  # also where the CPU has no VNNI: the generic IR
+    rng = np.random.default_rng(400 + int(qtype))
+    rows, cols = 37, 512 if qtype in (Q.Q4_K, Q.Q6_K) else 288  # rows: a tile of 8 past the last whole one
+    raw = random_raw(rng, qtype, rows, cols)
+    m = pack(raw, qtype, (rows, cols))
+    w = dequantize(raw, qtype, (rows, cols)).astype(np.float64)
+    n = TILE_TOKENS + 3  # a second, partial group of tokens
+    xs = rng.normal(size=(n, cols)).astype(np.float32) * rng.choice([1e-3, 1.0, 30.0], size=cols).astype(np.float32)
+    xs[0, :32] = 0
+    out = matmul(m, xs)
+    xq, xd = np.empty((n, cols), np.int16), np.empty((n, cols // 32), np.float32)
+    for t in range(n):
+        quantize_x16(xs[t], xq[t], xd[t])
+    xr = xd.repeat(32, axis=1).astype(np.float64) * xq
+    bias = np.repeat(m.bias, m.block, axis=1).astype(np.float64)
+    ref = xr @ (w - bias).T + xs.astype(np.float64) @ bias.T
+    assert np.all(np.abs(out - ref) <= 1e-4 * (np.abs(xr) @ np.abs(w).T))
+    assert np.array_equal(matmul(m, xs[[5, 17]]), out[[5, 17]])
 
 
 def test_shape_errors_are_refused():

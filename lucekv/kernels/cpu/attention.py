@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+QUERY_CHUNK = 64  # queries a pass of attend_batch: 64 queries x 7 heads x 4096 slots of scores is 7 MB
+
 
 def visible(slot_pos: np.ndarray, positions: np.ndarray, window: int) -> np.ndarray:
     """Mask [n_queries, n_slots]: which slots each query position may attend to. slot_pos [n_slots], or per query
@@ -73,19 +75,39 @@ def attend_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, slot_pos: np.ndarra
 
 def attend_batch(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, slot_pos: np.ndarray,
                  n_slots: int, positions: np.ndarray, window: int, scale: float) -> np.ndarray:
-    """Many queries [n, n_head, head_dim] (prefill) with BLAS matmuls, grouped by KV head."""
+    """Many queries [n, n_head, head_dim] (prefill) with BLAS matmuls, grouped by KV head, QUERY_CHUNK queries at a
+    time over the slots any of them sees (a causal prompt's chunk: the slots up to its last token), so a chunk's
+    scores stay in cache and the slots nobody in it sees cost nothing."""
     n, n_head, d = q.shape
-    n_kv = k_pool.shape[1]
+    out = np.empty((n, n_head, d), np.float32)
+    for q0 in range(0, n, QUERY_CHUNK):
+        q1 = min(q0 + QUERY_CHUNK, n)
+        sp = slot_pos[..., :n_slots] if slot_pos.ndim == 1 else slot_pos[q0:q1, :n_slots]
+        mask = visible(sp, positions[q0:q1], window)
+        seen = np.flatnonzero(mask.any(axis=0))
+        if len(seen) == 0:  # no slot visible to any of them: softmax over nothing
+            out[q0:q1] = np.nan
+            continue
+        cols = slice(seen[0], seen[-1] + 1) if seen[-1] - seen[0] + 1 == len(seen) else seen
+        out[q0:q1] = _attend_chunk(q[q0:q1], k_pool[cols], v_pool[cols], mask[:, cols], scale)
+    return out
+
+
+def _attend_chunk(q: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray, mask: np.ndarray, scale: float
+                  ) -> np.ndarray:
+    """softmax(scale q k^T, masked) v for queries [n, n_head, d] over rows [m, n_kv, d] of K and V, mask [n, m]
+    (every row visible to at least one query)."""
+    n, n_head, d = q.shape
+    m, n_kv = k_rows.shape[:2]
     g = n_head // n_kv
-    k = k_pool[:n_slots].astype(np.float32).transpose(1, 2, 0)  # [kv, d, slots]
-    v = v_pool[:n_slots].astype(np.float32).transpose(1, 0, 2)  # [kv, slots, d]
+    k = k_rows.astype(np.float32).transpose(1, 2, 0)  # [kv, d, m]
+    v = v_rows.astype(np.float32).transpose(1, 0, 2)  # [kv, m, d]
     qg = q.reshape(n, n_kv, g, d).transpose(1, 0, 2, 3).reshape(n_kv, n * g, d)
-    scores = (qg @ k).reshape(n_kv, n, g, n_slots) * np.float32(scale)
-    mask = visible(slot_pos[..., :n_slots], positions, window)
-    scores = np.where(mask[None, :, None, :], scores, np.float32(-np.inf))
-    v[:, ~mask.any(axis=0)] = 0  # a slot no query sees gets weight 0, and 0 * its bytes must not be NaN
+    scores = (qg @ k).reshape(n_kv, n, g, m)
+    scores *= np.float32(scale)
+    np.putmask(scores, np.broadcast_to(~mask[None, :, None, :], scores.shape), np.float32(-np.inf))
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
-    out = scores.reshape(n_kv, n * g, n_slots) @ v  # [kv, n*g, d]
+    out = scores.reshape(n_kv, n * g, m) @ v  # [kv, n*g, d]
     return out.reshape(n_kv, n, g, d).transpose(1, 0, 2, 3).reshape(n, n_head, d)

@@ -218,11 +218,140 @@ def quantize_x16(x, xq, xd):
     """x (float32, whole 32-blocks) as int16 codes xq and one float32 scale per 32-block, xd = max|x| / 32767:
     x ~ xd * xq within xd / 2 (a relative 1.5e-5 of the block's largest element)."""
     for b in range(x.shape[0] // X_BLOCK):
-        amax = np.float32(0)
-        for j in range(X_BLOCK):
-            amax = max(amax, abs(x[b * X_BLOCK + j]))
-        d = amax / np.float32(32767)
+        block = x[b * X_BLOCK:(b + 1) * X_BLOCK]
+        d = _abs_max(block) / np.float32(32767)
         xd[b] = d
-        inv = np.float32(1) / d if d > 0 else np.float32(0)
-        for j in range(X_BLOCK):
-            xq[b * X_BLOCK + j] = np.int16(np.round(x[b * X_BLOCK + j] * inv))
+        _round_codes(block, np.float32(1) / d if d > 0 else np.float32(0), xq[b * X_BLOCK:(b + 1) * X_BLOCK])
+
+
+# The two loops of quantize_x16, vectorized by fastmath's flags (2.4x faster on 128 x 4864 floats): a maximum is
+# exact in any order, and one multiply and round have nothing to reassociate. A NaN in x gives code 0, as it did
+# before (the comparisons of max() skip it).
+@njit(cache=True, nogil=True, fastmath=True)
+def _abs_max(x):
+    m = np.float32(0)
+    for j in range(x.shape[0]):
+        m = max(m, abs(x[j]))
+    return m
+
+
+@njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz"})
+def _round_codes(x, inv, out):
+    for j in range(x.shape[0]):
+        out[j] = np.int16(np.rint(x[j] * inv))
+
+
+# ---- prefill: a tile of weight rows against 16 tokens at once ----------------------------------------------------
+#
+# A prompt's products are compute-bound, and a 32-block's float work (convert, scale, fused add) costs as much as its
+# integer products when each (row, token) pair gets its own 8 lanes (the decode kernels above). Here the tokens are
+# the lanes instead: x comes transposed, each 32-bit lane of a vector one token's pair of int16 codes (elements 2p,
+# 2p + 1), and a weight row's pair of codes is broadcast against it. One `vpdpwssd` (AVX-512 VNNI) then adds 32
+# products into 16 tokens' int32 sums, and a block's float work is one convert, one multiply and one fused add (two
+# with bias terms) per 16 tokens.
+# On this repository's development Xeon (Sapphire Rapids) `vpdpwssd zmm` issues twice a cycle, as `vfmadd zmm`:
+# twice float32 BLAS's products a cycle. A token's number depends on its own lane alone, so on nothing else in the
+# prompt. Each block's int32 sums are exact (|code| <= 128, |xq| <= 32767, 32 products: < 2^31); the convert rounds
+# a sum beyond 2^24 (a relative 6e-8).
+
+TILE_ROWS = 16  # weight rows a tile: 16 accumulators in flight cover vpdpwssd's latency at two a cycle
+TILE_TOKENS = 16  # tokens a tile: one 512-bit vector of int32 lanes
+
+
+def _native_vnni() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64") or config.CPU_NAME:
+        return False
+    features = llvm.get_host_cpu_features()
+    return all(features.get(f) for f in ("avx512f", "avx512bw", "avx512vnni"))
+
+
+NATIVE_VNNI = _native_vnni()
+if NATIVE_VNNI:
+    llvm.initialize_native_asmparser()  # the object code of a kernel with inline asm (numba leaves it out)
+
+
+def _pair_dot(builder, acc, x, w, native):
+    """acc + per 32-bit lane: x.lo * w.lo + x.hi * w.hi (the two int16 halves of each int32 lane, 16 lanes)."""
+    v16 = _vec(_I32, TILE_TOKENS)
+    if native:  # as inline asm: LLVM, tuning for the CPU it takes this one for, splits the intrinsic in two
+        asm = ir.InlineAsm(ir.FunctionType(v16, [v16] * 3), "vpdpwssd $2, $1, $0", "=v,v,v,0")
+        return builder.call(asm, [x, w, acc])
+    v32 = _vec(_I16, 2 * TILE_TOKENS)
+    p = builder.mul(builder.sext(builder.bitcast(x, v32), _vec(_I32, 2 * TILE_TOKENS)),
+                    builder.sext(builder.bitcast(w, v32), _vec(_I32, 2 * TILE_TOKENS)))
+    lanes = range(2 * TILE_TOKENS)
+    return builder.add(acc, builder.add(_shuffle(builder, p, lanes[0::2]), _shuffle(builder, p, lanes[1::2])))
+
+
+def _tile_codegen(block_pairs, with_bias, native):
+    """Codegen of one tile (TILE_ROWS weight rows x TILE_TOKENS tokens) over n_blocks weight blocks of block_pairs
+    pairs of elements (16: 32-blocks, 8: 16-blocks). Per block and row: the int32 sums of the block's pairs (one
+    accumulator a row: 16 independent chains), converted and multiplied by the row's block scale times each token's
+    xd, added to the row's 16 float lanes; with_bias: then the row's block bias times each token's block sum of x.
+    (8 rows with two accumulators each measured 1.1-1.3x slower.)"""
+    def codegen(context, builder, sig, args):
+        w, xp, xd, sc, bi, xs, out = (_ptr(context, builder, sig.args[i], args[i], ir.Constant(_I64, 0))
+                                      for i in range(7))
+        n_blocks = context.cast(builder, args[7], sig.args[7], types.int64)
+        v16i, v16f = _vec(_I32, TILE_TOKENS), _vec(_F32, TILE_TOKENS)
+        fma = _fn(builder, "llvm.fma.v16f32", v16f, [v16f] * 3)
+        n_pairs = builder.mul(n_blocks, ir.Constant(_I64, block_pairs))
+        row_at = [builder.mul(n_pairs, ir.Constant(_I64, i)) for i in range(TILE_ROWS)]
+        zero_i, zero_f = ir.Constant(v16i, [0] * TILE_TOKENS), ir.Constant(v16f, [0.0] * TILE_TOKENS)
+
+        def block(b, accs):
+            p0 = builder.mul(b, ir.Constant(_I64, block_pairs))
+            sums = [zero_i] * TILE_ROWS
+            for p in range(block_pairs):
+                pair = builder.add(p0, ir.Constant(_I64, p))
+                x = _load(builder, xp, builder.mul(pair, ir.Constant(_I64, TILE_TOKENS)), v16i)
+                for i in range(TILE_ROWS):
+                    wv = _splat(builder, builder.load(builder.gep(w, [builder.add(row_at[i], pair)])), TILE_TOKENS)
+                    sums[i] = _pair_dot(builder, sums[i], x, wv, native)
+            # the 32-block of x this weight block lies in (a 16-block: every other block shares one)
+            xb = b if 2 * block_pairs == X_BLOCK else builder.ashr(b, ir.Constant(_I64, 1))
+            xdv = _load(builder, xd, builder.mul(xb, ir.Constant(_I64, TILE_TOKENS)), v16f)
+            xsv = _load(builder, xs, builder.mul(b, ir.Constant(_I64, TILE_TOKENS)), v16f) if with_bias else None
+            new = []
+            for i in range(TILE_ROWS):
+                at = builder.add(builder.mul(n_blocks, ir.Constant(_I64, i)), b)
+                s = builder.fmul(_splat(builder, builder.load(builder.gep(sc, [at])), TILE_TOKENS), xdv)
+                acc = builder.call(fma, [builder.sitofp(sums[i], v16f), s, accs[i]])
+                if with_bias:
+                    acc = builder.call(fma, [_splat(builder, builder.load(builder.gep(bi, [at])), TILE_TOKENS), xsv,
+                                             acc])
+                new.append(acc)
+            return new
+
+        accs = _counted_loop(builder, n_blocks, f"tile{block_pairs}", block, [zero_f] * TILE_ROWS)
+        for i, acc in enumerate(accs):
+            builder.store(acc, builder.bitcast(builder.gep(out, [ir.Constant(_I64, i * TILE_TOKENS)]),
+                                               v16f.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _tile_intrinsic(block_pairs, with_bias, native):
+    def typer(typingctx, w, xp, xd, scale, bias, xsum, out, n_blocks):
+        arrays = (w, xp, xd, scale, bias, xsum, out)
+        dtypes = (types.int32, types.int32, types.float32, types.float32, types.float32, types.float32, types.float32)
+        if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == d
+                   for a, d in zip(arrays, dtypes, strict=True)):
+            return None
+        return types.void(w, xp, xd, scale, bias, xsum, out, n_blocks), _tile_codegen(block_pairs, with_bias, native)
+
+    typer.__name__ = f"tile_{block_pairs}{'_bias' if with_bias else ''}_{'native' if native else 'generic'}"
+    return intrinsic(typer)
+
+
+# tile_*(w, xp, xd, scale, bias, xsum, out, n_blocks): out [TILE_ROWS * TILE_TOKENS] (row-major: row i's 16 tokens) =
+# for each of TILE_ROWS weight rows and TILE_TOKENS tokens, the sum over n_blocks weight blocks of the block's integer
+# products times scale * xd (+ bias * xsum). w: int32 [TILE_ROWS * n_pairs] (row i's codes as pairs of int16, lo =
+# element 2p); xp: int32 [n_pairs * 16] (pair p of each token's int16 codes); xd: float32 [cols / 32 * 16] (each
+# token's scale per 32-block); scale, bias: float32 [TILE_ROWS * n_blocks]; xsum: float32 [n_blocks * 16] (each
+# token's float sum over each weight block). 32 or 16 elements a block; _bias: with the bias terms.
+tile_32, tile_32_bias, tile_16, tile_16_bias = (_tile_intrinsic(p, b, NATIVE_VNNI)
+                                                for p in (16, 8) for b in (False, True))
+tile_32_generic, tile_32_bias_generic, tile_16_generic, tile_16_bias_generic = (
+    _tile_intrinsic(p, b, False) for p in (16, 8) for b in (False, True))

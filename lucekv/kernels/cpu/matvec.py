@@ -15,11 +15,28 @@ How the matvec kernels get vectorized without fastmath (which would allow reasso
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numba
 import numpy as np
 from numba import njit, prange
 
-from lucekv.kernels.cpu.intdot import dot_q4, dot_q8, dot_q8_16, prefetch
+from lucekv.kernels.cpu.intdot import (
+    NATIVE_VNNI,
+    TILE_ROWS,
+    TILE_TOKENS,
+    X_BLOCK,
+    dot_q4,
+    dot_q8,
+    dot_q8_16,
+    prefetch,
+    quantize_x16,
+    tile_16,
+    tile_16_bias,
+    tile_32,
+    tile_32_bias,
+)
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows
 
 MATMUL_TILE_ROWS = 256  # rows dequantized per BLAS call: 256 x 4864 float32 is 5 MB, stays in L3
@@ -54,21 +71,59 @@ def matvec_rows(m: PackedMatrix, xs: np.ndarray) -> np.ndarray:
     return out
 
 
+TILES = NATIVE_VNNI  # a prompt's quantized products through the tile kernels (else dequantized tiles and BLAS)
+
+
+@dataclass
+class PromptInput:
+    """X float32 [n, cols] of a prompt's products, prepared once for every product that reads it: its tile form
+    (prepare_tiles: xp, xd, xsum32, xsum16) where the tile kernels run."""
+
+    xs: np.ndarray
+    tiles: tuple[np.ndarray, ...] | None
+
+
+def prompt_input(xs: np.ndarray, split: Callable[[int, Callable[[int, int], None]], None] | None = None
+                 ) -> PromptInput:
+    """X prepared for `prompt_rows`; split(n, part): part(i0, i1) over shares of range(n) (the backend's threads; by
+    default all on this one), here over groups of TILE_TOKENS tokens."""
+    xs = np.ascontiguousarray(xs, dtype=np.float32)
+    if not TILES or xs.shape[1] % X_BLOCK:
+        return PromptInput(xs, None)
+    n, cols = xs.shape
+    groups = -(-n // TILE_TOKENS)
+    tiles = (np.empty((groups, cols // 2 * TILE_TOKENS), np.int32),
+             *(np.empty((groups, cols // b * TILE_TOKENS), np.float32) for b in (X_BLOCK, 32, 16)))
+    (split or (lambda n_items, part: part(0, n_items)))(groups, lambda g0, g1: prepare_tiles(xs, g0, g1, *tiles))
+    return PromptInput(xs, tiles)
+
+
+def prompt_rows(m: PackedMatrix, x: PromptInput, out: np.ndarray, r0: int, r1: int) -> None:
+    """out[:, r0:r1] = X @ W[r0:r1].T (float32 out [n, rows]). Threads may each take a range of rows of one product:
+    nothing here holds the GIL for long (numba nogil, BLAS). Quantized weights through the tile kernels, where they
+    run, else (and float weights) through BLAS on dequantized tiles."""
+    if m.kind == "f32" or x.tiles is None:
+        matmul_rows(m, x.xs, out, r0, r1)
+        return
+    xp, xd, xsum32, xsum16 = x.tiles
+    layout = INT_Q4 if m.kind == "q4" else INT_Q8_16 if m.block == 16 else INT_Q8
+    _tile_rows(layout, np.ascontiguousarray(m.codes).view(np.uint8), m.scale, m.bias, m.has_bias, xp, xd,
+               xsum16 if m.block == 16 else xsum32, out, r0, r1)
+
+
 def matmul(m: PackedMatrix, xs: np.ndarray) -> np.ndarray:
-    """float32 [n, rows] = X @ W.T for X float32 [n, cols]: BLAS on float32 tiles of dequantized rows."""
+    """float32 [n, rows] = X @ W.T for X float32 [n, cols] (a prompt's tokens; one token: the matvec)."""
     if xs.ndim != 2 or xs.shape[1] != m.cols:
         raise ValueError(f"matmul: X has shape {xs.shape}, expected (n, {m.cols})")
     if xs.shape[0] == 1:
         return matvec(m, xs[0])[None, :]
-    xs = np.ascontiguousarray(xs, dtype=np.float32)
     out = np.empty((xs.shape[0], m.rows), np.float32)
-    matmul_rows(m, xs, out, 0, m.rows)
+    prompt_rows(m, prompt_input(xs), out, 0, m.rows)
     return out
 
 
 def matmul_rows(m: PackedMatrix, xs: np.ndarray, out: np.ndarray, r0: int, r1: int) -> None:
-    """out[:, r0:r1] = X @ W[r0:r1].T, tile by tile (float32 X [n, cols] and out [n, rows]). Threads may each
-    take a range of rows of one product: nothing here holds the GIL for long (numba nogil, BLAS)."""
+    """out[:, r0:r1] = X @ W[r0:r1].T through BLAS, tile by tile of dequantized rows (float32 X [n, cols])."""
     if m.kind == "f32":
         out[:, r0:r1] = xs @ m.codes[r0:r1].T
         return
@@ -279,3 +334,88 @@ def _f32_rows(w, xs, out, r0, r1):
                 for k in range(n_chunks * LANES, cols):
                     tail += w[r, k] * xs[t, k]
                 out[t, r] = _lane_sum(acc[i]) + tail
+
+
+@njit(cache=True, nogil=True)
+def prepare_tiles(xs, g0, g1, xp, xd, xsum32, xsum16):
+    """Groups g0..g1 of TILE_TOKENS tokens of X float32 [n, cols] as the tile kernels take them (lanes past n:
+    zeros): xp int32 [groups, cols / 2 * 16] (pair p of token l's int16 codes, intdot.quantize_x16, at p * 16 + l),
+    xd float32 [groups, cols / 32 * 16] (their scales), xsum32 / xsum16 float32 [groups, cols / 32 (16) * 16]: x's
+    sums over blocks of 32 (16) elements (a 32-block's: its two 16-blocks' sums added)."""
+    n, cols = xs.shape
+    xq = np.zeros((TILE_TOKENS, cols), np.int16)
+    xdr = np.zeros((TILE_TOKENS, cols // X_BLOCK), np.float32)
+    for g in range(g0, g1):
+        t0 = g * TILE_TOKENS
+        lanes = min(TILE_TOKENS, n - t0)
+        if lanes < TILE_TOKENS:
+            xq[:] = 0
+            xdr[:] = 0
+            xsum16[g, :] = 0
+        for lane in range(lanes):
+            x = xs[t0 + lane]
+            quantize_x16(x, xq[lane], xdr[lane])
+            for b in range(cols // 16):
+                s16 = np.float32(0)
+                for j in range(16):
+                    s16 += x[b * 16 + j]
+                xsum16[g, b * TILE_TOKENS + lane] = s16
+        pairs = xq.reshape(-1).view(np.int32)
+        for p in range(cols // 2):
+            for lane in range(TILE_TOKENS):
+                xp[g, p * TILE_TOKENS + lane] = pairs[lane * (cols // 2) + p]
+        for b in range(cols // X_BLOCK):
+            for lane in range(TILE_TOKENS):
+                xd[g, b * TILE_TOKENS + lane] = xdr[lane, b]
+        for b in range(cols // 32):
+            for lane in range(TILE_TOKENS):
+                xsum32[g, b * TILE_TOKENS + lane] = (xsum16[g, 2 * b * TILE_TOKENS + lane]
+                                                     + xsum16[g, (2 * b + 1) * TILE_TOKENS + lane])
+
+
+@njit(cache=True, nogil=True)
+def _widen_pairs(layout, codes, out):
+    """One row's codes (uint8 [code_cols]) as int32 pairs of int16 codes (lo = element 2p, hi = 2p + 1)."""
+    if layout == INT_Q4:  # per 32-block 16 bytes: elements 0..15 the low nibbles, 16..31 the high ones
+        for b in range(codes.shape[0] // 16):
+            for q in range(8):
+                c0, c1 = np.int32(codes[b * 16 + 2 * q]), np.int32(codes[b * 16 + 2 * q + 1])
+                out[b * 16 + q] = (c0 & 15) | ((c1 & 15) << 16)
+                out[b * 16 + 8 + q] = (c0 >> 4) | ((c1 >> 4) << 16)
+    else:
+        signed = codes.view(np.int8)
+        for p in range(out.shape[0]):
+            out[p] = (np.int32(signed[2 * p]) & 0xFFFF) | (np.int32(signed[2 * p + 1]) << 16)
+
+
+@njit(cache=True, nogil=True)
+def _tile_rows(layout, codes, scale, bias, with_bias, xp, xd, xsum, out, r0, r1):
+    """Rows r0..r1 of out = X W^T for X prepared by prepare_tiles (xsum: the block sums over W's blocks); codes: the
+    rows' bytes (uint8 [rows, code_cols]) in layout INT_*; with_bias: W has bias terms (else bias is ignored)."""
+    n, n_groups = out.shape[0], xp.shape[0]
+    n_blocks = scale.shape[1]
+    n_pairs = xp.shape[1] // TILE_TOKENS
+    w = np.empty(TILE_ROWS * n_pairs, np.int32)
+    sc = np.empty(TILE_ROWS * n_blocks, np.float32)
+    bi = np.zeros(TILE_ROWS * n_blocks, np.float32)
+    acc = np.empty(TILE_ROWS * TILE_TOKENS, np.float32)
+    for first in range(r0, r1, TILE_ROWS):
+        for i in range(TILE_ROWS):
+            r = min(first + i, r1 - 1)  # past the end: the last row again, not written
+            _widen_pairs(layout, codes[r], w[i * n_pairs:(i + 1) * n_pairs])
+            sc[i * n_blocks:(i + 1) * n_blocks] = scale[r]
+            if with_bias:
+                bi[i * n_blocks:(i + 1) * n_blocks] = bias[r]
+        for g in range(n_groups):
+            if layout == INT_Q8_16:
+                if with_bias:
+                    tile_16_bias(w, xp[g], xd[g], sc, bi, xsum[g], acc, n_blocks)
+                else:
+                    tile_16(w, xp[g], xd[g], sc, bi, xsum[g], acc, n_blocks)
+            elif with_bias:
+                tile_32_bias(w, xp[g], xd[g], sc, bi, xsum[g], acc, n_blocks)
+            else:
+                tile_32(w, xp[g], xd[g], sc, bi, xsum[g], acc, n_blocks)
+            for i in range(min(TILE_ROWS, r1 - first)):
+                for lane in range(min(TILE_TOKENS, n - g * TILE_TOKENS)):
+                    out[g * TILE_TOKENS + lane, first + i] = acc[i * TILE_TOKENS + lane]

@@ -75,6 +75,11 @@ class PackedMatrix:
         """float32 [rows, cols//block]: -(dmin * sub_min); -0.0 for types without a bias (x + -0.0 == x)."""
         return _read_only(-(self._per_block(self.dmin) * self.sub_min.astype(np.float32)))
 
+    @functools.cached_property
+    def has_bias(self) -> bool:
+        """Whether any block has a bias (the products skip the bias terms of a matrix without)."""
+        return bool(np.any(self.dmin != 0) and np.any(self.sub_min != 0))
+
     def _per_block(self, factor: np.ndarray) -> np.ndarray:
         return np.repeat(factor.astype(np.float32), self.group, axis=1)
 
