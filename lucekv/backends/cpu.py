@@ -91,6 +91,9 @@ class CpuOps:
         self.spec = spec
         self.pool = pool
         self.workers = workers or Workers()  # the threads its products split rows among
+        # a prompt's products through the int16 tile kernels (matvec.prompt_input); an MoE model's stay float32: its
+        # routers' top-k picks flip on near ties when their input moves by x's rounding (~1e-4), an O(1) change
+        self.tile_prompts = spec.n_expert == 0
         self._layer_rope = [spec.layer_rope(i) for i in range(spec.n_layer)]
         self._slots = np.zeros(0, np.intp)  # the slots the forward's tokens attend over, one run per sequence
         self._offsets: np.ndarray | None = None  # decode rows: token t reads run offsets[t] .. offsets[t + 1]
@@ -191,7 +194,7 @@ class CpuOps:
         return out
 
     def _prompt_input(self, x: np.ndarray) -> PromptInput:
-        return prompt_input(x, self._split)
+        return prompt_input(x, self._split, self.tile_prompts)
 
     def _split(self, n_items: int, part) -> None:
         """part(i0, i1) for a share of range(n_items) on each of the backend's threads (numba's thread count); a

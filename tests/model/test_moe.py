@@ -119,9 +119,10 @@ def dense_run(upcycled, prose_ids):
 
 def logits_and_greedy(path, ids, n=16):  # 16 tokens: the MoE's op-by-op CPU decode takes ~1 s a token on 2 cores
     engine = lucekv.load(path, backend="cpu", kv_dtype="f32")
-    # the op-by-op path, the one MoE layers take: dense and upcycled compare the same arithmetic (the dense decode
-    # step's int16 inputs put it ~4e-5 off that path, test_cpu_step's bound)
+    # the op-by-op path with float32 prompt products, the one MoE models take: dense and upcycled compare the same
+    # arithmetic (the dense decode step's and prompt tiles' int16 inputs put them ~1e-4 off that path)
     engine.backend.decode_step = None
+    engine.backend.ops.tile_prompts = False
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     return engine.score(ids), [d.token_ids[0] for d in engine.generate(ids, params)]
 

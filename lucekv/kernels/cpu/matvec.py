@@ -83,12 +83,13 @@ class PromptInput:
     tiles: tuple[np.ndarray, ...] | None
 
 
-def prompt_input(xs: np.ndarray, split: Callable[[int, Callable[[int, int], None]], None] | None = None
-                 ) -> PromptInput:
+def prompt_input(xs: np.ndarray, split: Callable[[int, Callable[[int, int], None]], None] | None = None,
+                 tiles: bool = True) -> PromptInput:
     """X prepared for `prompt_rows`; split(n, part): part(i0, i1) over shares of range(n) (the backend's threads; by
-    default all on this one), here over groups of TILE_TOKENS tokens."""
+    default all on this one), here over groups of TILE_TOKENS tokens. tiles=False: float X, every product through
+    BLAS on dequantized tiles."""
     xs = np.ascontiguousarray(xs, dtype=np.float32)
-    if not TILES or xs.shape[1] % X_BLOCK:
+    if not (tiles and TILES) or xs.shape[1] % X_BLOCK:
         return PromptInput(xs, None)
     n, cols = xs.shape
     groups = -(-n // TILE_TOKENS)
