@@ -12,7 +12,7 @@ import numba
 import numpy as np
 
 from lucekv.kernels.cpu import step as k
-from lucekv.kernels.cpu.quants import PackedMatrix
+from lucekv.kernels.cpu.quants import GROUP_ROWS, PackedMatrix, group_rows
 from lucekv.model.arch import ModelSpec
 from lucekv.model.decoder import Weights
 
@@ -31,25 +31,28 @@ class Arenas:
             self.mat_id.setdefault(id(m), len(self.mat_id))
         unique = list({id(m): m for m in mats}.values())
         self.table = np.zeros((len(unique), k.MAT_FIELDS), np.int64)
-        code_bytes = sum(_aligned(_codes(m).nbytes) for m in unique)
-        with_bias = {id(m) for m in unique if m.kind != "f32" and np.any(m.bias != 0)}  # others store none
-        scale_floats = sum((1 + (id(m) in with_bias)) * m.scale.size for m in unique if m.kind != "f32")
+        with_bias = {id(m) for m in unique if m.kind != "f32" and m.has_bias}  # others store none
+        # quantized matrices grouped by 16 rows, the form the step's products read (quants.group_rows)
+        code_bytes = sum(_aligned(_padded_rows(m) * _codes(m)[0].nbytes) for m in unique)
+        scale_floats = sum((1 + (id(m) in with_bias)) * _padded_rows(m) * m.scale.shape[1]
+                           for m in unique if m.kind != "f32")
         self.codes = np.empty(code_bytes, np.uint8)
         self.scales = np.empty(scale_floats, np.float32)
         at = sat = 0
         for i, m in enumerate(unique):
-            raw = _codes(m)
-            self.codes[at:at + raw.nbytes] = raw.reshape(-1)
+            codes, scale, bias = (np.ascontiguousarray(m.codes), None, None) if m.kind == "f32" else group_rows(m)
+            self.codes[at:at + codes.nbytes] = codes.reshape(-1).view(np.uint8)
             nb = m.scale.shape[1] if m.kind != "f32" else 0
-            bias_at = sat + m.rows * nb if id(m) in with_bias else -1
+            bias_at = sat + scale.size if id(m) in with_bias else -1
             self.table[i] = (KINDS[m.kind], m.rows, m.cols, at, sat, bias_at, m.codes.shape[1], nb)
-            m.codes = _read_only(self.codes[at:at + raw.nbytes].view(m.codes.dtype).reshape(m.codes.shape))
+            m.codes = _read_only(self.codes[at:at + codes.nbytes].view(codes.dtype).reshape(codes.shape))
             if m.kind != "f32":
-                for name in ("scale", "bias") if id(m) in with_bias else ("scale",):
-                    self.scales[sat:sat + m.scale.size] = getattr(m, name).reshape(-1)
-                    m.__dict__[name] = _read_only(self.scales[sat:sat + m.scale.size].reshape(m.scale.shape))
-                    sat += m.scale.size
-            at += _aligned(raw.nbytes)
+                for name, part in (("scale", scale), ("bias", bias))[:1 + (id(m) in with_bias)]:
+                    self.scales[sat:sat + part.size] = part.reshape(-1)
+                    m.__dict__[name] = _read_only(self.scales[sat:sat + part.size].reshape(part.shape))
+                    sat += part.size
+                m.grouped = True
+            at += _aligned(codes.nbytes)
         self._vec_parts: list[np.ndarray] = []
         self._vec_at: dict[int, int] = {}
         self._vec_len = 0
@@ -237,6 +240,11 @@ def _layer_matrices(lw) -> Iterator[PackedMatrix]:
 
 def _codes(m: PackedMatrix) -> np.ndarray:
     return np.ascontiguousarray(m.codes).view(np.uint8)
+
+
+def _padded_rows(m: PackedMatrix) -> int:
+    """m's rows in the arena: whole groups of GROUP_ROWS where quantized."""
+    return m.rows if m.kind == "f32" else -(-m.rows // GROUP_ROWS) * GROUP_ROWS
 
 
 def _aligned(n: int) -> int:

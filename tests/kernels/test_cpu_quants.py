@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
@@ -14,12 +16,18 @@ from lucekv.kernels.cpu import matvec as matvec_module
 from lucekv.kernels.cpu.intdot import (
     TILE_ROWS,
     TILE_TOKENS,
-    dot_q4,
-    dot_q4_generic,
-    dot_q8,
-    dot_q8_16,
-    dot_q8_16_generic,
-    dot_q8_generic,
+    group_q4,
+    group_q4_bias,
+    group_q4_bias_generic,
+    group_q4_generic,
+    group_q8,
+    group_q8_16,
+    group_q8_16_bias,
+    group_q8_16_bias_generic,
+    group_q8_16_generic,
+    group_q8_bias,
+    group_q8_bias_generic,
+    group_q8_generic,
     quantize_x16,
     tile_16,
     tile_16_bias,
@@ -31,17 +39,20 @@ from lucekv.kernels.cpu.intdot import (
     tile_32_generic,
 )
 from lucekv.kernels.cpu.matvec import (
-    INT_Q4,
-    INT_Q8,
-    INT_Q8_16,
     MATMUL_TILE_ROWS,
-    _block_sums,
-    _int_rows,
     matmul,
     matvec,
     matvec_rows,
 )
-from lucekv.kernels.cpu.quants import SUPPORTED_QTYPES, dequantize, dequantize_rows, pack, pack_tensor
+from lucekv.kernels.cpu.quants import (
+    SUPPORTED_QTYPES,
+    PackedMatrix,
+    dequantize,
+    dequantize_rows,
+    group_rows,
+    pack,
+    pack_tensor,
+)
 from lucekv.model.gguf import TensorInfo, open_gguf
 
 # Byte offsets of each block's f16 fields (d, and dmin/m where the type has one), from ggml's block structs.
@@ -198,24 +209,65 @@ def test_matvec_and_matmul_match_float64(qtype):
     assert all(np.array_equal(rows_out[t], matvec(m, xs[t])) for t in range(len(xs)))
 
 
+def grouped(m: PackedMatrix) -> PackedMatrix:
+    """m in the decode step's form (PackedMatrix.grouped), as the step's arenas hold it."""
+    g = copy.copy(m)
+    g.codes, scale, bias = group_rows(m)
+    g.__dict__.update(scale=scale, bias=bias)
+    g.grouped = True
+    return g
+
+
 @njit(cache=True)
-def _row0_dots(codes, scale, bias, xq, xd, xsum, n_chunks):
-    """Row 0's dot in each layout: as the step runs it (native where the CPU has AVX2), then intdot's generic IR
-    (what a machine without AVX2 runs)."""
-    a = (codes.reshape(-1), 0, xq, 0, scale.reshape(-1), 0, xd, 0, n_chunks, bias.reshape(-1), 0, xsum, 0,
-         bias.shape[1])
-    return (dot_q4(*a), dot_q8(*a), dot_q8_16(*a)), (dot_q4_generic(*a), dot_q8_generic(*a), dot_q8_16_generic(*a))
+def _group0(codes, scale, bias, xp, xd, xsum, out):
+    """A group of each kernel (q4, q8, q8_16, each without and with bias terms) as the step runs it (native where the
+    CPU has AVX-512 VNNI), in out[0, k], and in intdot's generic IR, in out[1, k]; xp: one token's cols / 2 pairs."""
+    n32, n16 = xp.shape[0] // 16, xp.shape[0] // 8
+    a32 = (codes, 0, xp, 0, scale, 0, xd, 0, n32, bias, 0, xsum, 0)
+    a16 = (codes, 0, xp, 0, scale, 0, xd, 0, n16, bias, 0, xsum, 0)
+    group_q4(*a32, out[0, 0], 0)
+    group_q4_generic(*a32, out[1, 0], 0)
+    group_q4_bias(*a32, out[0, 1], 0)
+    group_q4_bias_generic(*a32, out[1, 1], 0)
+    group_q8(*a32, out[0, 2], 0)
+    group_q8_generic(*a32, out[1, 2], 0)
+    group_q8_bias(*a32, out[0, 3], 0)
+    group_q8_bias_generic(*a32, out[1, 3], 0)
+    group_q8_16(*a16, out[0, 4], 0)
+    group_q8_16_generic(*a16, out[1, 4], 0)
+    group_q8_16_bias(*a16, out[0, 5], 0)
+    group_q8_16_bias_generic(*a16, out[1, 5], 0)
+
+
+def test_group_kernels_native_equal_generic():
+    """The decode group kernels with VNNI and in their generic IR give the same bits (exact int32 sums, the same float
+    steps), codes and x at their extremes."""
+    rng = np.random.default_rng(8)
+    cols = 96
+    codes = rng.integers(0, 256, size=cols * 16, dtype=np.uint8)  # as many bytes as a q8 group of cols
+    codes[:32] = 128  # int8 -128
+    xq = rng.integers(-32767, 32768, size=cols).astype(np.int16)
+    xq[:32] = -32767
+    scale, bias = rng.normal(size=(2, cols)).astype(np.float32)  # 16 rows' factors of cols / 16 blocks at most
+    out = np.empty((2, 6, 16), np.float32)
+    _group0(codes, scale, bias, xq.view(np.int32), rng.uniform(0, 1e-3, size=cols // 32).astype(np.float32),
+            rng.normal(size=cols // 16).astype(np.float32), out)
+    assert np.array_equal(out[0], out[1])
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
-def test_int_rows_match_float64(qtype):
-    """The decode step's products: x rounded to int16 per 32-block, integer products with the weights' codes. Against
-    float64 of the same rounded x within float32's bound, every row alone as in a batch, generic IR as native."""
+def test_grouped_products_match_float64_and_the_prompt_tiles(qtype, monkeypatch):
+    """The decode step's products (weights grouped by 16 rows, x rounded to int16 per 32-block): against float64 of
+    the same rounded x within float32's bound, every row alone as in a batch, bit for bit what a prompt's tiles give
+    the same token; the grouped form expands to the same weights."""
+    monkeypatch.setattr(matvec_module, "TILES", True)  # also where the CPU has no VNNI: the generic IR
     rng = np.random.default_rng(300 + int(qtype))
-    rows, cols = 37, 512 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 288  # 9 chunks: the odd one after the pairs
+    rows, cols = 37, 512 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 288  # 37 rows: a last group of 5
     raw = random_raw(rng, qtype, rows, cols)
     m = pack(raw, qtype, (rows, cols))
+    g = grouped(m)
     w = dequantize(raw, qtype, (rows, cols))
+    assert np.array_equal(dequantize_rows(g, 0, rows), w) and np.array_equal(dequantize_rows(g, 7, 21), w[7:21])
     xs = rng.normal(size=(2, cols)).astype(np.float32) * rng.choice([1e-3, 1.0, 30.0], size=cols).astype(np.float32)
     xs[0, :32] = 0  # a block of zeros: scale 0, codes 0
     xq, xd = np.empty((2, cols), np.int16), np.empty((2, cols // 32), np.float32)
@@ -223,20 +275,15 @@ def test_int_rows_match_float64(qtype):
         quantize_x16(xs[t], xq[t], xd[t])
     step = xd.repeat(32, axis=1).astype(np.float64)
     assert np.all(np.abs(step * xq - xs) <= step / 2 * 1.01)  # float32's x / step is off by up to 0.002 steps
-    codes = m.codes.view(np.uint8)
-    layout = INT_Q4 if m.kind == "q4" else INT_Q8_16 if m.block == 16 else INT_Q8
-    out = np.empty((2, rows), np.float32)
-    _int_rows(layout, codes, m.scale, m.bias, xq, xd, _block_sums(xs, m.block), out, 0, rows)
+    out = matvec_rows(g, xs)
     # the codes' part meets the rounded x; the biases meet x's float block sums
     bias = np.repeat(m.bias, m.block, axis=1).astype(np.float64)
     xr = step * xq
     ref = xr @ (w - bias).T + xs.astype(np.float64) @ bias.T
     assert np.all(np.abs(out - ref) <= 1e-4 * (np.abs(xr) @ np.abs(w.astype(np.float64)).T))
-    alone = np.empty((1, rows), np.float32)
-    _int_rows(layout, codes, m.scale, m.bias, xq[1:], xd[1:], _block_sums(xs[1:], m.block), alone, 0, rows)
-    assert np.array_equal(alone[0], out[1])
-    native, generic = _row0_dots(codes, m.scale, m.bias, xq[1], xd[1], _block_sums(xs[1:], m.block)[0], cols // 32)
-    assert native[layout] == generic[layout]
+    assert np.array_equal(matvec_rows(g, xs[1:])[0], out[1])
+    prompt = np.concatenate([xs, rng.normal(size=(TILE_TOKENS, cols)).astype(np.float32)])
+    assert np.array_equal(matmul(m, prompt)[:2], out) and np.array_equal(matmul(g, prompt), matmul(m, prompt))
 
 
 @njit(cache=True)

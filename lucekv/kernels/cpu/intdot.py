@@ -1,14 +1,12 @@
-"""Integer dot products of quantized weight rows with int16 activations, emitted as LLVM IR (numba intrinsics).
+"""Integer products of quantized weights with int16 activations, emitted as LLVM IR (numba intrinsics).
 
-A decode step quantizes each input row once to int16 codes per 32-block (`quantize_x16`: x ~ xd * xq, xd = max|x|
-/ 32767, a relative 1.5e-5 of the block's largest element); a weight block's integer codes times those codes,
-summed exactly in int32, are converted to float once per block and scaled by the weight's scale times xd. numba's
-loop vectorizer, left to itself, converted every code to float or multiplied in 32-bit lanes (16 products per
-instruction at best: the products were instruction-bound at 7-8 GB/s); written as IR here, a 32-block is two
-256-bit `vpmaddwd` (16 products summed in pairs each), one convert and one fused multiply-add into 8 float lanes.
-Without AVX2 (or with NUMBA_CPU_NAME set, e.g. for a portable cache) the same sums are plain vector IR that any
-target lowers; the sums are exact integers either way (|code| <= 128, |xq| <= 32767: four products fit int32),
-so both give the same bits.
+Activations are quantized once per op to int16 codes per 32-block (`quantize_x16`: x ~ xd * xq, xd = max|x| / 32767,
+a relative 1.5e-5 of the block's largest element); a weight block's integer codes times those codes, summed exactly
+in int32, are converted to float once per block and scaled by the weight's scale times xd. Two kernels, both with
+AVX-512 VNNI's `vpdpwssd` (32 int16 products into 16 int32 lanes) where the CPU has it, else the same sums as plain
+vector IR (the same bits: the int32 sums are exact): prefill tiles (16 weight rows x 16 tokens, the tokens the
+lanes) and decode groups (16 weight rows against one token, the rows the lanes). numba's loop vectorizer, left to
+itself, converted every code to float or multiplied in 32-bit lanes: instruction-bound at 7-8 GB/s.
 
 8-bit activations (llama.cpp's q8 blocks, `vpmaddubsw`: 32 products an instruction) were measured faster still
 but put the logits 1-7% (relative) off the float path on smollm2-135m and flipped greedy tokens (issue 28's notes).
@@ -25,6 +23,8 @@ from numba import njit, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
+from lucekv.kernels.cpu.quants import GROUP_ROWS  # weight rows a group: one 512-bit vector of int32 lanes
+
 X_BLOCK = 32  # elements per activation scale
 
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -32,16 +32,6 @@ _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.
 
 def _vec(t, n):
     return ir.VectorType(t, n)
-
-
-def _native_avx2() -> bool:
-    if platform.machine().lower() not in ("x86_64", "amd64") or config.CPU_NAME:
-        return False
-    features = llvm.get_host_cpu_features()
-    return bool(features.get("avx2")) and bool(features.get("fma"))
-
-
-NATIVE = _native_avx2()
 
 
 def _fn(builder, name, ret, args):
@@ -70,40 +60,6 @@ def _splat(builder, x, n):
     return _shuffle(builder, v, [0] * n)
 
 
-def _pair_sums(builder, w_halves, x, native):
-    """Two <8 x i32>: lane k of the first = w[2k] x[2k] + w[2k + 1] x[2k + 1] over elements 0..15, of the second
-    the same over 16..31 (w_halves: the weight codes as two <16 x i16>; x <32 x i16>)."""
-    sums = []
-    for h, wh in enumerate(w_halves):
-        xh = _shuffle(builder, x, range(16 * h, 16 * h + 16))
-        if native:
-            fn = _fn(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [_vec(_I16, 16)] * 2)
-            sums.append(builder.call(fn, [wh, xh]))
-        else:
-            p = builder.mul(builder.sext(wh, _vec(_I32, 16)), builder.sext(xh, _vec(_I32, 16)))
-            sums.append(builder.add(_shuffle(builder, p, range(0, 16, 2)), _shuffle(builder, p, range(1, 16, 2))))
-    return sums
-
-
-def _weight_halves(builder, cp, c, kind):
-    """Chunk c's 32 weight codes as two <16 x i16> (elements 0..15, 16..31). q4: 16 bytes, the low nibbles
-    elements 0..15 and the high ones 16..31, widened before they are split (x86 has no byte shifts)."""
-    if kind == "q4":
-        raw = builder.zext(_load(builder, cp, builder.mul(c, ir.Constant(_I64, 16)), _vec(_I8, 16)), _vec(_I16, 16))
-        return (builder.and_(raw, ir.Constant(_vec(_I16, 16), [15] * 16)),
-                builder.lshr(raw, ir.Constant(_vec(_I16, 16), [4] * 16)))
-    w = builder.sext(_load(builder, cp, builder.mul(c, ir.Constant(_I64, 32)), _vec(_I8, 32)), _vec(_I16, 32))
-    return _shuffle(builder, w, range(16)), _shuffle(builder, w, range(16, 32))
-
-
-def _hsum(builder, v):
-    """A float <8 x float>'s lanes summed in a fixed order: halves, then halves again."""
-    s4 = builder.fadd(_shuffle(builder, v, [0, 1, 2, 3]), _shuffle(builder, v, [4, 5, 6, 7]))
-    s2 = builder.fadd(_shuffle(builder, s4, [0, 1]), _shuffle(builder, s4, [2, 3]))
-    return builder.fadd(builder.extract_element(s2, ir.Constant(_I32, 0)),
-                        builder.extract_element(s2, ir.Constant(_I32, 1)))
-
-
 def _counted_loop(builder, n, name, body, inits):
     """Emit `for i in range(n): state = body(i, state)` from state `inits`; returns the final state."""
     entry = builder.block
@@ -125,75 +81,6 @@ def _counted_loop(builder, n, name, body, inits):
         phi.add_incoming(init, entry)
         phi.add_incoming(v, body_end)
     return out
-
-
-def _dot_codegen(kind, native):
-    """Codegen of sum over 32-element chunks c < n of (scale-weighted integer dot of chunk c), then the bias terms
-    bias[b] * xsum[b] over n_bias blocks b (none for a weight without biases). kind "q4": chunk c is 16 bytes of
-    nibbles (low nibbles elements 0..15, high 16..31), one weight block; "q8": 32 int8 codes, one block; "q8_16": 32
-    int8 codes, two 16-blocks (one scale each). Even and odd chunks go to two accumulators (one FMA chain would wait
-    on its own latency every chunk); the bias terms 8 blocks at a time, then one by one."""
-    blocks = 2 if kind == "q8_16" else 1  # weight blocks a chunk
-
-    def codegen(context, builder, sig, args):
-        cp, xp, sp, dp, bp, tp = (_ptr(context, builder, sig.args[i], args[i], args[i + 1])
-                                  for i in (0, 2, 4, 6, 9, 11))
-        n, n_bias = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (8, 13))
-        fma = _fn(builder, "llvm.fma.v8f32", _vec(_F32, 8), [_vec(_F32, 8)] * 3)
-        fma1 = _fn(builder, "llvm.fma.f32", _F32, [_F32] * 3)
-        one, two, eight = ir.Constant(_I64, 1), ir.Constant(_I64, 2), ir.Constant(_I64, 8)
-
-        def chunk(c, acc):
-            """acc + chunk c's sums times their scales."""
-            x = _load(builder, xp, builder.mul(c, ir.Constant(_I64, X_BLOCK)), _vec(_I16, 32))
-            halves = _pair_sums(builder, _weight_halves(builder, cp, c, kind), x, native)
-            xd = builder.load(builder.gep(dp, [c]))
-            if blocks == 1:
-                halves = [builder.add(*halves)]
-            for k, sums in enumerate(halves):
-                b = builder.add(builder.mul(c, ir.Constant(_I64, blocks)), ir.Constant(_I64, k))
-                s = _splat(builder, builder.fmul(builder.load(builder.gep(sp, [b])), xd), 8)
-                acc = builder.call(fma, [builder.sitofp(sums, _vec(_F32, 8)), s, acc])
-            return acc
-
-        zero, fzero = ir.Constant(_vec(_F32, 8), [0.0] * 8), ir.Constant(_F32, 0.0)
-        even, odd = _counted_loop(builder, builder.ashr(n, one), "pairs", lambda i, st: [
-            chunk(builder.mul(i, two), st[0]), chunk(builder.add(builder.mul(i, two), one), st[1])], [zero, zero])
-        (even,) = _counted_loop(builder, builder.and_(n, one), "odd_chunk",  # the last chunk of an odd count
-                                lambda i, st: [chunk(builder.sub(n, one), st[0])], [even])
-        (bias8,) = _counted_loop(builder, builder.ashr(n_bias, ir.Constant(_I64, 3)), "bias8", lambda i, st: [
-            builder.call(fma, [_load(builder, bp, builder.mul(i, eight), _vec(_F32, 8)),
-                               _load(builder, tp, builder.mul(i, eight), _vec(_F32, 8)), st[0]])], [zero])
-        rest = builder.and_(n_bias, ir.Constant(_I64, 7))
-        done8 = builder.sub(n_bias, rest)
-        (bias1,) = _counted_loop(builder, rest, "bias1", lambda i, st: [builder.call(fma1, [
-            *(builder.load(builder.gep(p, [builder.add(done8, i)])) for p in (bp, tp)), st[0]])], [fzero])
-        return builder.fadd(_hsum(builder, builder.fadd(even, odd)), builder.fadd(_hsum(builder, bias8), bias1))
-
-    return codegen
-
-
-def _dot_intrinsic(kind, native):
-    def typer(typingctx, codes, c_at, xq, x_at, scale, s_at, xd, d_at, n, bias, b_at, xsum, t_at, n_bias):
-        arrays = (codes, xq, scale, xd, bias, xsum)
-        dtypes = (types.uint8, types.int16, types.float32, types.float32, types.float32, types.float32)
-        if not all(isinstance(a, types.Array) and a.ndim == 1 and a.dtype == d
-                   for a, d in zip(arrays, dtypes, strict=True)):
-            return None
-        sig = types.float32(codes, c_at, xq, x_at, scale, s_at, xd, d_at, n, bias, b_at, xsum, t_at, n_bias)
-        return sig, _dot_codegen(kind, native)
-
-    typer.__name__ = f"dot_{kind}_{'native' if native else 'generic'}"
-    return intrinsic(typer)
-
-
-# dot(codes, c_at, xq, x_at, scale, s_at, xd, d_at, n, bias, b_at, xsum, t_at, n_bias): float32 sum over n chunks of
-# 32 elements, starting at codes[c_at] (flat bytes), xq[x_at], scale[s_at] (one per weight block) and xd[d_at] (one
-# per 32 activations), of each chunk's integer code products times its scale and xd; plus the sum of
-# bias[b_at + b] * xsum[t_at + b] over n_bias blocks b (x's float block sums; n_bias 0 for a weight without biases).
-# The generic forms exist for the tests on AVX2 machines.
-dot_q4, dot_q8, dot_q8_16 = (_dot_intrinsic(k, NATIVE) for k in ("q4", "q8", "q8_16"))
-dot_q4_generic, dot_q8_generic, dot_q8_16_generic = (_dot_intrinsic(k, False) for k in ("q4", "q8", "q8_16"))
 
 
 @intrinsic
@@ -244,7 +131,7 @@ def _round_codes(x, inv, out):
 # ---- prefill: a tile of weight rows against 16 tokens at once ----------------------------------------------------
 #
 # A prompt's products are compute-bound, and a 32-block's float work (convert, scale, fused add) costs as much as its
-# integer products when each (row, token) pair gets its own 8 lanes (the decode kernels above). Here the tokens are
+# integer products when each (row, token) pair gets its own 8 lanes (a row-by-row dot product). Here the tokens are
 # the lanes instead: x comes transposed, each 32-bit lane of a vector one token's pair of int16 codes (elements 2p,
 # 2p + 1), and a weight row's pair of codes is broadcast against it. One `vpdpwssd` (AVX-512 VNNI) then adds 32
 # products into 16 tokens' int32 sums, and a block's float work is one convert, one multiply and one fused add (two
@@ -355,3 +242,90 @@ tile_32, tile_32_bias, tile_16, tile_16_bias = (_tile_intrinsic(p, b, NATIVE_VNN
                                                 for p in (16, 8) for b in (False, True))
 tile_32_generic, tile_32_bias_generic, tile_16_generic, tile_16_bias_generic = (
     _tile_intrinsic(p, b, False) for p in (16, 8) for b in (False, True))
+
+
+# ---- decode: one token against 16 weight rows at once ------------------------------------------------------------
+#
+# The decode products turned around the same way: the weight rows are the lanes. A matrix's codes are stored by groups
+# of 16 rows (quants.interleave_rows16): pair p of the 16 rows side by side, so one load widens into 16 int32 lanes,
+# each one row's pair of codes as two int16, and the token's pair of int16 codes is broadcast against them: one
+# `vpdpwssd` adds 32 products into 16 rows' sums. A block's float work is one convert, one multiply and one fused add
+# (two with bias terms) per 16 rows, and nothing is summed across lanes. Lane by lane it is the tile kernel's
+# arithmetic (the same exact int32 block sums, the same float steps in the same order), so a token's product equals
+# its prefill tile's bit for bit where its x is prepared the same.
+
+def _group_pairs(builder, cp, pair, kind):
+    """The 16 rows' codes of element pair `pair` as <16 x i32> (each lane two int16). q4: a byte a row, the pair's
+    elements its low and high nibble; q8: two int8 a row."""
+    if kind == "q4":
+        v = builder.zext(_load(builder, cp, builder.mul(pair, ir.Constant(_I64, GROUP_ROWS)), _vec(_I8, GROUP_ROWS)),
+                         _vec(_I32, GROUP_ROWS))
+        both = builder.or_(v, builder.shl(v, ir.Constant(_vec(_I32, GROUP_ROWS), [12] * GROUP_ROWS)))
+        return builder.and_(both, ir.Constant(_vec(_I32, GROUP_ROWS), [0x000F000F] * GROUP_ROWS))
+    w = _load(builder, cp, builder.mul(pair, ir.Constant(_I64, 2 * GROUP_ROWS)), _vec(_I8, 2 * GROUP_ROWS))
+    return builder.bitcast(builder.sext(w, _vec(_I16, 2 * GROUP_ROWS)), _vec(_I32, GROUP_ROWS))
+
+
+def _group_codegen(kind, with_bias, native):
+    """Codegen of one group (16 rows) against one token over n_blocks weight blocks (32 elements; q8_16: 16). Per
+    block the pairs alternate between two int32 accumulators (exact, added before the convert); per block and row
+    the tile kernel's float steps."""
+    block_pairs = 8 if kind == "q8_16" else 16
+
+    def codegen(context, builder, sig, args):
+        cp, xp, sp, dp, bp, tp, op = (_ptr(context, builder, sig.args[i], args[i], args[i + 1])
+                                      for i in (0, 2, 4, 6, 9, 11, 13))
+        n_blocks = context.cast(builder, args[8], sig.args[8], types.int64)
+        v16i, v16f = _vec(_I32, GROUP_ROWS), _vec(_F32, GROUP_ROWS)
+        fma = _fn(builder, "llvm.fma.v16f32", v16f, [v16f] * 3)
+        zero_i, zero_f = ir.Constant(v16i, [0] * GROUP_ROWS), ir.Constant(v16f, [0.0] * GROUP_ROWS)
+
+        def block(b, st):
+            p0 = builder.mul(b, ir.Constant(_I64, block_pairs))
+            sums = [zero_i, zero_i]
+            for p in range(block_pairs):
+                pair = builder.add(p0, ir.Constant(_I64, p))
+                x = _splat(builder, builder.load(builder.gep(xp, [pair])), GROUP_ROWS)
+                sums[p % 2] = _pair_dot(builder, sums[p % 2], x, _group_pairs(builder, cp, pair, kind), native)
+            xb = b if block_pairs == 16 else builder.ashr(b, ir.Constant(_I64, 1))  # the x block it lies in
+            at = builder.mul(b, ir.Constant(_I64, GROUP_ROWS))
+            s = builder.fmul(_load(builder, sp, at, v16f), _splat(builder, builder.load(builder.gep(dp, [xb])),
+                                                                  GROUP_ROWS))
+            acc = builder.call(fma, [builder.sitofp(builder.add(*sums), v16f), s, st[0]])
+            if with_bias:
+                acc = builder.call(fma, [_load(builder, bp, at, v16f),
+                                         _splat(builder, builder.load(builder.gep(tp, [b])), GROUP_ROWS), acc])
+            return [acc]
+
+        (acc,) = _counted_loop(builder, n_blocks, f"group_{kind}", block, [zero_f])
+        builder.store(acc, builder.bitcast(op, v16f.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _group_intrinsic(kind, with_bias, native):
+    def typer(typingctx, codes, c_at, xp, x_at, scale, s_at, xd, d_at, n_blocks, bias, b_at, xsum, t_at, out, o_at):
+        arrays = (codes, xp, scale, xd, bias, xsum, out)
+        dtypes = (types.uint8, types.int32, types.float32, types.float32, types.float32, types.float32, types.float32)
+        if not all(isinstance(a, types.Array) and a.ndim == 1 and a.dtype == d
+                   for a, d in zip(arrays, dtypes, strict=True)):
+            return None
+        sig = types.void(codes, c_at, xp, x_at, scale, s_at, xd, d_at, n_blocks, bias, b_at, xsum, t_at, out, o_at)
+        return sig, _group_codegen(kind, with_bias, native)
+
+    typer.__name__ = f"group_{kind}{'_bias' if with_bias else ''}_{'native' if native else 'generic'}"
+    return intrinsic(typer)
+
+
+# group_*(codes, c_at, xp, x_at, scale, s_at, xd, d_at, n_blocks, bias, b_at, xsum, t_at, out, o_at): out[o_at:o_at +
+# 16] = for each of a group's 16 rows, the sum over n_blocks weight blocks of the block's integer products times scale *
+# xd (+ bias * xsum). codes: the group's bytes from codes[c_at] (quants.interleave_rows16: per element pair the 16
+# rows'); xp: the token's int16 code pairs (int32) from xp[x_at]; xd: its scale per 32-block from xd[d_at]; scale,
+# bias: float32, per block the 16 rows' from scale[s_at] / bias[b_at]; xsum: the token's float sum over each weight
+# block from xsum[t_at]. Kinds q4 (nibbles, 32-blocks), q8 (int8, 32-blocks), q8_16 (int8, 16-blocks); _bias: with the
+# bias terms. Where the CPU has no AVX-512 VNNI, the generic IR (the same bits).
+group_q4, group_q4_bias, group_q8, group_q8_bias, group_q8_16, group_q8_16_bias = (
+    _group_intrinsic(k, b, NATIVE_VNNI) for k in ("q4", "q8", "q8_16") for b in (False, True))
+(group_q4_generic, group_q4_bias_generic, group_q8_generic, group_q8_bias_generic, group_q8_16_generic,
+ group_q8_16_bias_generic) = (_group_intrinsic(k, b, False) for k in ("q4", "q8", "q8_16") for b in (False, True))

@@ -27,9 +27,12 @@ from lucekv.kernels.cpu.intdot import (
     TILE_ROWS,
     TILE_TOKENS,
     X_BLOCK,
-    dot_q4,
-    dot_q8,
-    dot_q8_16,
+    group_q4,
+    group_q4_bias,
+    group_q8,
+    group_q8_16,
+    group_q8_16_bias,
+    group_q8_bias,
     prefetch,
     quantize_x16,
     tile_16,
@@ -37,7 +40,7 @@ from lucekv.kernels.cpu.intdot import (
     tile_32,
     tile_32_bias,
 )
-from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows
+from lucekv.kernels.cpu.quants import GROUP_ROWS, PackedMatrix, dequantize_rows
 
 MATMUL_TILE_ROWS = 256  # rows dequantized per BLAS call: 256 x 4864 float32 is 5 MB, stays in L3
 LANES = 16  # float32 accumulators per row: one AVX-512 vector
@@ -62,7 +65,9 @@ def matvec_rows(m: PackedMatrix, xs: np.ndarray) -> np.ndarray:
     xs = np.require(xs, np.float32, ["C", "W"])  # one numba specialization: contiguous, writable float32
     out = np.empty((xs.shape[0], m.rows), np.float32)
     n_threads = numba.get_num_threads()  # read out here: inside a kernel it keeps the kernel out of the cache
-    if m.kind == "q4":
+    if m.grouped:  # the decode step's matrices: its products (int16 x)
+        _matvec_grouped(_layout(m), m.has_bias, m.codes, m.scale, m.bias, xs, out, n_threads)
+    elif m.kind == "q4":
         _matvec_q4(m.codes, m.scale, m.bias, xs, out, n_threads)
     elif m.kind == "q8":
         _matvec_q8(m.codes, m.scale, m.bias, xs, out, n_threads)
@@ -71,6 +76,7 @@ def matvec_rows(m: PackedMatrix, xs: np.ndarray) -> np.ndarray:
     return out
 
 
+INT_Q4, INT_Q8, INT_Q8_16 = range(3)  # the code layouts of the integer kernels: q4 nibbles, int8 by 32, int8 by 16
 TILES = NATIVE_VNNI  # a prompt's quantized products through the tile kernels (else dequantized tiles and BLAS)
 
 
@@ -107,9 +113,13 @@ def prompt_rows(m: PackedMatrix, x: PromptInput, out: np.ndarray, r0: int, r1: i
         matmul_rows(m, x.xs, out, r0, r1)
         return
     xp, xd, xsum32, xsum16 = x.tiles
-    layout = INT_Q4 if m.kind == "q4" else INT_Q8_16 if m.block == 16 else INT_Q8
-    _tile_rows(layout, np.ascontiguousarray(m.codes).view(np.uint8), m.scale, m.bias, m.has_bias, xp, xd,
-               xsum16 if m.block == 16 else xsum32, out, r0, r1)
+    _tile_rows(_layout(m), m.grouped, np.ascontiguousarray(m.codes).view(np.uint8), m.scale, m.bias, m.has_bias,
+               xp, xd, xsum16 if m.block == 16 else xsum32, out, r0, r1)
+
+
+def _layout(m: PackedMatrix) -> int:
+    """The INT_* layout of a quantized matrix's codes."""
+    return INT_Q4 if m.kind == "q4" else INT_Q8_16 if m.block == 16 else INT_Q8
 
 
 def matmul(m: PackedMatrix, xs: np.ndarray) -> np.ndarray:
@@ -143,12 +153,16 @@ def _block_sums(xs, block):
 
 @njit(cache=True, nogil=True)
 def block_sums(xs, block, sums):
-    """sums [n, cols // block] = each row's sums over blocks of `block` columns."""
+    """sums [n, cols // block] = each row's sums over blocks of `block` columns, added by 16 columns as
+    prepare_tiles adds them (a 32-block's: its two 16-sums added), so decode and prefill products agree bit for bit."""
     for t in range(xs.shape[0]):
         for b in range(sums.shape[1]):
             s = np.float32(0)
-            for j in range(block):
-                s += xs[t, b * block + j]
+            for h in range(block // 16):
+                s16 = np.float32(0)
+                for j in range(16):
+                    s16 += xs[t, b * block + h * 16 + j]
+                s += s16
             sums[t, b] = s
 
 
@@ -277,34 +291,61 @@ def _q8_rows(codes, scale, bias, xs, xsum, out, r0, r1):
     return touched
 
 
-INT_Q4, INT_Q8, INT_Q8_16 = range(3)  # the weight layouts of _int_rows
+@njit(parallel=True, fastmath=False, cache=True)
+def _matvec_grouped(layout, with_bias, codes, scale, bias, xs, out, n_threads):
+    """out = X W^T for a grouped W (PackedMatrix.grouped), each row of X quantized to int16 by 32-blocks; the threads
+    take whole groups of rows."""
+    n, cols = xs.shape
+    xq = np.empty((n, cols), np.int16)
+    xd = np.empty((n, cols // X_BLOCK), np.float32)
+    for t in range(n):
+        quantize_x16(xs[t], xq[t], xd[t])
+    xsum = _block_sums(xs, cols // (scale.shape[1] // GROUP_ROWS))
+    groups = codes.shape[0]
+    for th in prange(n_threads):
+        g0, g1 = _thread_rows(th, n_threads, groups)
+        group_rows(layout, with_bias, codes, scale, bias, xq.reshape(-1).view(np.int32).reshape(n, cols // 2), xd,
+                   xsum, out, g0 * GROUP_ROWS, min(g1 * GROUP_ROWS, out.shape[1]))
 
 
 @njit(cache=True, nogil=True)
-def _int_rows(layout, codes, scale, bias, xq, xd, xsum, out, r0, r1):
-    """Rows r0..r1 of out = X W^T for every row t of X given as int16 codes xq [n, cols] with one scale per 32-block
-    xd [n, cols // 32] (intdot.quantize_x16), plus each row's bias terms against xsum (X's float block sums over the
-    weight's blocks). codes: the rows' bytes (uint8 [rows, code_cols]) in one of the layouts INT_*: q4 nibbles or
-    int8 codes by 32-blocks, or int8 codes by 16-blocks. A row's number for X row t depends on t alone. The cache
-    lines of the row group two ahead are prefetched (llvm.prefetch: 1.44 against 2.15 ms for the 49152x576 q8
-    output head with _touch_lines' loads, 1 thread)."""
-    n_chunks = xq.shape[1] // 32
-    code_cols, n_blocks, n_bias = codes.shape[1], scale.shape[1], bias.shape[1]
+def group_rows(layout, with_bias, codes, scale, bias, xp, xd, xsum, out, r0, r1):
+    """Rows r0..r1 (r0 a multiple of GROUP_ROWS) of out = X W^T (out float32 [n, rows]), W grouped (codes uint8
+    [groups, code_cols * 16], scale and bias float32 [groups, n_blocks * 16], layout INT_*; with_bias: W has bias
+    terms, else bias is not read), X given as int16 codes in int32 pairs xp [n, cols / 2] with their scales xd [n,
+    cols / 32] (intdot.quantize_x16) and its float sums over W's blocks xsum [n, n_blocks]. Each group's codes go
+    through every row of X while they are in cache; the lines of the group two ahead are prefetched. A row's numbers
+    for X row t depend on t alone."""
+    n, group_bytes, group_floats = xp.shape[0], codes.shape[1], scale.shape[1]
+    n_blocks = group_floats // GROUP_ROWS
     flat, scales, biases = codes.reshape(-1), scale.reshape(-1), bias.reshape(-1)
-    for first in range(r0, r1, ROW_GROUP):
-        ahead = (first + PREFETCH_GROUPS * ROW_GROUP) * code_cols  # rows are contiguous in flat
-        for at in range(ahead, min(ahead + ROW_GROUP * code_cols, flat.shape[0]), CACHE_LINE):
+    partial = np.empty(GROUP_ROWS, np.float32)
+    for g in range(r0 // GROUP_ROWS, -(-r1 // GROUP_ROWS)):
+        ahead = (g + 2) * group_bytes
+        for at in range(ahead, min(ahead + group_bytes, flat.shape[0]), CACHE_LINE):
             prefetch(flat, at)
-        for r in range(first, min(first + ROW_GROUP, r1)):
-            for t in range(xq.shape[0]):
-                args = (flat, r * code_cols, xq[t], 0, scales, r * n_blocks, xd[t], 0, n_chunks, biases, r * n_bias,
-                        xsum[t], 0, n_bias)
-                if layout == INT_Q4:
-                    out[t, r] = dot_q4(*args)
-                elif layout == INT_Q8:
-                    out[t, r] = dot_q8(*args)
+        first = g * GROUP_ROWS
+        whole = first + GROUP_ROWS <= r1
+        for t in range(n):
+            dst, d_at = (out[t], first) if whole else (partial, 0)
+            args = (flat, g * group_bytes, xp[t], 0, scales, g * group_floats, xd[t], 0, n_blocks, biases,
+                    g * group_floats, xsum[t], 0, dst, d_at)
+            if layout == INT_Q4:
+                if with_bias:
+                    group_q4_bias(*args)
                 else:
-                    out[t, r] = dot_q8_16(*args)
+                    group_q4(*args)
+            elif layout == INT_Q8:
+                if with_bias:
+                    group_q8_bias(*args)
+                else:
+                    group_q8(*args)
+            elif with_bias:
+                group_q8_16_bias(*args)
+            else:
+                group_q8_16(*args)
+            if not whole:
+                out[t, first:r1] = partial[:r1 - first]
 
 
 @njit(parallel=True, fastmath=False, cache=True)
@@ -390,12 +431,31 @@ def _widen_pairs(layout, codes, out):
 
 
 @njit(cache=True, nogil=True)
-def _tile_rows(layout, codes, scale, bias, with_bias, xp, xd, xsum, out, r0, r1):
+def _widen_grouped(layout, codes, scale, bias, with_bias, r, w, sc, bi):
+    """Row r of a grouped matrix (see group_rows) as _widen_pairs gives a row's pairs (w), its scales (sc) and, with
+    bias terms, its biases (bi)."""
+    g, i = r // GROUP_ROWS, r % GROUP_ROWS
+    for p in range(w.shape[0]):
+        if layout == INT_Q4:
+            c = np.int32(codes[g, p * GROUP_ROWS + i])
+            w[p] = (c & 15) | ((c >> 4) << 16)
+        else:
+            at = 2 * (p * GROUP_ROWS + i)
+            w[p] = (np.int32(np.int8(codes[g, at])) & 0xFFFF) | (np.int32(np.int8(codes[g, at + 1])) << 16)
+    for b in range(sc.shape[0]):
+        sc[b] = scale[g, b * GROUP_ROWS + i]
+        if with_bias:
+            bi[b] = bias[g, b * GROUP_ROWS + i]
+
+
+@njit(cache=True, nogil=True)
+def _tile_rows(layout, grouped, codes, scale, bias, with_bias, xp, xd, xsum, out, r0, r1):
     """Rows r0..r1 of out = X W^T for X prepared by prepare_tiles (xsum: the block sums over W's blocks); codes: the
-    rows' bytes (uint8 [rows, code_cols]) in layout INT_*; with_bias: W has bias terms (else bias is ignored)."""
+    rows' bytes (uint8 [rows, code_cols]) in layout INT_*, or grouped (group_rows' form); with_bias: W has bias terms
+    (else bias is ignored)."""
     n, n_groups = out.shape[0], xp.shape[0]
-    n_blocks = scale.shape[1]
     n_pairs = xp.shape[1] // TILE_TOKENS
+    n_blocks = scale.shape[1] // GROUP_ROWS if grouped else scale.shape[1]
     w = np.empty(TILE_ROWS * n_pairs, np.int32)
     sc = np.empty(TILE_ROWS * n_blocks, np.float32)
     bi = np.zeros(TILE_ROWS * n_blocks, np.float32)
@@ -403,10 +463,15 @@ def _tile_rows(layout, codes, scale, bias, with_bias, xp, xd, xsum, out, r0, r1)
     for first in range(r0, r1, TILE_ROWS):
         for i in range(TILE_ROWS):
             r = min(first + i, r1 - 1)  # past the end: the last row again, not written
-            _widen_pairs(layout, codes[r], w[i * n_pairs:(i + 1) * n_pairs])
-            sc[i * n_blocks:(i + 1) * n_blocks] = scale[r]
+            rows = slice(i * n_pairs, (i + 1) * n_pairs)
+            blocks = slice(i * n_blocks, (i + 1) * n_blocks)
+            if grouped:
+                _widen_grouped(layout, codes, scale, bias, with_bias, r, w[rows], sc[blocks], bi[blocks])
+                continue
+            _widen_pairs(layout, codes[r], w[rows])
+            sc[blocks] = scale[r]
             if with_bias:
-                bi[i * n_blocks:(i + 1) * n_blocks] = bias[r]
+                bi[blocks] = bias[r]
         for g in range(n_groups):
             if layout == INT_Q8_16:
                 if with_bias:

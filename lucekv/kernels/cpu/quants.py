@@ -49,6 +49,10 @@ class PackedMatrix:
     dmin: np.ndarray  # float16 [rows, groups]: the bias factor (zeros for types without a bias)
     sub_scale: np.ndarray  # int8 [rows, cols//block] (ones where a group is one block)
     sub_min: np.ndarray  # int8 [rows, cols//block]
+    # codes, scale and bias stored by groups of GROUP_ROWS rows (`group_rows`: the decode step's form): codes uint8
+    # [groups, code_cols * GROUP_ROWS], scale and bias float32 [groups, cols//block * GROUP_ROWS]; the factors stay
+    # by rows
+    grouped: bool = False
 
     def __post_init__(self) -> None:
         # One numba specialization per kernel: mmap views are read-only, so make every array read-only.
@@ -83,8 +87,49 @@ class PackedMatrix:
     def _per_block(self, factor: np.ndarray) -> np.ndarray:
         return np.repeat(factor.astype(np.float32), self.group, axis=1)
 
+    def by_rows(self, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(codes, scale, bias) of rows r0..r1 in the row form, whichever form the matrix is stored in."""
+        if not self.grouped:
+            return self.codes[r0:r1], self.scale[r0:r1], self.bias[r0:r1]
+        g0, g1 = r0 // GROUP_ROWS, -(-r1 // GROUP_ROWS)
+        units = self.codes[g0:g1].reshape(g1 - g0, -1, GROUP_ROWS, 1 if self.kind == "q4" else 2)
+        units = units.transpose(0, 2, 1, 3).reshape((g1 - g0) * GROUP_ROWS, -1)[r0 - g0 * GROUP_ROWS:][:r1 - r0]
+        codes = _q4_from_pairs(units) if self.kind == "q4" else units.view(np.int8)
+        scale = self._per_block(self.d[r0:r1]) * self.sub_scale[r0:r1].astype(np.float32)
+        return codes, scale, -(self._per_block(self.dmin[r0:r1]) * self.sub_min[r0:r1].astype(np.float32))
+
 
 FACTORED = ("codes", "d", "dmin", "sub_scale", "sub_min")  # the arrays with one row per matrix row
+GROUP_ROWS = 16  # rows of a group in the grouped form: the decode kernels' 16 lanes (intdot.group_*)
+
+
+def group_rows(m: PackedMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """m's (codes, scale, bias) in the grouped form (PackedMatrix.grouped), rows past the last padded with zeros.
+    Within a group, element pair p (elements 2p, 2p + 1) of its 16 rows lies side by side: q8 two int8 a row, q4 a
+    byte a row (element 2p the low nibble)."""
+    groups = -(-m.rows // GROUP_ROWS)
+    units = _q4_pairs(m.codes) if m.kind == "q4" else np.ascontiguousarray(m.codes).view(np.uint16)
+
+    def grouped(a: np.ndarray) -> np.ndarray:
+        padded = np.zeros((groups * GROUP_ROWS, a.shape[1]), a.dtype)
+        padded[:m.rows] = a
+        return np.ascontiguousarray(padded.reshape(groups, GROUP_ROWS, -1).transpose(0, 2, 1)).reshape(groups, -1)
+
+    return grouped(units).view(np.uint8), grouped(m.scale), grouped(m.bias)
+
+
+def _q4_pairs(codes: np.ndarray) -> np.ndarray:
+    """q4 codes (per 32-block 16 bytes: element j the low nibble of byte j, 16 + j the high) as a byte per element
+    pair: element 2p in the low nibble, 2p + 1 in the high."""
+    nib = codes.reshape(len(codes), -1, 16)
+    elements = np.concatenate([nib & 15, nib >> 4], axis=2).reshape(len(codes), -1)
+    return (elements[:, 0::2] | (elements[:, 1::2] << 4)).astype(np.uint8)
+
+
+def _q4_from_pairs(pairs: np.ndarray) -> np.ndarray:
+    """_q4_pairs undone."""
+    elements = np.stack([pairs & 15, pairs >> 4], axis=2).reshape(len(pairs), -1, 32)
+    return (elements[:, :, :16] | (elements[:, :, 16:] << 4)).reshape(len(pairs), -1).astype(np.uint8)
 
 
 def stack_rows(ms: Sequence[PackedMatrix]) -> PackedMatrix:
@@ -169,10 +214,11 @@ def dequantize_rows(m: PackedMatrix, r0: int, r1: int) -> np.ndarray:
     if m.kind == "f32":
         return np.array(m.codes[r0:r1], dtype=np.float32)
     out = np.empty((r1 - r0, m.cols), np.float32)
+    codes, scale, bias = m.by_rows(r0, r1)
     if m.kind == "q4":
-        _expand_q4(m.codes[r0:r1], m.scale[r0:r1], m.bias[r0:r1], np.float32(0), out)
+        _expand_q4(codes, scale, bias, np.float32(0), out)
     else:
-        _expand_q8(m.codes[r0:r1], m.scale[r0:r1], m.bias[r0:r1], out)
+        _expand_q8(codes, scale, bias, out)
     return out
 
 

@@ -4,11 +4,12 @@ The model's matrices live in one flat byte arena (`codes`) and one float32 arena
 (`mats`, one row per matrix); norms and biases in a third arena (`vecs`); each layer is a row of `layers` naming
 its matrices and vectors. `decode_step` runs on every thread of the step at once: each op's work (rows of a
 product in chunks, attention's heads) goes to whichever thread takes it next, and a thread waits at the end of
-an op only for chunks still in flight (6 ops a layer, 8 with post-norms). The products are matvec.py's row
-kernel `_int_rows`: each input row quantized once per op to int16 codes by 32-blocks, integer products with the
-weights' codes (intdot.py), every row of x through a row group's codes while they are in cache; each row's
-arithmetic is its own (its own int16 scales, its own attention), so a row gives the same numbers in any batch.
-Nothing here allocates per token: scratch comes in from the caller.
+an op only for chunks still in flight (6 ops a layer, 8 with post-norms). The products are matvec.py's
+`group_rows` on the weights grouped by 16 rows (quants.group_rows): each input row quantized once per op to int16
+codes by 32-blocks, integer products with the weights' codes (intdot.py), every row of x through a group's codes
+while they are in cache; each row's arithmetic is its own (its own int16 scales, its own attention), so a row
+gives the same numbers in any batch, and its products those of its prefill tiles. Nothing here allocates per token:
+scratch comes in from the caller.
 
 numba's on-disk cache keys a function on its own file only: after editing matvec.py, intdot.py or sync.py, delete
 lucekv/kernels/cpu/__pycache__/step.* (a fresh checkout compiles everything anew).
@@ -25,7 +26,8 @@ from numba import njit, types
 from numba.extending import overload
 
 from lucekv.kernels.cpu.intdot import X_BLOCK, quantize_x16
-from lucekv.kernels.cpu.matvec import INT_Q4, INT_Q8, INT_Q8_16, _f32_rows, _int_rows, block_sums
+from lucekv.kernels.cpu.matvec import INT_Q4, INT_Q8, INT_Q8_16, _f32_rows, block_sums, group_rows
+from lucekv.kernels.cpu.quants import GROUP_ROWS
 from lucekv.kernels.cpu.sync import atomic_add, atomic_load, wait_at_least
 
 # matrix table columns (`mats`)
@@ -304,15 +306,19 @@ def _product(codes, scales, mats, m, xs, mine, xq, out, vecs, bias_at, r0):
     if kind == KIND_F32:
         w = codes[at:at + rows * cols * 4].view(np.float32).reshape(rows, cols)
         _f32_rows(w, xs, out, r0, r1)
-    else:
+    else:  # grouped by GROUP_ROWS rows (quants.group_rows)
         nb = mats[m, BLOCKS]
-        scale = scales[mats[m, SCALE_AT]:mats[m, SCALE_AT] + rows * nb].reshape(rows, nb)
-        bias_cols = nb if mats[m, BIAS_AT] >= 0 else 0  # a type without a bias stores none
-        bias = scales[mats[m, BIAS_AT]:mats[m, BIAS_AT] + rows * bias_cols].reshape(rows, bias_cols)
+        groups = (rows + GROUP_ROWS - 1) // GROUP_ROWS
+        floats = groups * nb * GROUP_ROWS
+        scale = scales[mats[m, SCALE_AT]:mats[m, SCALE_AT] + floats].reshape(groups, nb * GROUP_ROWS)
+        with_bias = mats[m, BIAS_AT] >= 0  # a type without a bias stores none
+        bias = scales[mats[m, BIAS_AT]:mats[m, BIAS_AT] + (floats if with_bias else 0)].reshape(
+            groups, nb * GROUP_ROWS if with_bias else 0)
         by16 = cols // nb == 16
         layout = INT_Q4 if kind == KIND_Q4 else INT_Q8_16 if by16 else INT_Q8
-        _int_rows(layout, codes[at:at + rows * cc].reshape(rows, cc), scale, bias, _rows(xq, n, cols),
-                  _rows(mine[P_XD], n, cols // X_BLOCK), _rows(mine[P_XS16 if by16 else P_XS32], n, nb), out, r0, r1)
+        group_rows(layout, with_bias, codes[at:at + groups * cc * GROUP_ROWS].reshape(groups, cc * GROUP_ROWS), scale,
+                   bias, xq[:n * cols].view(np.int32).reshape(n, cols // 2), _rows(mine[P_XD], n, cols // X_BLOCK),
+                   _rows(mine[P_XS16 if by16 else P_XS32], n, nb), out, r0, r1)
     if bias_at >= 0:
         for t in range(n):
             for r in range(r0, r1):
