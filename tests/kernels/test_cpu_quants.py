@@ -312,7 +312,7 @@ def test_tile_kernels_native_equal_generic():
     codes[0] = -128
     xq = rng.integers(-32767, 32768, size=(TILE_TOKENS, 2 * n_pairs)).astype(np.int16)
     xq[1] = -32767
-    w = codes.view(np.int32).reshape(-1)
+    w = np.ascontiguousarray(codes.view(np.int32).T).reshape(-1)  # pair p of row i at p * TILE_ROWS + i
     xp = np.ascontiguousarray(xq.view(np.int32).T).reshape(-1)
     xd = rng.uniform(0, 1e-3, size=(n_pairs // 16, TILE_TOKENS)).astype(np.float32)
     scale, bias = (rng.normal(size=TILE_ROWS * n_pairs // 8).astype(np.float32) for _ in range(2))
@@ -322,7 +322,7 @@ def test_tile_kernels_native_equal_generic():
     # the 16-block kernel with its bias terms, in float64
     sums = (codes.astype(np.int64).reshape(TILE_ROWS, 1, -1, 16) * xq.astype(np.int64).reshape(1, TILE_TOKENS, -1, 16)
             ).sum(axis=-1)  # [row, token, 16-block]
-    sc, bi = scale.reshape(TILE_ROWS, -1)[:, None, :6], bias.reshape(TILE_ROWS, -1)[:, None, :6]
+    sc, bi = scale.reshape(-1, TILE_ROWS).T[:, None, :6], bias.reshape(-1, TILE_ROWS).T[:, None, :6]
     xd16 = np.repeat(xd.T, 2, axis=1)[None].astype(np.float64)
     ref = (sums * sc * xd16 + bi * xsum16.reshape(-1, TILE_TOKENS).T[None]).sum(axis=-1)
     got = out[1, 3].reshape(TILE_ROWS, TILE_TOKENS)

@@ -141,7 +141,7 @@ def _round_codes(x, inv, out):
 # prompt. Each block's int32 sums are exact (|code| <= 128, |xq| <= 32767, 32 products: < 2^31); the convert rounds
 # a sum beyond 2^24 (a relative 6e-8).
 
-TILE_ROWS = 16  # weight rows a tile: 16 accumulators in flight cover vpdpwssd's latency at two a cycle
+TILE_ROWS = GROUP_ROWS  # weight rows a tile: 16 accumulators in flight cover vpdpwssd's latency at two a cycle
 TILE_TOKENS = 16  # tokens a tile: one 512-bit vector of int32 lanes
 
 
@@ -182,8 +182,6 @@ def _tile_codegen(block_pairs, with_bias, native):
         n_blocks = context.cast(builder, args[7], sig.args[7], types.int64)
         v16i, v16f = _vec(_I32, TILE_TOKENS), _vec(_F32, TILE_TOKENS)
         fma = _fn(builder, "llvm.fma.v16f32", v16f, [v16f] * 3)
-        n_pairs = builder.mul(n_blocks, ir.Constant(_I64, block_pairs))
-        row_at = [builder.mul(n_pairs, ir.Constant(_I64, i)) for i in range(TILE_ROWS)]
         zero_i, zero_f = ir.Constant(v16i, [0] * TILE_TOKENS), ir.Constant(v16f, [0.0] * TILE_TOKENS)
 
         def block(b, accs):
@@ -193,7 +191,8 @@ def _tile_codegen(block_pairs, with_bias, native):
                 pair = builder.add(p0, ir.Constant(_I64, p))
                 x = _load(builder, xp, builder.mul(pair, ir.Constant(_I64, TILE_TOKENS)), v16i)
                 for i in range(TILE_ROWS):
-                    wv = _splat(builder, builder.load(builder.gep(w, [builder.add(row_at[i], pair)])), TILE_TOKENS)
+                    at = builder.add(builder.mul(pair, ir.Constant(_I64, TILE_ROWS)), ir.Constant(_I64, i))
+                    wv = _splat(builder, builder.load(builder.gep(w, [at])), TILE_TOKENS)
                     sums[i] = _pair_dot(builder, sums[i], x, wv, native)
             # the 32-block of x this weight block lies in (a 16-block: every other block shares one)
             xb = b if 2 * block_pairs == X_BLOCK else builder.ashr(b, ir.Constant(_I64, 1))
@@ -201,7 +200,7 @@ def _tile_codegen(block_pairs, with_bias, native):
             xsv = _load(builder, xs, builder.mul(b, ir.Constant(_I64, TILE_TOKENS)), v16f) if with_bias else None
             new = []
             for i in range(TILE_ROWS):
-                at = builder.add(builder.mul(n_blocks, ir.Constant(_I64, i)), b)
+                at = builder.add(builder.mul(b, ir.Constant(_I64, TILE_ROWS)), ir.Constant(_I64, i))
                 s = builder.fmul(_splat(builder, builder.load(builder.gep(sc, [at])), TILE_TOKENS), xdv)
                 acc = builder.call(fma, [builder.sitofp(sums[i], v16f), s, accs[i]])
                 if with_bias:
@@ -234,10 +233,11 @@ def _tile_intrinsic(block_pairs, with_bias, native):
 
 # tile_*(w, xp, xd, scale, bias, xsum, out, n_blocks): out [TILE_ROWS * TILE_TOKENS] (row-major: row i's 16 tokens) =
 # for each of TILE_ROWS weight rows and TILE_TOKENS tokens, the sum over n_blocks weight blocks of the block's integer
-# products times scale * xd (+ bias * xsum). w: int32 [TILE_ROWS * n_pairs] (row i's codes as pairs of int16, lo =
-# element 2p); xp: int32 [n_pairs * 16] (pair p of each token's int16 codes); xd: float32 [cols / 32 * 16] (each
-# token's scale per 32-block); scale, bias: float32 [TILE_ROWS * n_blocks]; xsum: float32 [n_blocks * 16] (each
-# token's float sum over each weight block). 32 or 16 elements a block; _bias: with the bias terms.
+# products times scale * xd (+ bias * xsum). w: int32 [n_pairs * TILE_ROWS] (pair p of row i, two int16 codes with
+# lo = element 2p, at p * TILE_ROWS + i); xp: int32 [n_pairs * 16] (pair p of each token's int16 codes); xd: float32
+# [cols / 32 * 16] (each token's scale per 32-block); scale, bias: float32 [n_blocks * TILE_ROWS] (block b of row i at
+# b * TILE_ROWS + i: a group's in the grouped form, quants.group_rows); xsum: float32 [n_blocks * 16] (each token's
+# float sum over each weight block). 32 or 16 elements a block; _bias: with the bias terms.
 tile_32, tile_32_bias, tile_16, tile_16_bias = (_tile_intrinsic(p, b, NATIVE_VNNI)
                                                 for p in (16, 8) for b in (False, True))
 tile_32_generic, tile_32_bias_generic, tile_16_generic, tile_16_bias_generic = (

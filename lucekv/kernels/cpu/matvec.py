@@ -416,62 +416,82 @@ def prepare_tiles(xs, g0, g1, xp, xd, xsum32, xsum16):
 
 
 @njit(cache=True, nogil=True)
-def _widen_pairs(layout, codes, out):
-    """One row's codes (uint8 [code_cols]) as int32 pairs of int16 codes (lo = element 2p, hi = 2p + 1)."""
+def _widen_pairs(layout, codes, w, i):
+    """One row's codes (uint8 [code_cols], layout INT_*) as int32 pairs of int16 codes (lo = element 2p, hi = 2p + 1)
+    into w[p * TILE_ROWS + i] (row i of a tile)."""
     if layout == INT_Q4:  # per 32-block 16 bytes: elements 0..15 the low nibbles, 16..31 the high ones
         for b in range(codes.shape[0] // 16):
             for q in range(8):
                 c0, c1 = np.int32(codes[b * 16 + 2 * q]), np.int32(codes[b * 16 + 2 * q + 1])
-                out[b * 16 + q] = (c0 & 15) | ((c1 & 15) << 16)
-                out[b * 16 + 8 + q] = (c0 >> 4) | ((c1 >> 4) << 16)
+                w[(b * 16 + q) * TILE_ROWS + i] = (c0 & 15) | ((c1 & 15) << 16)
+                w[(b * 16 + 8 + q) * TILE_ROWS + i] = (c0 >> 4) | ((c1 >> 4) << 16)
     else:
         signed = codes.view(np.int8)
-        for p in range(out.shape[0]):
-            out[p] = (np.int32(signed[2 * p]) & 0xFFFF) | (np.int32(signed[2 * p + 1]) << 16)
+        for p in range(codes.shape[0] // 2):
+            w[p * TILE_ROWS + i] = (np.int32(signed[2 * p]) & 0xFFFF) | (np.int32(signed[2 * p + 1]) << 16)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _grouped_pair(layout, codes, k):
+    """Pair k of a group's codes (group_rows' form: pair p of the group's row i is k = p * GROUP_ROWS + i) as int32:
+    two int16 codes, lo = element 2p."""
+    if layout == INT_Q4:
+        c = np.int32(codes[k])
+        return (c & 15) | ((c >> 4) << 16)
+    return (np.int32(np.int8(codes[2 * k])) & 0xFFFF) | (np.int32(np.int8(codes[2 * k + 1])) << 16)
 
 
 @njit(cache=True, nogil=True)
-def _widen_grouped(layout, codes, scale, bias, with_bias, r, w, sc, bi):
-    """Row r of a grouped matrix (see group_rows) as _widen_pairs gives a row's pairs (w), its scales (sc) and, with
-    bias terms, its biases (bi)."""
-    g, i = r // GROUP_ROWS, r % GROUP_ROWS
-    for p in range(w.shape[0]):
-        if layout == INT_Q4:
-            c = np.int32(codes[g, p * GROUP_ROWS + i])
-            w[p] = (c & 15) | ((c >> 4) << 16)
+def _group_tile(layout, codes, scale, bias, with_bias, first, r1, w, sc, bi):
+    """Rows first..first + TILE_ROWS of a grouped matrix (past r1: the last row again) as a tile's w, sc and bi (see
+    intdot.tile_*): a whole group's are its codes widened in order and its scales as they are."""
+    if first % GROUP_ROWS == 0 and first + GROUP_ROWS <= r1:
+        g = first // GROUP_ROWS
+        group = codes[g]
+        if layout == INT_Q4:  # one loop per layout: each vectorizes
+            for k in range(w.shape[0]):
+                w[k] = _grouped_pair(INT_Q4, group, k)
         else:
-            at = 2 * (p * GROUP_ROWS + i)
-            w[p] = (np.int32(np.int8(codes[g, at])) & 0xFFFF) | (np.int32(np.int8(codes[g, at + 1])) << 16)
-    for b in range(sc.shape[0]):
-        sc[b] = scale[g, b * GROUP_ROWS + i]
+            for k in range(w.shape[0]):
+                w[k] = _grouped_pair(INT_Q8, group, k)
+        sc[:] = scale[g]
         if with_bias:
-            bi[b] = bias[g, b * GROUP_ROWS + i]
+            bi[:] = bias[g]
+        return
+    for i in range(TILE_ROWS):
+        r = min(first + i, r1 - 1)
+        g, j = r // GROUP_ROWS, r % GROUP_ROWS
+        for p in range(w.shape[0] // TILE_ROWS):
+            w[p * TILE_ROWS + i] = _grouped_pair(layout, codes[g], p * GROUP_ROWS + j)
+        for b in range(sc.shape[0] // TILE_ROWS):
+            sc[b * TILE_ROWS + i] = scale[g, b * GROUP_ROWS + j]
+            if with_bias:
+                bi[b * TILE_ROWS + i] = bias[g, b * GROUP_ROWS + j]
 
 
 @njit(cache=True, nogil=True)
 def _tile_rows(layout, grouped, codes, scale, bias, with_bias, xp, xd, xsum, out, r0, r1):
     """Rows r0..r1 of out = X W^T for X prepared by prepare_tiles (xsum: the block sums over W's blocks); codes: the
-    rows' bytes (uint8 [rows, code_cols]) in layout INT_*, or grouped (group_rows' form); with_bias: W has bias terms
-    (else bias is ignored)."""
+    rows' bytes (uint8 [rows, code_cols]) in layout INT_*, or grouped (group_rows' form: a group's codes and scales
+    are a tile's); with_bias: W has bias terms (else bias is ignored)."""
     n, n_groups = out.shape[0], xp.shape[0]
     n_pairs = xp.shape[1] // TILE_TOKENS
     n_blocks = scale.shape[1] // GROUP_ROWS if grouped else scale.shape[1]
-    w = np.empty(TILE_ROWS * n_pairs, np.int32)
-    sc = np.empty(TILE_ROWS * n_blocks, np.float32)
-    bi = np.zeros(TILE_ROWS * n_blocks, np.float32)
+    w = np.empty(n_pairs * TILE_ROWS, np.int32)
+    sc = np.empty(n_blocks * TILE_ROWS, np.float32)
+    bi = np.zeros(n_blocks * TILE_ROWS, np.float32)
     acc = np.empty(TILE_ROWS * TILE_TOKENS, np.float32)
     for first in range(r0, r1, TILE_ROWS):
-        for i in range(TILE_ROWS):
-            r = min(first + i, r1 - 1)  # past the end: the last row again, not written
-            rows = slice(i * n_pairs, (i + 1) * n_pairs)
-            blocks = slice(i * n_blocks, (i + 1) * n_blocks)
-            if grouped:
-                _widen_grouped(layout, codes, scale, bias, with_bias, r, w[rows], sc[blocks], bi[blocks])
-                continue
-            _widen_pairs(layout, codes[r], w[rows])
-            sc[blocks] = scale[r]
-            if with_bias:
-                bi[blocks] = bias[r]
+        if grouped:
+            _group_tile(layout, codes, scale, bias, with_bias, first, r1, w, sc, bi)
+        else:
+            for i in range(TILE_ROWS):
+                r = min(first + i, r1 - 1)  # past the end: the last row again, not written
+                _widen_pairs(layout, codes[r], w, i)
+                for b in range(n_blocks):
+                    sc[b * TILE_ROWS + i] = scale[r, b]
+                    if with_bias:
+                        bi[b * TILE_ROWS + i] = bias[r, b]
         for g in range(n_groups):
             if layout == INT_Q8_16:
                 if with_bias:
