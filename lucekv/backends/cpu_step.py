@@ -21,8 +21,9 @@ KINDS = {"q4": k.KIND_Q4, "q8": k.KIND_Q8, "f32": k.KIND_F32}
 
 
 class Arenas:
-    """Every matrix of `weights` in one byte arena (codes) and one float32 arena (scales, biases), every vector in
-    a third; the PackedMatrix objects are re-pointed at views of the arenas, so the weights are held once."""
+    """Every matrix of `weights` in one byte arena (codes) and one float32 arena (scales, biases: float32, or two
+    float16 a float where group_rows gives them so), every vector in a third; the PackedMatrix objects are re-pointed
+    at views of the arenas, so the weights are held once."""
 
     def __init__(self, weights: Weights):
         mats = [m for lw in weights.layers for m in _layer_matrices(lw)] + [weights.output]
@@ -35,7 +36,7 @@ class Arenas:
         # quantized matrices grouped by 16 rows, the form the step's products read (quants.group_rows)
         code_bytes = sum(_aligned(_padded_rows(m) * _codes(m)[0].nbytes) for m in unique)
         scale_floats = sum((1 + (id(m) in with_bias)) * _padded_rows(m) * m.scale.shape[1]
-                           for m in unique if m.kind != "f32")
+                           for m in unique if m.kind != "f32")  # at most: float16 ones take half (pages never touched)
         self.codes = np.empty(code_bytes, np.uint8)
         self.scales = np.empty(scale_floats, np.float32)
         at = sat = 0
@@ -43,14 +44,17 @@ class Arenas:
             codes, scale, bias = (np.ascontiguousarray(m.codes), None, None) if m.kind == "f32" else group_rows(m)
             self.codes[at:at + codes.nbytes] = codes.reshape(-1).view(np.uint8)
             nb = m.scale.shape[1] if m.kind != "f32" else 0
-            bias_at = sat + scale.size if id(m) in with_bias else -1
-            self.table[i] = (KINDS[m.kind], m.rows, m.cols, at, sat, bias_at, m.codes.shape[1], nb)
+            halves = scale is not None and scale.dtype == np.uint16
+            bias_at = sat + -(-scale.nbytes // 4) if id(m) in with_bias else -1
+            self.table[i] = (KINDS[m.kind], m.rows, m.cols, at, sat, bias_at, m.codes.shape[1], nb, halves)
             m.codes = _read_only(self.codes[at:at + codes.nbytes].view(codes.dtype).reshape(codes.shape))
             if m.kind != "f32":
                 for name, part in (("scale", scale), ("bias", bias))[:1 + (id(m) in with_bias)]:
-                    self.scales[sat:sat + part.size] = part.reshape(-1)
-                    m.__dict__[name] = _read_only(self.scales[sat:sat + part.size].reshape(part.shape))
-                    sat += part.size
+                    floats = -(-part.nbytes // 4)
+                    held = self.scales[sat:sat + floats].view(np.uint8)[:part.nbytes].view(part.dtype)
+                    held[:] = part.reshape(-1)
+                    m.__dict__[name] = _read_only(held.reshape(part.shape))
+                    sat += floats
                 m.grouped = True
             at += _aligned(codes.nbytes)
         self._vec_parts: list[np.ndarray] = []
@@ -128,7 +132,7 @@ class DecodeStep:
             self.private = np.zeros((n, k.PRIVATE_ROWS, rows * self.width), np.float32)
             self.private_q = np.zeros((n, rows * self.width), np.int16)
             self.scores = np.empty((n, pool.size), np.float32)
-            self.kv_rows = np.empty((n, 2, pool.size, hd), np.float32)
+            self.kv_rows = np.empty((n, 3, pool.size, hd), np.float32)  # K, V, K transposed
             self._sized = (n, rows)
 
     def __call__(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, attended: np.ndarray,

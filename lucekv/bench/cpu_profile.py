@@ -86,9 +86,10 @@ def decode_bytes(backend) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
     named = [(name, m) for lw in backend.weights.layers for name, v in vars(lw).items() for m in _matrices(v)]
     for name, m in [*named, ("output", backend.weights.output)]:
-        kind, rows, _, _, _, bias_at, code_cols, blocks = arenas.table[arenas.matrix(m)]
+        kind, rows, _, _, _, bias_at, code_cols, blocks, halves = arenas.table[arenas.matrix(m)]
         per_code = 4 if kind == KIND_F32 else 1
-        out[name] += int(rows * code_cols * per_code + rows * blocks * 4 * (1 + (bias_at >= 0)))
+        per_factor = 2 if halves else 4
+        out[name] += int(rows * code_cols * per_code + rows * blocks * per_factor * (1 + (bias_at >= 0)))
     return dict(out)
 
 

@@ -248,11 +248,13 @@ def test_group_kernels_native_equal_generic():
     codes[:32] = 128  # int8 -128
     xq = rng.integers(-32767, 32768, size=cols).astype(np.int16)
     xq[:32] = -32767
-    scale, bias = rng.normal(size=(2, cols)).astype(np.float32)  # 16 rows' factors of cols / 16 blocks at most
-    out = np.empty((2, 6, 16), np.float32)
-    _group0(codes, scale, bias, xq.view(np.int32), rng.uniform(0, 1e-3, size=cols // 32).astype(np.float32),
-            rng.normal(size=cols // 16).astype(np.float32), out)
-    assert np.array_equal(out[0], out[1])
+    # 16 rows' factors of cols / 16 blocks at most, float16 values: as float32 and as float16 bits the same numbers
+    scale, bias = rng.normal(size=(2, cols)).astype(np.float16)
+    xd, xsum = rng.uniform(0, 1e-3, size=cols // 32).astype(np.float32), rng.normal(size=cols // 16).astype(np.float32)
+    out, halves = np.empty((2, 2, 6, 16), np.float32)
+    _group0(codes, scale.astype(np.float32), bias.astype(np.float32), xq.view(np.int32), xd, xsum, out)
+    _group0(codes, scale.view(np.uint16), bias.view(np.uint16), xq.view(np.int32), xd, xsum, halves)
+    assert np.array_equal(out[0], out[1]) and np.array_equal(halves, out)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
@@ -266,6 +268,7 @@ def test_grouped_products_match_float64_and_the_prompt_tiles(qtype, monkeypatch)
     raw = random_raw(rng, qtype, rows, cols)
     m = pack(raw, qtype, (rows, cols))
     g = grouped(m)
+    assert (g.scale.dtype == np.uint16) == (qtype in (Q.Q4_1, Q.Q8_0, Q.Q5_0))  # float16 where exact, else float32
     w = dequantize(raw, qtype, (rows, cols))
     assert np.array_equal(dequantize_rows(g, 0, rows), w) and np.array_equal(dequantize_rows(g, 7, 21), w[7:21])
     xs = rng.normal(size=(2, cols)).astype(np.float32) * rng.choice([1e-3, 1.0, 30.0], size=cols).astype(np.float32)

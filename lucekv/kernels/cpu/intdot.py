@@ -247,7 +247,7 @@ tile_32_generic, tile_32_bias_generic, tile_16_generic, tile_16_bias_generic = (
 # ---- decode: one token against 16 weight rows at once ------------------------------------------------------------
 #
 # The decode products turned around the same way: the weight rows are the lanes. A matrix's codes are stored by groups
-# of 16 rows (quants.interleave_rows16): pair p of the 16 rows side by side, so one load widens into 16 int32 lanes,
+# of 16 rows (quants.group_rows): pair p of the 16 rows side by side, so one load widens into 16 int32 lanes,
 # each one row's pair of codes as two int16, and the token's pair of int16 codes is broadcast against them: one
 # `vpdpwssd` adds 32 products into 16 rows' sums. A block's float work is one convert, one multiply and one fused add
 # (two with bias terms) per 16 rows, and nothing is summed across lanes. Lane by lane it is the tile kernel's
@@ -266,6 +266,14 @@ def _group_pairs(builder, cp, pair, kind):
     return builder.bitcast(builder.sext(w, _vec(_I16, 2 * GROUP_ROWS)), _vec(_I32, GROUP_ROWS))
 
 
+def _load_factors(builder, ptr, at, halves):
+    """16 rows' scales (or biases) from ptr[at] as <16 x float>: float32, or float16 bits widened (exact)."""
+    if not halves:
+        return _load(builder, ptr, at, _vec(_F32, GROUP_ROWS))
+    bits = _load(builder, ptr, at, _vec(_I16, GROUP_ROWS))
+    return builder.fpext(builder.bitcast(bits, _vec(ir.HalfType(), GROUP_ROWS)), _vec(_F32, GROUP_ROWS))
+
+
 def _group_codegen(kind, with_bias, native):
     """Codegen of one group (16 rows) against one token over n_blocks weight blocks (32 elements; q8_16: 16). Per
     block the pairs alternate between two int32 accumulators (exact, added before the convert); per block and row
@@ -276,6 +284,7 @@ def _group_codegen(kind, with_bias, native):
         cp, xp, sp, dp, bp, tp, op = (_ptr(context, builder, sig.args[i], args[i], args[i + 1])
                                       for i in (0, 2, 4, 6, 9, 11, 13))
         n_blocks = context.cast(builder, args[8], sig.args[8], types.int64)
+        halves = sig.args[4].dtype == types.uint16  # scales and biases as float16 bits
         v16i, v16f = _vec(_I32, GROUP_ROWS), _vec(_F32, GROUP_ROWS)
         fma = _fn(builder, "llvm.fma.v16f32", v16f, [v16f] * 3)
         zero_i, zero_f = ir.Constant(v16i, [0] * GROUP_ROWS), ir.Constant(v16f, [0.0] * GROUP_ROWS)
@@ -289,11 +298,11 @@ def _group_codegen(kind, with_bias, native):
                 sums[p % 2] = _pair_dot(builder, sums[p % 2], x, _group_pairs(builder, cp, pair, kind), native)
             xb = b if block_pairs == 16 else builder.ashr(b, ir.Constant(_I64, 1))  # the x block it lies in
             at = builder.mul(b, ir.Constant(_I64, GROUP_ROWS))
-            s = builder.fmul(_load(builder, sp, at, v16f), _splat(builder, builder.load(builder.gep(dp, [xb])),
-                                                                  GROUP_ROWS))
+            s = builder.fmul(_load_factors(builder, sp, at, halves),
+                             _splat(builder, builder.load(builder.gep(dp, [xb])), GROUP_ROWS))
             acc = builder.call(fma, [builder.sitofp(builder.add(*sums), v16f), s, st[0]])
             if with_bias:
-                acc = builder.call(fma, [_load(builder, bp, at, v16f),
+                acc = builder.call(fma, [_load_factors(builder, bp, at, halves),
                                          _splat(builder, builder.load(builder.gep(tp, [b])), GROUP_ROWS), acc])
             return [acc]
 
@@ -307,9 +316,11 @@ def _group_codegen(kind, with_bias, native):
 def _group_intrinsic(kind, with_bias, native):
     def typer(typingctx, codes, c_at, xp, x_at, scale, s_at, xd, d_at, n_blocks, bias, b_at, xsum, t_at, out, o_at):
         arrays = (codes, xp, scale, xd, bias, xsum, out)
-        dtypes = (types.uint8, types.int32, types.float32, types.float32, types.float32, types.float32, types.float32)
-        if not all(isinstance(a, types.Array) and a.ndim == 1 and a.dtype == d
-                   for a, d in zip(arrays, dtypes, strict=True)):
+        factors = getattr(scale, "dtype", None)  # float32, or float16 bits (uint16): bias the same
+        dtypes = (types.uint8, types.int32, factors, types.float32, factors, types.float32, types.float32)
+        if factors not in (types.float32, types.uint16) or not all(
+                isinstance(a, types.Array) and a.ndim == 1 and a.dtype == d
+                for a, d in zip(arrays, dtypes, strict=True)):
             return None
         sig = types.void(codes, c_at, xp, x_at, scale, s_at, xd, d_at, n_blocks, bias, b_at, xsum, t_at, out, o_at)
         return sig, _group_codegen(kind, with_bias, native)
@@ -320,11 +331,11 @@ def _group_intrinsic(kind, with_bias, native):
 
 # group_*(codes, c_at, xp, x_at, scale, s_at, xd, d_at, n_blocks, bias, b_at, xsum, t_at, out, o_at): out[o_at:o_at +
 # 16] = for each of a group's 16 rows, the sum over n_blocks weight blocks of the block's integer products times scale *
-# xd (+ bias * xsum). codes: the group's bytes from codes[c_at] (quants.interleave_rows16: per element pair the 16
-# rows'); xp: the token's int16 code pairs (int32) from xp[x_at]; xd: its scale per 32-block from xd[d_at]; scale,
-# bias: float32, per block the 16 rows' from scale[s_at] / bias[b_at]; xsum: the token's float sum over each weight
-# block from xsum[t_at]. Kinds q4 (nibbles, 32-blocks), q8 (int8, 32-blocks), q8_16 (int8, 16-blocks); _bias: with the
-# bias terms. Where the CPU has no AVX-512 VNNI, the generic IR (the same bits).
+# xd (+ bias * xsum). codes: the group's bytes from codes[c_at] (quants.group_rows: per element pair the 16 rows');
+# xp: the token's int16 code pairs (int32) from xp[x_at]; xd: its scale per 32-block from xd[d_at]; scale, bias:
+# float32 or float16 bits (uint16), per block the 16 rows' from scale[s_at] / bias[b_at]; xsum: the token's float sum
+# over each weight block from xsum[t_at]. Kinds q4 (nibbles, 32-blocks), q8 (int8, 32-blocks), q8_16 (int8,
+# 16-blocks); _bias: with the bias terms. Where the CPU has no AVX-512 VNNI, the generic IR (the same bits).
 group_q4, group_q4_bias, group_q8, group_q8_bias, group_q8_16, group_q8_16_bias = (
     _group_intrinsic(k, b, NATIVE_VNNI) for k in ("q4", "q8", "q8_16") for b in (False, True))
 (group_q4_generic, group_q4_bias_generic, group_q8_generic, group_q8_bias_generic, group_q8_16_generic,

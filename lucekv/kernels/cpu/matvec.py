@@ -15,12 +15,14 @@ How the matvec kernels get vectorized without fastmath (which would allow reasso
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from lucekv.kernels.cpu.intdot import (
     NATIVE_VNNI,
@@ -66,7 +68,8 @@ def matvec_rows(m: PackedMatrix, xs: np.ndarray) -> np.ndarray:
     out = np.empty((xs.shape[0], m.rows), np.float32)
     n_threads = numba.get_num_threads()  # read out here: inside a kernel it keeps the kernel out of the cache
     if m.grouped:  # the decode step's matrices: its products (int16 x)
-        _matvec_grouped(_layout(m), m.has_bias, m.codes, m.scale, m.bias, xs, out, n_threads)
+        _matvec_grouped(_layout(m), m.has_bias, m.codes, m.scale, m.bias if m.has_bias else m.scale[:, :0], xs, out,
+                        n_threads)
     elif m.kind == "q4":
         _matvec_q4(m.codes, m.scale, m.bias, xs, out, n_threads)
     elif m.kind == "q8":
@@ -431,6 +434,21 @@ def _widen_pairs(layout, codes, w, i):
             w[p * TILE_ROWS + i] = (np.int32(signed[2 * p]) & 0xFFFF) | (np.int32(signed[2 * p + 1]) << 16)
 
 
+def float32_of(v):
+    """A grouped matrix's scale or bias as float32: a float32 as it is, float16 bits (uint16) widened exactly."""
+
+
+@overload(float32_of, jit_options={"cache": True, "nogil": True})
+def _float32_of(v):
+    if isinstance(v, types.Integer):
+        def widen(v):
+            e, m = (v >> 10) & 31, np.int64(v & 1023)
+            x = np.float32(math.ldexp(np.float64(m if e == 0 else m + 1024), (1 if e == 0 else e) - 25))
+            return -x if v & 0x8000 else x
+        return widen
+    return lambda v: v
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _grouped_pair(layout, codes, k):
     """Pair k of a group's codes (group_rows' form: pair p of the group's row i is k = p * GROUP_ROWS + i) as int32:
@@ -454,9 +472,10 @@ def _group_tile(layout, codes, scale, bias, with_bias, first, r1, w, sc, bi):
         else:
             for k in range(w.shape[0]):
                 w[k] = _grouped_pair(INT_Q8, group, k)
-        sc[:] = scale[g]
-        if with_bias:
-            bi[:] = bias[g]
+        for k in range(sc.shape[0]):
+            sc[k] = float32_of(scale[g, k])
+            if with_bias:
+                bi[k] = float32_of(bias[g, k])
         return
     for i in range(TILE_ROWS):
         r = min(first + i, r1 - 1)
@@ -464,9 +483,9 @@ def _group_tile(layout, codes, scale, bias, with_bias, first, r1, w, sc, bi):
         for p in range(w.shape[0] // TILE_ROWS):
             w[p * TILE_ROWS + i] = _grouped_pair(layout, codes[g], p * GROUP_ROWS + j)
         for b in range(sc.shape[0] // TILE_ROWS):
-            sc[b * TILE_ROWS + i] = scale[g, b * GROUP_ROWS + j]
+            sc[b * TILE_ROWS + i] = float32_of(scale[g, b * GROUP_ROWS + j])
             if with_bias:
-                bi[b * TILE_ROWS + i] = bias[g, b * GROUP_ROWS + j]
+                bi[b * TILE_ROWS + i] = float32_of(bias[g, b * GROUP_ROWS + j])
 
 
 @njit(cache=True, nogil=True)

@@ -50,8 +50,8 @@ class PackedMatrix:
     sub_scale: np.ndarray  # int8 [rows, cols//block] (ones where a group is one block)
     sub_min: np.ndarray  # int8 [rows, cols//block]
     # codes, scale and bias stored by groups of GROUP_ROWS rows (`group_rows`: the decode step's form): codes uint8
-    # [groups, code_cols * GROUP_ROWS], scale and bias float32 [groups, cols//block * GROUP_ROWS]; the factors stay
-    # by rows
+    # [groups, code_cols * GROUP_ROWS], scale and bias [groups, cols//block * GROUP_ROWS] float32 or float16 bits
+    # (uint16); the factors stay by rows
     grouped: bool = False
 
     def __post_init__(self) -> None:
@@ -106,7 +106,9 @@ GROUP_ROWS = 16  # rows of a group in the grouped form: the decode kernels' 16 l
 def group_rows(m: PackedMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """m's (codes, scale, bias) in the grouped form (PackedMatrix.grouped), rows past the last padded with zeros.
     Within a group, element pair p (elements 2p, 2p + 1) of its 16 rows lies side by side: q8 two int8 a row, q4 a
-    byte a row (element 2p the low nibble)."""
+    byte a row (element 2p the low nibble); then per block the 16 rows' scales, and biases. Scales and biases are
+    float16 bits (uint16) where every one is a float16 (the legacy types' d and m: a memory-bound decode reads 20
+    bytes a Q4_1 block instead of 24), else float32 (a K-quant's d times its sub-scale)."""
     groups = -(-m.rows // GROUP_ROWS)
     units = _q4_pairs(m.codes) if m.kind == "q4" else np.ascontiguousarray(m.codes).view(np.uint16)
 
@@ -115,7 +117,12 @@ def group_rows(m: PackedMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         padded[:m.rows] = a
         return np.ascontiguousarray(padded.reshape(groups, GROUP_ROWS, -1).transpose(0, 2, 1)).reshape(groups, -1)
 
-    return grouped(units).view(np.uint8), grouped(m.scale), grouped(m.bias)
+    scale, bias = grouped(m.scale), grouped(m.bias)
+    with np.errstate(over="ignore"):
+        halves = scale.astype(np.float16), bias.astype(np.float16)
+    if all(np.array_equal(h.astype(np.float32), f) for h, f in zip(halves, (scale, bias), strict=True)):
+        scale, bias = (h.view(np.uint16) for h in halves)
+    return grouped(units).view(np.uint8), scale, bias
 
 
 def _q4_pairs(codes: np.ndarray) -> np.ndarray:

@@ -31,8 +31,8 @@ from lucekv.kernels.cpu.quants import GROUP_ROWS
 from lucekv.kernels.cpu.sync import atomic_add, atomic_load, wait_at_least
 
 # matrix table columns (`mats`)
-KIND, ROWS, COLS, CODES_AT, SCALE_AT, BIAS_AT, CODE_COLS, BLOCKS = range(8)
-MAT_FIELDS = 8
+KIND, ROWS, COLS, CODES_AT, SCALE_AT, BIAS_AT, CODE_COLS, BLOCKS, HALVES = range(9)  # HALVES: float16 scales
+MAT_FIELDS = 9
 KIND_Q4, KIND_Q8, KIND_F32 = 0, 1, 2
 # layer table columns (`layers`): matrix ids, then offsets into `vecs` (-1: absent), then the window and RoPE row
 WQ, WK, WV, WO, WGATE, WUP, WDOWN = range(7)
@@ -121,9 +121,11 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
             if kvh != loaded_kvh or at != loaded_at or stop != loaded_stop:
                 widen_rows(k_pool[layer], attended[at:stop], kvh, kv_rows[t, 0, :n_slots])
                 widen_rows(v_pool[layer], attended[at:stop], kvh, kv_rows[t, 1, :n_slots])
+                _transpose(kv_rows[t, 0, :n_slots], _rows(kv_rows[t, 2].reshape(-1), hd, n_slots))
                 loaded_kvh, loaded_at, loaded_stop = kvh, at, stop
             seen = attended_pos[pos_at[r]:pos_at[r] + n_slots]
-            _attend(q, kv_rows[t, 0, :n_slots], kv_rows[t, 1, :n_slots], seen, positions[r], lt[WINDOW],
+            _attend(q, _rows(kv_rows[t, 2].reshape(-1), hd, n_slots), kv_rows[t, 1, :n_slots], seen, positions[r],
+                    lt[WINDOW],
                     attn_scales[layer], scores[t, :n_slots], attn[r, head * hd:(head + 1) * hd])
             c = _done_claim(work, phase)
         phase = _wait(work, phase, n_rows * n_head)
@@ -309,20 +311,30 @@ def _product(codes, scales, mats, m, xs, mine, xq, out, vecs, bias_at, r0):
     else:  # grouped by GROUP_ROWS rows (quants.group_rows)
         nb = mats[m, BLOCKS]
         groups = (rows + GROUP_ROWS - 1) // GROUP_ROWS
-        floats = groups * nb * GROUP_ROWS
-        scale = scales[mats[m, SCALE_AT]:mats[m, SCALE_AT] + floats].reshape(groups, nb * GROUP_ROWS)
         with_bias = mats[m, BIAS_AT] >= 0  # a type without a bias stores none
-        bias = scales[mats[m, BIAS_AT]:mats[m, BIAS_AT] + (floats if with_bias else 0)].reshape(
-            groups, nb * GROUP_ROWS if with_bias else 0)
         by16 = cols // nb == 16
-        layout = INT_Q4 if kind == KIND_Q4 else INT_Q8_16 if by16 else INT_Q8
-        group_rows(layout, with_bias, codes[at:at + groups * cc * GROUP_ROWS].reshape(groups, cc * GROUP_ROWS), scale,
-                   bias, xq[:n * cols].view(np.int32).reshape(n, cols // 2), _rows(mine[P_XD], n, cols // X_BLOCK),
-                   _rows(mine[P_XS16 if by16 else P_XS32], n, nb), out, r0, r1)
+        args = (INT_Q4 if kind == KIND_Q4 else INT_Q8_16 if by16 else INT_Q8, with_bias,
+                codes[at:at + groups * cc * GROUP_ROWS].reshape(groups, cc * GROUP_ROWS))
+        x = (xq[:n * cols].view(np.int32).reshape(n, cols // 2), _rows(mine[P_XD], n, cols // X_BLOCK),
+             _rows(mine[P_XS16 if by16 else P_XS32], n, nb), out, r0, r1)
+        if mats[m, HALVES]:
+            group_rows(*args, _factors(scales, mats[m, SCALE_AT], groups, nb, True, np.uint16),
+                       _factors(scales, mats[m, BIAS_AT], groups, nb, with_bias, np.uint16), *x)
+        else:
+            group_rows(*args, _factors(scales, mats[m, SCALE_AT], groups, nb, True, np.float32),
+                       _factors(scales, mats[m, BIAS_AT], groups, nb, with_bias, np.float32), *x)
     if bias_at >= 0:
         for t in range(n):
             for r in range(r0, r1):
                 out[t, r] += vecs[bias_at + r]
+
+
+@njit(cache=True, nogil=True)
+def _factors(scales, at, groups, nb, present, dtype):
+    """A grouped matrix's scales (or biases) in the arena from scales[at], as dtype (float32, or float16 bits)
+    [groups, nb * GROUP_ROWS]; absent: [groups, 0]."""
+    n = groups * nb * GROUP_ROWS if present else 0
+    return scales[max(at, 0):].view(dtype)[:n].reshape(groups, n // groups)
 
 
 @njit(cache=True, nogil=True)
@@ -354,25 +366,36 @@ def _rope(x, cs, rope_dim, neox):
 
 
 @njit(cache=True, nogil=True)
-def _attend(q, k, v, slot_pos, pos, window, scale, scores, out):
-    """out = softmax(scale q.k) v over the slots visible at `pos` (DESIGN §4); k, v float32 [n_slots, hd] of the
-    slots whose positions are slot_pos."""
+def _transpose(a, out):
+    """out [cols, rows] = a [rows, cols] transposed."""
+    for i in range(a.shape[0]):
+        for j in range(a.shape[1]):
+            out[j, i] = a[i, j]
+
+
+@njit(cache=True, nogil=True)
+def _attend(q, kt, v, slot_pos, pos, window, scale, scores, out):
+    """out = softmax(scale q.k) v over the slots visible at `pos` (DESIGN §4); kt float32 [hd, n_slots] (K
+    transposed: each slot's dot product, summed in order over hd, runs in a lane of its own, 16 slots a vector instead
+    of one latency-bound chain) and v float32 [n_slots, hd] of the slots whose positions are slot_pos."""
     lo = pos - window if window > 0 else -1
+    n = kt.shape[1]
+    scores[:n] = 0
+    for j in range(q.shape[0]):
+        qj = q[j]
+        for s in range(n):
+            scores[s] += qj * kt[j, s]
     m = np.float32(-np.inf)
-    for s in range(k.shape[0]):
+    for s in range(n):
         p = slot_pos[s]
         if p < 0 or p > pos or p <= lo:
             scores[s] = -np.inf
             continue
-        acc = np.float32(0.0)
-        for j in range(q.shape[0]):
-            acc += q[j] * k[s, j]
-        acc *= scale
-        scores[s] = acc
-        m = max(m, acc)
+        scores[s] *= scale
+        m = max(m, scores[s])
     out[:] = 0
     total = np.float32(0.0)
-    for s in range(k.shape[0]):
+    for s in range(n):
         if scores[s] == -np.inf:
             continue
         e = np.float32(np.exp(scores[s] - m))
