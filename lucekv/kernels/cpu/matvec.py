@@ -67,9 +67,9 @@ def matvec_rows(m: PackedMatrix, xs: np.ndarray) -> np.ndarray:
     xs = np.require(xs, np.float32, ["C", "W"])  # one numba specialization: contiguous, writable float32
     out = np.empty((xs.shape[0], m.rows), np.float32)
     n_threads = numba.get_num_threads()  # read out here: inside a kernel it keeps the kernel out of the cache
-    if m.grouped:  # the decode step's matrices: its products (int16 x)
-        _matvec_grouped(_layout(m), m.has_bias, m.codes, m.scale, m.bias if m.has_bias else m.scale[:, :0], xs, out,
-                        n_threads)
+    if m.grouped:  # the decode step's matrices: its products (int16 x); one thread (only op-by-op references and
+        # decode rows outside the step come here)
+        _matvec_grouped(_layout(m), m.has_bias, m.codes, m.scale, m.bias if m.has_bias else m.scale[:, :0], xs, out)
     elif m.kind == "q4":
         _matvec_q4(m.codes, m.scale, m.bias, xs, out, n_threads)
     elif m.kind == "q8":
@@ -294,21 +294,17 @@ def _q8_rows(codes, scale, bias, xs, xsum, out, r0, r1):
     return touched
 
 
-@njit(parallel=True, fastmath=False, cache=True)
-def _matvec_grouped(layout, with_bias, codes, scale, bias, xs, out, n_threads):
-    """out = X W^T for a grouped W (PackedMatrix.grouped), each row of X quantized to int16 by 32-blocks; the threads
-    take whole groups of rows."""
+@njit(cache=True, nogil=True)
+def _matvec_grouped(layout, with_bias, codes, scale, bias, xs, out):
+    """out = X W^T for a grouped W (PackedMatrix.grouped), each row of X quantized to int16 by 32-blocks."""
     n, cols = xs.shape
     xq = np.empty((n, cols), np.int16)
     xd = np.empty((n, cols // X_BLOCK), np.float32)
     for t in range(n):
         quantize_x16(xs[t], xq[t], xd[t])
     xsum = _block_sums(xs, cols // (scale.shape[1] // GROUP_ROWS))
-    groups = codes.shape[0]
-    for th in prange(n_threads):
-        g0, g1 = _thread_rows(th, n_threads, groups)
-        group_rows(layout, with_bias, codes, scale, bias, xq.reshape(-1).view(np.int32).reshape(n, cols // 2), xd,
-                   xsum, out, g0 * GROUP_ROWS, min(g1 * GROUP_ROWS, out.shape[1]))
+    group_rows(layout, with_bias, codes, scale, bias, xq.reshape(-1).view(np.int32).reshape(n, cols // 2), xd, xsum,
+               out, 0, out.shape[1])
 
 
 @njit(cache=True, nogil=True)
