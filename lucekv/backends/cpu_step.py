@@ -57,6 +57,8 @@ class Arenas:
                     sat += floats
                 m.grouped = True
             at += _aligned(codes.nbytes)
+        # read-only as the matrices' views are: the step's products and the op-by-op ones share their compiled forms
+        self.codes.flags.writeable = self.scales.flags.writeable = False
         self._vec_parts: list[np.ndarray] = []
         self._vec_at: dict[int, int] = {}
         self._vec_len = 0

@@ -214,6 +214,8 @@ def grouped(m: PackedMatrix) -> PackedMatrix:
     g = copy.copy(m)
     g.codes, scale, bias = group_rows(m)
     g.__dict__.update(scale=scale, bias=bias)
+    for a in (g.codes, scale, bias):
+        a.flags.writeable = False  # as the arenas' (one compiled form)
     g.grouped = True
     return g
 
