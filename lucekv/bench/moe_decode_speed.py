@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +26,10 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from lucekv.backends.cuda import BUSY_WARPS_PER_SM, capture_graph, launch_graph
+from lucekv.backends.cuda import BUSY_WARPS_PER_SM, capture_graph
 from lucekv.bench.decode import git_commit
 from lucekv.bench.matvec_speed import Shape, device_name, random_matrix, stream_launch, write_json
+from lucekv.bench.moe_speed import replay_us
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows, pack
 from lucekv.kernels.cuda import cuda, moe
 from lucekv.kernels.cuda.matvec import GROUP
@@ -115,15 +115,7 @@ def graph_us(stream, launches: list, replays: int, busy_warps: float = BUSY_WARP
         launch(stream)
     stream.synchronize()
     graph, _ = capture_graph(stream, lambda: [launch(stream) for launch in launches], busy_warps)
-    times = []
-    for _ in range(replays + 1):  # the first replay uploads the graph
-        start, end = cuda.event(), cuda.event()
-        start.record(stream)
-        launch_graph(graph, stream)
-        end.record(stream)
-        end.synchronize()
-        times.append(cuda.event_elapsed_time(start, end) * 1000)
-    return statistics.median(times[1:])
+    return replay_us(graph, stream, replays)
 
 
 def weight_bytes(layer: Layer) -> dict[str, int]:
