@@ -31,6 +31,9 @@ Compatibility shims live here and nowhere else:
   16-byte store); the ldmatrix twin swaps the lanes' addresses through a scratch array between barriers, as
   `mma_f16_16816`'s does (block-uniform control flow again). `warp_shfl_xor` is lane
   `lane ^ lane_mask`'s value (a reduction over a few neighbouring lanes).
+- Integer tensor cores: `mma_s8_16832` is `mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32` (operands as words of
+  four int8, lowest byte first; int32 C and D), `mma_s8_16816` its k16 shape (half the operands: a 16-column block
+  of its own); their twins exchange fragments as `mma_f16_16816`'s does (block-uniform control flow).
 - Asynchronous copies (sm_80+): `copy_async16` puts 16 bytes of a global matrix into shared memory without
   passing through registers (`cp.async.cg`), `copy_async_commit` closes a group of them, `copy_async_wait_all`
   / `copy_async_wait_one` wait until none / at most the latest group is still in flight; a barrier after the
@@ -281,6 +284,42 @@ if SIMULATOR:
         """Lane's word of each matrix: row lane // 4, word lane % 4."""
         words = np.ascontiguousarray(matrices).view(np.uint32)[:, lane // 4, lane % 4]
         return words[0], words[1], words[2], words[3]
+
+    def _mma_s8_layout(k: int):
+        """(row, col) of each byte of the fragments per lane, as the PTX ISA gives them for mma.m16n8k32 (k 32) and
+        mma.m16n8k16 (k 16) with s8 operands: A's bytes (word i // 4, byte i % 4), B's likewise; C / D as f16's."""
+        lane = np.arange(WARP)[:, None]
+        group, in_group = lane >> 2, lane % 4
+        i = np.arange(k // 2)[None, :]  # A: k / 8 words of 4 bytes
+        a = (group + 8 * ((i >> 2) & 1), 4 * in_group + (i & 3) + 16 * (i >= 8))
+        i = np.arange(k // 4)[None, :]
+        b = (4 * in_group + (i & 3) + 16 * (i >= 4), np.broadcast_to(group, (WARP, k // 4)))
+        return a, b
+
+    _MMA_S8 = {k: _mma_s8_layout(k) for k in (16, 32)}
+
+    def _mma_s8(k, words, cs):
+        """D = A B + C of the warp's s8 fragments (this thread's words: A's k / 8, then B's k / 16), in int64 then
+        wrapped to int32 as the hardware's adds wrap."""
+        buffer, t = _exchange(*words)
+        first = t - t % WARP
+        lanes = buffer[first:first + WARP, : len(words)].copy().view(np.int8).astype(np.int64)  # [lane, bytes]
+        (a_at, b_at), split = _MMA_S8[k], k // 2
+        a = np.zeros((16, k), np.int64)
+        a[a_at] = lanes[:, :split]
+        b = np.zeros((k, 8), np.int64)
+        b[b_at] = lanes[:, split:]
+        d = (a @ b)[_MMA_C[0][t - first], _MMA_C[1][t - first]] + np.array(cs, np.int64)
+        d = d.astype(np.int32)
+        return d[0], d[1], d[2], d[3]
+
+    @cuda.jit(device=True)
+    def mma_s8_16832(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _mma_s8(32, (a0, a1, a2, a3, b0, b1), (c0, c1, c2, c3))
+
+    @cuda.jit(device=True)
+    def mma_s8_16816(a0, a1, b0, c0, c1, c2, c3):
+        return _mma_s8(16, (a0, a1, b0), (c0, c1, c2, c3))
 
     @cuda.jit(device=True)
     def load_matrix_x4(tile, b, r, c):
@@ -542,6 +581,34 @@ else:
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, i) for i in range(4)])
 
         return types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
+
+    def _mma_s8_codegen(shape: str, n_words: int):
+        def codegen(context, builder, sig, args):
+            values = [context.cast(builder, v, t, types.int32) for v, t in zip(args, sig.args, strict=True)]
+            a, b = (n_words * 2) // 3, n_words // 3  # A's words, B's words (6 -> 4 + 2, 3 -> 2 + 1)
+            names = iter(f"${i}" for i in range(4 + n_words + 4))
+            d, ra, rb, c = ([next(names) for _ in range(k)] for k in (4, a, b, 4))
+            ptx = (f"mma.sync.aligned.{shape}.row.col.s32.s8.s8.s32 "
+                   + ", ".join("{" + ", ".join(regs) + "}" for regs in (d, ra, rb, c)) + ";")
+            constraints = ",".join(["=r"] * 4 + ["r"] * (n_words + 4))
+            fn = ir.FunctionType(ir.LiteralStructType([I32] * 4), [I32] * (n_words + 4))
+            # side effects: warp-synchronous, as mma_f16_16816
+            out = builder.call(ir.InlineAsm(fn, ptx, constraints, side_effect=True), values)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i) for i in range(4)])
+
+        return codegen
+
+    @intrinsic
+    def mma_s8_16832(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A B + C for the warp: A 16 x 32 (row-major fragments a0..a3), B 32 x 8 (column-major b0, b1), words
+        of four int8 (lowest byte first); C and D 16 x 8 int32 (PTX ISA fragment layout)."""
+        sig = types.UniTuple(types.int32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        return sig, _mma_s8_codegen("m16n8k32", 6)
+
+    @intrinsic
+    def mma_s8_16816(typingctx, a0, a1, b0, c0, c1, c2, c3):
+        """`mma_s8_16832` with k 16: A 16 x 16 (a0, a1), B 16 x 8 (b0)."""
+        return types.UniTuple(types.int32, 4)(a0, a1, b0, c0, c1, c2, c3), _mma_s8_codegen("m16n8k16", 3)
 
     def _load_matrices(ptx: str):
         """Codegen of an ldmatrix .x4 (`ptx`, its operands {$0..$3}, [$4]) from the address of tile[b, r, c]."""

@@ -1,0 +1,361 @@
+"""Products out[n, rows] = x[n, cols] @ W.T of a quantized matrix and 2..64 tokens on the integer tensor cores
+(the idea of llama.cpp's MMQ): a short batch (decode rows, a verify block) reads each weight once, and neither the
+weights nor x become floats before the tensor cores.
+
+- x is quantized first (`quantize`, one small launch): per token and 32-column run one int8 code per column,
+  round(x / d) with d = max|x| / 127, the scale d and the run's sum of x (for biases, as the matvecs take it, from
+  the unquantized x). Its words go in the order the mma's B fragments want them (`x_word`): a thread's two words
+  of a run, for two consecutive runs, are 16 contiguous bytes, one load.
+- Weights go to `mma.sync.m16n8k32.s8` (`mma_s8_16832`) as they are stored: rows on m, the tokens on n (8 per
+  mma column, up to 64), one 32-column run per mma. In the PTX ISA's A layout, lane (group g, thread q) holds
+  columns 4q..4q+3 and 16+4q..16+4q+3 of rows g and g+8; word q of a q4 run holds exactly those columns (low
+  nibbles, high nibbles), so a lane loads one word per row and run and widens its nibbles to bytes with a mask and
+  a shift. q6 codes (stored + 32) rebuild their bytes from the low word and the high bits (`q6_word`), then lose
+  the 32 with a bytewise subtraction; q8 codes are signed bytes already (two words a row and run).
+- Each run's int32 result (exact) is scaled by (the row's block scale x the token's run scale) into float32
+  accumulators, plus the block's bias times the token's sum of x where the matrix has biases (Q4_K's mins).
+  16-column blocks (Q6_K) take two k16 mmas (`mma_s8_16816`), one per block.
+- A block is `warps` warps on 16 rows: warp k takes the steps (RUNS[kind] runs of every row) k, k + warps, ..,
+  so that the block's warps read neighbouring bytes of its rows at about the same time; a warp's next step's
+  words (codes, scale words) are loaded into a second register buffer while it computes on this one. The warps'
+  float32 sums are added in warp order through shared memory, and one thread stores each output (through the
+  Epilogue: rows split, bias, residual, gate/up pairs; 16 rows are one gate/up group). `warps` depends on the
+  matrix's shape only (the GPU filled with warps; it divides the steps), never on n: a token's outputs are the
+  same sums in the same order whatever the other tokens, bit for bit.
+- Weights stream once per product; x (1 byte a column and token) is read by every row tile, from L2.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from lucekv.kernels.cuda._numba import (
+    WARP,
+    await_grid,
+    blocks,
+    cuda,
+    jit_bounded,
+    jit_inlined,
+    jit_kernel,
+    load_f32x4,
+    load_u32x4_coherent,
+    mma_s8_16816,
+    mma_s8_16832,
+    sm_count,
+)
+from lucekv.kernels.cuda.matvec import _unrolled
+from lucekv.kernels.cuda.packed import (
+    NO_GATE,
+    DeviceMatrix,
+    as_epilogue,
+    block_words,
+    put,
+    put_gated,
+    q6_word,
+    scale_bias,
+)
+
+TILE_ROWS = 16  # rows per block: one mma row tile (and one gate/up group of gated products)
+TOKEN_TILE = 8  # tokens per mma column tile
+MAX_TOKENS = 64
+RUN = 32  # columns per run: one mma's k
+RUNS = {"q4": 4, "q6": 2, "q8": 2}  # runs per step: a row's 64 bytes of q4 codes (two full sectors), 32 of q6/q8's
+CODE_WORDS = {"q4": 1, "q6": 3, "q8": 2}  # words of a row and run that a lane loads: q6 its low word and 2 high ones
+MAX_WARPS = 8
+RESIDENT_WARPS = 16  # warps an SM holds at the kernels' launch bounds (128 registers a thread)
+QUANTIZE_THREADS = 128
+LOW_NIBBLES = np.uint32(0x0F0F0F0F)
+SIGN_BITS = np.uint32(0x80808080)
+Q6_BYTES = np.uint32(0x20202020)  # Q6_OFFSET in each byte
+
+
+class QuantizedX(NamedTuple):
+    """x as `quantize` writes it: words uint32 [n_pad, cols // 4] (int8 codes in `x_word`'s order), scales float32
+    [cols // 32, 2 n_pad] (per run, token t's scale at 2t and its sum of x at 2t + 1); n real tokens of n_pad."""
+
+    words: object
+    scales: object
+    n: int
+
+
+def serves(w: DeviceMatrix, n: int) -> bool:
+    """Whether `mmq` takes a product of n tokens of w: 2..MAX_TOKENS tokens of a quantized matrix whose rows are
+    whole steps, in blocks of 32 columns or more, or of 16 without biases."""
+    if w.kind not in RUNS or not 2 <= n <= MAX_TOKENS or w.cols % (RUN * RUNS[w.kind]):
+        return False
+    return w.block_log2 >= 5 or w.block_log2 == 4 and not w.has_bias
+
+
+def mmq(w: DeviceMatrix, x, out, stream=0) -> None:
+    """out[n, rows] (a device array or an Epilogue) = x[n, cols] @ W.T, x quantized here (see `quantize`)."""
+    product(w, quantize(x, stream=stream), out, stream)
+
+
+def padded(n: int) -> int:
+    return blocks(n, TOKEN_TILE) * TOKEN_TILE
+
+
+def scratch(n: int, cols: int, stream=0) -> QuantizedX:
+    """Device arrays for `quantize` of n tokens of `cols` columns."""
+    n_pad = padded(n)
+    return QuantizedX(cuda.device_array((n_pad, cols // 4), np.uint32, stream=stream),
+                      cuda.device_array((cols // RUN, 2 * n_pad), np.float32, stream=stream), n)
+
+
+def quantize(x, into: QuantizedX | None = None, stream=0) -> QuantizedX:
+    """x [n, cols] (float32, cols a multiple of 64) as int8 codes per 32-column run (see the module's notes); into:
+    arrays from `scratch` (else new ones). Padding tokens get zero codes and scales."""
+    n, cols = x.shape
+    if cols % (2 * RUN) or not 1 <= n <= MAX_TOKENS:
+        raise ValueError(f"mmq quantizes 1..{MAX_TOKENS} tokens of a multiple of {2 * RUN} columns, not {x.shape}")
+    qx = scratch(n, cols, stream) if into is None else into._replace(n=n)
+    if qx.words.shape != (padded(n), cols // 4) or qx.scales.shape != (cols // RUN, 2 * padded(n)):
+        raise ValueError(f"scratch of shapes {qx.words.shape}, {qx.scales.shape} for x of {x.shape}")
+    items = qx.words.shape[0] * (cols // RUN)
+    _quantize_kernel[blocks(items, QUANTIZE_THREADS), QUANTIZE_THREADS, stream](x, qx.words, qx.scales)
+    return qx
+
+
+@cuda.jit(device=True, inline=True)
+def x_word(run, k):
+    """Where word k (columns 4k..4k+3) of a run goes in a token's row of QuantizedX.words: the 16 words of runs 2p
+    and 2p + 1 as lane q's B fragments of both, (run 2p: cols 4q.., 16 + 4q..; run 2p + 1: the same) for q = 0..3."""
+    return 16 * (run >> 1) + 4 * (k & 3) + 2 * (run & 1) + (k >> 2)
+
+
+@jit_kernel
+def _quantize_kernel(x, words, scales):
+    """Thread i: token i // runs, run i % runs (a padding token: zeros)."""
+    await_grid()
+    runs = scales.shape[0]
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i >= words.shape[0] * runs:
+        return
+    t, r = i // runs, i % runs
+    xv = cuda.local.array(RUN, np.float32)
+    if t < x.shape[0]:
+        for k in range(RUN // 4):
+            xv[4 * k], xv[4 * k + 1], xv[4 * k + 2], xv[4 * k + 3] = load_f32x4(x, t, RUN * r + 4 * k)
+    else:
+        for k in range(RUN):
+            xv[k] = np.float32(0)
+    amax = np.float32(0)
+    total = np.float32(0)
+    for k in range(RUN):
+        amax = max(amax, abs(xv[k]))
+        total += xv[k]
+    inv = np.float32(127) / amax if amax > np.float32(0) else np.float32(0)
+    for k in range(RUN // 4):
+        word = np.uint32(0)
+        for j in range(4):
+            code = np.int32(np.floor(xv[4 * k + j] * inv + np.float32(0.5)))
+            word |= np.uint32(code & 0xFF) << np.uint32(8 * j)
+        words[t, x_word(r, k)] = word
+    scales[r, 2 * t] = amax / np.float32(127)
+    scales[r, 2 * t + 1] = total
+
+
+# ---- a lane's A fragments of one run: words of rows g (lo) and g + 8 (hi) -------------------------------
+
+
+@cuda.jit(device=True, inline=True)
+def _q4_fetch(w, r, run, q, buf, o):
+    buf[o] = w.codes[r, 4 * run + q]
+
+
+@cuda.jit(device=True, inline=True)
+def _q4_fragment(buf, lo, hi, q):
+    return (buf[lo] & LOW_NIBBLES, buf[hi] & LOW_NIBBLES, (buf[lo] >> np.uint32(4)) & LOW_NIBBLES,
+            (buf[hi] >> np.uint32(4)) & LOW_NIBBLES)
+
+
+@cuda.jit(device=True, inline=True)
+def _q6_fetch(w, r, run, q, buf, o):
+    buf[o] = w.codes[r, 4 * run + q]
+    buf[o + 1] = w.high[r, 2 * run]
+    buf[o + 2] = w.high[r, 2 * run + 1]
+
+
+@cuda.jit(device=True, inline=True)
+def _signed(codes):
+    """Bytes c in 0..63 (q6 codes + 32) as the signed bytes c - 32: no borrow crosses a byte with bit 7 set."""
+    return ((codes | SIGN_BITS) - Q6_BYTES) ^ SIGN_BITS
+
+
+@cuda.jit(device=True, inline=True)
+def _q6_fragment(buf, lo, hi, q):
+    return (_signed(q6_word(buf[lo], buf[lo + 1], q)), _signed(q6_word(buf[hi], buf[hi + 1], q)),
+            _signed(q6_word(buf[lo], buf[lo + 2], 4 + q)), _signed(q6_word(buf[hi], buf[hi + 2], 4 + q)))
+
+
+@cuda.jit(device=True, inline=True)
+def _q8_fetch(w, r, run, q, buf, o):
+    buf[o] = w.codes[r, 8 * run + q]
+    buf[o + 1] = w.codes[r, 8 * run + 4 + q]
+
+
+@cuda.jit(device=True, inline=True)
+def _q8_fragment(buf, lo, hi, q):
+    return buf[lo], buf[hi], buf[lo + 1], buf[hi + 1]
+
+
+_PARTS = {"q4": (_q4_fetch, _q4_fragment), "q6": (_q6_fetch, _q6_fragment), "q8": (_q8_fetch, _q8_fragment)}
+
+
+def plan_warps(w: DeviceMatrix) -> int:
+    """Warps of a block (each a share of the columns): 8 where 4 a block would leave the SMs short of warps, fewer
+    where they do not divide the steps. The shape's alone decides (the sums' order must not depend on n)."""
+    steps = w.cols // (RUN * RUNS[w.kind])
+    want = MAX_WARPS if blocks(w.rows, TILE_ROWS) * 4 < sm_count() * RESIDENT_WARPS else 4
+    return max(k for k in (1, 2, 4, 8) if k <= want and steps % k == 0)
+
+
+def product(w: DeviceMatrix, qx: QuantizedX, out, stream=0) -> None:
+    """out (an array [n, rows] or an Epilogue) = the product of w and the quantized x (see `serves`)."""
+    if not serves(w, qx.n) or qx.words.shape[1] * 4 != w.cols:
+        raise ValueError(f"mmq does not take {qx.n} tokens of {qx.words.shape[1] * 4} columns of a {w.kind} "
+                         f"{w.rows}x{w.cols} matrix in blocks of {1 << w.block_log2}")
+    ep = as_epilogue(out)
+    warps = plan_warps(w)
+    kernel = _kernel(w.kind, w.block_log2 == 4, qx.words.shape[0] // TOKEN_TILE)
+    kernel[blocks(w.rows, TILE_ROWS), warps * WARP, stream](w.quant, qx.words, qx.scales, ep, qx.n)
+
+
+@functools.cache
+def _kernel(kind: str, halves: bool, tiles: int):
+    """The product of `tiles` token tiles for `kind` (halves: 16-column blocks, two k16 mmas a run)."""
+    fetch, fragment = _PARTS[kind]
+    runs = RUNS[kind]
+    code_words = CODE_WORDS[kind]
+    scale_words = 4 if halves else 2  # per row and run: the scale and sub words of its block(s)
+    row_words = code_words + scale_words
+    step_words = 2 * runs * row_words  # a lane's words of a step: rows g and g + 8
+    outputs = 4 * tiles  # a lane's accumulators: per token tile rows g, g + 8 x two tokens
+
+    @cuda.jit(device=True, inline=True)
+    def load_step(w, rows, step, q, buf):
+        """This lane's words of a step (rows lo and hi, each of its runs: codes, then scale / sub words)."""
+        for h in range(2):
+            r = rows[h]
+            for u in range(runs):
+                run = step * runs + u
+                o = (h * runs + u) * row_words
+                fetch(w, r, run, q, buf, o)
+                b = (RUN * run) >> w.block_log2
+                buf[o + code_words], buf[o + code_words + 1] = block_words(w, r, b)
+                if halves:
+                    buf[o + code_words + 2], buf[o + code_words + 3] = block_words(w, r, b + 1)
+
+    @jit_inlined
+    def tile_run(args, j):
+        """Token tile j's products of one run: acc[4j..4j+3] (row g tokens 2q, 2q + 1, row g + 8 the same)."""
+        w, a0, a1, a2, a3, b0, b1, xs, run, lo_s, hi_s, acc, q = args
+        d0, sum0, d1, sum1 = load_f32x4(xs, run, 2 * TOKEN_TILE * j + 4 * q)
+        lo0, lo_t0, lo1, lo_t1 = lo_s
+        hi0, hi_t0, hi1, hi_t1 = hi_s
+        if halves:  # two 16-column blocks, without biases (see serves)
+            z = np.int32(0)
+            e = mma_s8_16816(a0, a1, b0, z, z, z, z)
+            f = mma_s8_16816(a2, a3, b1, z, z, z, z)
+            acc[4 * j] += np.float32(e[0]) * (lo0 * d0) + np.float32(f[0]) * (lo1 * d0)
+            acc[4 * j + 1] += np.float32(e[1]) * (lo0 * d1) + np.float32(f[1]) * (lo1 * d1)
+            acc[4 * j + 2] += np.float32(e[2]) * (hi0 * d0) + np.float32(f[2]) * (hi1 * d0)
+            acc[4 * j + 3] += np.float32(e[3]) * (hi0 * d1) + np.float32(f[3]) * (hi1 * d1)
+        else:
+            z = np.int32(0)
+            c = mma_s8_16832(a0, a1, a2, a3, b0, b1, z, z, z, z)
+            acc[4 * j] += np.float32(c[0]) * (lo0 * d0)
+            acc[4 * j + 1] += np.float32(c[1]) * (lo0 * d1)
+            acc[4 * j + 2] += np.float32(c[2]) * (hi0 * d0)
+            acc[4 * j + 3] += np.float32(c[3]) * (hi0 * d1)
+            if w.has_bias:
+                acc[4 * j] += lo_t0 * sum0
+                acc[4 * j + 1] += lo_t0 * sum1
+                acc[4 * j + 2] += hi_t0 * sum0
+                acc[4 * j + 3] += hi_t0 * sum1
+
+    @jit_inlined
+    def tile_pair(args, j):
+        """Token tile j's products of runs 2p and 2p + 1 (one load of this lane's B words of both)."""
+        w, xw, xs, run, frags, scales, acc, g, q = args
+        b0, b1, b2, b3 = load_u32x4_coherent(xw, TOKEN_TILE * j + g, 16 * (run >> 1) + 4 * q)
+        (a0, a1, a2, a3), (a4, a5, a6, a7) = frags
+        (lo0, hi0), (lo1, hi1) = scales
+        tile_run((w, a0, a1, a2, a3, b0, b1, xs, run, lo0, hi0, acc, q), j)
+        tile_run((w, a4, a5, a6, a7, b2, b3, xs, run + 1, lo1, hi1, acc, q), j)
+
+    tiles_pair = _unrolled(tile_pair, tiles)
+
+    @cuda.jit(device=True, inline=True)
+    def scales_of(w, buf, o):
+        """(scale, bias of the run's first block, scale, bias of its second) of a row's run at buf[o:]."""
+        s0, t0 = scale_bias(w, buf[o + code_words], buf[o + code_words + 1])
+        if halves:
+            s1, t1 = scale_bias(w, buf[o + code_words + 2], buf[o + code_words + 3])
+            return s0, t0, s1, t1
+        return s0, t0, s0, t0
+
+    @jit_inlined
+    def pair_step(args, p):
+        """Runs 2p and 2p + 1 of the step in buf."""
+        w, xw, xs, step, buf, acc, g, q = args
+        u0, u1 = 2 * p, 2 * p + 1
+        lo0, lo1 = u0 * row_words, u1 * row_words
+        hi0, hi1 = (runs + u0) * row_words, (runs + u1) * row_words
+        frags = (fragment(buf, lo0, hi0, q), fragment(buf, lo1, hi1, q))
+        scales = ((scales_of(w, buf, lo0), scales_of(w, buf, hi0)), (scales_of(w, buf, lo1), scales_of(w, buf, hi1)))
+        tiles_pair((w, xw, xs, step * runs + u0, frags, scales, acc, g, q), 0)
+
+    pairs_step = _unrolled(pair_step, runs // 2)
+
+    def kernel(w, xw, xs, ep, n):
+        part = cuda.shared.array(MAX_WARPS * TILE_ROWS * MAX_TOKENS, np.float32)
+        acc = cuda.local.array(outputs, np.float32)
+        buf_a = cuda.local.array(step_words, np.uint32)
+        buf_b = cuda.local.array(step_words, np.uint32)
+        for i in range(outputs):
+            acc[i] = np.float32(0)
+        warps = cuda.blockDim.x // WARP
+        warp, lane = cuda.threadIdx.x // WARP, cuda.threadIdx.x % WARP
+        g, q = lane >> 2, lane & 3
+        first = cuda.blockIdx.x * TILE_ROWS
+        last = w.codes.shape[0] - 1
+        rows = (min(first + g, last), min(first + 8 + g, last))  # rows past the end load a real row, stored nowhere
+        steps = xs.shape[0] // runs
+        load_step(w, rows, warp, q, buf_a)  # constant weights: in flight before the wait
+        await_grid()
+        for s in range(warp, steps, 2 * warps):
+            if s + warps < steps:
+                load_step(w, rows, s + warps, q, buf_b)
+            pairs_step((w, xw, xs, s, buf_a, acc, g, q), 0)
+            if s + 2 * warps < steps:
+                load_step(w, rows, s + 2 * warps, q, buf_a)
+            if s + warps < steps:
+                pairs_step((w, xw, xs, s + warps, buf_b, acc, g, q), 0)
+        n_pad = TOKEN_TILE * tiles
+        for j in range(tiles):
+            for i in range(4):
+                row, token = g + 8 * (i >> 1), TOKEN_TILE * j + 2 * q + (i & 1)
+                part[(warp * TILE_ROWS + row) * n_pad + token] = acc[4 * j + i]
+        cuda.syncthreads()
+        gated = ep.gate != NO_GATE
+        per_token = TILE_ROWS // 2 if gated else TILE_ROWS
+        for k in range(cuda.threadIdx.x, per_token * n, cuda.blockDim.x):
+            i, t = k // n, k % n
+            v = np.float32(0)
+            for m in range(warps):
+                v += part[(m * TILE_ROWS + i) * n_pad + t]
+            if gated:
+                u = np.float32(0)
+                for m in range(warps):
+                    u += part[(m * TILE_ROWS + i + TILE_ROWS // 2) * n_pad + t]
+                if first + i <= last:
+                    put_gated(ep, t, first + i, v, u)
+            elif first + i <= last:
+                put(ep, t, first + i, v)
+
+    kernel.__name__ = kernel.__qualname__ = f"_mmq_{kind}{'_halves' if halves else ''}_tokens{TOKEN_TILE * tiles}"
+    return jit_bounded(kernel, MAX_WARPS * WARP, RESIDENT_WARPS // MAX_WARPS)

@@ -1,0 +1,174 @@
+"""The integer tensor-core product of 2..64 tokens (kernels/cuda/mmq.py) and its mma intrinsics, against numpy (see
+test_cuda_kernels.py for how the simulator runs these without a GPU).
+
+The intrinsic tests pin the PTX ISA's s8 fragment layouts down with exact integers: in the simulator they check the
+twins, on a GPU the hardware. The products are checked against an exact oracle of what the kernel computes (x rounded
+to int8 per 32-column run as `quantize` rounds it, then float64), tightly, and against float64 of the unquantized x at
+int8's precision; a token's outputs must not depend on the other tokens, bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from lucekv.kernels.cpu.quants import PackedMatrix
+from lucekv.kernels.cuda import available, cuda
+from lucekv.kernels.cuda._numba import mma_s8_16816, mma_s8_16832
+from tests.kernels.cuda_sim import needs_kernels, run_in_simulator
+from tests.kernels.test_cuda_kernels import dense, random_packed, rel_err
+
+
+@pytest.mark.skipif(available(), reason="kernels run directly in this process")
+def test_mmq_in_simulator():
+    run_in_simulator(__file__)
+
+
+# ---- intrinsics ------------------------------------------------------------------------------------------
+
+
+@cuda.jit
+def _mma_s8_kernel(a, b, c, d, d16):
+    lane = cuda.threadIdx.x
+    out = mma_s8_16832(a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3], b[lane, 0], b[lane, 1], c[lane, 0],
+                       c[lane, 1], c[lane, 2], c[lane, 3])
+    for i in range(4):
+        d[lane, i] = out[i]
+    out = mma_s8_16816(a[lane, 0], a[lane, 1], b[lane, 0], c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3])
+    for i in range(4):
+        d16[lane, i] = out[i]
+
+
+def _words(values: np.ndarray) -> np.ndarray:
+    """uint32 words of the int8 values [..., 4], the first lowest."""
+    return np.ascontiguousarray(values.astype(np.int8)).view(np.uint32)[..., 0]
+
+
+@needs_kernels
+def test_mma_s8_fragment_layouts():
+    rng = np.random.default_rng(12)
+    a = rng.integers(-128, 128, (16, 32))
+    b = rng.integers(-128, 128, (32, 8))
+    c = rng.integers(-2**20, 2**20, (16, 8))
+    g, tig = np.arange(32) // 4, np.arange(32) % 4
+    cols = 4 * tig[:, None] + np.arange(4)[None, :]  # a lane's 4 consecutive k of a word
+    a_frag = np.stack([_words(a[g[:, None], cols]), _words(a[g[:, None] + 8, cols]),
+                       _words(a[g[:, None], cols + 16]), _words(a[g[:, None] + 8, cols + 16])], axis=1)
+    b_frag = np.stack([_words(b[cols, g[:, None]]), _words(b[cols + 16, g[:, None]])], axis=1)
+    k = 2 * tig
+    c_frag = np.stack([c[g, k], c[g, k + 1], c[g + 8, k], c[g + 8, k + 1]], axis=1).astype(np.int32)
+    d_frag, d16_frag = (cuda.device_array((32, 4), np.int32) for _ in range(2))
+    _mma_s8_kernel[1, 32](cuda.to_device(a_frag), cuda.to_device(b_frag), cuda.to_device(c_frag), d_frag, d16_frag)
+    for got, d in [(d_frag, a @ b + c), (d16_frag, a[:, :16] @ b[:16] + c)]:  # k16: a0, a1 and b0 are its k 0..15
+        ref = np.stack([d[g, k], d[g, k + 1], d[g + 8, k], d[g + 8, k + 1]], axis=1)
+        assert np.array_equal(got.copy_to_host(), ref)
+
+
+# ---- products --------------------------------------------------------------------------------------------
+
+
+def quantized_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x as `quantize` rounds it, in float64: (d * code per column, d per run) with float32 math as the kernel's."""
+    runs = x.reshape(x.shape[0], -1, 32)
+    amax = np.max(np.abs(runs), axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    codes = np.floor(runs * inv + np.float32(0.5))
+    d = (amax / np.float32(127)).astype(np.float32)
+    return (codes.astype(np.float64) * d).reshape(x.shape), d
+
+
+def oracle(m: PackedMatrix, x: np.ndarray) -> np.ndarray:
+    """What the kernel computes, in float64: weights times the rounded x, block biases times the unrounded sums."""
+    xq, _ = quantized_x(x)
+    bias = np.repeat(m.bias.astype(np.float64), m.block, axis=1)
+    return xq @ (dense(m) - bias).T + x.astype(np.float64) @ bias.T
+
+
+def run_mmq(m: PackedMatrix, x: np.ndarray, out_rows: int | None = None) -> np.ndarray:
+    from lucekv.kernels.cuda import mmq
+    from lucekv.kernels.cuda.packed import upload
+
+    w = upload(m)
+    assert mmq.serves(w, x.shape[0])
+    out = cuda.device_array((x.shape[0], m.rows), np.float32)
+    mmq.mmq(w, cuda.to_device(x), out)
+    return out.copy_to_host()
+
+
+@needs_kernels
+@pytest.mark.parametrize(("qtype", "rows", "cols", "n"), [
+    (Q.Q4_K, 20, 256, 3),  # q4 with a bias (mins), a partial row tile, 1 token tile
+    (Q.Q6_K, 16, 256, 9),  # q6 in 16-blocks (two k16 mmas a run), 2 token tiles
+    (Q.Q8_0, 5, 128, 2),  # q8 in 32-blocks
+    (Q.Q5_1, 17, 128, 4),  # q6 in 32-blocks with a bias
+    (Q.Q4_0, 16, 512, 2),  # q4 without a bias, 4 warps
+], ids=lambda v: getattr(v, "name", str(v)))
+def test_mmq(qtype, rows, cols, n):
+    rng = np.random.default_rng(3)
+    m = random_packed(rng, qtype, rows, cols)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    x[-1, 32:64] = 0  # a run of zeros: scale 0
+    got = run_mmq(m, x)
+    assert rel_err(got, oracle(m, x)) <= 1e-5
+    assert rel_err(got, x.astype(np.float64) @ dense(m).T) <= 2e-2  # int8 x
+
+
+@needs_kernels
+def test_a_tokens_outputs_do_not_depend_on_the_others():
+    """Token 1 of 2 and of 11 (two token tiles): the same sums in the same order, bit for bit."""
+    rng = np.random.default_rng(4)
+    m = random_packed(rng, Q.Q4_K, 16, 256)
+    x = rng.standard_normal((11, 256)).astype(np.float32)
+    assert np.array_equal(run_mmq(m, x[:2])[1], run_mmq(m, x)[1])
+
+
+@needs_kernels
+def test_mmq_gated_and_epilogue():
+    from lucekv.kernels.cpu.quants import interleave_rows
+    from lucekv.kernels.cuda import mmq
+    from lucekv.kernels.cuda.packed import GATE_ROWS, SILU, epilogue, upload
+
+    rng = np.random.default_rng(5)
+    gate, up = (random_packed(rng, Q.Q4_K, 2 * GATE_ROWS, 256) for _ in range(2))
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    out = cuda.device_array((3, gate.rows), np.float32)
+    mmq.mmq(upload(interleave_rows(gate, up, GATE_ROWS)), cuda.to_device(x), epilogue((out,), gate=SILU))
+    g, u = oracle(gate, x), oracle(up, x)
+    assert rel_err(out.copy_to_host(), g / (1 + np.exp(-g)) * u) <= 1e-5
+    # three outputs, a bias; then a residual
+    m = random_packed(rng, Q.Q6_K, 20, 256)
+    bias = rng.standard_normal(20).astype(np.float32)
+    outs = [cuda.device_array((3, r), np.float32) for r in (1, 17, 2)]
+    mmq.mmq(upload(m), cuda.to_device(x), epilogue(outs, bias=cuda.to_device(bias)))
+    assert rel_err(np.concatenate([o.copy_to_host() for o in outs], axis=1), oracle(m, x) + bias) <= 1e-5
+
+
+def test_serves_and_plans():
+    """2..64 tokens of q4 / q6 / q8 in whole steps; 16-column blocks only without biases; the warps of a block divide
+    the steps and depend on the shape alone."""
+    from lucekv.kernels.cuda import mmq
+    from lucekv.kernels.cuda.packed import DeviceMatrix
+
+    def matrix(kind, rows=4096, cols=4096, block_log2=5, has_bias=False):
+        return DeviceMatrix(kind, rows, cols, block_log2, 3, None, None, None, None, True, has_bias)
+
+    assert mmq.serves(matrix("q4"), 2) and mmq.serves(matrix("q4"), 64)
+    assert not mmq.serves(matrix("q4"), 1) and not mmq.serves(matrix("q4"), 65)
+    assert not mmq.serves(matrix("f32"), 8) and not mmq.serves(matrix("q4", cols=96), 8)
+    assert mmq.serves(matrix("q6", block_log2=4), 8) and not mmq.serves(matrix("q6", block_log2=4, has_bias=True), 8)
+    for kind in mmq.RUNS:
+        for rows, cols in [(16, 128), (4096, 12288), (24576, 4096), (1024, 4096), (151936, 896)]:
+            warps = mmq.plan_warps(matrix(kind, rows, cols))
+            assert (cols // (mmq.RUN * mmq.RUNS[kind])) % warps == 0 and 1 <= warps <= mmq.MAX_WARPS
+
+
+@needs_kernels
+def test_quantize_refuses_what_it_cannot_take():
+    from lucekv.kernels.cuda import mmq
+
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mmq.quantize(cuda.to_device(np.zeros((2, 96), np.float32)))
+    with pytest.raises(ValueError, match="1..64 tokens"):
+        mmq.quantize(cuda.to_device(np.zeros((65, 64), np.float32)))
