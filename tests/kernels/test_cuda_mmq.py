@@ -145,11 +145,13 @@ def test_mmq_gated_and_epilogue():
     assert rel_err(np.concatenate([o.copy_to_host() for o in outs], axis=1), oracle(m, x) + bias) <= 1e-5
 
 
-def test_serves_and_plans():
-    """2..64 tokens of q4 / q6 / q8 in whole steps; 16-column blocks only without biases; the warps of a block divide
-    the steps and depend on the shape alone."""
+def test_serves_and_plans(monkeypatch):
+    """2..64 tokens of q4 / q6 / q8 in whole steps; 16-column blocks only without biases; the warps of a block (on an
+    H100's 132 SMs) divide the steps, 8 where 4 leave SMs short of warps."""
     from lucekv.kernels.cuda import mmq
     from lucekv.kernels.cuda.packed import DeviceMatrix
+
+    monkeypatch.setattr(mmq, "sm_count", lambda: 132)
 
     def matrix(kind, rows=4096, cols=4096, block_log2=5, has_bias=False):
         return DeviceMatrix(kind, rows, cols, block_log2, 3, None, None, None, None, True, has_bias)
@@ -162,6 +164,7 @@ def test_serves_and_plans():
         for rows, cols in [(16, 128), (4096, 12288), (24576, 4096), (1024, 4096), (151936, 896)]:
             warps = mmq.plan_warps(matrix(kind, rows, cols))
             assert (cols // (mmq.RUN * mmq.RUNS[kind])) % warps == 0 and 1 <= warps <= mmq.MAX_WARPS
+    assert mmq.plan_warps(matrix("q6", 4096, 12288)) == 8 and mmq.plan_warps(matrix("q4", 24576, 4096)) == 4
 
 
 @needs_kernels
