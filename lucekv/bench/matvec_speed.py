@@ -5,7 +5,8 @@
 --rows: instead, products of that many tokens (verify blocks, decode rows) at the 8B's, the 1.5B's and the 0.5B's
 layer shapes (--shapes 8b: only the 8B's products as its decode step runs them), each timed through every path:
 `matvec` as routed, the per-token grid rows, the several-token kernels at each tokens-per-block, the tensor-core
-matmul (`bench_rows`).
+matmul, and the integer tensor-core product (`mmq`: x's quantization and the product, and the product alone, with
+its GB/s) (`bench_rows`).
 
 Random GGUF blocks, packed and uploaded as the backend does (Q6_K becomes the device's q6 form). Each kernel
 is timed as the decode step runs it: `LAUNCHES` launches captured as one CUDA graph and replayed (no numba
@@ -33,6 +34,7 @@ from gguf import GGMLQuantizationType as Q
 
 from lucekv.bench.decode import git_commit
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize_rows, pack
+from lucekv.kernels.cuda import mmq
 from lucekv.kernels.cuda._numba import cuda, load_u32x4
 from lucekv.kernels.cuda.matvec import (
     TOKENS_PER_BLOCK,
@@ -247,8 +249,33 @@ def bench_rows(s: Shape, rng: np.random.Generator, rows: list[int], replays: int
         ref = xs[0].copy_to_host().astype(np.float64) @ dequantize_rows(packed, 0, s.rows).astype(np.float64).T
         row["max_rel_err"] = float(np.max(np.abs(results["matvec"] - ref)) / np.max(np.abs(ref)))
         row["equals_per_token"] = all(np.array_equal(results[name], results["per_token"]) for name in paths)
+        if mmq.serves(mats[0], n):
+            row.update(bench_mmq(mats, order, xs, outs, ref, replays, stream))
         out.append(row)
     return out
+
+
+def bench_mmq(mats: list, order: list[int], xs: list, outs: list, ref: np.ndarray, replays: int, stream) -> dict:
+    """The integer tensor-core product of bench_rows' tokens: µs of x's quantization and the product (as a step runs
+    them) and of the product alone, the product's GB/s of weights, its error against float64, and whether each token's
+    outputs equal bit for bit those of the same token in products of two tokens (a token's sums must not depend on
+    the others)."""
+    n, cols = xs[0].shape
+    scratch = [mmq.scratch(n, cols, stream) for _ in mats]
+    both = [lambda st, k=k: mmq.product(mats[k], mmq.quantize(xs[k], scratch[k], st), outs[k], st) for k in order]
+    result = {"mmq_us": graph_us(stream, both, replays)}
+    got = outs[0].copy_to_host()
+    alone = [lambda st, k=k: mmq.product(mats[k], scratch[k], outs[k], st) for k in order]
+    result["mmq_product_us"] = graph_us(stream, alone, replays)
+    result["mmq_gbps"] = mats[0].nbytes / 1e3 / result["mmq_product_us"]
+    result["mmq_max_rel_err"] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+    pair = cuda.device_array((2, mats[0].rows), np.float32)
+    equal = True
+    for t in range(0, n - 1, 2):
+        mmq.mmq(mats[0], xs[0][t:t + 2], pair, stream)
+        equal &= bool(np.array_equal(pair.copy_to_host(stream=stream), got[t:t + 2]))
+    result["mmq_equals_two_at_a_time"] = equal
+    return result
 
 
 def device_name(dev) -> str:
@@ -292,6 +319,10 @@ def main() -> None:
                   f"{r['per_token_us']:7.1f}, {several + ', ' if several else ''}matmul {r['matmul_us']:7.1f}; best "
                   f"{r['best']}; err {r['max_rel_err']:.1e}"
                   f"{'' if r['equals_per_token'] else ' (NOT equal to the per-token path)'}", flush=True)
+            if "mmq_us" in r:
+                print(f"{'':32s}          mmq {r['mmq_us']:7.1f} µs with x's quantization, product "
+                      f"{r['mmq_product_us']:7.1f} ({r['mmq_gbps']:.0f} GB/s); err {r['mmq_max_rel_err']:.1e}"
+                      f"{'' if r['mmq_equals_two_at_a_time'] else ' (NOT equal to two tokens at a time)'}", flush=True)
         write_json(a.json, result)
         return
     rows = [bench_shape(s, rng, a.replays, l2, sms, stream) for s in SHAPES]
