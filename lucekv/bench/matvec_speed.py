@@ -262,10 +262,12 @@ def bench_mmq(mats: list, order: list[int], xs: list, outs: list, ref: np.ndarra
     the others)."""
     n, cols = xs[0].shape
     scratch = [mmq.scratch(n, cols, stream) for _ in mats]
-    both = [lambda st, k=k: mmq.product(mats[k], mmq.quantize(xs[k], scratch[k], st), outs[k], st) for k in order]
-    result = {"mmq_us": graph_us(stream, both, replays)}
+    sums = [mmq.partials(m, n, stream) for m in mats]  # fixed addresses for the graphs
+    both = [lambda st, k=k: mmq.product(mats[k], mmq.quantize(xs[k], scratch[k], st), outs[k], st, sums[k])
+            for k in order]
+    result = {"mmq_us": graph_us(stream, both, replays), "mmq_plan": mmq.plan(mats[0])._asdict()}
     got = outs[0].copy_to_host()
-    alone = [lambda st, k=k: mmq.product(mats[k], scratch[k], outs[k], st) for k in order]
+    alone = [lambda st, k=k: mmq.product(mats[k], scratch[k], outs[k], st, sums[k]) for k in order]
     result["mmq_product_us"] = graph_us(stream, alone, replays)
     result["mmq_gbps"] = mats[0].nbytes / 1e3 / result["mmq_product_us"]
     result["mmq_max_rel_err"] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
@@ -320,7 +322,7 @@ def main() -> None:
                   f"{r['best']}; err {r['max_rel_err']:.1e}"
                   f"{'' if r['equals_per_token'] else ' (NOT equal to the per-token path)'}", flush=True)
             if "mmq_us" in r:
-                print(f"{'':32s}          mmq {r['mmq_us']:7.1f} µs with x's quantization, product "
+                print(f"{'':32s}          mmq {r['mmq_us']:7.1f} µs with x's quantization, product {r['mmq_plan']} "
                       f"{r['mmq_product_us']:7.1f} ({r['mmq_gbps']:.0f} GB/s); err {r['mmq_max_rel_err']:.1e}"
                       f"{'' if r['mmq_equals_two_at_a_time'] else ' (NOT equal to two tokens at a time)'}", flush=True)
         write_json(a.json, result)

@@ -116,6 +116,28 @@ def test_mmq(qtype, rows, cols, n):
 
 
 @needs_kernels
+def test_columns_split_over_blocks(monkeypatch):
+    """Splits of the columns (partial sums added by the second launch), plain and gated."""
+    from lucekv.kernels.cpu.quants import interleave_rows
+    from lucekv.kernels.cuda import mmq
+    from lucekv.kernels.cuda.packed import GATE_ROWS, SILU, epilogue, upload
+
+    monkeypatch.setattr(mmq, "MIN_STEPS", 1)
+    rng = np.random.default_rng(6)
+    m = random_packed(rng, Q.Q6_K, 16, 256)
+    x = rng.standard_normal((9, 256)).astype(np.float32)
+    assert mmq.plan(upload(m)).splits == 4
+    assert rel_err(run_mmq(m, x), oracle(m, x)) <= 1e-5
+    gate, up = (random_packed(rng, Q.Q4_K, GATE_ROWS, 256) for _ in range(2))
+    w = upload(interleave_rows(gate, up, GATE_ROWS))
+    assert mmq.plan(w).splits == 2
+    out = cuda.device_array((2, GATE_ROWS), np.float32)
+    mmq.mmq(w, cuda.to_device(x[:2]), epilogue((out,), gate=SILU))
+    g, u = oracle(gate, x[:2]), oracle(up, x[:2])
+    assert rel_err(out.copy_to_host(), g / (1 + np.exp(-g)) * u) <= 1e-5
+
+
+@needs_kernels
 def test_a_tokens_outputs_do_not_depend_on_the_others():
     """Token 1 of 2 and of 11 (two token tiles): the same sums in the same order, bit for bit."""
     rng = np.random.default_rng(4)
@@ -162,9 +184,13 @@ def test_serves_and_plans(monkeypatch):
     assert mmq.serves(matrix("q6", block_log2=4), 8) and not mmq.serves(matrix("q6", block_log2=4, has_bias=True), 8)
     for kind in mmq.RUNS:
         for rows, cols in [(16, 128), (4096, 12288), (24576, 4096), (1024, 4096), (151936, 896)]:
-            warps = mmq.plan_warps(matrix(kind, rows, cols))
-            assert (cols // (mmq.RUN * mmq.RUNS[kind])) % warps == 0 and 1 <= warps <= mmq.MAX_WARPS
-    assert mmq.plan_warps(matrix("q6", 4096, 12288)) == 8 and mmq.plan_warps(matrix("q4", 24576, 4096)) == 4
+            p = mmq.plan(matrix(kind, rows, cols))
+            steps = cols // (mmq.RUN * mmq.RUNS[kind])
+            assert 1 <= p.warps <= mmq.MAX_WARPS and steps % p.splits == 0
+            assert p.splits == 1 or steps // p.splits >= mmq.MIN_STEPS
+    # the 8B's: gate+up's 192 row tiles fill the GPU, down's 32 take 8 splits of 24 steps, o's 8 of 4
+    assert [mmq.plan(matrix(*shape)) for shape in [("q4", 24576, 4096), ("q6", 4096, 12288), ("q4", 4096, 4096)]] == [
+        (8, 1), (8, 8), (8, 8)]
 
 
 @needs_kernels

@@ -15,19 +15,22 @@ weights nor x become floats before the tensor cores.
 - Each run's int32 result (exact) is scaled by (the row's block scale x the token's run scale) into float32
   accumulators, plus the block's bias times the token's sum of x where the matrix has biases (Q4_K's mins).
   16-column blocks (Q6_K) take two k16 mmas (`mma_s8_16816`), one per block.
-- A block is `warps` warps on 16 rows: warp k takes the steps (RUNS[kind] runs of every row) k, k + warps, ..,
-  so that the block's warps read neighbouring bytes of its rows at about the same time; a warp's next step's
-  words (codes, scale words) are loaded into a second register buffer while it computes on this one. The warps'
-  float32 sums are added in warp order through shared memory, and one thread stores each output (through the
-  Epilogue: rows split, bias, residual, gate/up pairs; 16 rows are one gate/up group). `warps` depends on the
-  matrix's shape only (the GPU filled with warps; it divides the steps), never on n: a token's outputs are the
-  same sums in the same order whatever the other tokens, bit for bit.
+- A block is up to MAX_WARPS warps of 16 rows each (a warp: one m tile, every token tile), all walking the same
+  columns at once, so that x (1 byte a column and token, from L2) is fetched once per block and read by its other
+  warps from L1. A step is RUNS[kind] runs of every row; a warp loads its next step's words (codes, scale words)
+  into a second register buffer while it computes on this one, and its first step's before `await_grid`. Matrices
+  of few row tiles split their columns over `splits` blocks (`plan`: a wave of resident blocks), whose partial sums
+  a second launch adds in order (`_reduce_kernel`). Outputs go through the Epilogue (rows split, bias, residual;
+  a 16-row tile is one gate/up group: a lane holds a gate row and its up row). The plan depends on the matrix's
+  shape only, never on n: a token's outputs are the same sums in the same order whatever the other tokens, bit for
+  bit.
 - Weights stream once per product; x (1 byte a column and token) is read by every row tile, from L2.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -66,7 +69,9 @@ RUNS = {"q4": 4, "q6": 2, "q8": 2}  # runs per step: a row's 64 bytes of q4 code
 CODE_WORDS = {"q4": 1, "q6": 3, "q8": 2}  # words of a row and run that a lane loads: q6 its low word and 2 high ones
 MAX_WARPS = 8
 RESIDENT_WARPS = 16  # warps an SM holds at the kernels' launch bounds (128 registers a thread)
+MIN_STEPS = 4  # steps of a split of the columns, at least
 QUANTIZE_THREADS = 128
+REDUCE_THREADS = 128
 LOW_NIBBLES = np.uint32(0x0F0F0F0F)
 SIGN_BITS = np.uint32(0x80808080)
 Q6_BYTES = np.uint32(0x20202020)  # Q6_OFFSET in each byte
@@ -151,7 +156,7 @@ def _quantize_kernel(x, words, scales):
     for k in range(RUN // 4):
         word = np.uint32(0)
         for j in range(4):
-            code = np.int32(np.floor(xv[4 * k + j] * inv + np.float32(0.5)))
+            code = np.int32(math.floor(xv[4 * k + j] * inv + np.float32(0.5)))
             word |= np.uint32(code & 0xFF) << np.uint32(8 * j)
         words[t, x_word(r, k)] = word
     scales[r, 2 * t] = amax / np.float32(127)
@@ -205,28 +210,89 @@ def _q8_fragment(buf, lo, hi, q):
 _PARTS = {"q4": (_q4_fetch, _q4_fragment), "q6": (_q6_fetch, _q6_fragment), "q8": (_q8_fetch, _q8_fragment)}
 
 
-def plan_warps(w: DeviceMatrix) -> int:
-    """Warps of a block (each a share of the columns): 8 where 4 a block would leave the SMs short of warps, fewer
-    where they do not divide the steps. The shape's alone decides (the sums' order must not depend on n)."""
+class Plan(NamedTuple):
+    """How `product` cuts a matrix: blocks of `warps` warps of TILE_ROWS rows each, `splits` blocks sharing a row
+    tile's columns (their partial sums added in order by a second launch, `_reduce_kernel`)."""
+
+    warps: int
+    splits: int
+
+
+def plan(w: DeviceMatrix) -> Plan:
+    """Row tiles of MAX_WARPS warps (every warp of a block reads the same x at once: one L2 read per block), and as
+    many splits of the columns (powers of two, MIN_STEPS steps each at least) as a wave of resident blocks holds. The
+    shape alone decides: a token's sums must be in the same order whatever n."""
     steps = w.cols // (RUN * RUNS[w.kind])
-    want = MAX_WARPS if blocks(w.rows, TILE_ROWS) * 4 < sm_count() * RESIDENT_WARPS else 4
-    return max(k for k in (1, 2, 4, 8) if k <= want and steps % k == 0)
+    warps = min(MAX_WARPS, blocks(w.rows, TILE_ROWS))
+    tiles = blocks(w.rows, TILE_ROWS * warps)
+    slots = sm_count() * max(RESIDENT_WARPS // warps, 1)
+    splits = 1
+    while 2 * splits * tiles <= slots and steps % (2 * splits) == 0 and steps // (2 * splits) >= MIN_STEPS:
+        splits *= 2
+    return Plan(warps, splits)
 
 
-def product(w: DeviceMatrix, qx: QuantizedX, out, stream=0) -> None:
-    """out (an array [n, rows] or an Epilogue) = the product of w and the quantized x (see `serves`)."""
+def partials(w: DeviceMatrix, n: int, stream=0):
+    """Scratch for the partial sums of a product of n tokens of w where `plan` splits its columns, else None."""
+    splits = plan(w).splits
+    return None if splits == 1 else cuda.device_array((splits, padded(n), w.rows), np.float32, stream=stream)
+
+
+def product(w: DeviceMatrix, qx: QuantizedX, out, stream=0, scratch_sums=None) -> None:
+    """out (an array [n, rows] or an Epilogue) = the product of w and the quantized x (see `serves`); scratch_sums:
+    `partials(w, n)` (made here if None)."""
     if not serves(w, qx.n) or qx.words.shape[1] * 4 != w.cols:
         raise ValueError(f"mmq does not take {qx.n} tokens of {qx.words.shape[1] * 4} columns of a {w.kind} "
                          f"{w.rows}x{w.cols} matrix in blocks of {1 << w.block_log2}")
     ep = as_epilogue(out)
-    warps = plan_warps(w)
+    p = plan(w)
     kernel = _kernel(w.kind, w.block_log2 == 4, qx.words.shape[0] // TOKEN_TILE)
-    kernel[blocks(w.rows, TILE_ROWS), warps * WARP, stream](w.quant, qx.words, qx.scales, ep, qx.n)
+    grid = (blocks(w.rows, TILE_ROWS * p.warps), p.splits)
+    if p.splits == 1:
+        kernel[grid, p.warps * WARP, stream](w.quant, qx.words, qx.scales, ep, qx.n, _no_sums())
+        return
+    sums = partials(w, qx.n, stream) if scratch_sums is None else scratch_sums
+    if sums.shape != (p.splits, qx.words.shape[0], w.rows):
+        raise ValueError(f"partial sums of shape {sums.shape} for {p.splits} splits of {qx.n} tokens x {w.rows} rows")
+    kernel[grid, p.warps * WARP, stream](w.quant, qx.words, qx.scales, ep, qx.n, sums)
+    _reduce_kernel[blocks(qx.n * w.rows, REDUCE_THREADS), REDUCE_THREADS, stream](sums, ep, qx.n)
+
+
+@functools.cache
+def _no_sums():
+    """The partial sums' stand-in where the columns are not split (never read or written)."""
+    return cuda.device_array((1, 1, 1), np.float32)
+
+
+@jit_kernel
+def _reduce_kernel(sums, ep, n):
+    """Thread i: row i % rows of token i // rows, its splits' partial sums added in order, to ep (a gated product's
+    gate rows take their up rows', TILE_ROWS // 2 further; the up rows' threads store nothing)."""
+    await_grid()
+    rows = sums.shape[2]
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i >= n * rows:
+        return
+    t, r = i // rows, i % rows
+    gated = ep.gate != NO_GATE
+    if gated and r % TILE_ROWS >= TILE_ROWS // 2:
+        return
+    v = np.float32(0)
+    for k in range(sums.shape[0]):
+        v += sums[k, t, r]
+    if gated:
+        u = np.float32(0)
+        for k in range(sums.shape[0]):
+            u += sums[k, t, r + TILE_ROWS // 2]
+        put_gated(ep, t, r, v, u)
+    else:
+        put(ep, t, r, v)
 
 
 @functools.cache
 def _kernel(kind: str, halves: bool, tiles: int):
-    """The product of `tiles` token tiles for `kind` (halves: 16-column blocks, two k16 mmas a run)."""
+    """The product of `tiles` token tiles for `kind` (halves: 16-column blocks, two k16 mmas a run): block (b, k)
+    does rows b * 16 warps.. (16 a warp) over the k-th of the grid's y splits of the steps."""
     fetch, fragment = _PARTS[kind]
     runs = RUNS[kind]
     code_words = CODE_WORDS[kind]
@@ -311,51 +377,42 @@ def _kernel(kind: str, halves: bool, tiles: int):
 
     pairs_step = _unrolled(pair_step, runs // 2)
 
-    def kernel(w, xw, xs, ep, n):
-        part = cuda.shared.array(MAX_WARPS * TILE_ROWS * MAX_TOKENS, np.float32)
+    def kernel(w, xw, xs, ep, n, sums):
         acc = cuda.local.array(outputs, np.float32)
         buf_a = cuda.local.array(step_words, np.uint32)
         buf_b = cuda.local.array(step_words, np.uint32)
         for i in range(outputs):
             acc[i] = np.float32(0)
-        warps = cuda.blockDim.x // WARP
-        warp, lane = cuda.threadIdx.x // WARP, cuda.threadIdx.x % WARP
+        lane = cuda.threadIdx.x % WARP
         g, q = lane >> 2, lane & 3
-        first = cuda.blockIdx.x * TILE_ROWS
+        first = (cuda.blockIdx.x * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP) * TILE_ROWS
         last = w.codes.shape[0] - 1
         rows = (min(first + g, last), min(first + 8 + g, last))  # rows past the end load a real row, stored nowhere
-        steps = xs.shape[0] // runs
-        load_step(w, rows, warp, q, buf_a)  # constant weights: in flight before the wait
+        per_split = xs.shape[0] // runs // cuda.gridDim.y
+        begin = cuda.blockIdx.y * per_split
+        end = begin + per_split
+        load_step(w, rows, begin, q, buf_a)  # constant weights: in flight before the wait
         await_grid()
-        for s in range(warp, steps, 2 * warps):
-            if s + warps < steps:
-                load_step(w, rows, s + warps, q, buf_b)
+        for s in range(begin, end, 2):
+            if s + 1 < end:
+                load_step(w, rows, s + 1, q, buf_b)
             pairs_step((w, xw, xs, s, buf_a, acc, g, q), 0)
-            if s + 2 * warps < steps:
-                load_step(w, rows, s + 2 * warps, q, buf_a)
-            if s + warps < steps:
-                pairs_step((w, xw, xs, s + warps, buf_b, acc, g, q), 0)
-        n_pad = TOKEN_TILE * tiles
+            if s + 2 < end:
+                load_step(w, rows, s + 2, q, buf_a)
+            if s + 1 < end:
+                pairs_step((w, xw, xs, s + 1, buf_b, acc, g, q), 0)
+        gated = ep.gate != NO_GATE
         for j in range(tiles):
             for i in range(4):
-                row, token = g + 8 * (i >> 1), TOKEN_TILE * j + 2 * q + (i & 1)
-                part[(warp * TILE_ROWS + row) * n_pad + token] = acc[4 * j + i]
-        cuda.syncthreads()
-        gated = ep.gate != NO_GATE
-        per_token = TILE_ROWS // 2 if gated else TILE_ROWS
-        for k in range(cuda.threadIdx.x, per_token * n, cuda.blockDim.x):
-            i, t = k // n, k % n
-            v = np.float32(0)
-            for m in range(warps):
-                v += part[(m * TILE_ROWS + i) * n_pad + t]
-            if gated:
-                u = np.float32(0)
-                for m in range(warps):
-                    u += part[(m * TILE_ROWS + i + TILE_ROWS // 2) * n_pad + t]
-                if first + i <= last:
-                    put_gated(ep, t, first + i, v, u)
-            elif first + i <= last:
-                put(ep, t, first + i, v)
+                r, t = first + g + 8 * (i >> 1), TOKEN_TILE * j + 2 * q + (i & 1)
+                if cuda.gridDim.y > 1:
+                    if t < n and r <= last:
+                        sums[cuda.blockIdx.y, t, r] = acc[4 * j + i]
+                elif gated:  # rows g and g + 8 of a tile: a gate row and its up row
+                    if i < 2 and t < n and r <= last:
+                        put_gated(ep, t, r, acc[4 * j + i], acc[4 * j + i + 2])
+                elif t < n and r <= last:
+                    put(ep, t, r, acc[4 * j + i])
 
     kernel.__name__ = kernel.__qualname__ = f"_mmq_{kind}{'_halves' if halves else ''}_tokens{TOKEN_TILE * tiles}"
     return jit_bounded(kernel, MAX_WARPS * WARP, RESIDENT_WARPS // MAX_WARPS)
