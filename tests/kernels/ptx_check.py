@@ -19,7 +19,7 @@ import numba.cuda.dispatcher as dispatcher
 import numpy as np
 from numba import typeof, types
 
-from lucekv.kernels.cuda import act, attention, cuda, embed, flash, matmul, matvec, moe, norm, sample
+from lucekv.kernels.cuda import act, attention, cuda, embed, flash, matmul, matvec, mmq, moe, norm, sample
 from lucekv.kernels.cuda.packed import Quant, attention_inputs, epilogue
 from lucekv.kernels.cuda.rope import Rotary
 
@@ -110,6 +110,12 @@ for kind, quant in QUANTS.items():
     summed = (quant, quant, I1, I64, F2, XNORM, I2, F2, F2, F2, F2, B, F2, I64, I64, I64)
     for placed in (False, True):
         CHECKS[f"moe_routed_sum_{kind}" + "_placed" * placed] = (moe._ROUTED_SUM[kind, placed], summed)
+for kind, halves, bias in (("q4", False, True), ("q6", True, False), ("q6", False, True), ("q8", False, False)):
+    for tiles in (1, 4, 8):  # Q4_K, Q6_K, Q5_1, Q8_0
+        CHECKS[f"mmq_{kind}{'_halves' * halves}{'_bias' * bias}_tokens{8 * tiles}"] = (
+            mmq._kernel(kind, halves, bias, tiles), (QUANTS[kind], U2, F2, EP, I64, types.float32[:, :, ::1]))
+CHECKS["mmq_quantize"] = (mmq._quantize_kernel, (F2, U2, F2))
+CHECKS["mmq_reduce"] = (mmq._reduce_kernel, (types.float32[:, :, ::1], EP, I64))
 CHECKS["moe_routed_f32"] = (moe._routed_f32, (F2, F2, I1, I64, F2, I2, B, EP))
 for kind, quant in (("q4", Q4_K), ("f32", _quant(np.float32, np.uint8, np.uint8))):
     CHECKS[f"moe_router_parts_{kind}"] = (moe._ROUTER_PARTS[kind], (quant, F2, types.float32[:, :, ::1]))

@@ -3,8 +3,8 @@
 weights nor x become floats before the tensor cores.
 
 - x is quantized first (`quantize`, one small launch): per token and 32-column run one int8 code per column,
-  round(x / d) with d = max|x| / 127, the scale d and the run's sum of x (for biases, as the matvecs take it, from
-  the unquantized x). Its words go in the order the mma's B fragments want them (`x_word`): a thread's two words
+  round(x / d) with d = max|x| / 127, the scale d and minus the run's sum of x (for biases, as the matvecs take it,
+  from the unquantized x). Its words go in the order the mma's B fragments want them (`x_word`): a thread's two words
   of a run, for two consecutive runs, are 16 contiguous bytes, one load.
 - Weights go to `mma.sync.m16n8k32.s8` (`mma_s8_16832`) as they are stored: rows on m, the tokens on n (8 per
   mma column, up to 64), one 32-column run per mma. In the PTX ISA's A layout, lane (group g, thread q) holds
@@ -14,7 +14,9 @@ weights nor x become floats before the tensor cores.
   the 32 with a bytewise subtraction; q8 codes are signed bytes already (two words a row and run).
 - Each run's int32 result (exact) is scaled by (the row's block scale x the token's run scale) into float32
   accumulators, plus the block's bias times the token's sum of x where the matrix has biases (Q4_K's mins).
-  16-column blocks (Q6_K) take two k16 mmas (`mma_s8_16816`), one per block.
+  16-column blocks (Q6_K) take two k16 mmas (`mma_s8_16816`), one per block, whose int32 sums the blocks' integer
+  sub-scales combine before the one conversion (their d is the group's). The kernels are specialized by whether the
+  matrix has biases (no branch between the mmas).
 - A block is up to MAX_WARPS warps of 16 rows each (a warp: one m tile, every token tile), all walking the same
   columns at once, so that x (1 byte a column and token, from L2) is fetched once per block and read by its other
   warps from L1. A step is RUNS[kind] runs of every row; a warp loads its next step's words (codes, scale words)
@@ -40,6 +42,7 @@ from lucekv.kernels.cuda._numba import (
     await_grid,
     blocks,
     cuda,
+    half2_floats,
     jit_bounded,
     jit_inlined,
     jit_kernel,
@@ -58,7 +61,7 @@ from lucekv.kernels.cuda.packed import (
     put,
     put_gated,
     q6_word,
-    scale_bias,
+    signed_byte,
 )
 
 TILE_ROWS = 16  # rows per block: one mma row tile (and one gate/up group of gated products)
@@ -79,7 +82,8 @@ Q6_BYTES = np.uint32(0x20202020)  # Q6_OFFSET in each byte
 
 class QuantizedX(NamedTuple):
     """x as `quantize` writes it: words uint32 [n_pad, cols // 4] (int8 codes in `x_word`'s order), scales float32
-    [cols // 32, 2 n_pad] (per run, token t's scale at 2t and its sum of x at 2t + 1); n real tokens of n_pad."""
+    [cols // 32, 2 n_pad] (per run, token t's scale at 2t and minus its sum of x at 2t + 1); n real tokens of
+    n_pad."""
 
     words: object
     scales: object
@@ -88,10 +92,10 @@ class QuantizedX(NamedTuple):
 
 def serves(w: DeviceMatrix, n: int) -> bool:
     """Whether `mmq` takes a product of n tokens of w: 2..MAX_TOKENS tokens of a quantized matrix whose rows are
-    whole steps, in blocks of 32 columns or more, or of 16 without biases."""
+    whole steps, in blocks of 32 columns or more, or of 16 without biases, two or more to a (d) group."""
     if w.kind not in RUNS or not 2 <= n <= MAX_TOKENS or w.cols % (RUN * RUNS[w.kind]):
         return False
-    return w.block_log2 >= 5 or w.block_log2 == 4 and not w.has_bias
+    return w.block_log2 >= 5 or w.block_log2 == 4 and w.group_log2 >= 1 and not w.has_bias
 
 
 def mmq(w: DeviceMatrix, x, out, stream=0) -> None:
@@ -160,7 +164,7 @@ def _quantize_kernel(x, words, scales):
             word |= np.uint32(code & 0xFF) << np.uint32(8 * j)
         words[t, x_word(r, k)] = word
     scales[r, 2 * t] = amax / np.float32(127)
-    scales[r, 2 * t + 1] = total
+    scales[r, 2 * t + 1] = -total
 
 
 # ---- a lane's A fragments of one run: words of rows g (lo) and g + 8 (hi) -------------------------------
@@ -246,7 +250,7 @@ def product(w: DeviceMatrix, qx: QuantizedX, out, stream=0, scratch_sums=None) -
                          f"{w.rows}x{w.cols} matrix in blocks of {1 << w.block_log2}")
     ep = as_epilogue(out)
     p = plan(w)
-    kernel = _kernel(w.kind, w.block_log2 == 4, qx.words.shape[0] // TOKEN_TILE)
+    kernel = _kernel(w.kind, w.block_log2 == 4, w.has_bias, qx.words.shape[0] // TOKEN_TILE)
     grid = (blocks(w.rows, TILE_ROWS * p.warps), p.splits)
     if p.splits == 1:
         kernel[grid, p.warps * WARP, stream](w.quant, qx.words, qx.scales, ep, qx.n, _no_sums())
@@ -289,17 +293,70 @@ def _reduce_kernel(sums, ep, n):
         put(ep, t, r, v)
 
 
+@cuda.jit(device=True, inline=True)
+def _block_scale(w, buf, o, bias):
+    """(scale, dmin x sub_min: minus the bias) of a row's run whose words (scale, sub) are at buf[o:]: one block of 32
+    columns or more (scale_bias's factors, the bias's sign left to x's sums)."""
+    d, dmin = half2_floats(buf[o])
+    if w.sub_scaled:
+        d *= np.float32(signed_byte(buf[o + 1]))
+        dmin *= np.float32(signed_byte(buf[o + 1] >> np.uint32(8)))
+    return d, dmin if bias else np.float32(0)
+
+
+@cuda.jit(device=True, inline=True)
+def _halves_scale(w, buf, o, bias):
+    """(d, first sub-scale, second sub-scale) of a row's run of two 16-column blocks of one group (see serves): words
+    (scale, sub of the first, sub of the second) at buf[o:]."""
+    d, _ = half2_floats(buf[o])
+    if w.sub_scaled:
+        return d, np.float32(signed_byte(buf[o + 1])), np.float32(signed_byte(buf[o + 2]))
+    return d, np.float32(1), np.float32(1)
+
+
+@cuda.jit(device=True, inline=True)
+def _block_products(a0, a1, a2, a3, b0, b1, lo, hi, d0, neg0, d1, neg1, acc, j, bias):
+    """One 32-column block of rows g (lo: its scale, minus bias) and g + 8 (hi) for tokens 2q, 2q + 1 of tile j: the
+    int32 sums times scale x the token's d, plus the bias x the token's sum of x (minus bias x minus sum: products
+    added, which the compiler fuses, where a product subtracted it does not) where the matrix has biases."""
+    z = np.int32(0)
+    c0, c1, c2, c3 = mma_s8_16832(a0, a1, a2, a3, b0, b1, z, z, z, z)
+    acc[4 * j] += np.float32(c0) * (lo[0] * d0)
+    acc[4 * j + 1] += np.float32(c1) * (lo[0] * d1)
+    acc[4 * j + 2] += np.float32(c2) * (hi[0] * d0)
+    acc[4 * j + 3] += np.float32(c3) * (hi[0] * d1)
+    if bias:
+        acc[4 * j] += lo[1] * neg0
+        acc[4 * j + 1] += lo[1] * neg1
+        acc[4 * j + 2] += hi[1] * neg0
+        acc[4 * j + 3] += hi[1] * neg1
+
+
+@cuda.jit(device=True, inline=True)
+def _halves_products(a0, a1, a2, a3, b0, b1, lo, hi, d0, neg0, d1, neg1, acc, j, bias):
+    """Two 16-column blocks (one k16 mma each) of one group: their int32 sums combined by the sub-scales (exact in
+    float32: |sum| <= 2^16, |sub-scale| <= 2^7), then times d x the token's d (no biases: see serves)."""
+    z = np.int32(0)
+    e0, e1, e2, e3 = mma_s8_16816(a0, a1, b0, z, z, z, z)
+    f0, f1, f2, f3 = mma_s8_16816(a2, a3, b1, z, z, z, z)
+    acc[4 * j] += (np.float32(e0) * lo[1] + np.float32(f0) * lo[2]) * (lo[0] * d0)
+    acc[4 * j + 1] += (np.float32(e1) * lo[1] + np.float32(f1) * lo[2]) * (lo[0] * d1)
+    acc[4 * j + 2] += (np.float32(e2) * hi[1] + np.float32(f2) * hi[2]) * (hi[0] * d0)
+    acc[4 * j + 3] += (np.float32(e3) * hi[1] + np.float32(f3) * hi[2]) * (hi[0] * d1)
+
+
 @functools.cache
-def _kernel(kind: str, halves: bool, tiles: int):
-    """The product of `tiles` token tiles for `kind` (halves: 16-column blocks, two k16 mmas a run): block (b, k)
-    does rows b * 16 warps.. (16 a warp) over the k-th of the grid's y splits of the steps."""
+def _kernel(kind: str, halves: bool, bias: bool, tiles: int):
+    """The product of `tiles` token tiles for `kind` (halves: 16-column blocks, two k16 mmas a run; bias: the matrix
+    has biases): block (b, k) does rows b * 16 warps.. (16 a warp) over the k-th of the grid's y splits of the steps."""
     fetch, fragment = _PARTS[kind]
     runs = RUNS[kind]
     code_words = CODE_WORDS[kind]
-    scale_words = 4 if halves else 2  # per row and run: the scale and sub words of its block(s)
+    scale_words = 3 if halves else 2  # per row and run: the scale and sub words of its block(s)
     row_words = code_words + scale_words
     step_words = 2 * runs * row_words  # a lane's words of a step: rows g and g + 8
     outputs = 4 * tiles  # a lane's accumulators: per token tile rows g, g + 8 x two tokens
+    scale_of, products = (_halves_scale, _halves_products) if halves else (_block_scale, _block_products)
 
     @cuda.jit(device=True, inline=True)
     def load_step(w, rows, step, q, buf):
@@ -313,56 +370,30 @@ def _kernel(kind: str, halves: bool, tiles: int):
                 b = (RUN * run) >> w.block_log2
                 buf[o + code_words], buf[o + code_words + 1] = block_words(w, r, b)
                 if halves:
-                    buf[o + code_words + 2], buf[o + code_words + 3] = block_words(w, r, b + 1)
+                    buf[o + code_words + 2] = block_words(w, r, b + 1)[1]
 
     @jit_inlined
     def tile_run(args, j):
         """Token tile j's products of one run: acc[4j..4j+3] (row g tokens 2q, 2q + 1, row g + 8 the same)."""
-        w, a0, a1, a2, a3, b0, b1, xs, run, lo_s, hi_s, acc, q = args
-        d0, sum0, d1, sum1 = load_f32x4(xs, run, 2 * TOKEN_TILE * j + 4 * q)
-        lo0, lo_t0, lo1, lo_t1 = lo_s
-        hi0, hi_t0, hi1, hi_t1 = hi_s
-        if halves:  # two 16-column blocks, without biases (see serves)
-            z = np.int32(0)
-            e = mma_s8_16816(a0, a1, b0, z, z, z, z)
-            f = mma_s8_16816(a2, a3, b1, z, z, z, z)
-            acc[4 * j] += np.float32(e[0]) * (lo0 * d0) + np.float32(f[0]) * (lo1 * d0)
-            acc[4 * j + 1] += np.float32(e[1]) * (lo0 * d1) + np.float32(f[1]) * (lo1 * d1)
-            acc[4 * j + 2] += np.float32(e[2]) * (hi0 * d0) + np.float32(f[2]) * (hi1 * d0)
-            acc[4 * j + 3] += np.float32(e[3]) * (hi0 * d1) + np.float32(f[3]) * (hi1 * d1)
-        else:
-            z = np.int32(0)
-            c = mma_s8_16832(a0, a1, a2, a3, b0, b1, z, z, z, z)
-            acc[4 * j] += np.float32(c[0]) * (lo0 * d0)
-            acc[4 * j + 1] += np.float32(c[1]) * (lo0 * d1)
-            acc[4 * j + 2] += np.float32(c[2]) * (hi0 * d0)
-            acc[4 * j + 3] += np.float32(c[3]) * (hi0 * d1)
-            if w.has_bias:
-                acc[4 * j] += lo_t0 * sum0
-                acc[4 * j + 1] += lo_t0 * sum1
-                acc[4 * j + 2] += hi_t0 * sum0
-                acc[4 * j + 3] += hi_t0 * sum1
+        a0, a1, a2, a3, b0, b1, xs, run, lo, hi, acc, q = args
+        d0, neg0, d1, neg1 = load_f32x4(xs, run, 2 * TOKEN_TILE * j + 4 * q)
+        products(a0, a1, a2, a3, b0, b1, lo, hi, d0, neg0, d1, neg1, acc, j, bias)
 
     @jit_inlined
     def tile_pair(args, j):
         """Token tile j's products of runs 2p and 2p + 1 (one load of this lane's B words of both)."""
-        w, xw, xs, run, frags, scales, acc, g, q = args
+        xw, xs, run, frags, scales, acc, g, q = args
         b0, b1, b2, b3 = load_u32x4_coherent(xw, TOKEN_TILE * j + g, 16 * (run >> 1) + 4 * q)
         (a0, a1, a2, a3), (a4, a5, a6, a7) = frags
         (lo0, hi0), (lo1, hi1) = scales
-        tile_run((w, a0, a1, a2, a3, b0, b1, xs, run, lo0, hi0, acc, q), j)
-        tile_run((w, a4, a5, a6, a7, b2, b3, xs, run + 1, lo1, hi1, acc, q), j)
+        tile_run((a0, a1, a2, a3, b0, b1, xs, run, lo0, hi0, acc, q), j)
+        tile_run((a4, a5, a6, a7, b2, b3, xs, run + 1, lo1, hi1, acc, q), j)
 
     tiles_pair = _unrolled(tile_pair, tiles)
 
     @cuda.jit(device=True, inline=True)
     def scales_of(w, buf, o):
-        """(scale, bias of the run's first block, scale, bias of its second) of a row's run at buf[o:]."""
-        s0, t0 = scale_bias(w, buf[o + code_words], buf[o + code_words + 1])
-        if halves:
-            s1, t1 = scale_bias(w, buf[o + code_words + 2], buf[o + code_words + 3])
-            return s0, t0, s1, t1
-        return s0, t0, s0, t0
+        return scale_of(w, buf, o + code_words, bias)
 
     @jit_inlined
     def pair_step(args, p):
@@ -373,7 +404,7 @@ def _kernel(kind: str, halves: bool, tiles: int):
         hi0, hi1 = (runs + u0) * row_words, (runs + u1) * row_words
         frags = (fragment(buf, lo0, hi0, q), fragment(buf, lo1, hi1, q))
         scales = ((scales_of(w, buf, lo0), scales_of(w, buf, hi0)), (scales_of(w, buf, lo1), scales_of(w, buf, hi1)))
-        tiles_pair((w, xw, xs, step * runs + u0, frags, scales, acc, g, q), 0)
+        tiles_pair((xw, xs, step * runs + u0, frags, scales, acc, g, q), 0)
 
     pairs_step = _unrolled(pair_step, runs // 2)
 
@@ -414,5 +445,6 @@ def _kernel(kind: str, halves: bool, tiles: int):
                 elif t < n and r <= last:
                     put(ep, t, r, acc[4 * j + i])
 
-    kernel.__name__ = kernel.__qualname__ = f"_mmq_{kind}{'_halves' if halves else ''}_tokens{TOKEN_TILE * tiles}"
+    kernel.__name__ = kernel.__qualname__ = (f"_mmq_{kind}{'_halves' * halves}{'_bias' * bias}"
+                                             f"_tokens{TOKEN_TILE * tiles}")
     return jit_bounded(kernel, MAX_WARPS * WARP, RESIDENT_WARPS // MAX_WARPS)
