@@ -68,36 +68,40 @@ def test_mma_s8_fragment_layouts():
 # ---- products --------------------------------------------------------------------------------------------
 
 
-def quantized_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x as `quantize` rounds it, in float64: (d * code per column, d per run) with float32 math as the kernel's."""
+def quantized_x(x: np.ndarray, parts: int) -> np.ndarray:
+    """x as `quantize` rounds it (one int8 part per column, or hi and lo), in float64, from float32 math as the
+    kernel's."""
     runs = x.reshape(x.shape[0], -1, 32)
     amax = np.max(np.abs(runs), axis=2, keepdims=True)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    codes = np.floor(runs * inv + np.float32(0.5))
     d = (amax / np.float32(127)).astype(np.float32)
-    return (codes.astype(np.float64) * d).reshape(x.shape), d
+    hi = np.floor(runs * inv + np.float32(0.5))
+    if parts == 1:
+        return (hi.astype(np.float64) * d).reshape(x.shape)
+    lo = np.minimum(np.floor((runs - hi * d) * (inv * np.float32(256)) + np.float32(0.5)), 127)
+    return ((hi.astype(np.float64) * 256 + lo) * (d / np.float32(256))).reshape(x.shape)
 
 
-def oracle(m: PackedMatrix, x: np.ndarray) -> np.ndarray:
+def oracle(m: PackedMatrix, x: np.ndarray, parts: int = 2) -> np.ndarray:
     """What the kernel computes, in float64: weights times the rounded x, block biases times the unrounded sums."""
-    xq, _ = quantized_x(x)
     bias = np.repeat(m.bias.astype(np.float64), m.block, axis=1)
-    return xq @ (dense(m) - bias).T + x.astype(np.float64) @ bias.T
+    return quantized_x(x, parts) @ (dense(m) - bias).T + x.astype(np.float64) @ bias.T
 
 
-def run_mmq(m: PackedMatrix, x: np.ndarray, out_rows: int | None = None) -> np.ndarray:
+def run_mmq(m: PackedMatrix, x: np.ndarray, parts: int = 2) -> np.ndarray:
     from lucekv.kernels.cuda import mmq
     from lucekv.kernels.cuda.packed import upload
 
     w = upload(m)
     assert mmq.serves(w, x.shape[0])
     out = cuda.device_array((x.shape[0], m.rows), np.float32)
-    mmq.mmq(w, cuda.to_device(x), out)
+    mmq.mmq(w, cuda.to_device(x), out, parts=parts)
     return out.copy_to_host()
 
 
 @needs_kernels
+@pytest.mark.parametrize("parts", [1, 2])
 @pytest.mark.parametrize(("qtype", "rows", "cols", "n"), [
     (Q.Q4_K, 20, 256, 3),  # q4 with a bias (mins), a partial row tile, 1 token tile
     (Q.Q6_K, 16, 256, 9),  # q6 in 16-blocks (two k16 mmas a run), 2 token tiles
@@ -105,14 +109,14 @@ def run_mmq(m: PackedMatrix, x: np.ndarray, out_rows: int | None = None) -> np.n
     (Q.Q5_1, 17, 128, 4),  # q6 in 32-blocks with a bias
     (Q.Q4_0, 16, 512, 2),  # q4 without a bias, 4 warps
 ], ids=lambda v: getattr(v, "name", str(v)))
-def test_mmq(qtype, rows, cols, n):
+def test_mmq(qtype, rows, cols, n, parts):
     rng = np.random.default_rng(3)
     m = random_packed(rng, qtype, rows, cols)
     x = rng.standard_normal((n, cols)).astype(np.float32)
     x[-1, 32:64] = 0  # a run of zeros: scale 0
-    got = run_mmq(m, x)
-    assert rel_err(got, oracle(m, x)) <= 1e-5
-    assert rel_err(got, x.astype(np.float64) @ dense(m).T) <= 2e-2  # int8 x
+    got = run_mmq(m, x, parts)
+    assert rel_err(got, oracle(m, x, parts)) <= 1e-5
+    assert rel_err(got, x.astype(np.float64) @ dense(m).T) <= (2e-2 if parts == 1 else 1e-4)  # int8 x, or 16 bits
 
 
 @needs_kernels
@@ -135,6 +139,23 @@ def test_columns_split_over_blocks(monkeypatch):
     mmq.mmq(w, cuda.to_device(x[:2]), epilogue((out,), gate=SILU))
     g, u = oracle(gate, x[:2]), oracle(up, x[:2])
     assert rel_err(out.copy_to_host(), g / (1 + np.exp(-g)) * u) <= 1e-5
+
+
+@needs_kernels
+def test_two_parts_agree_with_each_tokens_one_token_matvec():
+    """x in two parts: each run's integer sums are the one-token matvec's, so a token's outputs differ from its own
+    decode step's only by float32 rounding (the sums' order)."""
+    from lucekv.kernels.cuda.matvec import matvec
+    from lucekv.kernels.cuda.packed import upload
+
+    rng = np.random.default_rng(7)
+    m = random_packed(rng, Q.Q4_K, 20, 512)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    got = run_mmq(m, x)
+    for t in range(3):
+        out = cuda.device_array((1, m.rows), np.float32)
+        matvec(upload(m), cuda.to_device(x[t:t + 1]), out)
+        assert rel_err(got[t:t + 1], out.copy_to_host().astype(np.float64)) <= 2e-6
 
 
 @needs_kernels
@@ -198,6 +219,10 @@ def test_quantize_refuses_what_it_cannot_take():
     from lucekv.kernels.cuda import mmq
 
     with pytest.raises(ValueError, match="multiple of 64"):
-        mmq.quantize(cuda.to_device(np.zeros((2, 96), np.float32)))
+        mmq.quantize(cuda.to_device(np.zeros((2, 96), np.float32)), mmq.scratch(2, 128))
     with pytest.raises(ValueError, match="1..64 tokens"):
-        mmq.quantize(cuda.to_device(np.zeros((65, 64), np.float32)))
+        mmq.quantize(cuda.to_device(np.zeros((65, 64), np.float32)), mmq.scratch(64, 64))
+    with pytest.raises(ValueError, match="scratch of shapes"):
+        mmq.quantize(cuda.to_device(np.zeros((9, 64), np.float32)), mmq.scratch(8, 64))
+    with pytest.raises(ValueError, match="1 or 2 int8 parts"):
+        mmq.scratch(8, 64, parts=3)

@@ -33,7 +33,8 @@ Compatibility shims live here and nowhere else:
   `lane ^ lane_mask`'s value (a reduction over a few neighbouring lanes).
 - Integer tensor cores: `mma_s8_16832` is `mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32` (operands as words of
   four int8, lowest byte first; int32 C and D), `mma_s8_16816` its k16 shape (half the operands: a 16-column block
-  of its own); their twins exchange fragments as `mma_f16_16816`'s does (block-uniform control flow).
+  of its own); their twins exchange fragments as `mma_f16_16816`'s does (block-uniform control flow). `mad_s32` is
+  a * b + c in 32 bits (`mad.lo.s32`: numba's own int32 arithmetic widens to 64 bits).
 - Asynchronous copies (sm_80+): `copy_async16` puts 16 bytes of a global matrix into shared memory without
   passing through registers (`cp.async.cg`), `copy_async_commit` closes a group of them, `copy_async_wait_all`
   / `copy_async_wait_one` wait until none / at most the latest group is still in flight; a barrier after the
@@ -312,6 +313,9 @@ if SIMULATOR:
         d = (a @ b)[_MMA_C[0][t - first], _MMA_C[1][t - first]] + np.array(cs, np.int64)
         d = d.astype(np.int32)
         return d[0], d[1], d[2], d[3]
+
+    def mad_s32(a, b, c):
+        return np.int32(((int(a) * int(b) + int(c) + 2**31) % 2**32) - 2**31)
 
     @cuda.jit(device=True)
     def mma_s8_16832(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
@@ -597,6 +601,16 @@ else:
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i) for i in range(4)])
 
         return codegen
+
+    @intrinsic
+    def mad_s32(typingctx, a, b, c):
+        """a * b + c of three int32, wrapped to 32 bits (one mad.lo.s32)."""
+        def codegen(context, builder, sig, args):
+            values = [context.cast(builder, v, t, types.int32) for v, t in zip(args, sig.args, strict=True)]
+            return builder.call(ir.InlineAsm(ir.FunctionType(I32, [I32] * 3), "mad.lo.s32 $0, $1, $2, $3;",
+                                             "=r,r,r,r"), values)
+
+        return types.int32(a, b, c), codegen
 
     @intrinsic
     def mma_s8_16832(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):

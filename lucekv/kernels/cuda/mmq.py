@@ -2,10 +2,15 @@
 (the idea of llama.cpp's MMQ): a short batch (decode rows, a verify block) reads each weight once, and neither the
 weights nor x become floats before the tensor cores.
 
-- x is quantized first (`quantize`, one small launch): per token and 32-column run one int8 code per column,
-  round(x / d) with d = max|x| / 127, the scale d and minus the run's sum of x (for biases, as the matvecs take it,
-  from the unquantized x). Its words go in the order the mma's B fragments want them (`x_word`): a thread's two words
-  of a run, for two consecutive runs, are 16 contiguous bytes, one load.
+- x is quantized first (`quantize`, one small launch) per token and 32-column run, in one of two precisions
+  (`parts`): one int8 code per column, round(x / d) with d = max|x| / 127 (llama.cpp's q8_1: ~5e-3 of a product's
+  largest output against float64), or two, hi = round(x / d) and lo = round((x - d hi) / u) with u = d / 256, as the
+  matvecs quantize x (`matvec._quantize_x`: 16 bits, ~1e-5; each part its own mma, their int32 sums joined as
+  256 hi + lo: exactly the matvecs' integer sums of a run, so that decode rows agree with each token's own one-token
+  step to float32 rounding, as issue 25 wants greedy tokens to). Per run the scale (d, or u) and minus the run's sum
+  of x (for biases, as the matvecs take it, from the unquantized x). The words go in the order the mma's B
+  fragments want them (`x_word`): a thread's two words of a run, for two consecutive runs, are 16 contiguous bytes,
+  one load.
 - Weights go to `mma.sync.m16n8k32.s8` (`mma_s8_16832`) as they are stored: rows on m, the tokens on n (8 per
   mma column, up to 64), one 32-column run per mma. In the PTX ISA's A layout, lane (group g, thread q) holds
   columns 4q..4q+3 and 16+4q..16+4q+3 of rows g and g+8; word q of a q4 run holds exactly those columns (low
@@ -26,13 +31,12 @@ weights nor x become floats before the tensor cores.
   a 16-row tile is one gate/up group: a lane holds a gate row and its up row). The plan depends on the matrix's
   shape only, never on n: a token's outputs are the same sums in the same order whatever the other tokens, bit for
   bit.
-- Weights stream once per product; x (1 byte a column and token) is read by every row tile, from L2.
+- Weights stream once per product; x (1 or 2 bytes a column and token) is read by every row tile, from L2.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -48,11 +52,12 @@ from lucekv.kernels.cuda._numba import (
     jit_kernel,
     load_f32x4,
     load_u32x4_coherent,
+    mad_s32,
     mma_s8_16816,
     mma_s8_16832,
     sm_count,
 )
-from lucekv.kernels.cuda.matvec import _unrolled
+from lucekv.kernels.cuda.matvec import HI_STEPS, _nearest, _pack4, _unrolled
 from lucekv.kernels.cuda.packed import (
     NO_GATE,
     DeviceMatrix,
@@ -67,6 +72,7 @@ from lucekv.kernels.cuda.packed import (
 TILE_ROWS = 16  # rows per block: one mma row tile (and one gate/up group of gated products)
 TOKEN_TILE = 8  # tokens per mma column tile
 MAX_TOKENS = 64
+PARTS = 2  # int8 parts of x by default (see the module's notes)
 RUN = 32  # columns per run: one mma's k
 RUNS = {"q4": 4, "q6": 2, "q8": 2}  # runs per step: a row's 64 bytes of q4 codes (two full sectors), 32 of q6/q8's
 CODE_WORDS = {"q4": 1, "q6": 3, "q8": 2}  # words of a row and run that a lane loads: q6 its low word and 2 high ones
@@ -81,13 +87,21 @@ Q6_BYTES = np.uint32(0x20202020)  # Q6_OFFSET in each byte
 
 
 class QuantizedX(NamedTuple):
-    """x as `quantize` writes it: words uint32 [n_pad, cols // 4] (int8 codes in `x_word`'s order), scales float32
-    [cols // 32, 2 n_pad] (per run, token t's scale at 2t and minus its sum of x at 2t + 1); n real tokens of
-    n_pad."""
+    """x as `quantize` writes it: words uint32 [parts x n_pad, cols // 4] (int8 codes in `x_word`'s order: token t's
+    hi part in row t, its lo part in row n_pad + t), scales float32 [cols // 32, 2 n_pad] (per run, token t's scale
+    at 2t and minus its sum of x at 2t + 1); n real tokens of n_pad."""
 
     words: object
     scales: object
     n: int
+
+    @property
+    def parts(self) -> int:
+        return self.words.shape[0] * 2 // self.scales.shape[1]
+
+    @property
+    def n_pad(self) -> int:
+        return self.scales.shape[1] // 2
 
 
 def serves(w: DeviceMatrix, n: int) -> bool:
@@ -98,32 +112,35 @@ def serves(w: DeviceMatrix, n: int) -> bool:
     return w.block_log2 >= 5 or w.block_log2 == 4 and w.group_log2 >= 1 and not w.has_bias
 
 
-def mmq(w: DeviceMatrix, x, out, stream=0) -> None:
-    """out[n, rows] (a device array or an Epilogue) = x[n, cols] @ W.T, x quantized here (see `quantize`)."""
-    product(w, quantize(x, stream=stream), out, stream)
+def mmq(w: DeviceMatrix, x, out, stream=0, parts: int = PARTS) -> None:
+    """out[n, rows] (a device array or an Epilogue) = x[n, cols] @ W.T, x quantized here in `parts` (see
+    `quantize`)."""
+    product(w, quantize(x, scratch(*x.shape, parts, stream), stream), out, stream)
 
 
 def padded(n: int) -> int:
     return blocks(n, TOKEN_TILE) * TOKEN_TILE
 
 
-def scratch(n: int, cols: int, stream=0) -> QuantizedX:
-    """Device arrays for `quantize` of n tokens of `cols` columns."""
+def scratch(n: int, cols: int, parts: int = PARTS, stream=0) -> QuantizedX:
+    """Device arrays for `quantize` of n tokens of `cols` columns in `parts` (1 or 2) int8 parts."""
+    if parts not in (1, 2):
+        raise ValueError(f"x goes to the tensor cores in 1 or 2 int8 parts, not {parts}")
     n_pad = padded(n)
-    return QuantizedX(cuda.device_array((n_pad, cols // 4), np.uint32, stream=stream),
+    return QuantizedX(cuda.device_array((parts * n_pad, cols // 4), np.uint32, stream=stream),
                       cuda.device_array((cols // RUN, 2 * n_pad), np.float32, stream=stream), n)
 
 
-def quantize(x, into: QuantizedX | None = None, stream=0) -> QuantizedX:
-    """x [n, cols] (float32, cols a multiple of 64) as int8 codes per 32-column run (see the module's notes); into:
-    arrays from `scratch` (else new ones). Padding tokens get zero codes and scales."""
+def quantize(x, into: QuantizedX, stream=0) -> QuantizedX:
+    """x [n, cols] (float32, cols a multiple of 64) as int8 codes per 32-column run (see the module's notes) into
+    arrays from `scratch` (their parts); padding tokens get zero codes and scales."""
     n, cols = x.shape
     if cols % (2 * RUN) or not 1 <= n <= MAX_TOKENS:
         raise ValueError(f"mmq quantizes 1..{MAX_TOKENS} tokens of a multiple of {2 * RUN} columns, not {x.shape}")
-    qx = scratch(n, cols, stream) if into is None else into._replace(n=n)
-    if qx.words.shape != (padded(n), cols // 4) or qx.scales.shape != (cols // RUN, 2 * padded(n)):
+    qx = into._replace(n=n)
+    if qx.n_pad != padded(n) or qx.words.shape[1] != cols // 4 or qx.scales.shape[0] != cols // RUN:
         raise ValueError(f"scratch of shapes {qx.words.shape}, {qx.scales.shape} for x of {x.shape}")
-    items = qx.words.shape[0] * (cols // RUN)
+    items = qx.n_pad * (cols // RUN)
     _quantize_kernel[blocks(items, QUANTIZE_THREADS), QUANTIZE_THREADS, stream](x, qx.words, qx.scales)
     return qx
 
@@ -137,11 +154,11 @@ def x_word(run, k):
 
 @jit_kernel
 def _quantize_kernel(x, words, scales):
-    """Thread i: token i // runs, run i % runs (a padding token: zeros)."""
+    """Thread i: token i // runs, run i % runs (a padding token: zeros); two parts where `words` has rows for them."""
     await_grid()
-    runs = scales.shape[0]
+    runs, n_pad = scales.shape[0], scales.shape[1] // 2
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i >= words.shape[0] * runs:
+    if i >= n_pad * runs:
         return
     t, r = i // runs, i % runs
     xv = cuda.local.array(RUN, np.float32)
@@ -156,14 +173,23 @@ def _quantize_kernel(x, words, scales):
     for k in range(RUN):
         amax = max(amax, abs(xv[k]))
         total += xv[k]
-    inv = np.float32(127) / amax if amax > np.float32(0) else np.float32(0)
-    for k in range(RUN // 4):
-        word = np.uint32(0)
-        for j in range(4):
-            code = np.int32(math.floor(xv[4 * k + j] * inv + np.float32(0.5)))
-            word |= np.uint32(code & 0xFF) << np.uint32(8 * j)
-        words[t, x_word(r, k)] = word
-    scales[r, 2 * t] = amax / np.float32(127)
+    inv = HI_STEPS / amax if amax > np.float32(0) else np.float32(0)
+    d = amax / HI_STEPS
+    two = words.shape[0] > n_pad
+    lo_inv = inv * np.float32(256)
+    for k in range(RUN // 4):  # as matvec._quantize_x
+        h0 = _nearest(xv[4 * k] * inv)
+        h1 = _nearest(xv[4 * k + 1] * inv)
+        h2 = _nearest(xv[4 * k + 2] * inv)
+        h3 = _nearest(xv[4 * k + 3] * inv)
+        words[t, x_word(r, k)] = _pack4(h0, h1, h2, h3)
+        if two:
+            lo0 = min(_nearest((xv[4 * k] - np.float32(h0) * d) * lo_inv), 127)
+            lo1 = min(_nearest((xv[4 * k + 1] - np.float32(h1) * d) * lo_inv), 127)
+            lo2 = min(_nearest((xv[4 * k + 2] - np.float32(h2) * d) * lo_inv), 127)
+            lo3 = min(_nearest((xv[4 * k + 3] - np.float32(h3) * d) * lo_inv), 127)
+            words[n_pad + t, x_word(r, k)] = _pack4(lo0, lo1, lo2, lo3)
+    scales[r, 2 * t] = d / np.float32(256) if two else d
     scales[r, 2 * t + 1] = -total
 
 
@@ -250,13 +276,13 @@ def product(w: DeviceMatrix, qx: QuantizedX, out, stream=0, scratch_sums=None) -
                          f"{w.rows}x{w.cols} matrix in blocks of {1 << w.block_log2}")
     ep = as_epilogue(out)
     p = plan(w)
-    kernel = _kernel(w.kind, w.block_log2 == 4, w.has_bias, qx.words.shape[0] // TOKEN_TILE)
+    kernel = _kernel(w.kind, w.block_log2 == 4, w.has_bias, qx.n_pad // TOKEN_TILE, qx.parts)
     grid = (blocks(w.rows, TILE_ROWS * p.warps), p.splits)
     if p.splits == 1:
         kernel[grid, p.warps * WARP, stream](w.quant, qx.words, qx.scales, ep, qx.n, _no_sums())
         return
     sums = partials(w, qx.n, stream) if scratch_sums is None else scratch_sums
-    if sums.shape != (p.splits, qx.words.shape[0], w.rows):
+    if sums.shape != (p.splits, qx.n_pad, w.rows):
         raise ValueError(f"partial sums of shape {sums.shape} for {p.splits} splits of {qx.n} tokens x {w.rows} rows")
     kernel[grid, p.warps * WARP, stream](w.quant, qx.words, qx.scales, ep, qx.n, sums)
     _reduce_kernel[blocks(qx.n * w.rows, REDUCE_THREADS), REDUCE_THREADS, stream](sums, ep, qx.n)
@@ -315,12 +341,36 @@ def _halves_scale(w, buf, o, bias):
 
 
 @cuda.jit(device=True, inline=True)
-def _block_products(a0, a1, a2, a3, b0, b1, lo, hi, d0, neg0, d1, neg1, acc, j, bias):
-    """One 32-column block of rows g (lo: its scale, minus bias) and g + 8 (hi) for tokens 2q, 2q + 1 of tile j: the
-    int32 sums times scale x the token's d, plus the bias x the token's sum of x (minus bias x minus sum: products
-    added, which the compiler fuses, where a product subtracted it does not) where the matrix has biases."""
+def _hi_lo(a, xh, xl, two):
+    """A's product with x's hi part (B words xh), joined with its lo part's (xl) where x has two (256 hi + lo), k32."""
     z = np.int32(0)
-    c0, c1, c2, c3 = mma_s8_16832(a0, a1, a2, a3, b0, b1, z, z, z, z)
+    c0, c1, c2, c3 = mma_s8_16832(a[0], a[1], a[2], a[3], xh[0], xh[1], z, z, z, z)
+    if two:
+        e0, e1, e2, e3 = mma_s8_16832(a[0], a[1], a[2], a[3], xl[0], xl[1], z, z, z, z)
+        k = np.int32(256)
+        return mad_s32(c0, k, e0), mad_s32(c1, k, e1), mad_s32(c2, k, e2), mad_s32(c3, k, e3)
+    return c0, c1, c2, c3
+
+
+@cuda.jit(device=True, inline=True)
+def _hi_lo16(a0, a1, xh, xl, two):
+    """`_hi_lo` of a k16 mma: A (a0, a1) times x's parts (one B word each)."""
+    z = np.int32(0)
+    c0, c1, c2, c3 = mma_s8_16816(a0, a1, xh, z, z, z, z)
+    if two:
+        e0, e1, e2, e3 = mma_s8_16816(a0, a1, xl, z, z, z, z)
+        k = np.int32(256)
+        return mad_s32(c0, k, e0), mad_s32(c1, k, e1), mad_s32(c2, k, e2), mad_s32(c3, k, e3)
+    return c0, c1, c2, c3
+
+
+@cuda.jit(device=True, inline=True)
+def _block_products(a, xh, xl, lo, hi, d0, neg0, d1, neg1, acc, j, bias, two):
+    """One 32-column block of rows g (lo: its scale, minus bias) and g + 8 (hi) for tokens 2q, 2q + 1 of tile j: the
+    int32 sums (A a times x's parts xh, xl) times scale x the token's scale, plus the bias x the token's sum of x
+    (minus bias x minus sum: products added, which the compiler fuses, where a product subtracted it does not)
+    where the matrix has biases."""
+    c0, c1, c2, c3 = _hi_lo(a, xh, xl, two)
     acc[4 * j] += np.float32(c0) * (lo[0] * d0)
     acc[4 * j + 1] += np.float32(c1) * (lo[0] * d1)
     acc[4 * j + 2] += np.float32(c2) * (hi[0] * d0)
@@ -333,12 +383,12 @@ def _block_products(a0, a1, a2, a3, b0, b1, lo, hi, d0, neg0, d1, neg1, acc, j, 
 
 
 @cuda.jit(device=True, inline=True)
-def _halves_products(a0, a1, a2, a3, b0, b1, lo, hi, d0, neg0, d1, neg1, acc, j, bias):
-    """Two 16-column blocks (one k16 mma each) of one group: their int32 sums combined by the sub-scales (exact in
-    float32: |sum| <= 2^16, |sub-scale| <= 2^7), then times d x the token's d (no biases: see serves)."""
-    z = np.int32(0)
-    e0, e1, e2, e3 = mma_s8_16816(a0, a1, b0, z, z, z, z)
-    f0, f1, f2, f3 = mma_s8_16816(a2, a3, b1, z, z, z, z)
+def _halves_products(a, xh, xl, lo, hi, d0, neg0, d1, neg1, acc, j, bias, two):
+    """Two 16-column blocks (one k16 mma each, per part of x) of one group: their int32 sums combined by the
+    sub-scales (in float32: exact for one part, |sum| <= 2^16 and |sub-scale| <= 2^7; within float32's rounding for
+    two), then times d x the token's scale (no biases: see serves)."""
+    e0, e1, e2, e3 = _hi_lo16(a[0], a[1], xh[0], xl[0], two)
+    f0, f1, f2, f3 = _hi_lo16(a[2], a[3], xh[1], xl[1], two)
     acc[4 * j] += (np.float32(e0) * lo[1] + np.float32(f0) * lo[2]) * (lo[0] * d0)
     acc[4 * j + 1] += (np.float32(e1) * lo[1] + np.float32(f1) * lo[2]) * (lo[0] * d1)
     acc[4 * j + 2] += (np.float32(e2) * hi[1] + np.float32(f2) * hi[2]) * (hi[0] * d0)
@@ -346,11 +396,16 @@ def _halves_products(a0, a1, a2, a3, b0, b1, lo, hi, d0, neg0, d1, neg1, acc, j,
 
 
 @functools.cache
-def _kernel(kind: str, halves: bool, bias: bool, tiles: int):
+def _kernel(kind: str, halves: bool, bias: bool, tiles: int, parts: int):
     """The product of `tiles` token tiles for `kind` (halves: 16-column blocks, two k16 mmas a run; bias: the matrix
-    has biases): block (b, k) does rows b * 16 warps.. (16 a warp) over the k-th of the grid's y splits of the steps."""
+    has biases; parts: x's int8 parts): block (b, k) does rows b * 16 warps.. (16 a warp) over the k-th of the grid's
+    y splits of the steps."""
+    two = parts == 2
     fetch, fragment = _PARTS[kind]
-    runs = RUNS[kind]
+    # runs per step: RUNS[kind], but two where the tokens' accumulators and x's parts leave no registers for a second
+    # buffer of four (ptxas, sm_90: q4 at 32 tokens in two parts spilled 392 bytes with four). The sums' order is the
+    # same (runs one after another, splits of whole RUNS[kind] steps)
+    runs = RUNS[kind] if tiles * parts <= 2 else min(RUNS[kind], 2)
     code_words = CODE_WORDS[kind]
     scale_words = 3 if halves else 2  # per row and run: the scale and sub words of its block(s)
     row_words = code_words + scale_words
@@ -375,19 +430,20 @@ def _kernel(kind: str, halves: bool, bias: bool, tiles: int):
     @jit_inlined
     def tile_run(args, j):
         """Token tile j's products of one run: acc[4j..4j+3] (row g tokens 2q, 2q + 1, row g + 8 the same)."""
-        a0, a1, a2, a3, b0, b1, xs, run, lo, hi, acc, q = args
+        a, xh, xl, xs, run, lo, hi, acc, q = args
         d0, neg0, d1, neg1 = load_f32x4(xs, run, 2 * TOKEN_TILE * j + 4 * q)
-        products(a0, a1, a2, a3, b0, b1, lo, hi, d0, neg0, d1, neg1, acc, j, bias)
+        products(a, xh, xl, lo, hi, d0, neg0, d1, neg1, acc, j, bias, two)
 
     @jit_inlined
     def tile_pair(args, j):
-        """Token tile j's products of runs 2p and 2p + 1 (one load of this lane's B words of both)."""
+        """Token tile j's products of runs 2p and 2p + 1 (one load of this lane's B words of both, per part of x)."""
         xw, xs, run, frags, scales, acc, g, q = args
-        b0, b1, b2, b3 = load_u32x4_coherent(xw, TOKEN_TILE * j + g, 16 * (run >> 1) + 4 * q)
-        (a0, a1, a2, a3), (a4, a5, a6, a7) = frags
+        t, c = TOKEN_TILE * j + g, 16 * (run >> 1) + 4 * q
+        b0, b1, b2, b3 = load_u32x4_coherent(xw, t, c)
+        l0, l1, l2, l3 = load_u32x4_coherent(xw, xs.shape[1] // 2 + t, c) if two else (b0, b1, b2, b3)
         (lo0, hi0), (lo1, hi1) = scales
-        tile_run((a0, a1, a2, a3, b0, b1, xs, run, lo0, hi0, acc, q), j)
-        tile_run((a4, a5, a6, a7, b2, b3, xs, run + 1, lo1, hi1, acc, q), j)
+        tile_run((frags[0], (b0, b1), (l0, l1), xs, run, lo0, hi0, acc, q), j)
+        tile_run((frags[1], (b2, b3), (l2, l3), xs, run + 1, lo1, hi1, acc, q), j)
 
     tiles_pair = _unrolled(tile_pair, tiles)
 
@@ -419,7 +475,7 @@ def _kernel(kind: str, halves: bool, bias: bool, tiles: int):
         first = (cuda.blockIdx.x * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP) * TILE_ROWS
         last = w.codes.shape[0] - 1
         rows = (min(first + g, last), min(first + 8 + g, last))  # rows past the end load a real row, stored nowhere
-        per_split = xs.shape[0] // runs // cuda.gridDim.y
+        per_split = xs.shape[0] // cuda.gridDim.y // runs
         begin = cuda.blockIdx.y * per_split
         end = begin + per_split
         load_step(w, rows, begin, q, buf_a)  # constant weights: in flight before the wait
@@ -446,5 +502,5 @@ def _kernel(kind: str, halves: bool, bias: bool, tiles: int):
                     put(ep, t, r, acc[4 * j + i])
 
     kernel.__name__ = kernel.__qualname__ = (f"_mmq_{kind}{'_halves' * halves}{'_bias' * bias}"
-                                             f"_tokens{TOKEN_TILE * tiles}")
+                                             f"_tokens{TOKEN_TILE * tiles}_parts{parts}")
     return jit_bounded(kernel, MAX_WARPS * WARP, RESIDENT_WARPS // MAX_WARPS)
