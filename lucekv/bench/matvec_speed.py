@@ -5,8 +5,8 @@
 --rows: instead, products of that many tokens (verify blocks, decode rows) at the 8B's, the 1.5B's and the 0.5B's
 layer shapes (--shapes 8b: only the 8B's products as its decode step runs them), each timed through every path:
 `matvec` as routed, the per-token grid rows, the several-token kernels at each tokens-per-block, the tensor-core
-matmul, and the integer tensor-core product (`mmq`: x's quantization and the product, and the product alone, with
-its GB/s) (`bench_rows`).
+matmul, and the integer tensor-core product (`mmq`, x in one int8 part or two: x's quantization and the product, and
+the product alone, with its GB/s) (`bench_rows`).
 
 Random GGUF blocks, packed and uploaded as the backend does (Q6_K becomes the device's q6 form). Each kernel
 is timed as the decode step runs it: `LAUNCHES` launches captured as one CUDA graph and replayed (no numba
@@ -256,27 +256,30 @@ def bench_rows(s: Shape, rng: np.random.Generator, rows: list[int], replays: int
 
 
 def bench_mmq(mats: list, order: list[int], xs: list, outs: list, ref: np.ndarray, replays: int, stream) -> dict:
-    """The integer tensor-core product of bench_rows' tokens: µs of x's quantization and the product (as a step runs
-    them) and of the product alone, the product's GB/s of weights, its error against float64, and whether each token's
-    outputs equal bit for bit those of the same token in products of two tokens (a token's sums must not depend on
-    the others)."""
+    """The integer tensor-core product of bench_rows' tokens, x in one int8 part and in two (`mmq1_`, `mmq2_`): µs of
+    x's quantization and the product (as a step runs them) and of the product alone, the product's GB/s of weights,
+    its error against float64, and whether each token's outputs equal bit for bit those of the same token in products
+    of two tokens (a token's sums must not depend on the others)."""
     n, cols = xs[0].shape
-    scratch = [mmq.scratch(n, cols, stream) for _ in mats]
     sums = [mmq.partials(m, n, stream) for m in mats]  # fixed addresses for the graphs
-    both = [lambda st, k=k: mmq.product(mats[k], mmq.quantize(xs[k], scratch[k], st), outs[k], st, sums[k])
-            for k in order]
-    result = {"mmq_us": graph_us(stream, both, replays), "mmq_plan": mmq.plan(mats[0])._asdict()}
-    got = outs[0].copy_to_host()
-    alone = [lambda st, k=k: mmq.product(mats[k], scratch[k], outs[k], st, sums[k]) for k in order]
-    result["mmq_product_us"] = graph_us(stream, alone, replays)
-    result["mmq_gbps"] = mats[0].nbytes / 1e3 / result["mmq_product_us"]
-    result["mmq_max_rel_err"] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
-    pair = cuda.device_array((2, mats[0].rows), np.float32)
-    equal = True
-    for t in range(0, n - 1, 2):
-        mmq.mmq(mats[0], xs[0][t:t + 2], pair, stream)
-        equal &= bool(np.array_equal(pair.copy_to_host(stream=stream), got[t:t + 2]))
-    result["mmq_equals_two_at_a_time"] = equal
+    result = {"mmq_plan": mmq.plan(mats[0])._asdict()}
+    for parts in (1, 2):
+        key = f"mmq{parts}_"
+        scratch = [mmq.scratch(n, cols, parts, stream) for _ in mats]
+        both = [lambda st, k=k, qx=scratch[k]: mmq.product(mats[k], mmq.quantize(xs[k], qx, st), outs[k], st, sums[k])
+                for k in order]
+        result[key + "us"] = graph_us(stream, both, replays)
+        got = outs[0].copy_to_host()
+        alone = [lambda st, k=k, qx=scratch[k]: mmq.product(mats[k], qx, outs[k], st, sums[k]) for k in order]
+        result[key + "product_us"] = graph_us(stream, alone, replays)
+        result[key + "gbps"] = mats[0].nbytes / 1e3 / result[key + "product_us"]
+        result[key + "max_rel_err"] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+        pair = cuda.device_array((2, mats[0].rows), np.float32)
+        equal = True
+        for t in range(0, n - 1, 2):
+            mmq.mmq(mats[0], xs[0][t:t + 2], pair, stream, parts)
+            equal &= bool(np.array_equal(pair.copy_to_host(stream=stream), got[t:t + 2]))
+        result[key + "equals_two_at_a_time"] = equal
     return result
 
 
@@ -321,10 +324,12 @@ def main() -> None:
                   f"{r['per_token_us']:7.1f}, {several + ', ' if several else ''}matmul {r['matmul_us']:7.1f}; best "
                   f"{r['best']}; err {r['max_rel_err']:.1e}"
                   f"{'' if r['equals_per_token'] else ' (NOT equal to the per-token path)'}", flush=True)
-            if "mmq_us" in r:
-                print(f"{'':32s}          mmq {r['mmq_us']:7.1f} µs with x's quantization, product {r['mmq_plan']} "
-                      f"{r['mmq_product_us']:7.1f} ({r['mmq_gbps']:.0f} GB/s); err {r['mmq_max_rel_err']:.1e}"
-                      f"{'' if r['mmq_equals_two_at_a_time'] else ' (NOT equal to two tokens at a time)'}", flush=True)
+            for parts in (1, 2) if "mmq_plan" in r else ():
+                k = f"mmq{parts}_"
+                print(f"{'':32s}          mmq, x in {parts} part{'s' * (parts > 1)}: {r[k + 'us']:7.1f} µs with x's "
+                      f"quantization, product {r[k + 'product_us']:7.1f} ({r[k + 'gbps']:.0f} GB/s, {r['mmq_plan']}); "
+                      f"err {r[k + 'max_rel_err']:.1e}"
+                      f"{'' if r[k + 'equals_two_at_a_time'] else ' (NOT equal to two tokens at a time)'}", flush=True)
         write_json(a.json, result)
         return
     rows = [bench_shape(s, rng, a.replays, l2, sms, stream) for s in SHAPES]
