@@ -33,7 +33,7 @@ from lucekv.kernels.cpu.quants import (
     permute_rows,
     stack_rows,
 )
-from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, flash, kv_copy, moe, norm, sample
+from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, flash, kv_copy, mmq, moe, norm, sample
 from lucekv.kernels.cuda._numba import device_zeros, ordering_event, overlapped_launches
 from lucekv.kernels.cuda.embed import embed
 from lucekv.kernels.cuda.matmul import matmuls
@@ -184,6 +184,9 @@ VERIFY_STEP = 4  # verify blocks are padded to a multiple of this: graphs of wid
 # even near 50K). Quantized matrices are read once per grid row of up to 8 tokens where the several-token kernels
 # take them (matvec.weight_reads), else (small ones, f32) once per token
 MATVEC_TOKEN_ROWS = 32768
+# products of 2 to this many tokens of a matrix that kernels.cuda.mmq serves run on the integer tensor cores, x in
+# mmq.PARTS int8 parts (CudaOps.takes_mmq; EngineConfig.mmq_tokens)
+MMQ_TOKENS = mmq.MAX_TOKENS
 # a grid with this many warps per SM or more fills the GPU (an 8B model's products and attention hold 9.7 to 15.5,
 # the 0.5B's 1.7 to 8.5): see overlap_kernel_launches
 BUSY_WARPS_PER_SM = 9
@@ -281,6 +284,7 @@ class CudaOps:
         self.one_sequence = True  # the latest forward's tokens are one sequence's (else decode rows)
         self.kept_rows = 1  # rows of the latest forward whose queries pool.last_q keeps
         self.matvec_token_rows = MATVEC_TOKEN_ROWS  # see as_matvec_rows (0: every product of n > 1 tokens a matmul)
+        self.mmq_tokens = MMQ_TOKENS  # see takes_mmq (0: none)
 
     def begin_step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, mark: bool = True,
                    tables: Sequence[np.ndarray] | None = None, marks: np.ndarray | None = None,
@@ -589,15 +593,49 @@ class CudaOps:
 
     def _products(self, products: list[tuple[DeviceMatrix, Epilogue | AttentionInputs]], x, norm) -> None:
         """Each (W, destination) of x: for one token the decode matvecs (two matrices to a launch), normalizing x
-        themselves when `norm` is given (`_fuses_norm`); for more, tensor-core matmuls (the caller has normalized x),
-        but for a few tokens of a matrix small enough the matvecs (`as_matvec_rows`), which normalize x as for one."""
+        themselves when `norm` is given (`_fuses_norm`); for more, up to `mmq_tokens` tokens the integer tensor-core
+        products of the matrices mmq serves (`takes_mmq`: x quantized once for all of them), else tensor-core matmuls
+        (the caller has normalized x for both), but for a few tokens of a matrix small enough the matvecs
+        (`as_matvec_rows`), which normalize x as for one."""
         n = x.shape[0]
         rows = [(w, ep) for w, ep in products if n == 1 or self.as_matvec_rows(w, n)]
         if rows:
             matvecs(rows, x, self.stream, norm=None if norm is None else (norm, self.spec.rms_eps))
-        if n > 1:
-            matmuls([(w, ep) for w, ep in products if not self.as_matvec_rows(w, n)], x, self.stream,
-                    halves=lambda order: self._halves(n, x.shape[1], order))
+        if n == 1:
+            return
+        integer = [(w, ep) for w, ep in products if self.takes_mmq(w, n)]
+        if integer:
+            qx = mmq.quantize(x, self._mmq_x(n, x.shape[1]), self.stream)
+            for w, ep in integer:
+                mmq.product(w, qx, ep, self.stream, self._mmq_sums(w, n))
+        matmuls([(w, ep) for w, ep in products if not self.as_matvec_rows(w, n) and not self.takes_mmq(w, n)], x,
+                self.stream, halves=lambda order: self._halves(n, x.shape[1], order))
+
+    def takes_mmq(self, w: DeviceMatrix, n: int) -> bool:
+        """Whether a product of n > 1 tokens of w runs on the integer tensor cores: up to `mmq_tokens` tokens of a
+        matrix that mmq serves. It reads the weights once and, x in two int8 parts, its rows agree with each token's
+        one-token matvec within x's 16 bits (q4 / q6: to float32 rounding)."""
+        return 2 <= n <= self.mmq_tokens and mmq.serves(w, n)
+
+    def _mmq_x(self, n: int, cols: int) -> mmq.QuantizedX:
+        """x of n tokens quantized for mmq: scratch per shape and token count, shared by the products of a forward
+        (as `_halves`)."""
+        pool = self._pools.setdefault("mmq_x", {})
+        if (n, cols) not in pool:
+            pool[n, cols] = list(mmq.scratch(n, cols, mmq.PARTS, self.stream)[:2])
+        words, scales = pool[n, cols]
+        return mmq.QuantizedX(words, scales, n)
+
+    def _mmq_sums(self, w: DeviceMatrix, n: int):
+        """The partial sums of an mmq product whose columns its plan splits (None where it does not)."""
+        splits = mmq.plan(w).splits
+        if splits == 1:
+            return None
+        pool = self._pools.setdefault("mmq_sums", {})
+        key = (splits, mmq.padded(n), w.rows)
+        if key not in pool:
+            pool[key] = [mmq.partials(w, n, self.stream)]
+        return pool[key][0]
 
     def _halves(self, n: int, cols: int, order: tuple[int, int]):
         """A matmul's scratch for its x as float16 pairs in a staged `order` (matmul.stage_halves): one per shape,
@@ -615,8 +653,9 @@ class CudaOps:
         projection: 7 blocks of 152 steps, for 2 tokens as for 64); the matvec spreads one token's rows over
         a wave of small blocks and reads the weights once per grid row of several tokens, or once per token
         (`matvec.weight_reads`: the weights of the rows after the first from L2), so its time grows with those
-        reads x rows. An output head (150K rows) stays a matmul: it reads its weights once."""
-        return weight_reads(w, n) * w.rows <= self.matvec_token_rows
+        reads x rows. An output head (150K rows) stays a matmul: it reads its weights once. Products that `takes_mmq`
+        are not matvec rows."""
+        return not self.takes_mmq(w, n) and weight_reads(w, n) * w.rows <= self.matvec_token_rows
 
     def rmsnorm(self, x, w, groups: int = 1):
         out = self._empty(*x.shape)

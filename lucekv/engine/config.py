@@ -70,6 +70,9 @@ class EngineConfig:
                                int, group="engine")
     spark_promote: int = setting(0, "with --spark-placement: at each request's end, swap at most N placed experts for "
                                  "cold ones the traffic since selected more", int, group="engine")
+    mmq_tokens: int = setting(64, "CUDA: products of 2..N tokens (decode rows, verify blocks, short prompt pieces; N "
+                              "up to 64) on the integer tensor cores, x in 16 bits; 0: none (the several-token "
+                              "matvecs and the float16 tensor-core matmul)", int, group="engine", metavar="N")
     step_tokens: int | None = setting(
         None, "tokens per step: the running streams' decode tokens and pieces of new prompts (a long prompt is "
         "prefilled in pieces beside the running streams); off: the backend's prefill batch (256 CPU, 512 CUDA)",
@@ -106,7 +109,7 @@ class EngineConfig:
         """Values that cannot work raise ConfigError naming their flag; what needs the model or the backend (a pool's
         size, a drafter's tokenizer, a placement's model) the Engine checks."""
         for name, least in (("max_batch", 1), ("max_queue", 0), ("max_sessions", 1), ("session_memory_gib", 0),
-                            ("prefill_threshold", 0), ("spark_spare", 0), ("spark_promote", 0)):
+                            ("prefill_threshold", 0), ("spark_spare", 0), ("spark_promote", 0), ("mmq_tokens", 0)):
             if getattr(self, name) < least:
                 raise ConfigError(f"--{flag(name)} must be >= {least} (got {getattr(self, name)})")
         if self.prefill_compression is not None:

@@ -122,7 +122,8 @@ class Engine:
         self.compressor = self._compressor(config, prefill_drafter if wanted else None)
         self.prefill_keep = config.prefill_compression if config.prefill_compression != 1 else None  # all: none
         self.backend, kv_pool = _make_backend(config.backend, g, self.spec, config.kv_dtype, self.n_ctx, config.kv_pool,
-                                              config.kv_cache, config.max_batch, _spark_options(g, config))
+                                              config.kv_cache, config.max_batch, _spark_options(g, config),
+                                              config.mmq_tokens)
         self._spark_promote = config.spark_promote > 0
         self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, config.kv_tau
         self.spec_config = replace(config.speculation, tree_verify=hasattr(self.backend, "forward_tree")).check()
@@ -879,10 +880,11 @@ def _spark_options(g, config: EngineConfig):
 
 
 def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_pool: int | str | None,
-                  kv_cache: int | None, max_batch: int, spark=None):
+                  kv_cache: int | None, max_batch: int, spark=None, mmq_tokens: int | None = None):
     """The backend with its KV pool, and each sequence's residency budget in tokens (None: the whole context) with
     "auto" resolved. The pool: `kv_cache` tokens, or room for max_batch sequences at that budget, on CUDA within
-    AUTO_POOL_SHARE of the GPU memory free after the weights; it always holds one sequence at least."""
+    AUTO_POOL_SHARE of the GPU memory free after the weights; it always holds one sequence at least. mmq_tokens:
+    CUDA's CudaOps.mmq_tokens (None: its default)."""
     from lucekv.backends.cpu import KV_DTYPES, CpuBackend
 
     if kv_dtype not in KV_DTYPES:
@@ -902,7 +904,10 @@ def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_p
             total = _check_cache(kv_cache or max(min(room, max_batch * (kv_pool or whole)), kv_pool or whole),
                                  kv_pool or whole)
             # one block more: the backend's scratch (see CudaKVPool)
-            return CudaBackend(g, spec, kv_dtype, total + CHUNK_TOKENS, max_rows=max_batch, spark=spark), kv_pool
+            backend = CudaBackend(g, spec, kv_dtype, total + CHUNK_TOKENS, max_rows=max_batch, spark=spark)
+            if mmq_tokens is not None:
+                backend.ops.mmq_tokens = mmq_tokens
+            return backend, kv_pool
         if name == "cuda":
             raise ConfigError("--backend cuda: no CUDA GPU is available (numba.cuda found none)")
     if spark is not None:

@@ -401,6 +401,7 @@ def test_products_of_a_few_tokens_as_matvec_rows_equal_the_matmul_and_each_token
 
     b = backend_of(model, use_graph=False)
     ops, lw = b.ops, b.weights.layers[0]
+    ops.mmq_tokens = 0  # (else the integer tensor cores take these: test_products_of_a_few_tokens_on_the_integer..)
     rng = np.random.default_rng(8)
     x = rng.standard_normal((3, b.spec.n_ff if product == "down" else b.spec.n_embd)).astype(np.float32)
     residual = rng.standard_normal((3, b.spec.n_embd)).astype(np.float32)
@@ -422,3 +423,27 @@ def test_products_of_a_few_tokens_as_matvec_rows_equal_the_matmul_and_each_token
         np.testing.assert_array_equal(got[1:2], alone)
     else:
         assert rel_err(got[1:2], alone) <= 1e-5
+
+
+@needs_kernels
+def test_products_of_a_few_tokens_on_the_integer_tensor_cores_agree_with_each_tokens_own_product(model):
+    """The backend's route for 2..mmq_tokens tokens (CudaOps.takes_mmq, x quantized once for q, k and v): each token's
+    rows within x's 16 bits of its one-token step's (x in two int8 parts; this model's q8 matvec groups x's columns
+    otherwise than runs of 32: measured 3e-5; q4 / q6 rows agree to float32 rounding, test_cuda_mmq.py), and equal
+    whatever the other tokens; with mmq_tokens 0 the matvec rows / matmul route instead."""
+    b = backend_of(model, use_graph=False)
+    ops, lw = b.ops, b.weights.layers[0]
+    assert all(ops.takes_mmq(w, 3) for w in (lw.w_down, lw.wo, lw.gate_up[0].matrix, lw.qkv[0].matrix))
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, b.spec.n_embd)).astype(np.float32)
+
+    def run(rows: slice) -> list[np.ndarray]:
+        outs = ops.project(cuda.to_device(x[rows]), lw.qkv, lw.attn_norm) + [
+            ops.gated_linear(cuda.to_device(x[rows]), lw.gate_up, lw.ffn_norm)]
+        return [o.copy_to_host() for o in outs]
+
+    three = run(slice(0, 3))
+    assert all(rel_err(a[1:2], b1) <= 1e-4 for a, b1 in zip(three, run(slice(1, 2)), strict=True))
+    assert all(np.array_equal(a[1:3], b2) for a, b2 in zip(three, run(slice(1, 3)), strict=True))
+    ops.mmq_tokens = 0
+    assert not ops.takes_mmq(lw.w_down, 3)

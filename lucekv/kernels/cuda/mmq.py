@@ -6,8 +6,9 @@ weights nor x become floats before the tensor cores.
   (`parts`): one int8 code per column, round(x / d) with d = max|x| / 127 (llama.cpp's q8_1: ~5e-3 of a product's
   largest output against float64), or two, hi = round(x / d) and lo = round((x - d hi) / u) with u = d / 256, as the
   matvecs quantize x (`matvec._quantize_x`: 16 bits, ~1e-5; each part its own mma, their int32 sums joined as
-  256 hi + lo: exactly the matvecs' integer sums of a run, so that decode rows agree with each token's own one-token
-  step to float32 rounding, as issue 25 wants greedy tokens to). Per run the scale (d, or u) and minus the run's sum
+  256 hi + lo: for q4 and q6, whose matvecs quantize x in the same runs, exactly their integer sums of a run, so that
+  decode rows agree with each token's own one-token step to float32 rounding, as issue 25 wants greedy tokens to;
+  q8's matvec groups x's columns otherwise: within x's 16 bits). Per run the scale (d, or u) and minus the run's sum
   of x (for biases, as the matvecs take it, from the unquantized x). The words go in the order the mma's B
   fragments want them (`x_word`): a thread's two words of a run, for two consecutive runs, are 16 contiguous bytes,
   one load.
