@@ -228,18 +228,18 @@ def verify_costs(engine: lucekv.Engine, widths: list[int], repeats: int = 10) ->
 
 def route_costs(engine: lucekv.Engine, widths: list[int]) -> dict[str, dict[int, float]]:
     """`verify_costs` as the engine runs them, and on CUDA also with every product of several tokens a tensor-core
-    matmul (the route before CudaOps.as_matvec_rows): their graphs captured again for it, then back."""
+    matmul (the route before CudaOps.as_matvec_rows and takes_mmq): their graphs captured again for it, then back."""
     costs = {"as_run": verify_costs(engine, widths)}
     b = engine.backend
     ops = getattr(b, "ops", None)
     if getattr(b, "verify_graphs", None) is None or not hasattr(ops, "matvec_token_rows"):
         return costs
-    kept = ops.matvec_token_rows
-    for limit in (0, kept):
-        ops.matvec_token_rows = limit
+    kept = ops.matvec_token_rows, ops.mmq_tokens
+    for limits in ((0, 0), kept):
+        ops.matvec_token_rows, ops.mmq_tokens = limits
         b.verify_graphs.clear()
         b.prepare_verify(max(widths))
-        if limit == 0:
+        if limits == (0, 0):
             costs["all_matmul"] = verify_costs(engine, widths)
     return costs
 
