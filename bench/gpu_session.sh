@@ -46,7 +46,9 @@
 #   bash bench/gpu_session.sh tree     draft tree verify: the kernel and gpu tests of trees (~2-3 min, no models)
 #   bash bench/gpu_session.sh steps [smollm2|qwen05|8b]  lucekv bench steps in process: TTFT at 16..500 tokens,
 #                                      the decode step at 1..32 concurrent requests and the host time inside it,
-#                                      --gil-probe; peak GPU memory (~1-2 min; smollm2/qwen05 need their pieces)
+#                                      --gil-probe; peak GPU memory (~1-2 min; smollm2/qwen05 need their pieces);
+#                                      MMQ=0 before it: with --mmq-tokens 0 (the products of several tokens off the
+#                                      integer tensor cores), JSON named ...-mmq0
 #   bash bench/gpu_session.sh mvrows   products of several tokens (verify blocks, decode rows): the tests (gpu and
 #                                      tiny-shape) of the matvec, verify and batch paths, then matvec_speed
 #                                      --rows 1,2,4,8,17,32 at the 8B's, the 1.5B's and the 0.5B's layer shapes:
@@ -319,9 +321,11 @@ steps)
   8b) M=/tmp/qwen3-8b-shape.gguf; NAME=qwen3-8b-shape
       [ -f $M ] || timeout 120 python3 .anchors/synth_gguf.py $M qwen3-8b-shape ;;
   esac
+  # MMQ=0: the products of several tokens off the integer tensor cores (--mmq-tokens 0), to compare in one session
+  [ -n "${MMQ:-}" ] && NAME=$NAME-mmq$MMQ
   peak_mib "$OUT/mem-steps-$NAME.txt" python3 -m lucekv.cli bench steps --model $M --backend cuda \
-    --concurrency 1,2,4,8,16,32 --gil-probe --contend --json "$OUT/steps-$NAME.json" 2>&1 >/dev/null \
-    | grep --line-buffered -v -i warning | tee "$OUT/steps-$NAME.log"
+    --concurrency 1,2,4,8,16,32 --gil-probe --contend ${MMQ:+--mmq-tokens $MMQ} --json "$OUT/steps-$NAME.json" \
+    2>&1 >/dev/null | grep --line-buffered -v -i warning | tee "$OUT/steps-$NAME.log"
   ;;
 startup)
   M8=/tmp/qwen3-8b-shape.gguf
