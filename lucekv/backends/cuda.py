@@ -573,7 +573,10 @@ class CudaOps:
 
     def _fuses_norm(self, w: DeviceMatrix, n: int) -> bool:
         """Whether a product of n tokens of w normalizes x itself: a matvec (one token, or rows of a few: each token's
-        x normalized as its one-token product normalizes it) that `fuses_norm`; a matmul takes x normalized."""
+        x normalized as its one-token product normalizes it) that `fuses_norm`, or an integer tensor-core product
+        (`takes_mmq`: x's quantization normalizes it); a matmul takes x normalized."""
+        if n > 1 and self.takes_mmq(w, n):
+            return True
         return fuses_norm(w) and (n == 1 or self.as_matvec_rows(w, n))
 
     def gated_linear(self, x, g: list[Stacked], norm):
@@ -594,8 +597,8 @@ class CudaOps:
     def _products(self, products: list[tuple[DeviceMatrix, Epilogue | AttentionInputs]], x, norm) -> None:
         """Each (W, destination) of x: for one token the decode matvecs (two matrices to a launch), normalizing x
         themselves when `norm` is given (`_fuses_norm`); for more, up to `mmq_tokens` tokens the integer tensor-core
-        products of the matrices mmq serves (`takes_mmq`: x quantized once for all of them), else tensor-core matmuls
-        (the caller has normalized x for both), but for a few tokens of a matrix small enough the matvecs
+        products of the matrices mmq serves (`takes_mmq`: x quantized, and normalized, once for all of them), else
+        tensor-core matmuls (the caller has normalized x), but for a few tokens of a matrix small enough the matvecs
         (`as_matvec_rows`), which normalize x as for one."""
         n = x.shape[0]
         rows = [(w, ep) for w, ep in products if n == 1 or self.as_matvec_rows(w, n)]
@@ -605,7 +608,8 @@ class CudaOps:
             return
         integer = [(w, ep) for w, ep in products if self.takes_mmq(w, n)]
         if integer:
-            qx = mmq.quantize(x, self._mmq_x(n, x.shape[1]), self.stream)
+            qx = mmq.quantize(x, self._mmq_x(n, x.shape[1]), self.stream,
+                              norm=None if norm is None else (norm, self.spec.rms_eps))
             for w, ep in integer:
                 mmq.product(w, qx, ep, self.stream, self._mmq_sums(w, n))
         matmuls([(w, ep) for w, ep in products if not self.as_matvec_rows(w, n) and not self.takes_mmq(w, n)], x,

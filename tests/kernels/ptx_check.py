@@ -115,7 +115,7 @@ for kind, halves, bias in (("q4", False, True), ("q6", True, False), ("q6", Fals
         for parts in (1, 2):
             CHECKS[f"mmq_{kind}{'_halves' * halves}{'_bias' * bias}_tokens{8 * tiles}_parts{parts}"] = (
                 mmq._kernel(kind, halves, bias, tiles, parts), (QUANTS[kind], U2, F2, EP, I64, PART[0]))
-CHECKS["mmq_quantize"] = (mmq._quantize_kernel, (F2, U2, F2))
+CHECKS["mmq_quantize"] = (mmq._quantize_kernel, (F2, typeof((np.zeros(2, np.float32), np.float32(0), True)), U2, F2))
 CHECKS["mmq_reduce"] = (mmq._reduce_kernel, (types.float32[:, :, ::1], EP, I64))
 CHECKS["moe_routed_f32"] = (moe._routed_f32, (F2, F2, I1, I64, F2, I2, B, EP))
 for kind, quant in (("q4", Q4_K), ("f32", _quant(np.float32, np.uint8, np.uint8))):

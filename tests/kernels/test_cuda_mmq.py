@@ -142,6 +142,24 @@ def test_columns_split_over_blocks(monkeypatch):
 
 
 @needs_kernels
+def test_quantize_normalizes_x_where_asked():
+    """RMSNorm(x) * weight quantized in x's launch (the backend's products of normalized x)."""
+    from lucekv.kernels.cuda import mmq
+    from lucekv.kernels.cuda.packed import upload
+
+    rng = np.random.default_rng(8)
+    m = random_packed(rng, Q.Q6_K, 16, 256)
+    x = rng.standard_normal((3, 256)).astype(np.float32) * 3
+    weight = rng.standard_normal(256).astype(np.float32)
+    out = cuda.device_array((3, m.rows), np.float32)
+    w = upload(m)
+    mmq.product(w, mmq.quantize(cuda.to_device(x), mmq.scratch(3, 256), norm=(cuda.to_device(weight), 1e-5)), out)
+    x64 = x.astype(np.float64)
+    normed = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + 1e-5) * weight
+    assert rel_err(out.copy_to_host(), normed @ dense(m).T) <= 1e-4
+
+
+@needs_kernels
 def test_two_parts_agree_with_each_tokens_one_token_matvec():
     """x in two parts: each run's integer sums are the one-token matvec's, so a token's outputs differ from its own
     decode step's only by float32 rounding (the sums' order)."""

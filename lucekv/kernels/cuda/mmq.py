@@ -38,6 +38,7 @@ weights nor x become floats before the tensor cores.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -51,12 +52,14 @@ from lucekv.kernels.cuda._numba import (
     jit_bounded,
     jit_inlined,
     jit_kernel,
+    load1,
     load_f32x4,
     load_u32x4_coherent,
     mad_s32,
     mma_s8_16816,
     mma_s8_16832,
     sm_count,
+    warp_sum,
 )
 from lucekv.kernels.cuda.matvec import HI_STEPS, _nearest, _pack4, _unrolled
 from lucekv.kernels.cuda.packed import (
@@ -80,7 +83,8 @@ CODE_WORDS = {"q4": 1, "q6": 3, "q8": 2}  # words of a row and run that a lane l
 MAX_WARPS = 8
 RESIDENT_WARPS = 16  # warps an SM holds at the kernels' launch bounds (128 registers a thread)
 MIN_STEPS = 4  # steps of a split of the columns, at least
-QUANTIZE_THREADS = 128
+QUANTIZE_THREADS = 128  # threads of a token's block, a 32-column run each in turn
+QUANTIZE_WARPS = QUANTIZE_THREADS // WARP
 REDUCE_THREADS = 128
 LOW_NIBBLES = np.uint32(0x0F0F0F0F)
 SIGN_BITS = np.uint32(0x80808080)
@@ -132,17 +136,18 @@ def scratch(n: int, cols: int, parts: int = PARTS, stream=0) -> QuantizedX:
                       cuda.device_array((cols // RUN, 2 * n_pad), np.float32, stream=stream), n)
 
 
-def quantize(x, into: QuantizedX, stream=0) -> QuantizedX:
+def quantize(x, into: QuantizedX, stream=0, norm: tuple | None = None) -> QuantizedX:
     """x [n, cols] (float32, cols a multiple of 64) as int8 codes per 32-column run (see the module's notes) into
-    arrays from `scratch` (their parts); padding tokens get zero codes and scales."""
+    arrays from `scratch` (their parts); padding tokens get zero codes and scales. norm: (weight [cols], eps) to
+    quantize RMSNorm(x) * weight instead (the launch that would normalize x saved)."""
     n, cols = x.shape
     if cols % (2 * RUN) or not 1 <= n <= MAX_TOKENS:
         raise ValueError(f"mmq quantizes 1..{MAX_TOKENS} tokens of a multiple of {2 * RUN} columns, not {x.shape}")
     qx = into._replace(n=n)
     if qx.n_pad != padded(n) or qx.words.shape[1] != cols // 4 or qx.scales.shape[0] != cols // RUN:
         raise ValueError(f"scratch of shapes {qx.words.shape}, {qx.scales.shape} for x of {x.shape}")
-    items = qx.n_pad * (cols // RUN)
-    _quantize_kernel[blocks(items, QUANTIZE_THREADS), QUANTIZE_THREADS, stream](x, qx.words, qx.scales)
+    xnorm = (x[0], np.float32(0), False) if norm is None else (norm[0], np.float32(norm[1]), True)
+    _quantize_kernel[qx.n_pad, QUANTIZE_THREADS, stream](x, xnorm, qx.words, qx.scales)
     return qx
 
 
@@ -154,21 +159,54 @@ def x_word(run, k):
 
 
 @jit_kernel
-def _quantize_kernel(x, words, scales):
-    """Thread i: token i // runs, run i % runs (a padding token: zeros); two parts where `words` has rows for them."""
+def _quantize_kernel(x, xnorm, words, scales):
+    """Block t: token t (a padding token: zeros), its runs a thread each in turn, normalized first where xnorm says
+    so (the block sums the row's squares: RMSNorm's, as `rmsnorm` computes it); two parts where `words` has rows for
+    them."""
     await_grid()
+    t = cuda.blockIdx.x
     runs, n_pad = scales.shape[0], scales.shape[1] // 2
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i >= n_pad * runs:
-        return
-    t, r = i // runs, i % runs
+    real = t < x.shape[0]
+    norm_w, eps, on = xnorm
+    inv_rms = np.float32(1)
+    if on:
+        sums = cuda.shared.array(QUANTIZE_WARPS, np.float32)
+        ss = np.float32(0)
+        for r in range(cuda.threadIdx.x, runs if real else 0, cuda.blockDim.x):
+            for k in range(RUN // 4):
+                v0, v1, v2, v3 = load_f32x4(x, t, RUN * r + 4 * k)
+                ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
+        ss = warp_sum(ss)
+        if cuda.threadIdx.x % WARP == 0:
+            sums[cuda.threadIdx.x // WARP] = ss
+        cuda.syncthreads()
+        total = np.float32(0)
+        for k in range(cuda.blockDim.x // WARP):
+            total += sums[k]
+        inv_rms = np.float32(1) / math.sqrt(total / np.float32(x.shape[1]) + eps)
     xv = cuda.local.array(RUN, np.float32)
-    if t < x.shape[0]:
-        for k in range(RUN // 4):
-            xv[4 * k], xv[4 * k + 1], xv[4 * k + 2], xv[4 * k + 3] = load_f32x4(x, t, RUN * r + 4 * k)
-    else:
-        for k in range(RUN):
-            xv[k] = np.float32(0)
+    for r in range(cuda.threadIdx.x, runs, cuda.blockDim.x):
+        if real:
+            for k in range(RUN // 4):
+                xv[4 * k], xv[4 * k + 1], xv[4 * k + 2], xv[4 * k + 3] = load_f32x4(x, t, RUN * r + 4 * k)
+            if on:
+                for k in range(RUN // 4):
+                    w0, w1, w2, w3 = load1(norm_w, RUN * r + 4 * k), load1(norm_w, RUN * r + 4 * k + 1), \
+                        load1(norm_w, RUN * r + 4 * k + 2), load1(norm_w, RUN * r + 4 * k + 3)
+                    xv[4 * k] *= inv_rms * w0
+                    xv[4 * k + 1] *= inv_rms * w1
+                    xv[4 * k + 2] *= inv_rms * w2
+                    xv[4 * k + 3] *= inv_rms * w3
+        else:
+            for k in range(RUN):
+                xv[k] = np.float32(0)
+        _quantize_run(xv, words, scales, t, r, n_pad)
+
+
+@cuda.jit(device=True, inline=True)
+def _quantize_run(xv, words, scales, t, r, n_pad):
+    """Run r of token t (its 32 values in xv) into words / scales: hi codes in row t, lo codes in row n_pad + t where
+    `words` has them (as matvec._quantize_x)."""
     amax = np.float32(0)
     total = np.float32(0)
     for k in range(RUN):
@@ -178,7 +216,7 @@ def _quantize_kernel(x, words, scales):
     d = amax / HI_STEPS
     two = words.shape[0] > n_pad
     lo_inv = inv * np.float32(256)
-    for k in range(RUN // 4):  # as matvec._quantize_x
+    for k in range(RUN // 4):
         h0 = _nearest(xv[4 * k] * inv)
         h1 = _nearest(xv[4 * k + 1] * inv)
         h2 = _nearest(xv[4 * k + 2] * inv)
