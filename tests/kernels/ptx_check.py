@@ -110,11 +110,12 @@ for kind, quant in QUANTS.items():
     summed = (quant, quant, I1, I64, F2, XNORM, I2, F2, F2, F2, F2, B, F2, I64, I64, I64)
     for placed in (False, True):
         CHECKS[f"moe_routed_sum_{kind}" + "_placed" * placed] = (moe._ROUTED_SUM[kind, placed], summed)
-for kind, halves, bias in (("q4", False, True), ("q6", True, False), ("q6", False, True), ("q8", False, False)):
+for kind, halves, bias, grouped in (("q4", False, True, True), ("q6", True, False, True), ("q6", False, True, False),
+                                   ("q8", False, False, False)):
     for tiles in (1, 4, 8):  # Q4_K, Q6_K, Q5_1, Q8_0; x in one int8 part or two
         for parts in (1, 2):
             CHECKS[f"mmq_{kind}{'_halves' * halves}{'_bias' * bias}_tokens{8 * tiles}_parts{parts}"] = (
-                mmq._kernel(kind, halves, bias, tiles, parts), (QUANTS[kind], U2, F2, EP, I64, PART[0]))
+                mmq._kernel(kind, halves, bias, grouped, tiles, parts), (QUANTS[kind], U2, U2, F2, EP, I64, PART[0]))
 CHECKS["mmq_quantize"] = (mmq._quantize_kernel, (F2, typeof((np.zeros(2, np.float32), np.float32(0), True)), U2, F2))
 CHECKS["mmq_reduce"] = (mmq._reduce_kernel, (types.float32[:, :, ::1], EP, I64))
 CHECKS["moe_routed_f32"] = (moe._routed_f32, (F2, F2, I1, I64, F2, I2, B, EP))

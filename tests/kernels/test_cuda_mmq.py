@@ -214,13 +214,16 @@ def test_serves_and_plans(monkeypatch):
 
     monkeypatch.setattr(mmq, "sm_count", lambda: 132)
 
-    def matrix(kind, rows=4096, cols=4096, block_log2=5, has_bias=False):
-        return DeviceMatrix(kind, rows, cols, block_log2, 3, None, None, None, None, True, has_bias)
+    def matrix(kind, rows=4096, cols=4096, block_log2=5, has_bias=False, group_log2=3):
+        return DeviceMatrix(kind, rows, cols, block_log2, group_log2, None, None, None, None, True, has_bias)
 
-    assert mmq.serves(matrix("q4"), 2) and mmq.serves(matrix("q4"), 64)
-    assert not mmq.serves(matrix("q4"), 1) and not mmq.serves(matrix("q4"), 65)
-    assert not mmq.serves(matrix("f32"), 8) and not mmq.serves(matrix("q4", cols=96), 8)
+    q4k = matrix("q4", has_bias=True)
+    assert mmq.serves(q4k, 2) and mmq.serves(q4k, 64) and not mmq.serves(q4k, 1) and not mmq.serves(q4k, 65)
+    assert not mmq.serves(matrix("f32"), 8) and not mmq.serves(matrix("q4", cols=96, has_bias=True), 8)
     assert mmq.serves(matrix("q6", block_log2=4), 8) and not mmq.serves(matrix("q6", block_log2=4, has_bias=True), 8)
+    assert mmq.grouped(q4k) and mmq.grouped(matrix("q6", block_log2=4))
+    assert mmq.serves(matrix("q4"), 8) and not mmq.grouped(matrix("q4"))  # uint8 sub words: a scale word per run
+    assert not mmq.serves(matrix("q6", block_log2=4, group_log2=1), 8)  # a step's 4 blocks in two groups
     for kind in mmq.RUNS:
         for rows, cols in [(16, 128), (4096, 12288), (24576, 4096), (1024, 4096), (151936, 896)]:
             p = mmq.plan(matrix(kind, rows, cols))

@@ -111,10 +111,20 @@ class QuantizedX(NamedTuple):
 
 def serves(w: DeviceMatrix, n: int) -> bool:
     """Whether `mmq` takes a product of n tokens of w: 2..MAX_TOKENS tokens of a quantized matrix whose rows are
-    whole steps, in blocks of 32 columns or more, or of 16 without biases, two or more to a (d) group."""
+    whole steps, in blocks of 32 columns or more (Q8_0, Q4_0, Q5_1..), or `grouped` (the K-quants, Q6_K's 16-column
+    blocks too)."""
     if w.kind not in RUNS or not 2 <= n <= MAX_TOKENS or w.cols % (RUN * RUNS[w.kind]):
         return False
-    return w.block_log2 >= 5 or w.block_log2 == 4 and w.group_log2 >= 1 and not w.has_bias
+    return w.block_log2 >= 5 or grouped(w)
+
+
+def grouped(w: DeviceMatrix) -> bool:
+    """Sub-scaled blocks whose (d, dmin) groups cover a step, of 32 columns with biases (Q4_K, Q5_K: uint16 sub
+    words) or of 16 without (Q6_K, Q3_K: uint8): `_kernel` loads a step's scale word once and its sub words four
+    bytes at a time (other matrices: a scale and a sub word per run)."""
+    if not w.sub_scaled or (w.block_log2, w.has_bias) not in ((5, True), (4, False)):
+        return False
+    return 1 << w.group_log2 >= (RUN * RUNS[w.kind]) >> w.block_log2
 
 
 def mmq(w: DeviceMatrix, x, out, stream=0, parts: int = PARTS) -> None:
@@ -315,15 +325,17 @@ def product(w: DeviceMatrix, qx: QuantizedX, out, stream=0, scratch_sums=None) -
                          f"{w.rows}x{w.cols} matrix in blocks of {1 << w.block_log2}")
     ep = as_epilogue(out)
     p = plan(w)
-    kernel = _kernel(w.kind, w.block_log2 == 4, w.has_bias, qx.n_pad // TOKEN_TILE, qx.parts)
+    by_step = grouped(w)
+    kernel = _kernel(w.kind, w.block_log2 == 4, w.has_bias, by_step, qx.n_pad // TOKEN_TILE, qx.parts)
     grid = (blocks(w.rows, TILE_ROWS * p.warps), p.splits)
+    subs = w.subs.view(np.uint32) if by_step else w.codes  # (a stand-in where not grouped)
     if p.splits == 1:
-        kernel[grid, p.warps * WARP, stream](w.quant, qx.words, qx.scales, ep, qx.n, _no_sums())
+        kernel[grid, p.warps * WARP, stream](w.quant, subs, qx.words, qx.scales, ep, qx.n, _no_sums())
         return
     sums = partials(w, qx.n, stream) if scratch_sums is None else scratch_sums
     if sums.shape != (p.splits, qx.n_pad, w.rows):
         raise ValueError(f"partial sums of shape {sums.shape} for {p.splits} splits of {qx.n} tokens x {w.rows} rows")
-    kernel[grid, p.warps * WARP, stream](w.quant, qx.words, qx.scales, ep, qx.n, sums)
+    kernel[grid, p.warps * WARP, stream](w.quant, subs, qx.words, qx.scales, ep, qx.n, sums)
     _reduce_kernel[blocks(qx.n * w.rows, REDUCE_THREADS), REDUCE_THREADS, stream](sums, ep, qx.n)
 
 
@@ -359,24 +371,21 @@ def _reduce_kernel(sums, ep, n):
 
 
 @cuda.jit(device=True, inline=True)
-def _block_scale(w, buf, o, bias):
-    """(scale, dmin x sub_min: minus the bias) of a row's run whose words (scale, sub) are at buf[o:]: one block of 32
-    columns or more (scale_bias's factors, the bias's sign left to x's sums)."""
-    d, dmin = half2_floats(buf[o])
-    if w.sub_scaled:
-        d *= np.float32(signed_byte(buf[o + 1]))
-        dmin *= np.float32(signed_byte(buf[o + 1] >> np.uint32(8)))
+def _block_scale(scale_word, sub, sub_scaled, bias):
+    """(scale, dmin x sub_min: minus the bias) of a block of 32 columns or more from its group's scale word and its
+    sub word (scale_bias's factors, the bias's sign left to x's sums)."""
+    d, dmin = half2_floats(scale_word)
+    if sub_scaled:
+        d *= np.float32(signed_byte(sub))
+        dmin *= np.float32(signed_byte(sub >> np.uint32(8)))
     return d, dmin if bias else np.float32(0)
 
 
 @cuda.jit(device=True, inline=True)
-def _halves_scale(w, buf, o, bias):
-    """(d, first sub-scale, second sub-scale) of a row's run of two 16-column blocks of one group (see serves): words
-    (scale, sub of the first, sub of the second) at buf[o:]."""
-    d, _ = half2_floats(buf[o])
-    if w.sub_scaled:
-        return d, np.float32(signed_byte(buf[o + 1])), np.float32(signed_byte(buf[o + 2]))
-    return d, np.float32(1), np.float32(1)
+def _halves_scale(scale_word, sub0, sub1):
+    """(d, first sub-scale, second sub-scale) of a run of two 16-column blocks of one group (see serves)."""
+    d, _ = half2_floats(scale_word)
+    return d, np.float32(signed_byte(sub0)), np.float32(signed_byte(sub1))
 
 
 @cuda.jit(device=True, inline=True)
@@ -435,10 +444,10 @@ def _halves_products(a, xh, xl, lo, hi, d0, neg0, d1, neg1, acc, j, bias, two):
 
 
 @functools.cache
-def _kernel(kind: str, halves: bool, bias: bool, tiles: int, parts: int):
+def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, parts: int):
     """The product of `tiles` token tiles for `kind` (halves: 16-column blocks, two k16 mmas a run; bias: the matrix
-    has biases; parts: x's int8 parts): block (b, k) does rows b * 16 warps.. (16 a warp) over the k-th of the grid's
-    y splits of the steps."""
+    has biases; by_step: scale words loaded once a step, see `grouped`; parts: x's int8 parts): block (b, k) does
+    rows b * 16 warps.. (16 a warp) over the k-th of the grid's y splits of the steps."""
     two = parts == 2
     fetch, fragment = _PARTS[kind]
     # runs per step: RUNS[kind], but two where the tokens' accumulators and x's parts leave no registers for a second
@@ -446,25 +455,49 @@ def _kernel(kind: str, halves: bool, bias: bool, tiles: int, parts: int):
     # same (runs one after another, splits of whole RUNS[kind] steps)
     runs = RUNS[kind] if tiles * parts <= 2 else min(RUNS[kind], 2)
     code_words = CODE_WORDS[kind]
-    scale_words = 3 if halves else 2  # per row and run: the scale and sub words of its block(s)
-    row_words = code_words + scale_words
-    step_words = 2 * runs * row_words  # a lane's words of a step: rows g and g + 8
+    block_log2 = 4 if halves else 5  # (by_step: see `grouped`)
+    sub_bytes = 2 if bias else 1
+    sub_words = (runs * RUN >> block_log2) * sub_bytes // 4  # a step's sub words of a row (by_step)
+    # per row: the step's code words, then its scale word and sub words (by_step), or each run's scale and sub words
+    row_words = runs * code_words + (1 + sub_words if by_step else 2 * runs)
+    step_words = 2 * row_words  # a lane's words of a step: rows g and g + 8
     outputs = 4 * tiles  # a lane's accumulators: per token tile rows g, g + 8 x two tokens
-    scale_of, products = (_halves_scale, _halves_products) if halves else (_block_scale, _block_products)
+    products = _halves_products if halves else _block_products
 
     @cuda.jit(device=True, inline=True)
-    def load_step(w, rows, step, q, buf):
-        """This lane's words of a step (rows lo and hi, each of its runs: codes, then scale / sub words)."""
+    def load_step(w, subs, rows, step, q, buf):
+        """This lane's words of a step, rows g and g + 8 (see row_words): loads only, decoded where they are used."""
         for h in range(2):
             r = rows[h]
+            o = h * row_words
             for u in range(runs):
-                run = step * runs + u
-                o = (h * runs + u) * row_words
-                fetch(w, r, run, q, buf, o)
-                b = (RUN * run) >> w.block_log2
-                buf[o + code_words], buf[o + code_words + 1] = block_words(w, r, b)
-                if halves:
-                    buf[o + code_words + 2] = block_words(w, r, b + 1)[1]
+                fetch(w, r, step * runs + u, q, buf, o + u * code_words)
+            first = (RUN * step * runs) >> w.block_log2  # the step's first block
+            if by_step:
+                buf[o + runs * code_words] = np.uint32(w.scales[r, first >> w.group_log2])
+                for k in range(sub_words):
+                    buf[o + runs * code_words + 1 + k] = subs[r, ((first * sub_bytes) >> 2) + k]
+            else:
+                for u in range(runs):
+                    buf[o + runs * code_words + 2 * u], buf[o + runs * code_words + 2 * u + 1] = \
+                        block_words(w, r, first + u)
+
+    @cuda.jit(device=True, inline=True)
+    def sub_of(buf, o, block):
+        """The sub word (scale byte, then min byte where there are biases) of the step's block `block`, from the
+        row's sub words at buf[o:]."""
+        at = block * sub_bytes
+        return buf[o + (at >> 2)] >> np.uint32(8 * (at & 3))
+
+    @cuda.jit(device=True, inline=True)
+    def scales_of(w, buf, h, u):
+        """Row h's (0: g, 1: g + 8) scale factors of the step's run u (see _block_scale, _halves_scale)."""
+        o = h * row_words + runs * code_words
+        if not by_step:
+            return _block_scale(buf[o + 2 * u], buf[o + 2 * u + 1], w.sub_scaled, bias)
+        if halves:
+            return _halves_scale(buf[o], sub_of(buf, o + 1, 2 * u), sub_of(buf, o + 1, 2 * u + 1))
+        return _block_scale(buf[o], sub_of(buf, o + 1, u), True, bias)
 
     @jit_inlined
     def tile_run(args, j):
@@ -486,24 +519,20 @@ def _kernel(kind: str, halves: bool, bias: bool, tiles: int, parts: int):
 
     tiles_pair = _unrolled(tile_pair, tiles)
 
-    @cuda.jit(device=True, inline=True)
-    def scales_of(w, buf, o):
-        return scale_of(w, buf, o + code_words, bias)
-
     @jit_inlined
     def pair_step(args, p):
         """Runs 2p and 2p + 1 of the step in buf."""
         w, xw, xs, step, buf, acc, g, q = args
         u0, u1 = 2 * p, 2 * p + 1
-        lo0, lo1 = u0 * row_words, u1 * row_words
-        hi0, hi1 = (runs + u0) * row_words, (runs + u1) * row_words
-        frags = (fragment(buf, lo0, hi0, q), fragment(buf, lo1, hi1, q))
-        scales = ((scales_of(w, buf, lo0), scales_of(w, buf, hi0)), (scales_of(w, buf, lo1), scales_of(w, buf, hi1)))
+        frags = (fragment(buf, u0 * code_words, row_words + u0 * code_words, q),
+                 fragment(buf, u1 * code_words, row_words + u1 * code_words, q))
+        scales = ((scales_of(w, buf, 0, u0), scales_of(w, buf, 1, u0)),
+                  (scales_of(w, buf, 0, u1), scales_of(w, buf, 1, u1)))
         tiles_pair((xw, xs, step * runs + u0, frags, scales, acc, g, q), 0)
 
     pairs_step = _unrolled(pair_step, runs // 2)
 
-    def kernel(w, xw, xs, ep, n, sums):
+    def kernel(w, subs, xw, xs, ep, n, sums):
         acc = cuda.local.array(outputs, np.float32)
         buf_a = cuda.local.array(step_words, np.uint32)
         buf_b = cuda.local.array(step_words, np.uint32)
@@ -517,14 +546,14 @@ def _kernel(kind: str, halves: bool, bias: bool, tiles: int, parts: int):
         per_split = xs.shape[0] // cuda.gridDim.y // runs
         begin = cuda.blockIdx.y * per_split
         end = begin + per_split
-        load_step(w, rows, begin, q, buf_a)  # constant weights: in flight before the wait
+        load_step(w, subs, rows, begin, q, buf_a)  # constant weights: in flight before the wait
         await_grid()
         for s in range(begin, end, 2):
             if s + 1 < end:
-                load_step(w, rows, s + 1, q, buf_b)
+                load_step(w, subs, rows, s + 1, q, buf_b)
             pairs_step((w, xw, xs, s, buf_a, acc, g, q), 0)
             if s + 2 < end:
-                load_step(w, rows, s + 2, q, buf_a)
+                load_step(w, subs, rows, s + 2, q, buf_a)
             if s + 1 < end:
                 pairs_step((w, xw, xs, s + 1, buf_b, acc, g, q), 0)
         gated = ep.gate != NO_GATE
@@ -540,6 +569,6 @@ def _kernel(kind: str, halves: bool, bias: bool, tiles: int, parts: int):
                 elif t < n and r <= last:
                     put(ep, t, r, acc[4 * j + i])
 
-    kernel.__name__ = kernel.__qualname__ = (f"_mmq_{kind}{'_halves' * halves}{'_bias' * bias}"
+    kernel.__name__ = kernel.__qualname__ = (f"_mmq_{kind}{'_halves' * halves}{'_bias' * bias}{'_by_step' * by_step}"
                                              f"_tokens{TOKEN_TILE * tiles}_parts{parts}")
     return jit_bounded(kernel, MAX_WARPS * WARP, RESIDENT_WARPS // MAX_WARPS)
