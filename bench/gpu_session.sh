@@ -54,10 +54,13 @@
 #                                      --rows 1,2,4,8,17,32 at the 8B's, the 1.5B's and the 0.5B's layer shapes:
 #                                      the matvec as routed vs per-token grid rows vs the several-token kernels at
 #                                      2/4/8 tokens a block vs matmul, with errors (~6-8 min)
-#   bash bench/gpu_session.sh mvrows 8b   the mmq tests (integer tensor cores: the hardware's fragment layouts), then
-#                                      matvec_speed --rows 1,2,4,8,16,32,64 at the 8B's products only, as its step
-#                                      runs them (q+k, v, o, gate+up, down): every path's µs (mmq's too), errors, bit
-#                                      equality to the per-token path (~4-5 min, mostly compiling; no models)
+#   bash bench/gpu_session.sh mvrows 8b   matvec_speed --rows 1,2,4,8,16,32,64 at the 8B's products only, as its
+#                                      step runs them (q+k, v, o, gate+up, down): every path's µs (mmq's, x in one
+#                                      int8 part and in two, too), errors, bit equality to the per-token path (~5-7
+#                                      min, mostly compiling; no models)
+#   bash bench/gpu_session.sh mvrows mmq  the integer tensor-core products' tests on the hardware (the s8 mma fragment
+#                                      layouts, products against float64 and an exact oracle, the backend's route;
+#                                      ~2-3 min)
 #   bash bench/gpu_session.sh mvrows e2e  their end-to-end effect on Qwen2.5-1.5B's shape (the real file if its
 #                                      pieces reached /tmp, else random weights in its Q4_K_M mix, written here in
 #                                      ~1 min): the kernels of the verify forward at widths 1..32 (kernel_profile),
@@ -182,9 +185,13 @@ spec)
   ;;
 mvrows)
   if [ "${2:-}" = 8b ]; then
-    python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/kernels/test_cuda_mmq.py 2>&1 | tail -5
     python3 -m lucekv.bench.matvec_speed --rows 1,2,4,8,16,32,64 --shapes 8b --json "$OUT/matvec-rows-8b.json" 2>&1 \
       | grep -v -i warning
+    exit 0
+  fi
+  if [ "${2:-}" = mmq ]; then  # the integer tensor-core products on the hardware: fragment layouts, products, route
+    python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/kernels/test_cuda_mmq.py \
+      tests/backends/test_cuda_verify.py -k "mmq or mma or integer or few_tokens" 2>&1 | tail -8
     exit 0
   fi
   if [ "${2:-}" = e2e ]; then
