@@ -89,6 +89,20 @@ def oracle(m: PackedMatrix, x: np.ndarray, parts: int = 2) -> np.ndarray:
     return quantized_x(x, parts) @ (dense(m) - bias).T + x.astype(np.float64) @ bias.T
 
 
+def random_k_quant(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> PackedMatrix:
+    """Random blocks of Q5_K or Q3_K (as random_packed makes Q4_K's: gguf cannot quantize to them), small d."""
+    from gguf import GGML_QUANT_SIZES
+
+    from lucekv.kernels.cpu.quants import pack
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    d, at = {Q.Q5_K: ((0.01, 0.005), 0), Q.Q3_K: ((0.01,), size - 2)}[qtype]
+    fields = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+    raw[:, at:at + fields.size] = fields
+    return pack(raw, qtype, (rows, cols))
+
+
 def run_mmq(m: PackedMatrix, x: np.ndarray, parts: int = 2) -> np.ndarray:
     from lucekv.kernels.cuda import mmq
     from lucekv.kernels.cuda.packed import upload
@@ -108,10 +122,12 @@ def run_mmq(m: PackedMatrix, x: np.ndarray, parts: int = 2) -> np.ndarray:
     (Q.Q8_0, 5, 128, 2),  # q8 in 32-blocks
     (Q.Q5_1, 17, 128, 4),  # q6 in 32-blocks with a bias
     (Q.Q4_0, 16, 512, 2),  # q4 without a bias, 4 warps
+    (Q.Q5_K, 16, 256, 2),  # q6 in 32-blocks with a bias, scale words a step
+    (Q.Q3_K, 16, 256, 2),  # q6 in 16-blocks
 ], ids=lambda v: getattr(v, "name", str(v)))
 def test_mmq(qtype, rows, cols, n, parts):
     rng = np.random.default_rng(3)
-    m = random_packed(rng, qtype, rows, cols)
+    m = (random_k_quant if qtype in (Q.Q5_K, Q.Q3_K) else random_packed)(rng, qtype, rows, cols)
     x = rng.standard_normal((n, cols)).astype(np.float32)
     x[-1, 32:64] = 0  # a run of zeros: scale 0
     got = run_mmq(m, x, parts)
