@@ -17,7 +17,7 @@ import lucekv.kernels.cuda as cuda_kernels
 JIT_WRAPPERS = {"jit_kernel", "jit_bounded", "_bounded"}  # functions that compile their first argument as a kernel
 # the matvec kernels hand their block to a body (`_make_run_body`, `_make_q8_body`), which waits itself; before
 # the wait a body may only make its local arrays, clear its shared partials (`_begin`) and load weights
-PRODUCT_KERNELS = {"matvec.py:kernel"}
+PRODUCT_KERNELS = {"matvec.py:kernel", "mmq.py:kernel"}
 # what a decode product may do before the wait: allocate, load weights, clear its shared partials (and the barrier
 # after that clearing: block-local, no global memory)
 BEFORE_THE_WAIT = {"array", "_begin", "float32", "range", "load_group", "_q8_load", "syncthreads"}
@@ -81,3 +81,15 @@ def test_the_decode_products_load_only_weights_before_await_grid():
         assert names.count("await_grid") == 1, f"line {body.lineno}"
         before = set(names[: names.index("await_grid")])
         assert before <= BEFORE_THE_WAIT, f"line {body.lineno}: {sorted(before - BEFORE_THE_WAIT)} before await_grid"
+
+
+def test_the_integer_products_load_only_weights_before_await_grid():
+    """mmq's product kernel: its first step's weight words (`load_step`: codes, scale and sub words) before the wait,
+    besides making its registers."""
+    tree = ast.parse((Path(cuda_kernels.__file__).parent / "mmq.py").read_text())
+    [kernel] = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "kernel"]
+    calls = sorted((n for stmt in kernel.body for n in ast.walk(stmt) if isinstance(n, ast.Call)),
+                   key=lambda n: (n.lineno, n.col_offset))
+    names = [_call_name(c) for c in calls]
+    assert names.count("await_grid") == 1
+    assert set(names[: names.index("await_grid")]) <= {"array", "float32", "range", "min", "load_step"}
