@@ -2,7 +2,8 @@
 (the idea of llama.cpp's MMQ): a short batch (decode rows, a verify block) reads each weight once, and neither the
 weights nor x become floats before the tensor cores.
 
-- x is quantized first (`quantize`, one small launch) per token and 32-column run, in one of two precisions
+- x is quantized first (`quantize`: one small launch, a block per token, RMSNorm'd there where the products' x is)
+  per 32-column run, in one of two precisions
   (`parts`): one int8 code per column, round(x / d) with d = max|x| / 127 (llama.cpp's q8_1: ~5e-3 of a product's
   largest output against float64), or two, hi = round(x / d) and lo = round((x - d hi) / u) with u = d / 256, as the
   matvecs quantize x (`matvec._quantize_x`: 16 bits, ~1e-5; each part its own mma, their int32 sums joined as
@@ -17,16 +18,21 @@ weights nor x become floats before the tensor cores.
   columns 4q..4q+3 and 16+4q..16+4q+3 of rows g and g+8; word q of a q4 run holds exactly those columns (low
   nibbles, high nibbles), so a lane loads one word per row and run and widens its nibbles to bytes with a mask and
   a shift. q6 codes (stored + 32) rebuild their bytes from the low word and the high bits (`q6_word`), then lose
-  the 32 with a bytewise subtraction; q8 codes are signed bytes already (two words a row and run).
+  the 32 with a bytewise subtraction; q8 codes are signed bytes already (two words a row and run). A lane's load
+  is one word (a warp's: 16 bytes of each of 8 rows): staging through shared memory (16-byte cp.async) would cut the
+  L1 requests per byte, a next step.
 - Each run's int32 result (exact) is scaled by (the row's block scale x the token's run scale) into float32
   accumulators, plus the block's bias times the token's sum of x where the matrix has biases (Q4_K's mins).
-  16-column blocks (Q6_K) take two k16 mmas (`mma_s8_16816`), one per block, whose int32 sums the blocks' integer
-  sub-scales combine before the one conversion (their d is the group's). The kernels are specialized by whether the
-  matrix has biases (no branch between the mmas).
+  16-column blocks (Q6_K) take two k16 mmas (`mma_s8_16816`), one per block, whose int32 sums their sub-scales
+  combine in float32 (exact with one part) before one scaling by d (the group's) x the token's scale. The kernels
+  are specialized by kind, 16-column blocks, biases (no branch between the mmas), scale words a step (`grouped`),
+  token tiles and x's parts.
 - A block is up to MAX_WARPS warps of 16 rows each (a warp: one m tile, every token tile), all walking the same
   columns at once, so that x (1 byte a column and token, from L2) is fetched once per block and read by its other
-  warps from L1. A step is RUNS[kind] runs of every row; a warp loads its next step's words (codes, scale words)
-  into a second register buffer while it computes on this one, and its first step's before `await_grid`. Matrices
+  warps from L1. A step is RUNS[kind] runs of every row (two where many tokens leave too few registers); a warp
+  loads its next step's words (codes; the K-quants' scale word once and their sub words four bytes at a time,
+  others a scale and sub word per run) into a second register buffer while it computes on this one, and its first
+  step's before `await_grid`. Matrices
   of few row tiles split their columns over `splits` blocks (`plan`: a wave of resident blocks), whose partial sums
   a second launch adds in order (`_reduce_kernel`). Outputs go through the Epilogue (rows split, bias, residual;
   a 16-row tile is one gate/up group: a lane holds a gate row and its up row). The plan depends on the matrix's
@@ -171,8 +177,8 @@ def x_word(run, k):
 @jit_kernel
 def _quantize_kernel(x, xnorm, words, scales):
     """Block t: token t (a padding token: zeros), its runs a thread each in turn, normalized first where xnorm says
-    so (the block sums the row's squares: RMSNorm's, as `rmsnorm` computes it); two parts where `words` has rows for
-    them."""
+    so (RMSNorm as `norm.rmsnorm` defines it, the row's squares summed by this block); two parts where `words` has
+    rows for them."""
     await_grid()
     t = cuda.blockIdx.x
     runs, n_pad = scales.shape[0], scales.shape[1] // 2
