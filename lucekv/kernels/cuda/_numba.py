@@ -34,7 +34,9 @@ Compatibility shims live here and nowhere else:
 - Integer tensor cores: `mma_s8_16832` is `mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32` (operands as words of
   four int8, lowest byte first; int32 C and D), `mma_s8_16816` its k16 shape (half the operands: a 16-column block
   of its own); their twins exchange fragments as `mma_f16_16816`'s does (block-uniform control flow). `mad_s32` is
-  a * b + c in 32 bits (`mad.lo.s32`: numba's own int32 arithmetic widens to 64 bits).
+  a * b + c in 32 bits (`mad.lo.s32`: numba's own int32 arithmetic widens to 64 bits). `prefetch_l1` brings the
+  line of a 2-D array's element into L1 (`prefetch.global.L1`: no register waits for it; the simulator's does
+  nothing).
 - Asynchronous copies (sm_80+): `copy_async16` puts 16 bytes of a global matrix into shared memory without
   passing through registers (`cp.async.cg`), `copy_async_commit` closes a group of them, `copy_async_wait_all`
   / `copy_async_wait_one` wait until none / at most the latest group is still in flight; a barrier after the
@@ -316,6 +318,9 @@ if SIMULATOR:
 
     def mad_s32(a, b, c):
         return np.int32(((int(a) * int(b) + int(c) + 2**31) % 2**32) - 2**31)
+
+    def prefetch_l1(a, r, c):
+        pass
 
     @cuda.jit(device=True)
     def mma_s8_16832(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
@@ -601,6 +606,19 @@ else:
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(out, i) for i in range(4)])
 
         return codegen
+
+    @intrinsic
+    def prefetch_l1(typingctx, a, r, c):
+        """Bring the line holding a[r, c] of a 2-D global array into L1 (one prefetch.global.L1; r, c in bounds)."""
+        def codegen(context, builder, sig, args):
+            array = context.make_array(sig.args[0])(context, builder, value=args[0])
+            index = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:], strict=True)]
+            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], array, index)
+            fn = ir.FunctionType(ir.VoidType(), [ptr.type])
+            builder.call(ir.InlineAsm(fn, "prefetch.global.L1 [$0];", "l", side_effect=True), [ptr])
+            return context.get_dummy_value()
+
+        return types.none(a, r, c), codegen
 
     @intrinsic
     def mad_s32(typingctx, a, b, c):

@@ -64,6 +64,7 @@ from lucekv.kernels.cuda._numba import (
     mad_s32,
     mma_s8_16816,
     mma_s8_16832,
+    prefetch_l1,
     sm_count,
     warp_sum,
 )
@@ -525,6 +526,20 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
 
     tiles_pair = _unrolled(tile_pair, tiles)
 
+    @cuda.jit(device=True, inline=True)
+    def prefetch_x(xw, xs, step, g, q):
+        """x's words and scales of a step into L1 (the next step's, while this one computes: the loads of its B
+        fragments then wait for L1, not L2)."""
+        n_pad = xs.shape[1] // 2
+        for j in range(tiles):
+            for p in range(runs // 2):
+                c = 16 * (step * runs // 2 + p) + 4 * q
+                prefetch_l1(xw, TOKEN_TILE * j + g, c)
+                if two:
+                    prefetch_l1(xw, n_pad + TOKEN_TILE * j + g, c)
+            for u in range(runs):
+                prefetch_l1(xs, step * runs + u, 2 * TOKEN_TILE * j + 4 * q)
+
     @jit_inlined
     def pair_step(args, p):
         """Runs 2p and 2p + 1 of the step in buf."""
@@ -554,12 +569,15 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
         end = begin + per_split
         load_step(w, subs, rows, begin, q, buf_a)  # constant weights: in flight before the wait
         await_grid()
+        prefetch_x(xw, xs, begin, g, q)
         for s in range(begin, end, 2):
             if s + 1 < end:
                 load_step(w, subs, rows, s + 1, q, buf_b)
+                prefetch_x(xw, xs, s + 1, g, q)
             pairs_step((w, xw, xs, s, buf_a, acc, g, q), 0)
             if s + 2 < end:
                 load_step(w, subs, rows, s + 2, q, buf_a)
+                prefetch_x(xw, xs, s + 2, g, q)
             if s + 1 < end:
                 pairs_step((w, xw, xs, s + 1, buf_b, acc, g, q), 0)
         gated = ep.gate != NO_GATE
