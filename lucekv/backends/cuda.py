@@ -185,8 +185,9 @@ VERIFY_STEP = 4  # verify blocks are padded to a multiple of this: graphs of wid
 # take them (matvec.weight_reads), else (small ones, f32) once per token
 MATVEC_TOKEN_ROWS = 32768
 # products of 2 to this many tokens of a matrix that kernels.cuda.mmq serves run on the integer tensor cores, x in
-# mmq.PARTS int8 parts (CudaOps.takes_mmq; EngineConfig.mmq_tokens)
-MMQ_TOKENS = mmq.MAX_TOKENS
+# mmq.PARTS int8 parts (CudaOps.takes_mmq; EngineConfig.mmq_tokens). Off by default until its kernels have run on a
+# GPU (they are proven in the simulator only: `bash bench/gpu_session.sh mvrows mmq`, then `mvrows 8b`, `steps 8b`)
+MMQ_TOKENS = 0
 # a grid with this many warps per SM or more fills the GPU (an 8B model's products and attention hold 9.7 to 15.5,
 # the 0.5B's 1.7 to 8.5): see overlap_kernel_launches
 BUSY_WARPS_PER_SM = 9

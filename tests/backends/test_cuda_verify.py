@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lucekv.kernels.cuda import available, cuda
+from lucekv.kernels.cuda import available, cuda, mmq
 from lucekv.kvflash.pager import CHUNK_TOKENS
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
@@ -433,6 +433,7 @@ def test_products_of_a_few_tokens_on_the_integer_tensor_cores_agree_with_each_to
     whatever the other tokens; with mmq_tokens 0 the matvec rows / matmul route instead."""
     b = backend_of(model, use_graph=False)
     ops, lw = b.ops, b.weights.layers[0]
+    ops.mmq_tokens = mmq.MAX_TOKENS  # (off by default until measured on a GPU)
     assert all(ops.takes_mmq(w, 3) for w in (lw.w_down, lw.wo, lw.gate_up[0].matrix, lw.qkv[0].matrix))
     rng = np.random.default_rng(9)
     x = rng.standard_normal((3, b.spec.n_embd)).astype(np.float32)

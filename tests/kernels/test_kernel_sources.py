@@ -15,12 +15,15 @@ from pathlib import Path
 import lucekv.kernels.cuda as cuda_kernels
 
 JIT_WRAPPERS = {"jit_kernel", "jit_bounded", "_bounded"}  # functions that compile their first argument as a kernel
-# the matvec kernels hand their block to a body (`_make_run_body`, `_make_q8_body`), which waits itself; before
-# the wait a body may only make its local arrays, clear its shared partials (`_begin`) and load weights
-PRODUCT_KERNELS = {"matvec.py:kernel", "mmq.py:kernel"}
-# what a decode product may do before the wait: allocate, load weights, clear its shared partials (and the barrier
-# after that clearing: block-local, no global memory)
-BEFORE_THE_WAIT = {"array", "_begin", "float32", "range", "load_group", "_q8_load", "syncthreads"}
+# the decode products load their first weights before the wait: the matvec kernels and MoE's routed products hand
+# their block to a body (`_make_run_body`, `_make_q8_body`: a `stream`), which waits itself; MoE's router and mmq's
+# product kernel wait after their first weights (their names: `kernel`)
+PRODUCT_KERNELS = {"matvec.py:kernel", "mmq.py:kernel", "moe.py:kernel"}
+PRODUCT_FILES = ("matvec.py", "mmq.py", "moe.py")
+# what a decode product may do before the wait: allocate, load weights (the step's words, a router row, an
+# expert's rows), clear its shared partials (and the barrier after that clearing: block-local, no global memory)
+BEFORE_THE_WAIT = {"array", "_begin", "_clear_partials", "float32", "range", "min", "load_group", "_q8_load",
+                   "load_step", "load_row", "expert_rows", "resident_rows", "syncthreads"}
 
 
 def _is_cuda_jit(node: ast.expr) -> bool:
@@ -70,26 +73,28 @@ def _call_name(call: ast.Call) -> str:
     return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "?"
 
 
+def _own_calls(fn: ast.FunctionDef) -> list[ast.Call]:
+    """The calls of fn's statements (not its decorators, nor the functions defined inside it), in order."""
+    calls, todo = [], [s for s in fn.body if not isinstance(s, ast.FunctionDef)]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Call):
+            calls.append(node)
+        todo.extend(c for c in ast.iter_child_nodes(node) if not isinstance(c, ast.FunctionDef))
+    return sorted(calls, key=lambda n: (n.lineno, n.col_offset))
+
+
 def test_the_decode_products_load_only_weights_before_await_grid():
-    tree = ast.parse((Path(cuda_kernels.__file__).parent / "matvec.py").read_text())
-    bodies = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "body"]
-    assert len(bodies) == 3  # q4 / q6 runs, q8, several tokens
-    for body in bodies:
-        calls = sorted((n for stmt in body.body for n in ast.walk(stmt) if isinstance(n, ast.Call)),
-                       key=lambda n: (n.lineno, n.col_offset))  # the statements (not the decorator), in order
-        names = [_call_name(c) for c in calls]
-        assert names.count("await_grid") == 1, f"line {body.lineno}"
-        before = set(names[: names.index("await_grid")])
-        assert before <= BEFORE_THE_WAIT, f"line {body.lineno}: {sorted(before - BEFORE_THE_WAIT)} before await_grid"
-
-
-def test_the_integer_products_load_only_weights_before_await_grid():
-    """mmq's product kernel: its first step's weight words (`load_step`: codes, scale and sub words) before the wait,
-    besides making its registers."""
-    tree = ast.parse((Path(cuda_kernels.__file__).parent / "mmq.py").read_text())
-    [kernel] = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "kernel"]
-    calls = sorted((n for stmt in kernel.body for n in ast.walk(stmt) if isinstance(n, ast.Call)),
-                   key=lambda n: (n.lineno, n.col_offset))
-    names = [_call_name(c) for c in calls]
-    assert names.count("await_grid") == 1
-    assert set(names[: names.index("await_grid")]) <= {"array", "float32", "range", "min", "load_step"}
+    waiting = 0
+    for name in PRODUCT_FILES:
+        tree = ast.parse((Path(cuda_kernels.__file__).parent / name).read_text())
+        for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            names = [_call_name(c) for c in _own_calls(fn)]
+            if "await_grid" not in names:
+                continue
+            waiting += 1
+            assert names.count("await_grid") == 1, f"{name} line {fn.lineno}"
+            before = set(names[: names.index("await_grid")])
+            assert before <= BEFORE_THE_WAIT, f"{name} line {fn.lineno}: {sorted(before - BEFORE_THE_WAIT)} first"
+    # matvec's q4/q6 and q8 streams and its several-token body, mmq's kernel, MoE's router and prefill kernels
+    assert waiting >= 10, waiting
