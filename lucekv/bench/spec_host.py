@@ -92,7 +92,7 @@ def instant_engine(model: Path, n_ctx: int, mode_default: str = "off") -> engine
     """An Engine of `model`'s tokenizer and shape on an InstantBackend (whole contexts, one sequence's pool)."""
     original = engine_module._make_backend
 
-    def make(name, g, spec, kv_dtype, n_ctx_, kv_pool, kv_cache, max_batch, spark=None):
+    def make(name, g, spec, kv_dtype, n_ctx_, *_options):  # (the pool, batch and backend options: none apply)
         return InstantBackend(spec.vocab_size, (-(-n_ctx_ // CHUNK_TOKENS) + 1) * CHUNK_TOKENS * 2), None
 
     engine_module._make_backend = make
