@@ -271,8 +271,10 @@ class Engine:
     def _request(self, ids: list[int], params: SamplingParams, session: Session, pin_prefix: int | None, mode: str,
                  arrived: float | None, keep: float | None = None) -> Request:
         speculator = None if mode == "off" or params.max_tokens == 0 else lambda: self._speculator(mode, session)
+        paged = session.paged  # a context the residency budget holds whole pages nothing out: no tail to recall for
+        fits = paged.holds_all or len(ids) <= paged.pager.pool_tokens
         r = Request(ids, params, session, self.tokenizer, self.spec.vocab_size, pin_prefix, self._piece,
-                    0 if session.paged.holds_all else PROMPT_TAIL, speculator, keep)
+                    0 if fits else PROMPT_TAIL, speculator, keep)
         if speculator is not None and mode.startswith("dflash"):  # the session's drafter sees the target's features
             r.capture = self._session_drafter(mode, session).take_features
         r.submitted = arrived or r.submitted

@@ -88,6 +88,19 @@ def test_a_pooled_prompt_tail_is_computed_again_after_its_queries_recall_chunks(
     assert all(b < a for (_, b), (a, _) in zip(spans, spans[1:], strict=False))
 
 
+def test_a_prompt_the_pool_holds_whole_goes_without_a_tail_piece(model):
+    """Nothing is paged out of a context within the residency budget, so no chunk can be recalled for its last
+    tokens: one prefill piece (a 64-token tail piece touched every expert again on an MoE model)."""
+    engine = lucekv.load(model, backend="cpu", kv_pool=1024, kv_policy="quest")
+    calls = []
+    forward = engine.backend.forward
+    engine.backend.forward = lambda tokens, pos, *a, **kw: calls.append((int(pos[0]), len(tokens))) or forward(
+        tokens, pos, *a, **kw)
+    greedy(engine, prompt(700, seed=4), n=1)
+    assert calls == [(0, 256), (256, 256), (512, 188)]  # the CPU backend's 256-token pieces, and no (636, 64)
+    assert engine.paged.usage().page_outs == 0
+
+
 def test_decode_never_reads_a_free_or_paged_out_slot(model):
     ids = prompt(1500, seed=1)
     engine = lucekv.load(model, backend="cpu", kv_dtype="f32", kv_pool=512, kv_policy="lru")
