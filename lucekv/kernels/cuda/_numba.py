@@ -715,6 +715,21 @@ else:
         return cuda.shfl_sync(FULL_MASK, v, src)
 
 
+@cuda.jit(device=True, inline=True)
+def block_sum(v, sums):
+    """v summed over the block, for every thread (warp by warp, then the warps' sums in order); `sums` holds one value
+    per warp (shared)."""
+    v = warp_sum(v)
+    cuda.syncthreads()  # every thread has read what an earlier call left in `sums`
+    if cuda.threadIdx.x % WARP == 0:
+        sums[cuda.threadIdx.x // WARP] = v
+    cuda.syncthreads()
+    total = np.float32(0)
+    for k in range(cuda.blockDim.x // WARP):
+        total += sums[k]
+    return total
+
+
 def overlapped_launches() -> bool:
     """Whether kernels compiled for the current device take part in programmatic dependent launches (sm_90+).
     Asked through numba's dispatcher, which compiles for that device."""

@@ -52,6 +52,7 @@ import numpy as np
 from lucekv.kernels.cuda._numba import (
     WARP,
     await_grid,
+    block_sum,
     blocks,
     cuda,
     half2_floats,
@@ -66,7 +67,6 @@ from lucekv.kernels.cuda._numba import (
     mma_s8_16832,
     prefetch_l1,
     sm_count,
-    warp_sum,
 )
 from lucekv.kernels.cuda.matvec import HI_STEPS, _nearest, _pack4, _unrolled
 from lucekv.kernels.cuda.packed import (
@@ -193,14 +193,7 @@ def _quantize_kernel(x, xnorm, words, scales):
             for k in range(RUN // 4):
                 v0, v1, v2, v3 = load_f32x4(x, t, RUN * r + 4 * k)
                 ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
-        ss = warp_sum(ss)
-        if cuda.threadIdx.x % WARP == 0:
-            sums[cuda.threadIdx.x // WARP] = ss
-        cuda.syncthreads()
-        total = np.float32(0)
-        for k in range(cuda.blockDim.x // WARP):
-            total += sums[k]
-        inv_rms = np.float32(1) / math.sqrt(total / np.float32(x.shape[1]) + eps)
+        inv_rms = np.float32(1) / math.sqrt(block_sum(ss, sums) / np.float32(x.shape[1]) + eps)
     xv = cuda.local.array(RUN, np.float32)
     for r in range(cuda.threadIdx.x, runs, cuda.blockDim.x):
         if real:

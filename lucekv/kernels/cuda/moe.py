@@ -36,7 +36,17 @@ import numpy as np
 
 from lucekv.kernels.cuda import matmul as mm
 from lucekv.kernels.cuda import matvec as mv
-from lucekv.kernels.cuda._numba import WARP, await_grid, blocks, cuda, jit_bounded, jit_kernel, warp_max, warp_sum
+from lucekv.kernels.cuda._numba import (
+    WARP,
+    await_grid,
+    block_sum,
+    blocks,
+    cuda,
+    jit_bounded,
+    jit_kernel,
+    warp_max,
+    warp_sum,
+)
 from lucekv.kernels.cuda.packed import GATE_ROWS, DeviceMatrix, Quant, as_epilogue, element_decoder, epilogue, put
 
 MAX_EXPERTS = 256  # the router's top-k holds a token's logits in registers: 8 per lane
@@ -173,7 +183,7 @@ def _make_router(kind: str):
             ss = np.float32(0)
             for j in range(ROUTER_COLUMNS):
                 ss += h[j] * h[j]
-            inv = np.float32(1) / math.sqrt(_block_sum(ss, sums) / np.float32(cols) + eps)
+            inv = np.float32(1) / math.sqrt(block_sum(ss, sums) / np.float32(cols) + eps)
             for j in range(ROUTER_COLUMNS):
                 c = cuda.threadIdx.x + j * cuda.blockDim.x
                 if c < cols:
@@ -184,7 +194,7 @@ def _make_router(kind: str):
             acc = np.float32(0)
             for j in range(ROUTER_COLUMNS):
                 acc += h[j] * wv[j]
-            acc = _block_sum(acc, sums)
+            acc = block_sum(acc, sums)
             if cuda.threadIdx.x == 0:
                 logits[t, e] = acc
         cuda.threadfence()  # the logits are visible to the token's last block before it counts this one
@@ -200,20 +210,6 @@ def _make_router(kind: str):
 
     kernel.__name__ = kernel.__qualname__ = f"_route_{kind}"
     return jit_kernel(kernel)
-
-
-@cuda.jit(device=True, inline=True)
-def _block_sum(v, sums):
-    """v summed over the block, for every thread; `sums` holds one value per warp."""
-    v = warp_sum(v)
-    cuda.syncthreads()  # every thread has read what an earlier call left in `sums`
-    if cuda.threadIdx.x % WARP == 0:
-        sums[cuda.threadIdx.x // WARP] = v
-    cuda.syncthreads()
-    total = np.float32(0)
-    for k in range(cuda.blockDim.x // WARP):
-        total += sums[k]
-    return total
 
 
 @cuda.jit(device=True, inline=True)
