@@ -47,8 +47,8 @@
 #   bash bench/gpu_session.sh steps [smollm2|qwen05|8b]  lucekv bench steps in process: TTFT at 16..500 tokens,
 #                                      the decode step at 1..32 concurrent requests and the host time inside it,
 #                                      --gil-probe; peak GPU memory (~1-2 min; smollm2/qwen05 need their pieces);
-#                                      MMQ=64 before it: with --mmq-tokens 64 (the products of 2..64 tokens on the
-#                                      integer tensor cores, off by default), JSON named ...-mmq64
+#                                      MMQ=N before it: with --mmq-tokens N (0: no product on the integer
+#                                      tensor cores; default 64), JSON named ...-mmqN
 #   bash bench/gpu_session.sh mvrows   products of several tokens (verify blocks, decode rows): the tests (gpu and
 #                                      tiny-shape) of the matvec, verify and batch paths, then matvec_speed
 #                                      --rows 1,2,4,8,17,32 at the 8B's, the 1.5B's and the 0.5B's layer shapes:
@@ -328,7 +328,7 @@ steps)
   8b) M=/tmp/qwen3-8b-shape.gguf; NAME=qwen3-8b-shape
       [ -f $M ] || timeout 120 python3 .anchors/synth_gguf.py $M qwen3-8b-shape ;;
   esac
-  # MMQ=64: the products of 2..64 tokens on the integer tensor cores (--mmq-tokens 64; off by default), to compare
+  # MMQ=N: --mmq-tokens N (0: no integer tensor-core products; the default is 64), to compare
   [ -n "${MMQ:-}" ] && NAME=$NAME-mmq$MMQ
   peak_mib "$OUT/mem-steps-$NAME.txt" python3 -m lucekv.cli bench steps --model $M --backend cuda \
     --concurrency 1,2,4,8,16,32 --gil-probe --contend ${MMQ:+--mmq-tokens $MMQ} --json "$OUT/steps-$NAME.json" \

@@ -184,10 +184,13 @@ VERIFY_STEP = 4  # verify blocks are padded to a multiple of this: graphs of wid
 # even near 50K). Quantized matrices are read once per grid row of up to 8 tokens where the several-token kernels
 # take them (matvec.weight_reads), else (small ones, f32) once per token
 MATVEC_TOKEN_ROWS = 32768
-# products of 2 to this many tokens of a matrix that kernels.cuda.mmq serves run on the integer tensor cores, x in
-# mmq.PARTS int8 parts (CudaOps.takes_mmq; EngineConfig.mmq_tokens). Off by default until its kernels have run on a
-# GPU (they are proven in the simulator only: `bash bench/gpu_session.sh mvrows mmq`, then `mvrows 8b`, `steps 8b`)
-MMQ_TOKENS = 0
+# products of MMQ_MIN_TOKENS to MMQ_TOKENS tokens of a matrix that kernels.cuda.mmq serves run on the integer tensor
+# cores, x in mmq.PARTS int8 parts (CudaOps.takes_mmq; EngineConfig.mmq_tokens sets the upper end). Measured on an
+# H100, 8B shape (bench/results/h100-matvec-rows-8b-mmq.json, h100-steps-qwen3-8b-shape-mmq*.json): from 8 tokens mmq
+# wins every product (gate+up 85 vs 113 us at 8, 168 vs 426 at 32), at 4 the step as a whole (9.1 vs 11.2 ms), at 2
+# it loses (its tiles hold 8 tokens: 8.8 vs 6.5 ms), so 2 and 3 tokens stay matvec rows
+MMQ_MIN_TOKENS = 4
+MMQ_TOKENS = 64
 # a grid with this many warps per SM or more fills the GPU (an 8B model's products and attention hold 9.7 to 15.5,
 # the 0.5B's 1.7 to 8.5): see overlap_kernel_launches
 BUSY_WARPS_PER_SM = 9
@@ -597,8 +600,9 @@ class CudaOps:
 
     def _products(self, products: list[tuple[DeviceMatrix, Epilogue | AttentionInputs]], x, norm) -> None:
         """Each (W, destination) of x: for one token the decode matvecs (two matrices to a launch), normalizing x
-        themselves when `norm` is given (`_fuses_norm`); for more, up to `mmq_tokens` tokens the integer tensor-core
-        products of the matrices mmq serves (`takes_mmq`: x quantized, and normalized, once for all of them), else
+        themselves when `norm` is given (`_fuses_norm`); for more, MMQ_MIN_TOKENS to `mmq_tokens` tokens the integer
+        tensor-core products of the matrices mmq serves (`takes_mmq`: x quantized, and normalized, once for all of
+        them), else
         tensor-core matmuls (the caller has normalized x), but for a few tokens of a matrix small enough the matvecs
         (`as_matvec_rows`), which normalize x as for one."""
         n = x.shape[0]
@@ -617,10 +621,10 @@ class CudaOps:
                 self.stream, halves=lambda order: self._halves(n, x.shape[1], order))
 
     def takes_mmq(self, w: DeviceMatrix, n: int) -> bool:
-        """Whether a product of n > 1 tokens of w runs on the integer tensor cores: up to `mmq_tokens` tokens of a
-        matrix that mmq serves. It reads the weights once and, x in two int8 parts, its rows agree with each token's
-        one-token matvec within x's 16 bits (q4 / q6: to float32 rounding)."""
-        return 2 <= n <= self.mmq_tokens and mmq.serves(w, n)
+        """Whether a product of n > 1 tokens of w runs on the integer tensor cores: MMQ_MIN_TOKENS to `mmq_tokens`
+        tokens of a matrix that mmq serves. It reads the weights once and, x in two int8 parts, its rows agree with
+        each token's one-token matvec within x's 16 bits (q4 / q6: to float32 rounding)."""
+        return MMQ_MIN_TOKENS <= n <= self.mmq_tokens and mmq.serves(w, n)
 
     def _mmq_x(self, n: int, cols: int) -> mmq.QuantizedX:
         """x of n tokens quantized for mmq: scratch per shape and token count, shared by the products of a forward

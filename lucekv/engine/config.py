@@ -70,10 +70,9 @@ class EngineConfig:
                                int, group="engine")
     spark_promote: int = setting(0, "with --spark-placement: at each request's end, swap at most N placed experts for "
                                  "cold ones the traffic since selected more", int, group="engine")
-    mmq_tokens: int = setting(0, "CUDA: products of 2..N tokens (decode rows, verify blocks, short prompt pieces; N "
-                              "up to 64) on the integer tensor cores, x in 16 bits; 0 (default until measured on a "
-                              "GPU): none (the several-token matvecs and the float16 tensor-core matmul)", int,
-                              group="engine", metavar="N")
+    mmq_tokens: int = setting(64, "CUDA: products of 4..N tokens (decode rows, verify blocks, short prompt pieces; N "
+                              "up to 64) on the integer tensor cores, x in 16 bits; 0: none (the several-token "
+                              "matvecs and the float16 tensor-core matmul)", int, group="engine", metavar="N")
     step_tokens: int | None = setting(
         None, "tokens per step: the running streams' decode tokens and pieces of new prompts (a long prompt is "
         "prefilled in pieces beside the running streams); off: the backend's prefill batch (256 CPU, 512 CUDA)",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lucekv.kernels.cuda import available, cuda, mmq
+from lucekv.kernels.cuda import available, cuda
 from lucekv.kvflash.pager import CHUNK_TOKENS
 from lucekv.model.arch import ModelSpec
 from lucekv.model.gguf import open_gguf
@@ -401,7 +401,6 @@ def test_products_of_a_few_tokens_as_matvec_rows_equal_the_matmul_and_each_token
 
     b = backend_of(model, use_graph=False)
     ops, lw = b.ops, b.weights.layers[0]
-    ops.mmq_tokens = 0  # (else the integer tensor cores take these: test_products_of_a_few_tokens_on_the_integer..)
     rng = np.random.default_rng(8)
     x = rng.standard_normal((3, b.spec.n_ff if product == "down" else b.spec.n_embd)).astype(np.float32)
     residual = rng.standard_normal((3, b.spec.n_embd)).astype(np.float32)
@@ -427,24 +426,27 @@ def test_products_of_a_few_tokens_as_matvec_rows_equal_the_matmul_and_each_token
 
 @needs_kernels
 def test_products_of_a_few_tokens_on_the_integer_tensor_cores_agree_with_each_tokens_own_product(model):
-    """The backend's route for 2..mmq_tokens tokens (CudaOps.takes_mmq, x quantized once for q, k and v): each token's
-    rows within x's 16 bits of its one-token step's (x in two int8 parts; this model's q8 matvec groups x's columns
-    otherwise than runs of 32: measured 3e-5; q4 / q6 rows agree to float32 rounding, test_cuda_mmq.py), and equal
-    whatever the other tokens; with mmq_tokens 0 the matvec rows / matmul route instead."""
+    """The backend's route for MMQ_MIN_TOKENS..mmq_tokens tokens (CudaOps.takes_mmq, x quantized once for q, k and v):
+    each token's rows within x's 16 bits of its one-token step's (x in two int8 parts; this model's q8 matvec groups
+    x's columns otherwise than runs of 32: measured 3e-5; q4 / q6 rows agree to float32 rounding, test_cuda_mmq.py),
+    and equal whatever the other tokens; fewer tokens, or mmq_tokens 0, take the matvec rows / matmul route."""
+    from lucekv.backends.cuda import MMQ_MIN_TOKENS
+
     b = backend_of(model, use_graph=False)
     ops, lw = b.ops, b.weights.layers[0]
-    ops.mmq_tokens = mmq.MAX_TOKENS  # (off by default until measured on a GPU)
-    assert all(ops.takes_mmq(w, 3) for w in (lw.w_down, lw.wo, lw.gate_up[0].matrix, lw.qkv[0].matrix))
+    n = MMQ_MIN_TOKENS + 1
+    assert all(ops.takes_mmq(w, n) for w in (lw.w_down, lw.wo, lw.gate_up[0].matrix, lw.qkv[0].matrix))
+    assert not ops.takes_mmq(lw.w_down, MMQ_MIN_TOKENS - 1)
     rng = np.random.default_rng(9)
-    x = rng.standard_normal((3, b.spec.n_embd)).astype(np.float32)
+    x = rng.standard_normal((n, b.spec.n_embd)).astype(np.float32)
 
     def run(rows: slice) -> list[np.ndarray]:
         outs = ops.project(cuda.to_device(x[rows]), lw.qkv, lw.attn_norm) + [
             ops.gated_linear(cuda.to_device(x[rows]), lw.gate_up, lw.ffn_norm)]
         return [o.copy_to_host() for o in outs]
 
-    three = run(slice(0, 3))
-    assert all(rel_err(a[1:2], b1) <= 1e-4 for a, b1 in zip(three, run(slice(1, 2)), strict=True))
-    assert all(np.array_equal(a[1:3], b2) for a, b2 in zip(three, run(slice(1, 3)), strict=True))
+    every = run(slice(0, n))
+    assert all(rel_err(a[1:2], b1) <= 1e-4 for a, b1 in zip(every, run(slice(1, 2)), strict=True))
+    assert all(np.array_equal(a[1:n], b2) for a, b2 in zip(every, run(slice(1, n)), strict=True))
     ops.mmq_tokens = 0
-    assert not ops.takes_mmq(lw.w_down, 3)
+    assert not ops.takes_mmq(lw.w_down, n)

@@ -30,7 +30,7 @@ def test_a_flag_beats_its_variable_which_beats_the_default():
     engine = {f.name: getattr(config.engine, f.name) for f in settings("engine")}
     assert engine == {"backend": "auto", "kv_dtype": "f16", "kv_pool": None, "kv_policy": "auto", "kv_tau": 64,
                       "kv_drafter": "", "kv_cache": None, "max_batch": 64, "spark_placement": None, "spark_spare": 0,
-                      "spark_promote": 0, "mmq_tokens": 0, "step_tokens": None, "prefill_compression": None,
+                      "spark_promote": 0, "mmq_tokens": 64, "step_tokens": None, "prefill_compression": None,
                       "prefill_threshold": 2048, "prefill_drafter": "", "prefill_drafter_layers": 0}
 
 
@@ -71,7 +71,7 @@ ENGINE_VARIABLES = {
     "backend": ("cpu", "cpu"), "kv_dtype": ("f32", "f32"), "kv_pool": ("512", 512), "kv_policy": ("lru", "lru"),
     "kv_tau": ("8", 8), "kv_drafter": ("small", "small"), "kv_cache": ("4096", 4096), "max_batch": ("8", 8),
     "spark_placement": ("p.json", Path("p.json")), "spark_spare": ("2", 2), "spark_promote": ("1", 1),
-    "mmq_tokens": ("64", 64), "step_tokens": ("128", 128), "prefill_compression": ("0.5", 0.5),
+    "mmq_tokens": ("32", 32), "step_tokens": ("128", 128), "prefill_compression": ("0.5", 0.5),
     "prefill_threshold": ("99", 99), "prefill_drafter": ("tiny", "tiny"), "prefill_drafter_layers": ("3", 3),
     "max_queue": ("5", 5), "max_sessions": ("7", 7), "session_memory_gib": ("0.5", 0.5),
 }
