@@ -761,7 +761,9 @@ class Engine:
         return s
 
     def _draft_model(self, target, kv_dtype: str) -> DraftModel:
-        """The draft model of SpecConfig on a backend of this engine's kind, its pool one sequence's whole context."""
+        """The draft model of SpecConfig on a backend of this engine's kind, its pool one sequence's whole context,
+        prepared as the target's is (its catch-up prompt pieces and one-token steps compiled and captured now: a
+        first use inside a timed round cost the 1.5b's draft rounds 66 ms instead of ~25 on an H100)."""
         path = self.spec_config.draft_model
         g = open_gguf(path)
         check_same_vocabulary(target.metadata, g.metadata, str(path))
@@ -770,6 +772,7 @@ class Engine:
             raise ConfigError(f"draft model {path}: its context of {spec.n_ctx} tokens is shorter than the target's "
                               f"{self.n_ctx}")
         backend, _ = _make_backend(self.backend.name, g, spec, kv_dtype, self.n_ctx, None, None, 1)
+        backend.prepare(backend.prefill_chunk, 1)
         return DraftModel(backend, self.spec.vocab_size)
 
     def _dflash_model(self, target) -> DFlashModel:

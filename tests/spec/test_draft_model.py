@@ -72,6 +72,18 @@ def test_a_draft_model_with_another_vocabulary_is_refused(models, tmp_path):
         load(models[0], other)
 
 
+def test_the_draft_models_backend_is_prepared_at_engine_start(models, monkeypatch):
+    """Its prompt pieces and one-token steps compiled and captured before any request, as the target's are."""
+    from lucekv.backends.cpu import CpuBackend
+
+    prepared = []
+    monkeypatch.setattr(CpuBackend, "prepare", lambda self, step_tokens, verify_width: prepared.append(
+        (self.spec.n_embd, step_tokens, verify_width, self.prefill_chunk)))
+    engine = load(models[0], models[1])
+    draft = engine.drafters["draft"]().backend
+    assert len(prepared) == 2 and (draft.spec.n_embd, draft.prefill_chunk, 1, draft.prefill_chunk) in prepared
+
+
 @pytest.mark.slow  # CI time; the synthetic pairs above cover the drafter in the default run
 def test_smollm2_drafting_for_itself_equals_plain_greedy_for_128_tokens(model_path):
     from tests.spec.test_spec_real import assert_same_greedy, greedy
