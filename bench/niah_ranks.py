@@ -32,7 +32,7 @@ import lucekv
 from lucekv.bench import ruler
 from lucekv.bench.decode import git_commit, machine
 from lucekv.kvflash.draft import DRAFT_QUERIES, SMOOTH, first_scored_layer
-from lucekv.kvflash.links import ChunkGrams, line_breaks, link_round
+from lucekv.kvflash.links import GramIndex, line_breaks, link_round
 from lucekv.kvflash.pager import CHUNK_TOKENS
 from lucekv.kvflash.sequence import tail_chunks
 from lucekv.model.gguf import open_gguf
@@ -174,13 +174,13 @@ RULES = {"draft": rule_draft, "votes2": rule_votes, "share-max": rule_share,
          "draft+neighbours": lambda m: with_neighbours(rule_draft(m), m)}
 
 
-def ranked(m: dict, ids: list[int], protected: np.ndarray, budget: int, breaks: np.ndarray) -> dict[str, np.ndarray]:
-    """Every rule's scores, and the second rounds of the draft rule: lexical (the draft policy's, kvflash.links, with
-    the line-break tokens `breaks`) and by attention."""
+def ranked(m: dict, index: GramIndex, protected: np.ndarray, budget: int) -> dict[str, np.ndarray]:
+    """Every rule's scores, and the second rounds of the draft rule: lexical (the draft policy's, kvflash.links, on
+    the case's `index`) and by attention."""
     out = {name: rule(m) for name, rule in RULES.items()}
     cand = np.flatnonzero(~protected)
     for name in ("draft", "share-max"):
-        out[f"{name}+links"] = link_round(out[name], cand, ids, DRAFT_QUERIES, breaks, budget)
+        out[f"{name}+links"] = link_round(out[name], cand, index, DRAFT_QUERIES, budget)
     out["draft+attention-round"] = attention_round(out["draft"], m, protected)
     out["draft+attention-round/backward"] = attention_round(out["draft"], m, protected, backward_only=True)
     return out
@@ -212,11 +212,11 @@ def protected_mask(nc: int, tail: int) -> np.ndarray:
     return mask
 
 
-def lexical_ranked(ids: list[int], protected: np.ndarray, budget: int, breaks: np.ndarray) -> dict[str, np.ndarray]:
+def lexical_ranked(index: GramIndex, protected: np.ndarray, budget: int) -> dict[str, np.ndarray]:
     """Without the drafter's read: the question's links alone as the first round, and the second round after it."""
-    first = ChunkGrams(ids, len(protected)).strength(len(ids) - DRAFT_QUERIES, len(ids))
+    first = index.strength(index.n_tokens - DRAFT_QUERIES, index.n_tokens)
     return {"question": first,
-            "question+links": link_round(first, np.flatnonzero(~protected), ids, DRAFT_QUERIES, breaks, budget)}
+            "question+links": link_round(first, np.flatnonzero(~protected), index, DRAFT_QUERIES, budget)}
 
 
 def evaluate(m: dict | None, ids: list[int], needle_spans: list[tuple[int, int]], pools: list[int],
@@ -227,6 +227,8 @@ def evaluate(m: dict | None, ids: list[int], needle_spans: list[tuple[int, int]]
     nc = m["link"].shape[0] if m is not None else -(-len(ids) // CHUNK_TOKENS)
     needles = [list(range(a // CHUNK_TOKENS, (b - 1) // CHUNK_TOKENS + 1)) for a, b in needle_spans]
     out = {}
+    index = GramIndex(breaks)
+    index.extend(ids)
     for pool in pools:
         blocks = pool // CHUNK_TOKENS
         for tail in sorted({tail_chunks(blocks), 0}):
@@ -239,8 +241,7 @@ def evaluate(m: dict | None, ids: list[int], needle_spans: list[tuple[int, int]]
             row = {"recallable_blocks": budget, "needle_chunks": len({c for cs in to_recall for c in cs}),
                    "best_possible": best_possible(to_recall, budget)}
             cand = np.flatnonzero(~protected)
-            rules = ranked(m, ids, protected, budget, breaks) if m is not None else lexical_ranked(ids, protected,
-                                                                                                    budget, breaks)
+            rules = ranked(m, index, protected, budget) if m is not None else lexical_ranked(index, protected, budget)
             for name, scores in rules.items():
                 order = cand[np.argsort(-scores[cand], kind="stable")]
                 rank = {int(c): i for i, c in enumerate(order)}

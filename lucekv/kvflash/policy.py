@@ -29,7 +29,7 @@ import numpy as np
 
 from lucekv.errors import ConfigError
 from lucekv.kvflash.draft import DRAFT_QUERIES, DraftReader, DraftScorer, WithoutAttention, first_scored_layer
-from lucekv.kvflash.links import link_round
+from lucekv.kvflash.links import SequenceLinks
 from lucekv.kvflash.pager import UNSCORED, Move, Pager, scores_from_text, scores_text
 
 POLICIES = ("lru", "quest", "meankey", "draft")
@@ -275,19 +275,17 @@ class Policy:
     """A scorer and its reselect schedule: every tau_eff = max(tau, history/45) decoded tokens a reselect starts,
     scored in the background; its moves are made `reselect_lag` decoded tokens later.
 
-    With `links` (the sequence's tokens so far) every reselect has a second round (kvflash.links): first the chunks
+    With `links` (the sequence's n-gram index, kvflash.links) every reselect has a second round: first the chunks
     the latest DRAFT_QUERIES tokens (the question) name and the chains linked to their lines, then the scorer's best
-    chunk, then the chunks sharing the rarest text with the question, then the scorer's order. `breaks` (bool
-    [vocabulary], the line-break tokens) bound the lines. The draft policy has it."""
+    chunk, then the chunks sharing the rarest text with the question, then the scorer's order. The draft policy has
+    it. The index is no part of `state`: a restored policy indexes the sequence's tokens again, to the same index."""
 
-    def __init__(self, scorer: Scorer, tau: int = 64, links: Callable[[], Sequence[int]] | None = None,
-                 breaks: np.ndarray | None = None):
+    def __init__(self, scorer: Scorer, tau: int = 64, links: SequenceLinks | None = None):
         if tau <= 0:
             raise ConfigError(f"kv reselect interval tau must be positive, not {tau}")
         self.scorer = scorer
         self.tau = tau
         self.links = links
-        self.breaks = breaks
         self._decoded_since = 0
         self._pending: _PendingReselect | None = None
 
@@ -362,14 +360,21 @@ class Policy:
         sequence's tokens and the evictable chunks as they are now, as the scorer's inputs are)."""
         if self.links is None:
             return partial(self.scorer.score, inputs)
-        tokens = list(self.links()[: pager.n_tokens])
+        ticket = self.links.take(pager.n_tokens)
         protected = pager.protected_mask()
         candidates, budget = np.flatnonzero(~protected), pager.n_blocks - int(protected.sum())
-        return lambda: link_round(self.scorer.score(inputs), candidates, tokens, DRAFT_QUERIES, self.breaks, budget)
+        return lambda: self.links.round(ticket, self.scorer.score(inputs), candidates, DRAFT_QUERIES, budget)
 
     def drop_pending(self) -> None:
         """Forget a reselect under way (its chunks changed: the sequence was cut)."""
         self._pending = None
+
+    def truncate(self, n_tokens: int) -> None:
+        """The sequence was cut to n_tokens: a reselect under way is dropped, the scorer and the links cut too."""
+        self.drop_pending()
+        self.scorer.truncate(n_tokens)
+        if self.links is not None:
+            self.links.cut(n_tokens)
 
 
 def reselect_lag(history: int, tau: int) -> int:
@@ -389,7 +394,7 @@ def make_policy(name: str, n_kv_head: int, tau: int = 64, drafter: DraftReader |
     if name == "draft":
         if drafter is None or history is None:
             raise ConfigError("kv policy draft needs a drafter model (--kv-drafter)")
-        return Policy(DraftScorer(drafter, history), tau, links=history, breaks=drafter.line_breaks)
+        return Policy(DraftScorer(drafter, history), tau, links=SequenceLinks(history, drafter.line_breaks))
     scorers = {"lru": LruScorer, "quest": lambda: BoundScorer(n_kv_head),
                "meankey": lambda: MeanKeyScorer(n_kv_head)}
     if name not in scorers:

@@ -122,8 +122,7 @@ class PagedSequence:
 
     def truncate(self, n_tokens: int) -> None:
         if self.policy is not None:
-            self.policy.drop_pending()  # scored against chunks that are cut now
-            self.policy.scorer.truncate(n_tokens)
+            self.policy.truncate(n_tokens)
         self._resume = None
         cut = self.pager.truncate(n_tokens)
         for c in cut.dropped:
@@ -202,7 +201,7 @@ class PagedSequence:
         unknown). Raises ValueError when `state` is malformed."""
         p = self.pager
         if self.policy is not None:
-            self.policy.drop_pending()
+            self.policy.truncate(0)  # another sequence's tokens
         self.pager = Pager.parked(p.pool_tokens, n_tokens, p.chunk, p.sink_chunks, p.tail_chunks, p.chunk_bytes,
                                   p.blocks)
         self._resume = None
