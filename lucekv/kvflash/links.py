@@ -23,6 +23,9 @@ of the answer's needles the budget holds): the question's links alone took multi
 vartrack at 0.25 (each hop repeats only the previous hop's variable, on its own line; a variable of two tokens shares
 no 3-gram with its repeat, hence the 2-grams too); the lines took them to 0.88 and 0.80, of 0.92 and 0.85 possible.
 The first round's best went first before: on a vartrack case it was no needle, and took the block of the fourth hop.
+
+Cost (`lucekv bench links`): the n-grams are indexed as the tokens come (GramIndex), and a round's walk costs the
+chunks it visits; rebuilding the table over the whole context at each reselect cost 68 ms of CPU at 128K tokens.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from __future__ import annotations
 import heapq
 import threading
 from array import array
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from itertools import repeat
 
 import numpy as np
@@ -46,6 +50,7 @@ LINE_REACH = 32  # a matched line runs to the line breaks around the match, this
 TAIL_CHECK = 64  # tokens of the history last fed that must still be there when more come (else it is fed anew)
 _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9], np.uint64)  # n-gram hashing
 _NONE = -1  # no chunk, no position
+_UNHELD = np.iinfo(np.int32).max  # an n-gram no other chunk holds, in a search for the fewest holders
 
 
 def line_breaks(pieces: Sequence[bytes]) -> np.ndarray:
@@ -76,7 +81,8 @@ class GramIndex:
         self._held_by = np.zeros(0, np.int32)  # per id: chunks holding it
         self._holder = np.zeros((0, 2), np.int32)  # per id: the first two of them
         self._last = np.zeros(0, np.int32)  # per id: the latest (the partial chunk goes on growing)
-        self._more: dict[int, array] = {}  # per id held by 3+ chunks: the third on
+        self._more: defaultdict[int, array] = defaultdict(partial(array, "i"))  # per id held by 3+ chunks: the third on
+        self._marked = np.zeros(0, bool)  # per id: among a match's source (scratch, cleared after each)
         self._token_chunks = np.zeros(0, np.int32)  # per token id: chunks holding it
         self._token_last = np.zeros(0, np.int32)  # per token id: the latest
 
@@ -95,17 +101,17 @@ class GramIndex:
         self._line_end = _grown(self._line_end, n1)
         self._line_end[n0:n1] = False if self.breaks is None else self.breaks[new]
         self._count_tokens(new, np.arange(n0, n1) // CHUNK_TOKENS)
-        starts, gids = {}, {}
-        for n in NGRAMS:  # the n-grams ending in the new tokens
-            first = max(0, n0 - n + 1)
-            starts[n] = np.arange(first, max(first, n1 - n + 1))
-            gids[n] = self._ids_for(_hash(self._ids[first:n1].astype(np.uint64), n))
+        first = {n: max(0, n0 - n + 1) for n in NGRAMS}  # the n-grams ending in the new tokens start here
+        hashes = [_hash(self._ids[first[n] : n1].astype(np.uint64), n) for n in NGRAMS]
+        gids = np.split(self._ids_for(np.concatenate(hashes)), np.cumsum([len(h) for h in hashes])[:-1])
+        starts = [np.arange(first[n], first[n] + len(h)) for n, h in zip(NGRAMS, hashes, strict=True)]
+        for n, at, g in zip(NGRAMS, starts, gids, strict=True):
             self._gid[n] = _grown(self._gid[n], n1)
-            self._gid[n][starts[n]] = gids[n]
+            self._gid[n][at] = g
         self.n_tokens = n1
-        inside = [(s // CHUNK_TOKENS == (s + n - 1) // CHUNK_TOKENS) for n, s in starts.items()]
-        self._add_holders(np.concatenate([gids[n][i] for n, i in zip(NGRAMS, inside, strict=True)]),
-                          np.concatenate([starts[n][i] // CHUNK_TOKENS for n, i in zip(NGRAMS, inside, strict=True)]))
+        inside = [at // CHUNK_TOKENS == (at + n - 1) // CHUNK_TOKENS for n, at in zip(NGRAMS, starts, strict=True)]
+        self._add_holders(np.concatenate([g[i] for g, i in zip(gids, inside, strict=True)]),
+                          np.concatenate([at[i] // CHUNK_TOKENS for at, i in zip(starts, inside, strict=True)]))
 
     def cut(self, n_tokens: int) -> None:
         """Keep the first n_tokens (indexed again: a cut is rare, a step of a session rewound)."""
@@ -118,20 +124,25 @@ class GramIndex:
         """float64 [n_chunks]: per chunk, the rarity of the n-grams it shares with tokens[start:end], summed (with
         `pairs_only`, of those no third chunk holds and that hold a token at most RARE_TOKEN_CHUNKS chunks hold); the
         span's own chunks 0."""
-        gids, at, size = self._span(start, end)
-        held = self._held_by[gids]
-        keep = held == 2 if pairs_only else held > 1
-        if pairs_only:
-            keep[keep] = self._rare(at[keep], size[keep])
-        gids, held = gids[keep], held[keep]
-        if pairs_only or not len(gids):
-            holders, counts = self._holder[gids].ravel(), np.full(len(gids), 2)
-        else:
+        if pairs_only:  # each weighs log(n_chunks / 2): their order is no matter
+            gids = self._span(start, end)
+            tokens_rare = self._token_chunks[self._ids[start:end]] <= RARE_TOKEN_CHUNKS
+            rare = np.concatenate([_any_of(tokens_rare, n)[: len(g)] for n, g in zip(NGRAMS, gids, strict=True)])
+            gids = np.concatenate(gids)
+            gids = np.sort(gids[rare & (self._held_by[gids] == 2)])
+            gids = gids[_run_starts(gids)]
+            holders, held = self._holder[gids].ravel(), np.full(len(gids), 2)
+        else:  # summed in their hashes' order, whatever the ids
+            gids = np.concatenate(self._span(start, end))
+            order = np.argsort(self._hash[gids])
+            gids = gids[order][_run_starts(self._hash[gids][order])]
+            gids = gids[self._held_by[gids] > 1]
+            held = self._held_by[gids]
             lists = [self._holder[g] if h == 2 else np.r_[self._holder[g], self._more[g]]
                      for g, h in zip(gids.tolist(), held.tolist(), strict=True)]
-            holders, counts = np.concatenate(lists), held
+            holders = np.concatenate(lists) if lists else np.zeros(0, np.int32)
         rarity = np.log(self.n_chunks / held)
-        out = np.bincount(holders, weights=np.repeat(rarity, counts), minlength=self.n_chunks).astype(np.float64)
+        out = np.bincount(holders, weights=np.repeat(rarity, held), minlength=self.n_chunks).astype(np.float64)
         out[start // CHUNK_TOKENS : -(-end // CHUNK_TOKENS)] = 0
         return out
 
@@ -139,7 +150,7 @@ class GramIndex:
         """int64 [len(chunks), 2]: per chunk, the line [start, end) around the rarest n-gram it shares with
         tokens[start:end] (`line`; the first of equals, the shorter n-gram of equals), or _NONE twice if it shares
         none."""
-        first = self._matches(np.asarray(chunks, np.int64), np.sort(self._span(start, end)[0]))
+        first = self._matches(np.asarray(chunks, np.int64), np.concatenate(self._span(start, end)))
         out = np.full((len(first), 2), _NONE, np.int64)
         found = first[:, 0] >= 0
         out[found] = self._lines(first[found, 0], first[found, 1])
@@ -189,53 +200,40 @@ class GramIndex:
         rank = self._held_by[gid] + np.arange(len(gid)) - np.repeat(starts, counts)
         for r in (0, 1):
             self._holder[gid[rank == r], r] = chunk[rank == r]
-        more = np.flatnonzero(rank >= 2)
-        if len(more):  # per n-gram, its chunks from the third on: one extend each
-            cut = np.flatnonzero(_run_starts(gid[more])).tolist()
-            held, new_gids = chunk[more].tolist(), gid[more][cut].tolist()
-            for g, a, b in zip(new_gids, cut, [*cut[1:], len(held)], strict=True):
-                self._more.setdefault(g, array("i")).extend(held[a:b])
+        more = rank >= 2  # per n-gram, its chunks from the third on: one extend each, in C loops
+        runs = np.flatnonzero(_run_starts(gid[more])).tolist()
+        held = chunk[more].tolist()
+        arrays = map(self._more.__getitem__, gid[more][runs].tolist())
+        deque(map(array.extend, arrays, map(held.__getitem__, map(slice, runs, [*runs[1:], len(held)]))), maxlen=0)
         self._held_by[gid[starts]] += counts.astype(np.int32)
         self._last[gid[starts + counts - 1]] = chunk[starts + counts - 1]
 
     # ---- reading ----------------------------------------------------------------------------------------------
 
-    def _span(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The distinct n-grams of tokens[start:end], in hash order: (ids, where one starts, its size)."""
-        at = [np.arange(start, max(start, end - n + 1)) for n in NGRAMS]
-        gids = np.concatenate([self._gid[n][a] for n, a in zip(NGRAMS, at, strict=True)])
-        order = np.argsort(self._hash[gids])  # n-grams of one hash are the same tokens: any one will do
-        first = order[_run_starts(self._hash[gids][order])]
-        size = np.repeat(NGRAMS, [len(a) for a in at])
-        return gids[first], np.concatenate(at)[first], size[first]
-
-    def _rare(self, at: np.ndarray, size: np.ndarray) -> np.ndarray:
-        """Whether the n-grams starting at `at` of `size` tokens hold a token at most RARE_TOKEN_CHUNKS chunks hold."""
-        offsets = np.arange(max(NGRAMS))
-        held = self._token_chunks[self._ids[np.minimum(at[:, None] + offsets, self.n_tokens - 1)]]
-        return np.where(offsets < size[:, None], held, RARE_TOKEN_CHUNKS + 1).min(axis=1) <= RARE_TOKEN_CHUNKS
+    def _span(self, start: int, end: int) -> list[np.ndarray]:
+        """Per size, the ids of the n-grams of tokens[start:end] (views)."""
+        return [self._gid[n][start : max(start, end - n + 1)] for n in NGRAMS]
 
     def _matches(self, chunks: np.ndarray, source: np.ndarray) -> np.ndarray:
         """int64 [len(chunks), 2]: per chunk, the first and last token of the rarest n-gram it holds whole among
-        the ids `source` (sorted) that another chunk holds too: the first of equals, the shorter of equals; or
-        _NONE twice."""
-        best = np.full(len(chunks), -np.inf)
+        the ids `source` that another chunk holds too: the first of equals, the shorter of equals; or _NONE twice."""
+        self._marked = _grown(self._marked, self._n_ids)
+        self._marked[source] = True
+        fewest = np.full(len(chunks), _UNHELD)  # chunks holding it: the rarest is held by fewest
         out = np.full((len(chunks), 2), _NONE, np.int64)
-        if len(source) == 0:
-            return out
         for n in NGRAMS:
             at = chunks[:, None] * CHUNK_TOKENS + np.arange(CHUNK_TOKENS - n + 1)
             valid = at <= self.n_tokens - n
             gids = self._gid[n][np.where(valid, at, 0)]
-            held = self._held_by[gids]
-            known = valid & (held > 1) & (source[np.minimum(np.searchsorted(source, gids), len(source) - 1)] == gids)
-            rarity = np.where(known, np.log(self.n_chunks / np.maximum(held, 1)), -np.inf)
-            i = np.argmax(rarity, axis=1)
-            r = rarity[np.arange(len(chunks)), i]
-            better = r > best
-            best[better] = r[better]
+            held = np.where(valid & self._marked[gids], self._held_by[gids], 0)
+            held[held < 2] = _UNHELD
+            i = np.argmin(held, axis=1)
+            h = held[np.arange(len(chunks)), i]
+            better = h < fewest
+            fewest[better] = h[better]
             out[better, 0] = at[better, i[better]]
             out[better, 1] = out[better, 0] + n - 1
+        self._marked[source] = False
         return out
 
     def _lines(self, first: np.ndarray, last: np.ndarray) -> np.ndarray:
@@ -439,6 +437,14 @@ def _pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     pairs = pairs[_run_starts(pairs)]
     a = pairs >> 32
     return a, pairs & 0xFFFFFFFF, np.flatnonzero(_run_starts(a))
+
+
+def _any_of(flags: np.ndarray, n: int) -> np.ndarray:
+    """bool [len(flags) - n + 1]: whether any of each n consecutive flags is set."""
+    out = flags[: max(0, len(flags) - n + 1)].copy()
+    for i in range(1, n):
+        out |= flags[i : i + len(out)]
+    return out
 
 
 def _run_starts(sorted_values: np.ndarray) -> np.ndarray:
