@@ -439,8 +439,11 @@ class SequenceLinks:
         self._taken = self._applied = 0  # changes handed over, and applied to the index
 
     def take(self, n_tokens: int) -> int:
-        """Hand over the history's tokens up to n_tokens; returns the ticket `round` reads the index at."""
+        """Hand over the history's tokens up to n_tokens; returns the ticket `round` reads the index at. Raises
+        ValueError if the history holds fewer."""
         history = self.history()
+        if len(history) < n_tokens:
+            raise ValueError(f"the sequence's history holds {len(history)} tokens, not the {n_tokens} scored")
         if n_tokens < self._fed or list(history[self._fed - len(self._tail) : self._fed]) != self._tail:
             self.cut(0)  # the history changed but by growing, and no cut said so: index it anew
         tokens = list(history[self._fed : n_tokens])

@@ -247,6 +247,8 @@ def test_sequence_links_read_the_history_as_each_round_took_it():
     def fresh(n_tokens: int) -> np.ndarray:
         return link_round(scores[: -(-n_tokens // 64)], candidates, indexed(history[:n_tokens], BREAKS), 16, 6)
 
+    with pytest.raises(ValueError, match="holds 1920 tokens"):
+        links.take(30 * 64 + 1)
     first = links.take(30 * 64)
     history.extend(ids[30 * 64 :])
     expected = fresh(30 * 64)
