@@ -25,8 +25,8 @@ no 3-gram with its repeat, hence the 2-grams too); the lines took them to 0.88 a
 The first round's best went first before: on a vartrack case it was no needle, and took the block of the fourth hop.
 
 Cost (`lucekv bench links`): the n-grams are indexed as the tokens come (GramIndex), and a round's walk costs the
-chunks it visits: 3.1 ms of CPU a reselect at 128K tokens, where rebuilding the table over the whole context at
-each cost 57 ms.
+chunks it visits: 3.2 ms of CPU a reselect at 128K tokens, where rebuilding the table over the whole context at
+each cost 54 ms.
 """
 
 from __future__ import annotations
