@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from lucekv.cli import main
 from lucekv.model.synth import write_synthetic_gguf
 
@@ -27,4 +29,5 @@ def test_niah_runs_pflash_beside_the_full_cache(tmp_path):
     assert all(c["prefilled_tokens"] == 800 and "kept_tokens" not in c for c in full["cases"])
     line = result["summary"][1]
     assert line["policy"] == "pflash" and line["kept_share"] == 0.52
-    assert line["ttft_speedup"] == round(line["full_ttft_median_s"] / line["ttft_median_s"], 2)
+    # (the speedup is of the unrounded medians: the summary's 4-decimal medians agree within its rounding)
+    assert line["ttft_speedup"] == pytest.approx(line["full_ttft_median_s"] / line["ttft_median_s"], abs=0.015)
