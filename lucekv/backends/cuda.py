@@ -602,9 +602,8 @@ class CudaOps:
         """Each (W, destination) of x: for one token the decode matvecs (two matrices to a launch), normalizing x
         themselves when `norm` is given (`_fuses_norm`); for more, MMQ_MIN_TOKENS to `mmq_tokens` tokens the integer
         tensor-core products of the matrices mmq serves (`takes_mmq`: x quantized, and normalized, once for all of
-        them), else
-        tensor-core matmuls (the caller has normalized x), but for a few tokens of a matrix small enough the matvecs
-        (`as_matvec_rows`), which normalize x as for one."""
+        them), else tensor-core matmuls (the caller has normalized x), but for a few tokens of a matrix small enough
+        the matvecs (`as_matvec_rows`), which normalize x as for one."""
         n = x.shape[0]
         rows = [(w, ep) for w, ep in products if n == 1 or self.as_matvec_rows(w, n)]
         if rows:

@@ -762,8 +762,9 @@ class Engine:
 
     def _draft_model(self, target, kv_dtype: str) -> DraftModel:
         """The draft model of SpecConfig on a backend of this engine's kind, its pool one sequence's whole context,
-        prepared as the target's is (its catch-up prompt pieces and one-token steps compiled and captured now: a
-        first use inside a timed round cost the 1.5b's draft rounds 66 ms instead of ~25 on an H100)."""
+        prepared as the target's is (its catch-up prompt pieces and one-token steps compiled and captured now, not
+        inside a request's rounds: on an H100 the 1.5b's draft rounds took 66 ms of host time unprepared, ~25 before
+        the prefill graphs)."""
         path = self.spec_config.draft_model
         g = open_gguf(path)
         check_same_vocabulary(target.metadata, g.metadata, str(path))
