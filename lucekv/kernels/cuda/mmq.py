@@ -28,17 +28,20 @@ weights nor x become floats before the tensor cores.
   are specialized by kind, 16-column blocks, biases (no branch between the mmas), scale words a step (`grouped`),
   token tiles and x's parts.
 - A block is up to MAX_WARPS warps of 16 rows each (a warp: one m tile, every token tile), all walking the same
-  columns at once, so that x (1 byte a column and token, from L2) is fetched once per block and read by its other
-  warps from L1. A step is RUNS[kind] runs of every row (two where many tokens leave too few registers); a warp
-  loads its next step's words (codes; the K-quants' scale word once and their sub words four bytes at a time,
-  others a scale and sub word per run) into a second register buffer while it computes on this one, and its first
-  step's before `await_grid`. Matrices
+  columns in step: the block copies each step of x (words and scales, from L2) into shared memory once
+  (`cp.async`, 16 bytes a thread, the next step's while this one computes; a barrier a step), where its warps read
+  their B fragments and scales 16 bytes a lane without bank conflicts. Read from global memory, every warp's loads
+  of x (and its prefetches of the next step's into L1) touched 8 lines a request, as many L1 requests as the
+  weights' at 8 tokens and 5x theirs at 64: the cost that grew with the tokens. A step is RUNS[kind] runs of every
+  row (two where many tokens leave too few registers); a warp loads its next step's words (codes; the K-quants'
+  scale word once and their sub words four bytes at a time, others a scale and sub word per run) into a second
+  register buffer while it computes on this one, and its first step's before `await_grid`. Matrices
   of few row tiles split their columns over `splits` blocks (`plan`: a wave of resident blocks), whose partial sums
   a second launch adds in order (`_reduce_kernel`). Outputs go through the Epilogue (rows split, bias, residual;
   a 16-row tile is one gate/up group: a lane holds a gate row and its up row). The plan depends on the matrix's
   shape only, never on n: a token's outputs are the same sums in the same order whatever the other tokens, bit for
   bit.
-- Weights stream once per product; x (1 or 2 bytes a column and token) is read by every row tile, from L2.
+- Weights stream once per product; x (1 or 2 bytes a column and token) is read by every block, from L2.
 """
 
 from __future__ import annotations
@@ -50,22 +53,26 @@ from typing import NamedTuple
 import numpy as np
 
 from lucekv.kernels.cuda._numba import (
+    ALIGN_16,
     WARP,
     await_grid,
     block_sum,
     blocks,
+    copy_async16,
+    copy_async_commit,
+    copy_async_wait_all,
+    copy_async_wait_one,
     cuda,
     half2_floats,
     jit_bounded,
     jit_inlined,
     jit_kernel,
     load1,
+    load4,
     load_f32x4,
-    load_u32x4_coherent,
     mad_s32,
     mma_s8_16816,
     mma_s8_16832,
-    prefetch_l1,
     sm_count,
 )
 from lucekv.kernels.cuda.matvec import HI_STEPS, _nearest, _pack4, _unrolled
@@ -499,57 +506,85 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
             return _halves_scale(buf[o], sub_of(buf, o + 1, 2 * u), sub_of(buf, o + 1, 2 * u + 1))
         return _block_scale(buf[o], sub_of(buf, o + 1, u), True, bias)
 
+    n_pad = TOKEN_TILE * tiles
+    pairs = runs // 2
+    # a step of x in shared memory, per buffer: words [part, pair, token, 16] (a token's pair of runs: lane q's B
+    # words of both at 4q, so that a warp's 16-byte reads of 8 tokens cover the 32 banks twice, without conflicts),
+    # then scales [run, 2 n_pad] (as QuantizedX.scales' rows)
+    x_words = parts * pairs * n_pad * 16
+    x_scales = runs * 2 * n_pad
+    lo_words = pairs * n_pad * 16  # where the lo part's words begin
+    x_sizes = (2 * x_words, 2 * x_scales)  # both buffers
+
+    @cuda.jit(device=True, inline=True)
+    def shared_x():
+        return (cuda.shared.array(x_sizes[0], np.uint32, alignment=ALIGN_16),
+                cuda.shared.array(x_sizes[1], np.float32, alignment=ALIGN_16))
+
+    @cuda.jit(device=True, inline=True)
+    def stage_x(xw, xs, step, b, xw_s, xs_s):
+        """Start copying a step of x (its words and scales) into buffer b, 16 bytes a thread in turn; one group."""
+        for i in range(cuda.threadIdx.x, x_words // 4, cuda.blockDim.x):
+            t, pp = (i >> 2) % n_pad, (i >> 2) // n_pad  # (token, part x pairs + pair) of the 4 words at 4i
+            copy_async16(xw_s, b * x_words + 4 * i, xw, (pp // pairs) * n_pad + t,
+                         16 * (step * pairs + pp % pairs) + 4 * (i & 3))
+        for i in range(cuda.threadIdx.x, x_scales // 4, cuda.blockDim.x):
+            copy_async16(xs_s, b * x_scales + 4 * i, xs, step * runs + i // (n_pad // 2), 4 * (i % (n_pad // 2)))
+        copy_async_commit()
+
     @jit_inlined
     def tile_run(args, j):
-        """Token tile j's products of one run: acc[4j..4j+3] (row g tokens 2q, 2q + 1, row g + 8 the same)."""
-        a, xh, xl, xs, run, lo, hi, acc, q = args
-        d0, neg0, d1, neg1 = load_f32x4(xs, run, 2 * TOKEN_TILE * j + 4 * q)
+        """Token tile j's products of the step's run u: acc[4j..4j+3] (row g tokens 2q, 2q + 1, row g + 8 the
+        same)."""
+        a, xh, xl, xs_s, at, lo, hi, acc, q = args
+        d0, neg0, d1, neg1 = load4(xs_s, at + 2 * TOKEN_TILE * j + 4 * q)
         products(a, xh, xl, lo, hi, d0, neg0, d1, neg1, acc, j, bias, two)
 
     @jit_inlined
     def tile_pair(args, j):
-        """Token tile j's products of runs 2p and 2p + 1 (one load of this lane's B words of both, per part of x)."""
-        xw, xs, run, frags, scales, acc, g, q = args
-        t, c = TOKEN_TILE * j + g, 16 * (run >> 1) + 4 * q
-        b0, b1, b2, b3 = load_u32x4_coherent(xw, t, c)
-        l0, l1, l2, l3 = load_u32x4_coherent(xw, xs.shape[1] // 2 + t, c) if two else (b0, b1, b2, b3)
+        """Token tile j's products of the step's runs 2p and 2p + 1 (one 16-byte read of this lane's B words of
+        both, per part of x, from the staged step at b)."""
+        xw_s, xs_s, b, p, frags, scales, acc, g, q = args
+        at = b * x_words + (p * n_pad + TOKEN_TILE * j + g) * 16 + 4 * q
+        b0, b1, b2, b3 = load4(xw_s, at)
+        l0, l1, l2, l3 = load4(xw_s, at + lo_words) if two else (b0, b1, b2, b3)
         (lo0, hi0), (lo1, hi1) = scales
-        tile_run((frags[0], (b0, b1), (l0, l1), xs, run, lo0, hi0, acc, q), j)
-        tile_run((frags[1], (b2, b3), (l2, l3), xs, run + 1, lo1, hi1, acc, q), j)
+        s_at = b * x_scales + 2 * p * 2 * n_pad
+        tile_run((frags[0], (b0, b1), (l0, l1), xs_s, s_at, lo0, hi0, acc, q), j)
+        tile_run((frags[1], (b2, b3), (l2, l3), xs_s, s_at + 2 * n_pad, lo1, hi1, acc, q), j)
 
     tiles_pair = _unrolled(tile_pair, tiles)
 
-    @cuda.jit(device=True, inline=True)
-    def prefetch_x(xw, xs, step, g, q):
-        """x's words and scales of a step into L1 (the next step's, while this one computes: the loads of its B
-        fragments then wait for L1, not L2)."""
-        n_pad = xs.shape[1] // 2
-        for j in range(tiles):
-            for p in range(runs // 2):
-                c = 16 * (step * runs // 2 + p) + 4 * q
-                prefetch_l1(xw, TOKEN_TILE * j + g, c)
-                if two:
-                    prefetch_l1(xw, n_pad + TOKEN_TILE * j + g, c)
-            for u in range(runs):
-                prefetch_l1(xs, step * runs + u, 2 * TOKEN_TILE * j + 4 * q)
-
     @jit_inlined
     def pair_step(args, p):
-        """Runs 2p and 2p + 1 of the step in buf."""
-        w, xw, xs, step, buf, acc, g, q = args
+        """Runs 2p and 2p + 1 of the step whose weights are in buf, its x in shared buffer b."""
+        w, xw_s, xs_s, b, buf, acc, g, q = args
         u0, u1 = 2 * p, 2 * p + 1
         frags = (fragment(buf, u0 * code_words, row_words + u0 * code_words, q),
                  fragment(buf, u1 * code_words, row_words + u1 * code_words, q))
         scales = ((scales_of(w, buf, 0, u0), scales_of(w, buf, 1, u0)),
                   (scales_of(w, buf, 0, u1), scales_of(w, buf, 1, u1)))
-        tiles_pair((xw, xs, step * runs + u0, frags, scales, acc, g, q), 0)
+        tiles_pair((xw_s, xs_s, b, p, frags, scales, acc, g, q), 0)
 
-    pairs_step = _unrolled(pair_step, runs // 2)
+    pairs_step = _unrolled(pair_step, pairs)
+
+    @cuda.jit(device=True, inline=True)
+    def next_step(w, subs, rows, q, buf, xw, xs, s, end, b, xw_s, xs_s):
+        """Step s's weights into buf and its x into shared buffer b where s < end (the step before's copies of x
+        then waited for), else the last copies of x waited for; a barrier (the step before's x staged for all)."""
+        if s < end:
+            load_step(w, subs, rows, s, q, buf)
+            stage_x(xw, xs, s, b, xw_s, xs_s)
+            copy_async_wait_one()
+        else:
+            copy_async_wait_all()
+        cuda.syncthreads()
 
     def kernel(w, subs, xw, xs, ep, n, sums):
         acc = cuda.local.array(outputs, np.float32)
         buf_a = cuda.local.array(step_words, np.uint32)
         buf_b = cuda.local.array(step_words, np.uint32)
+        xw_s, xs_s = shared_x()
         for i in range(outputs):
             acc[i] = np.float32(0)
         lane = cuda.threadIdx.x % WARP
@@ -562,17 +597,17 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
         end = begin + per_split
         load_step(w, subs, rows, begin, q, buf_a)  # constant weights: in flight before the wait
         await_grid()
-        prefetch_x(xw, xs, begin, g, q)
+        stage_x(xw, xs, begin, 0, xw_s, xs_s)
+        # even steps: weights in buf_a, x in buffer 0; odd: buf_b, 1. Each step's weights and x are in flight while
+        # the step before computes; a barrier after a step's products keeps its buffer until every warp is done
         for s in range(begin, end, 2):
+            next_step(w, subs, rows, q, buf_b, xw, xs, s + 1, end, 1, xw_s, xs_s)
+            pairs_step((w, xw_s, xs_s, 0, buf_a, acc, g, q), 0)
+            cuda.syncthreads()
             if s + 1 < end:
-                load_step(w, subs, rows, s + 1, q, buf_b)
-                prefetch_x(xw, xs, s + 1, g, q)
-            pairs_step((w, xw, xs, s, buf_a, acc, g, q), 0)
-            if s + 2 < end:
-                load_step(w, subs, rows, s + 2, q, buf_a)
-                prefetch_x(xw, xs, s + 2, g, q)
-            if s + 1 < end:
-                pairs_step((w, xw, xs, s + 1, buf_b, acc, g, q), 0)
+                next_step(w, subs, rows, q, buf_a, xw, xs, s + 2, end, 0, xw_s, xs_s)
+                pairs_step((w, xw_s, xs_s, 1, buf_b, acc, g, q), 0)
+                cuda.syncthreads()
         gated = ep.gate != NO_GATE
         for j in range(tiles):
             for i in range(4):
