@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from lucekv.kernels.cpu.quants import PackedMatrix
 from lucekv.kernels.cuda import available, cuda
 from lucekv.kernels.cuda._numba import mma_s8_16816, mma_s8_16832
+from lucekv.kernels.cuda.mmq import MAGIC, _joined
 from tests.kernels.cuda_sim import needs_kernels, run_in_simulator
 from tests.kernels.test_cuda_kernels import dense, random_packed, rel_err
 
@@ -63,6 +64,27 @@ def test_mma_s8_fragment_layouts():
     for got, d in [(d_frag, a @ b + c), (d16_frag, a[:, :16] @ b[:16] + c)]:  # k16: a0, a1 and b0 are its k 0..15
         ref = np.stack([d[g, k], d[g, k + 1], d[g + 8, k], d[g + 8, k + 1]], axis=1)
         assert np.array_equal(got.copy_to_host(), ref)
+
+
+@cuda.jit
+def _joined_kernel(hi, lo, two, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = _joined(hi[i] + MAGIC, lo[i] + MAGIC, two)
+
+
+@needs_kernels
+def test_sums_become_the_floats_a_conversion_of_their_join_rounds_to():
+    """The parts' sums (mma results with C = MAGIC) to float32 without a conversion instruction: 256 hi + lo rounded
+    once, as cvt.rn.f32.s32 of the int32 join (numpy's conversion) rounds it, beyond 2^24 too; hi alone for one part."""
+    rng = np.random.default_rng(11)
+    hi = rng.integers(-2**21, 2**21, 256).astype(np.int32)
+    lo = rng.integers(-2**21, 2**21, 256).astype(np.int32)
+    hi[:4], lo[:4] = [2**16 + 1, -(2**16) - 1, 0, 5], [1, -1, 3, -7]  # 2^24 + 257: a tie-free rounding; exact ones
+    for two, want in [(True, (hi.astype(np.int64) * 256 + lo).astype(np.float32)), (False, hi.astype(np.float32))]:
+        out = cuda.device_array(hi.size, np.float32)
+        _joined_kernel[1, 256](cuda.to_device(hi), cuda.to_device(lo), two, out)
+        assert np.array_equal(out.copy_to_host(), want)
 
 
 # ---- products --------------------------------------------------------------------------------------------

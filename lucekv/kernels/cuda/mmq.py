@@ -21,12 +21,15 @@ weights nor x become floats before the tensor cores.
   the 32 with a bytewise subtraction; q8 codes are signed bytes already (two words a row and run). A lane's load
   is one word (a warp's: 16 bytes of each of 8 rows): staging through shared memory (16-byte cp.async) would cut the
   L1 requests per byte, a next step.
-- Each run's int32 result (exact) is scaled by (the row's block scale x the token's run scale) into float32
-  accumulators, plus the block's bias times the token's sum of x where the matrix has biases (Q4_K's mins).
-  16-column blocks (Q6_K) take two k16 mmas (`mma_s8_16816`), one per block, whose int32 sums their sub-scales
-  combine in float32 (exact with one part) before one scaling by d (the group's) x the token's scale. The kernels
-  are specialized by kind, 16-column blocks, biases (no branch between the mmas), scale words a step (`grouped`),
-  token tiles and x's parts.
+- Each run's result (exact) is scaled by (the row's block scale x the token's run scale) into float32
+  accumulators: the mmas start from C = MAGIC, so that a part's int32 sum is the bits of a float from which one
+  subtraction leaves the sum (`_exact`), and the parts join in float32, rounded once as a conversion of their int32
+  join would be (`_joined`): no conversion instruction (a quarter of the FMA pipe's rate, four a token tile and run,
+  the most of any unit's work at many tokens), plus the block's bias times the token's sum of x where the matrix
+  has biases (Q4_K's mins). 16-column blocks (Q6_K) take two k16 mmas (`mma_s8_16816`), one per block, whose
+  sums their sub-scales combine in float32 (exact with one part) before one scaling by d (the group's) x the
+  token's scale. The kernels are specialized by kind, 16-column blocks, biases (no branch between the mmas), scale
+  words a step (`grouped`), token tiles and x's parts.
 - A block is up to MAX_WARPS warps of 16 rows each (a warp: one m tile, every token tile), all walking the same
   columns in step: the block copies each step of x (words and scales, from L2) into shared memory once
   (`cp.async`, 16 bytes a thread, the next step's while this one computes; a barrier a step), where its warps read
@@ -56,6 +59,7 @@ from lucekv.kernels.cuda._numba import (
     ALIGN_16,
     WARP,
     await_grid,
+    bits_f32,
     block_sum,
     blocks,
     copy_async16,
@@ -70,7 +74,6 @@ from lucekv.kernels.cuda._numba import (
     load1,
     load4,
     load_f32x4,
-    mad_s32,
     mma_s8_16816,
     mma_s8_16832,
     sm_count,
@@ -103,6 +106,8 @@ REDUCE_THREADS = 128
 LOW_NIBBLES = np.uint32(0x0F0F0F0F)
 SIGN_BITS = np.uint32(0x80808080)
 Q6_BYTES = np.uint32(0x20202020)  # Q6_OFFSET in each byte
+MAGIC = np.int32(0x4B400000)  # the bits of 1.5 * 2^23: C of the mmas, whose sums of a part and run stay below 2^22
+MAGIC_FLOAT = np.float32(12582912.0)
 
 
 class QuantizedX(NamedTuple):
@@ -396,40 +401,52 @@ def _halves_scale(scale_word, sub0, sub1):
 
 
 @cuda.jit(device=True, inline=True)
-def _hi_lo(a, xh, xl, two):
-    """A's product with x's hi part (B words xh), joined with its lo part's (xl) where x has two (256 hi + lo), k32."""
-    z = np.int32(0)
-    c0, c1, c2, c3 = mma_s8_16832(a[0], a[1], a[2], a[3], xh[0], xh[1], z, z, z, z)
+def _exact(biased):
+    """The float32 of an mma's int32 sum s from its result with C = MAGIC (MAGIC + s, |s| < 2^22): those bits are
+    the float 1.5 * 2^23 + s, whose subtraction leaves s exactly. An add on the FMA pipe where cvt.rn.f32.s32 takes
+    the conversion unit (a quarter of its rate, four per token tile and run)."""
+    return bits_f32(biased) - MAGIC_FLOAT
+
+
+@cuda.jit(device=True, inline=True)
+def _joined(hi, lo, two):
+    """The float32 of 256 hi + lo (the parts' int32 sums, as mma results with C = MAGIC), rounded once as a
+    conversion of the int32 join would round it (exact below 2^24); hi alone with one part."""
     if two:
-        e0, e1, e2, e3 = mma_s8_16832(a[0], a[1], a[2], a[3], xl[0], xl[1], z, z, z, z)
-        k = np.int32(256)
-        return mad_s32(c0, k, e0), mad_s32(c1, k, e1), mad_s32(c2, k, e2), mad_s32(c3, k, e3)
-    return c0, c1, c2, c3
+        return _exact(hi) * np.float32(256) + _exact(lo)
+    return _exact(hi)
+
+
+@cuda.jit(device=True, inline=True)
+def _hi_lo(a, xh, xl, two):
+    """A's product with x's hi part (B words xh), joined with its lo part's (xl) where x has two (256 hi + lo), k32,
+    as float32."""
+    m = MAGIC
+    c0, c1, c2, c3 = mma_s8_16832(a[0], a[1], a[2], a[3], xh[0], xh[1], m, m, m, m)
+    e0, e1, e2, e3 = mma_s8_16832(a[0], a[1], a[2], a[3], xl[0], xl[1], m, m, m, m) if two else (c0, c1, c2, c3)
+    return _joined(c0, e0, two), _joined(c1, e1, two), _joined(c2, e2, two), _joined(c3, e3, two)
 
 
 @cuda.jit(device=True, inline=True)
 def _hi_lo16(a0, a1, xh, xl, two):
     """`_hi_lo` of a k16 mma: A (a0, a1) times x's parts (one B word each)."""
-    z = np.int32(0)
-    c0, c1, c2, c3 = mma_s8_16816(a0, a1, xh, z, z, z, z)
-    if two:
-        e0, e1, e2, e3 = mma_s8_16816(a0, a1, xl, z, z, z, z)
-        k = np.int32(256)
-        return mad_s32(c0, k, e0), mad_s32(c1, k, e1), mad_s32(c2, k, e2), mad_s32(c3, k, e3)
-    return c0, c1, c2, c3
+    m = MAGIC
+    c0, c1, c2, c3 = mma_s8_16816(a0, a1, xh, m, m, m, m)
+    e0, e1, e2, e3 = mma_s8_16816(a0, a1, xl, m, m, m, m) if two else (c0, c1, c2, c3)
+    return _joined(c0, e0, two), _joined(c1, e1, two), _joined(c2, e2, two), _joined(c3, e3, two)
 
 
 @cuda.jit(device=True, inline=True)
 def _block_products(a, xh, xl, lo, hi, d0, neg0, d1, neg1, acc, j, bias, two):
     """One 32-column block of rows g (lo: its scale, minus bias) and g + 8 (hi) for tokens 2q, 2q + 1 of tile j: the
-    int32 sums (A a times x's parts xh, xl) times scale x the token's scale, plus the bias x the token's sum of x
+    sums (A a times x's parts xh, xl) times scale x the token's scale, plus the bias x the token's sum of x
     (minus bias x minus sum: products added, which the compiler fuses, where a product subtracted it does not)
     where the matrix has biases."""
     c0, c1, c2, c3 = _hi_lo(a, xh, xl, two)
-    acc[4 * j] += np.float32(c0) * (lo[0] * d0)
-    acc[4 * j + 1] += np.float32(c1) * (lo[0] * d1)
-    acc[4 * j + 2] += np.float32(c2) * (hi[0] * d0)
-    acc[4 * j + 3] += np.float32(c3) * (hi[0] * d1)
+    acc[4 * j] += c0 * (lo[0] * d0)
+    acc[4 * j + 1] += c1 * (lo[0] * d1)
+    acc[4 * j + 2] += c2 * (hi[0] * d0)
+    acc[4 * j + 3] += c3 * (hi[0] * d1)
     if bias:
         acc[4 * j] += lo[1] * neg0
         acc[4 * j + 1] += lo[1] * neg1
@@ -444,10 +461,10 @@ def _halves_products(a, xh, xl, lo, hi, d0, neg0, d1, neg1, acc, j, bias, two):
     two), then times d x the token's scale (no biases: see serves)."""
     e0, e1, e2, e3 = _hi_lo16(a[0], a[1], xh[0], xl[0], two)
     f0, f1, f2, f3 = _hi_lo16(a[2], a[3], xh[1], xl[1], two)
-    acc[4 * j] += (np.float32(e0) * lo[1] + np.float32(f0) * lo[2]) * (lo[0] * d0)
-    acc[4 * j + 1] += (np.float32(e1) * lo[1] + np.float32(f1) * lo[2]) * (lo[0] * d1)
-    acc[4 * j + 2] += (np.float32(e2) * hi[1] + np.float32(f2) * hi[2]) * (hi[0] * d0)
-    acc[4 * j + 3] += (np.float32(e3) * hi[1] + np.float32(f3) * hi[2]) * (hi[0] * d1)
+    acc[4 * j] += (e0 * lo[1] + f0 * lo[2]) * (lo[0] * d0)
+    acc[4 * j + 1] += (e1 * lo[1] + f1 * lo[2]) * (lo[0] * d1)
+    acc[4 * j + 2] += (e2 * hi[1] + f2 * hi[2]) * (hi[0] * d0)
+    acc[4 * j + 3] += (e3 * hi[1] + f3 * hi[2]) * (hi[0] * d1)
 
 
 @functools.cache
