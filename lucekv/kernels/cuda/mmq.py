@@ -16,11 +16,13 @@ weights nor x become floats before the tensor cores.
 - Weights go to `mma.sync.m16n8k32.s8` (`mma_s8_16832`) as they are stored: rows on m, the tokens on n (8 per
   mma column, up to 64), one 32-column run per mma. In the PTX ISA's A layout, lane (group g, thread q) holds
   columns 4q..4q+3 and 16+4q..16+4q+3 of rows g and g+8; word q of a q4 run holds exactly those columns (low
-  nibbles, high nibbles), so a lane loads one word per row and run and widens its nibbles to bytes with a mask and
+  nibbles, high nibbles), so a lane takes one word per row and run and widens its nibbles to bytes with a mask and
   a shift. q6 codes (stored + 32) rebuild their bytes from the low word and the high bits (`q6_word`), then lose
-  the 32 with a bytewise subtraction; q8 codes are signed bytes already (two words a row and run). A lane's load
-  is one word (a warp's: 16 bytes of each of 8 rows): staging through shared memory (16-byte cp.async) would cut the
-  L1 requests per byte, a next step.
+  the 32 with a bytewise subtraction; q8 codes are signed bytes already (two words a row and run). Each warp copies
+  its 16 rows' codes (and q6's high words) of a step into shared memory, 16 bytes a lane (`cp.async`), and takes
+  its words from there with ldmatrix (`_matrices`: two runs' words of rows g and g + 8 in one instruction): loaded
+  from global memory a word a lane, a request touched 8 lines for 16 bytes of each, a quarter of what a 16-byte
+  load moves for the same L1 work.
 - Each run's result (exact) is scaled by (the row's block scale x the token's run scale) into float32
   accumulators: the mmas start from C = MAGIC, so that a part's int32 sum is the bits of a float from which one
   subtraction leaves the sum (`_exact`), and the parts join in float32, rounded once as a conversion of their int32
@@ -36,9 +38,9 @@ weights nor x become floats before the tensor cores.
   their B fragments and scales 16 bytes a lane without bank conflicts. Read from global memory, every warp's loads
   of x (and its prefetches of the next step's into L1) touched 8 lines a request, as many L1 requests as the
   weights' at 8 tokens and 5x theirs at 64: the cost that grew with the tokens. A step is RUNS[kind] runs of every
-  row (two where many tokens leave too few registers); a warp loads its next step's words (codes; the K-quants'
-  scale word once and their sub words four bytes at a time, others a scale and sub word per run) into a second
-  register buffer while it computes on this one, and its first step's before `await_grid`. Matrices
+  row (two where many tokens leave too few registers); a warp copies its next step's codes and loads its scale words
+  (the K-quants' scale word once and their sub words four bytes at a time, others a scale and sub word per run)
+  into second buffers while it computes on this one, and its first step's before `await_grid`. Matrices
   of few row tiles split their columns over `splits` blocks (`plan`: a wave of resident blocks), whose partial sums
   a second launch adds in order (`_reduce_kernel`). Outputs go through the Epilogue (rows split, bias, residual;
   a 16-row tile is one gate/up group: a lane holds a gate row and its up row). The plan depends on the matrix's
@@ -74,6 +76,7 @@ from lucekv.kernels.cuda._numba import (
     load1,
     load4,
     load_f32x4,
+    load_matrix_x4,
     mma_s8_16816,
     mma_s8_16832,
     sm_count,
@@ -96,7 +99,6 @@ MAX_TOKENS = 64
 PARTS = 2  # int8 parts of x by default (see the module's notes)
 RUN = 32  # columns per run: one mma's k
 RUNS = {"q4": 4, "q6": 2, "q8": 2}  # runs per step: a row's 64 bytes of q4 codes (two full sectors), 32 of q6/q8's
-CODE_WORDS = {"q4": 1, "q6": 3, "q8": 2}  # words of a row and run that a lane loads: q6 its low word and 2 high ones
 MAX_WARPS = 8
 RESIDENT_WARPS = 16  # warps an SM holds at the kernels' launch bounds (128 registers a thread)
 MIN_STEPS = 4  # steps of a split of the columns, at least
@@ -254,25 +256,27 @@ def _quantize_run(xv, words, scales, t, r, n_pad):
     scales[r, 2 * t + 1] = -total
 
 
-# ---- a lane's A fragments of one run: words of rows g (lo) and g + 8 (hi) -------------------------------
+# ---- a lane's A fragments of a pair of runs, from its warp's staged step: words of rows g (lo) and g + 8 (hi) --
+# A warp's step of weights sits in shared memory [row, word]: the code words of its runs, then q6's high words (two
+# a run), as the rows hold them. One ldmatrix .x4 of 8-row matrices of 16 bytes gives lane (g, q) word q of rows g
+# and g + 8 at two places of the row at once, as the A fragments want them.
 
 
 @cuda.jit(device=True, inline=True)
-def _q4_fetch(w, r, run, q, buf, o):
-    buf[o] = w.codes[r, 4 * run + q]
+def _matrices(w_s, wb, col, lane):
+    """Rows 0-7 and 8-15 at words col.., then at col + 4.. (lanes 8m .. 8m + 7 address matrix m's rows)."""
+    return load_matrix_x4(w_s, wb, (lane & 7) + ((lane >> 3) & 1) * 8, col + 4 * (lane >> 4))
 
 
 @cuda.jit(device=True, inline=True)
-def _q4_fragment(buf, lo, hi, q):
-    return (buf[lo] & LOW_NIBBLES, buf[hi] & LOW_NIBBLES, (buf[lo] >> np.uint32(4)) & LOW_NIBBLES,
-            (buf[hi] >> np.uint32(4)) & LOW_NIBBLES)
+def _q4_run(lo, hi):
+    return lo & LOW_NIBBLES, hi & LOW_NIBBLES, (lo >> np.uint32(4)) & LOW_NIBBLES, (hi >> np.uint32(4)) & LOW_NIBBLES
 
 
 @cuda.jit(device=True, inline=True)
-def _q6_fetch(w, r, run, q, buf, o):
-    buf[o] = w.codes[r, 4 * run + q]
-    buf[o + 1] = w.high[r, 2 * run]
-    buf[o + 2] = w.high[r, 2 * run + 1]
+def _q4_pair(w_s, wb, p, runs, lane):
+    lo0, hi0, lo1, hi1 = _matrices(w_s, wb, 8 * p, lane)
+    return _q4_run(lo0, hi0), _q4_run(lo1, hi1)
 
 
 @cuda.jit(device=True, inline=True)
@@ -282,23 +286,27 @@ def _signed(codes):
 
 
 @cuda.jit(device=True, inline=True)
-def _q6_fragment(buf, lo, hi, q):
-    return (_signed(q6_word(buf[lo], buf[lo + 1], q)), _signed(q6_word(buf[hi], buf[hi + 1], q)),
-            _signed(q6_word(buf[lo], buf[lo + 2], 4 + q)), _signed(q6_word(buf[hi], buf[hi + 2], 4 + q)))
+def _q6_run(lo, hi, lo_high0, lo_high1, hi_high0, hi_high1, q):
+    return (_signed(q6_word(lo, lo_high0, q)), _signed(q6_word(hi, hi_high0, q)),
+            _signed(q6_word(lo, lo_high1, 4 + q)), _signed(q6_word(hi, hi_high1, 4 + q)))
 
 
 @cuda.jit(device=True, inline=True)
-def _q8_fetch(w, r, run, q, buf, o):
-    buf[o] = w.codes[r, 8 * run + q]
-    buf[o + 1] = w.codes[r, 8 * run + 4 + q]
+def _q6_pair(w_s, wb, p, runs, lane):
+    lo0, hi0, lo1, hi1 = _matrices(w_s, wb, 8 * p, lane)
+    g, q = lane >> 2, lane & 3
+    h = 4 * runs + 4 * p  # the pair's high words, after the step's code words
+    return (_q6_run(lo0, hi0, w_s[wb, g, h], w_s[wb, g, h + 1], w_s[wb, g + 8, h], w_s[wb, g + 8, h + 1], q),
+            _q6_run(lo1, hi1, w_s[wb, g, h + 2], w_s[wb, g, h + 3], w_s[wb, g + 8, h + 2], w_s[wb, g + 8, h + 3], q))
 
 
 @cuda.jit(device=True, inline=True)
-def _q8_fragment(buf, lo, hi, q):
-    return buf[lo], buf[hi], buf[lo + 1], buf[hi + 1]
+def _q8_pair(w_s, wb, p, runs, lane):
+    return _matrices(w_s, wb, 16 * p, lane), _matrices(w_s, wb, 16 * p + 8, lane)
 
 
-_PARTS = {"q4": (_q4_fetch, _q4_fragment), "q6": (_q6_fetch, _q6_fragment), "q8": (_q8_fetch, _q8_fragment)}
+_PAIRS = {"q4": _q4_pair, "q6": _q6_pair, "q8": _q8_pair}
+STAGED_WORDS = {"q4": (4, 0), "q6": (4, 2), "q8": (8, 0)}  # (code words, high words) of a row and run
 
 
 class Plan(NamedTuple):
@@ -473,38 +481,62 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
     has biases; by_step: scale words loaded once a step, see `grouped`; parts: x's int8 parts): block (b, k) does
     rows b * 16 warps.. (16 a warp) over the k-th of the grid's y splits of the steps."""
     two = parts == 2
-    fetch, fragment = _PARTS[kind]
+    pair_fragments = _PAIRS[kind]
     # runs per step: RUNS[kind], but two where the tokens' accumulators and x's parts leave no registers for a second
     # buffer of four (ptxas, sm_90: q4 at 32 tokens in two parts spilled 392 bytes with four). The sums' order is the
     # same (runs one after another, splits of whole RUNS[kind] steps)
     runs = RUNS[kind] if tiles * parts <= 2 else min(RUNS[kind], 2)
-    code_words = CODE_WORDS[kind]
     block_log2 = 4 if halves else 5  # (by_step: see `grouped`)
     sub_bytes = 2 if bias else 1
     sub_words = (runs * RUN >> block_log2) * sub_bytes // 4  # a step's sub words of a row (by_step)
-    # per row: the step's code words, then its scale word and sub words (by_step), or each run's scale and sub words
-    row_words = runs * code_words + (1 + sub_words if by_step else 2 * runs)
+    # per row: the step's scale word and sub words (by_step), or each run's scale and sub words
+    row_words = 1 + sub_words if by_step else 2 * runs
     step_words = 2 * row_words  # a lane's words of a step: rows g and g + 8
     outputs = 4 * tiles  # a lane's accumulators: per token tile rows g, g + 8 x two tokens
     products = _halves_products if halves else _block_products
 
     @cuda.jit(device=True, inline=True)
-    def load_step(w, subs, rows, step, q, buf):
-        """This lane's words of a step, rows g and g + 8 (see row_words): loads only, decoded where they are used."""
+    def load_step(w, subs, rows, step, buf):
+        """This lane's scale words of a step, rows g and g + 8 (see row_words): loads only, decoded where they are
+        used."""
         for h in range(2):
             r = rows[h]
             o = h * row_words
-            for u in range(runs):
-                fetch(w, r, step * runs + u, q, buf, o + u * code_words)
             first = (RUN * step * runs) >> w.block_log2  # the step's first block
             if by_step:
-                buf[o + runs * code_words] = np.uint32(w.scales[r, first >> w.group_log2])
+                buf[o] = np.uint32(w.scales[r, first >> w.group_log2])
                 for k in range(sub_words):
-                    buf[o + runs * code_words + 1 + k] = subs[r, ((first * sub_bytes) >> 2) + k]
+                    buf[o + 1 + k] = subs[r, ((first * sub_bytes) >> 2) + k]
             else:
                 for u in range(runs):
-                    buf[o + runs * code_words + 2 * u], buf[o + runs * code_words + 2 * u + 1] = \
-                        block_words(w, r, first + u)
+                    buf[o + 2 * u], buf[o + 2 * u + 1] = block_words(w, r, first + u)
+
+    code_words, high_words = STAGED_WORDS[kind]
+    code_chunks = runs * code_words // 4  # 16-byte chunks of a row's step: its code words, then its high words
+    row_chunks = code_chunks + runs * high_words // 4
+    # an odd number of chunks a staged row, so that ldmatrix's 8 rows of 16 bytes fall on distinct banks
+    w_shape = (2 * MAX_WARPS, TILE_ROWS, 4 * (row_chunks + 1 - row_chunks % 2))  # (shapes: constants of the closure)
+    stride = w_shape[2]
+
+    @cuda.jit(device=True, inline=True)
+    def shared_w():
+        """The block's staged weights: [2 warp + buffer, row, word]."""
+        return cuda.shared.array(w_shape, np.uint32, alignment=ALIGN_16)
+
+    @cuda.jit(device=True, inline=True)
+    def stage_w(w, step, wb, first, last, lane, w_s):
+        """Start copying the warp's rows' codes (and high words) of a step into w_s[wb], 16 bytes a lane: lanes 2i
+        and 2i + 1 row i's chunks in turn (a lane's row and chunks the same every step)."""
+        row, h = lane >> 1, lane & 1
+        r = min(first + row, last)
+        for k in range((row_chunks + 1) // 2):
+            piece = 2 * k + h
+            at = (wb * TILE_ROWS + row) * stride + 4 * piece
+            if 2 * k + 1 < code_chunks or (2 * k < code_chunks and h == 0):
+                copy_async16(w_s, at, w.codes, r, step * runs * code_words + 4 * piece)
+            elif piece < row_chunks:
+                copy_async16(w_s, at, w.high, r, step * runs * high_words + 4 * (piece - code_chunks))
+
 
     @cuda.jit(device=True, inline=True)
     def sub_of(buf, o, block):
@@ -516,7 +548,7 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
     @cuda.jit(device=True, inline=True)
     def scales_of(w, buf, h, u):
         """Row h's (0: g, 1: g + 8) scale factors of the step's run u (see _block_scale, _halves_scale)."""
-        o = h * row_words + runs * code_words
+        o = h * row_words
         if not by_step:
             return _block_scale(buf[o + 2 * u], buf[o + 2 * u + 1], w.sub_scaled, bias)
         if halves:
@@ -540,14 +572,13 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
 
     @cuda.jit(device=True, inline=True)
     def stage_x(xw, xs, step, b, xw_s, xs_s):
-        """Start copying a step of x (its words and scales) into buffer b, 16 bytes a thread in turn; one group."""
+        """Start copying a step of x (its words and scales) into buffer b, 16 bytes a thread in turn."""
         for i in range(cuda.threadIdx.x, x_words // 4, cuda.blockDim.x):
             t, pp = (i >> 2) % n_pad, (i >> 2) // n_pad  # (token, part x pairs + pair) of the 4 words at 4i
             copy_async16(xw_s, b * x_words + 4 * i, xw, (pp // pairs) * n_pad + t,
                          16 * (step * pairs + pp % pairs) + 4 * (i & 3))
         for i in range(cuda.threadIdx.x, x_scales // 4, cuda.blockDim.x):
             copy_async16(xs_s, b * x_scales + 4 * i, xs, step * runs + i // (n_pad // 2), 4 * (i % (n_pad // 2)))
-        copy_async_commit()
 
     @jit_inlined
     def tile_run(args, j):
@@ -574,11 +605,11 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
 
     @jit_inlined
     def pair_step(args, p):
-        """Runs 2p and 2p + 1 of the step whose weights are in buf, its x in shared buffer b."""
-        w, xw_s, xs_s, b, buf, acc, g, q = args
+        """Runs 2p and 2p + 1 of the step staged in buffer b (its scale words in buf)."""
+        w, w_s, xw_s, xs_s, b, buf, acc, lane = args
+        g, q = lane >> 2, lane & 3
         u0, u1 = 2 * p, 2 * p + 1
-        frags = (fragment(buf, u0 * code_words, row_words + u0 * code_words, q),
-                 fragment(buf, u1 * code_words, row_words + u1 * code_words, q))
+        frags = pair_fragments(w_s, 2 * (cuda.threadIdx.x // WARP) + b, p, runs, lane)
         scales = ((scales_of(w, buf, 0, u0), scales_of(w, buf, 1, u0)),
                   (scales_of(w, buf, 0, u1), scales_of(w, buf, 1, u1)))
         tiles_pair((xw_s, xs_s, b, p, frags, scales, acc, g, q), 0)
@@ -586,12 +617,19 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
     pairs_step = _unrolled(pair_step, pairs)
 
     @cuda.jit(device=True, inline=True)
-    def next_step(w, subs, rows, q, buf, xw, xs, s, end, b, xw_s, xs_s):
-        """Step s's weights into buf and its x into shared buffer b where s < end (the step before's copies of x
-        then waited for), else the last copies of x waited for; a barrier (the step before's x staged for all)."""
+    def stage(w, xw, xs, s, b, first, last, lane, w_s, xw_s, xs_s):
+        """Start copying step s's codes (the warp's rows) and x (the block's share) into buffers b: one group."""
+        stage_w(w, s, 2 * (cuda.threadIdx.x // WARP) + b, first, last, lane, w_s)
+        stage_x(xw, xs, s, b, xw_s, xs_s)
+        copy_async_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def next_step(w, subs, rows, buf, xw, xs, s, end, b, first, last, lane, w_s, xw_s, xs_s):
+        """Step s's scale words into buf and its codes and x into shared buffers b where s < end (the step before's
+        copies then waited for), else the last copies waited for; a barrier (the step before's staged for all)."""
         if s < end:
-            load_step(w, subs, rows, s, q, buf)
-            stage_x(xw, xs, s, b, xw_s, xs_s)
+            load_step(w, subs, rows, s, buf)
+            stage(w, xw, xs, s, b, first, last, lane, w_s, xw_s, xs_s)
             copy_async_wait_one()
         else:
             copy_async_wait_all()
@@ -601,6 +639,7 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
         acc = cuda.local.array(outputs, np.float32)
         buf_a = cuda.local.array(step_words, np.uint32)
         buf_b = cuda.local.array(step_words, np.uint32)
+        w_s = shared_w()
         xw_s, xs_s = shared_x()
         for i in range(outputs):
             acc[i] = np.float32(0)
@@ -612,18 +651,21 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
         per_split = xs.shape[0] // cuda.gridDim.y // runs
         begin = cuda.blockIdx.y * per_split
         end = begin + per_split
-        load_step(w, subs, rows, begin, q, buf_a)  # constant weights: in flight before the wait
+        load_step(w, subs, rows, begin, buf_a)  # constant weights: in flight before the wait
+        stage_w(w, begin, 2 * (cuda.threadIdx.x // WARP), first, last, lane, w_s)
         await_grid()
         stage_x(xw, xs, begin, 0, xw_s, xs_s)
-        # even steps: weights in buf_a, x in buffer 0; odd: buf_b, 1. Each step's weights and x are in flight while
-        # the step before computes; a barrier after a step's products keeps its buffer until every warp is done
+        copy_async_commit()
+        # even steps: scale words in buf_a, codes and x in shared buffers 0; odd: buf_b, 1. Each step's loads and
+        # copies are in flight while the step before computes; a barrier after a step's products keeps its buffers
+        # until every warp is done
         for s in range(begin, end, 2):
-            next_step(w, subs, rows, q, buf_b, xw, xs, s + 1, end, 1, xw_s, xs_s)
-            pairs_step((w, xw_s, xs_s, 0, buf_a, acc, g, q), 0)
+            next_step(w, subs, rows, buf_b, xw, xs, s + 1, end, 1, first, last, lane, w_s, xw_s, xs_s)
+            pairs_step((w, w_s, xw_s, xs_s, 0, buf_a, acc, lane), 0)
             cuda.syncthreads()
             if s + 1 < end:
-                next_step(w, subs, rows, q, buf_a, xw, xs, s + 2, end, 0, xw_s, xs_s)
-                pairs_step((w, xw_s, xs_s, 1, buf_b, acc, g, q), 0)
+                next_step(w, subs, rows, buf_a, xw, xs, s + 2, end, 0, first, last, lane, w_s, xw_s, xs_s)
+                pairs_step((w, w_s, xw_s, xs_s, 1, buf_b, acc, lane), 0)
                 cuda.syncthreads()
         gated = ep.gate != NO_GATE
         for j in range(tiles):
