@@ -39,9 +39,9 @@ weights nor x become floats before the tensor cores.
   of x (and its prefetches of the next step's into L1) touched 8 lines a request, as many L1 requests as the
   weights' at 8 tokens and 5x theirs at 64: the cost that grew with the tokens. A step is RUNS[kind] runs of every
   row (two where many tokens leave too few registers); a warp copies its next step's codes and loads its scale words
-  (the K-quants' scale word once and their sub words four bytes at a time, others a scale and sub word per run)
-  into second buffers while it computes on this one, and its first step's before `await_grid`. Matrices
-  of few row tiles split their columns over `splits` blocks (`plan`: a wave of resident blocks), whose partial sums
+  (the K-quants' scale word once and their sub words in one load of 4 or 8 bytes, others a scale and sub word per
+  run) into second buffers while it computes on this one, and its first step's before `await_grid`. Matrices of few
+  row tiles split their columns over `splits` blocks (`plan`: a wave of resident blocks), whose partial sums
   a second launch adds in order (`_reduce_kernel`). Outputs go through the Epilogue (rows split, bias, residual;
   a 16-row tile is one gate/up group: a lane holds a gate row and its up row). The plan depends on the matrix's
   shape only, never on n: a token's outputs are the same sums in the same order whatever the other tokens, bit for
@@ -142,7 +142,7 @@ def serves(w: DeviceMatrix, n: int) -> bool:
 def grouped(w: DeviceMatrix) -> bool:
     """Sub-scaled blocks whose (d, dmin) groups cover a step, of 32 columns with biases (Q4_K, Q5_K: uint16 sub
     words) or of 16 without (Q6_K, Q3_K: uint8): `_kernel` loads a step's scale word once and its sub words four
-    bytes at a time (other matrices: a scale and a sub word per run)."""
+    bytes or eight in one load (other matrices: a scale and a sub word per run)."""
     if not w.sub_scaled or (w.block_log2, w.has_bias) not in ((5, True), (4, False)):
         return False
     return 1 << w.group_log2 >= (RUN * RUNS[w.kind]) >> w.block_log2
@@ -345,10 +345,11 @@ def product(w: DeviceMatrix, qx: QuantizedX, out, stream=0, scratch_sums=None) -
                          f"{w.rows}x{w.cols} matrix in blocks of {1 << w.block_log2}")
     ep = as_epilogue(out)
     p = plan(w)
-    by_step = grouped(w)
-    kernel = _kernel(w.kind, w.block_log2 == 4, w.has_bias, by_step, qx.n_pad // TOKEN_TILE, qx.parts)
+    by_step, tiles = grouped(w), qx.n_pad // TOKEN_TILE
+    kernel = _kernel(w.kind, w.block_log2 == 4, w.has_bias, by_step, tiles, qx.parts)
     grid = (blocks(w.rows, TILE_ROWS * p.warps), p.splits)
-    subs = w.subs.view(np.uint32) if by_step else w.codes  # (a stand-in where not grouped)
+    # a step's sub words of a row in one load: 4 or 8 bytes (a stand-in where not grouped)
+    subs = w.subs.view(_sub_type(w, tiles, qx.parts)) if by_step else w.codes
     if p.splits == 1:
         kernel[grid, p.warps * WARP, stream](w.quant, subs, qx.words, qx.scales, ep, qx.n, _no_sums())
         return
@@ -357,6 +358,19 @@ def product(w: DeviceMatrix, qx: QuantizedX, out, stream=0, scratch_sums=None) -
         raise ValueError(f"partial sums of shape {sums.shape} for {p.splits} splits of {qx.n} tokens x {w.rows} rows")
     kernel[grid, p.warps * WARP, stream](w.quant, subs, qx.words, qx.scales, ep, qx.n, sums)
     _reduce_kernel[blocks(qx.n * w.rows, REDUCE_THREADS), REDUCE_THREADS, stream](sums, ep, qx.n)
+
+
+def _step_runs(kind: str, tiles: int, parts: int) -> int:
+    """Runs a step of `_kernel`: RUNS[kind], but two where the tokens' accumulators and x's parts leave no registers
+    for a second buffer of four (ptxas, sm_90: q4 at 32 tokens in two parts spilled 392 bytes with four, its codes
+    in registers then). The sums' order is the same (runs one after another, splits of whole RUNS[kind] steps)."""
+    return RUNS[kind] if tiles * parts <= 2 else min(RUNS[kind], 2)
+
+
+def _sub_type(w: DeviceMatrix, tiles: int, parts: int):
+    """The words `_kernel` reads a grouped matrix's sub words in: a step's of a row (uint32 or uint64)."""
+    step_bytes = (_step_runs(w.kind, tiles, parts) * RUN >> w.block_log2) * (2 if w.has_bias else 1)
+    return np.uint64 if step_bytes == 8 else np.uint32
 
 
 @functools.cache
@@ -482,13 +496,10 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
     rows b * 16 warps.. (16 a warp) over the k-th of the grid's y splits of the steps."""
     two = parts == 2
     pair_fragments = _PAIRS[kind]
-    # runs per step: RUNS[kind], but two where the tokens' accumulators and x's parts leave no registers for a second
-    # buffer of four (ptxas, sm_90: q4 at 32 tokens in two parts spilled 392 bytes with four). The sums' order is the
-    # same (runs one after another, splits of whole RUNS[kind] steps)
-    runs = RUNS[kind] if tiles * parts <= 2 else min(RUNS[kind], 2)
+    runs = _step_runs(kind, tiles, parts)
     block_log2 = 4 if halves else 5  # (by_step: see `grouped`)
     sub_bytes = 2 if bias else 1
-    sub_words = (runs * RUN >> block_log2) * sub_bytes // 4  # a step's sub words of a row (by_step)
+    sub_words = (runs * RUN >> block_log2) * sub_bytes // 4  # a step's sub words of a row (by_step): one load
     # per row: the step's scale word and sub words (by_step), or each run's scale and sub words
     row_words = 1 + sub_words if by_step else 2 * runs
     step_words = 2 * row_words  # a lane's words of a step: rows g and g + 8
@@ -505,8 +516,11 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
             first = (RUN * step * runs) >> w.block_log2  # the step's first block
             if by_step:
                 buf[o] = np.uint32(w.scales[r, first >> w.group_log2])
-                for k in range(sub_words):
-                    buf[o + 1 + k] = subs[r, ((first * sub_bytes) >> 2) + k]
+                if sub_words == 2:  # subs: uint64 (see _sub_type)
+                    both = subs[r, (first * sub_bytes) >> 3]
+                    buf[o + 1], buf[o + 2] = np.uint32(both & np.uint64(0xFFFFFFFF)), np.uint32(both >> np.uint64(32))
+                else:
+                    buf[o + 1] = subs[r, (first * sub_bytes) >> 2]
             else:
                 for u in range(runs):
                     buf[o + 2 * u], buf[o + 2 * u + 1] = block_words(w, r, first + u)
