@@ -507,15 +507,19 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
     products = _halves_products if halves else _block_products
 
     @cuda.jit(device=True, inline=True)
-    def load_step(w, subs, rows, step, buf):
+    def load_step(w, subs, rows, step, buf, prev, fresh):
         """This lane's scale words of a step, rows g and g + 8 (see row_words): loads only, decoded where they are
-        used."""
+        used. A group's scale word (by_step) is loaded at its first step (or a `fresh` start) and else copied from
+        prev, the step before's words (steps never straddle groups: see `grouped`)."""
         for h in range(2):
             r = rows[h]
             o = h * row_words
             first = (RUN * step * runs) >> w.block_log2  # the step's first block
             if by_step:
-                buf[o] = np.uint32(w.scales[r, first >> w.group_log2])
+                if fresh or first & ((1 << w.group_log2) - 1) == 0:
+                    buf[o] = np.uint32(w.scales[r, first >> w.group_log2])
+                else:
+                    buf[o] = prev[o]
                 if sub_words == 2:  # subs: uint64 (see _sub_type)
                     both = subs[r, (first * sub_bytes) >> 3]
                     buf[o + 1], buf[o + 2] = np.uint32(both & np.uint64(0xFFFFFFFF)), np.uint32(both >> np.uint64(32))
@@ -638,11 +642,12 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
         copy_async_commit()
 
     @cuda.jit(device=True, inline=True)
-    def next_step(w, subs, rows, buf, xw, xs, s, end, b, first, last, lane, w_s, xw_s, xs_s):
-        """Step s's scale words into buf and its codes and x into shared buffers b where s < end (the step before's
-        copies then waited for), else the last copies waited for; a barrier (the step before's staged for all)."""
+    def next_step(w, subs, rows, buf, prev, xw, xs, s, end, b, first, last, lane, w_s, xw_s, xs_s):
+        """Step s's scale words into buf (prev: the step before's) and its codes and x into shared buffers b where
+        s < end (the step before's copies then waited for), else the last copies waited for; a barrier (the step
+        before's staged for all)."""
         if s < end:
-            load_step(w, subs, rows, s, buf)
+            load_step(w, subs, rows, s, buf, prev, False)
             stage(w, xw, xs, s, b, first, last, lane, w_s, xw_s, xs_s)
             copy_async_wait_one()
         else:
@@ -665,7 +670,7 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
         per_split = xs.shape[0] // cuda.gridDim.y // runs
         begin = cuda.blockIdx.y * per_split
         end = begin + per_split
-        load_step(w, subs, rows, begin, buf_a)  # constant weights: in flight before the wait
+        load_step(w, subs, rows, begin, buf_a, buf_b, True)  # constant weights: in flight before the wait
         stage_w(w, begin, 2 * (cuda.threadIdx.x // WARP), first, last, lane, w_s)
         await_grid()
         stage_x(xw, xs, begin, 0, xw_s, xs_s)
@@ -674,11 +679,11 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
         # copies are in flight while the step before computes; a barrier after a step's products keeps its buffers
         # until every warp is done
         for s in range(begin, end, 2):
-            next_step(w, subs, rows, buf_b, xw, xs, s + 1, end, 1, first, last, lane, w_s, xw_s, xs_s)
+            next_step(w, subs, rows, buf_b, buf_a, xw, xs, s + 1, end, 1, first, last, lane, w_s, xw_s, xs_s)
             pairs_step((w, w_s, xw_s, xs_s, 0, buf_a, acc, lane), 0)
             cuda.syncthreads()
             if s + 1 < end:
-                next_step(w, subs, rows, buf_a, xw, xs, s + 2, end, 0, first, last, lane, w_s, xw_s, xs_s)
+                next_step(w, subs, rows, buf_a, buf_b, xw, xs, s + 2, end, 0, first, last, lane, w_s, xw_s, xs_s)
                 pairs_step((w, w_s, xw_s, xs_s, 1, buf_b, acc, lane), 0)
                 cuda.syncthreads()
         gated = ep.gate != NO_GATE
