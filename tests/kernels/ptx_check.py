@@ -114,8 +114,10 @@ for kind, halves, bias, grouped in (("q4", False, True, True), ("q6", True, Fals
                                    ("q8", False, False, False)):
     for tiles in (1, 4, 8):  # Q4_K, Q6_K, Q5_1, Q8_0; x in one int8 part or two
         for parts in (1, 2):
+            wide = mmq.sub_type(kind, 4 if halves else 5, bias, tiles, parts) == np.uint64  # a step's sub words
+            subs = types.uint64[:, ::1] if wide else U2
             CHECKS[f"mmq_{kind}{'_halves' * halves}{'_bias' * bias}_tokens{8 * tiles}_parts{parts}"] = (
-                mmq._kernel(kind, halves, bias, grouped, tiles, parts), (QUANTS[kind], U2, U2, F2, EP, I64, PART[0]))
+                mmq._kernel(kind, halves, bias, grouped, tiles, parts), (QUANTS[kind], subs, U2, F2, EP, I64, PART[0]))
 CHECKS["mmq_quantize"] = (mmq._quantize_kernel, (F2, typeof((np.zeros(2, np.float32), np.float32(0), True)), U2, F2))
 CHECKS["mmq_reduce"] = (mmq._reduce_kernel, (types.float32[:, :, ::1], EP, I64))
 CHECKS["moe_routed_f32"] = (moe._routed_f32, (F2, F2, I1, I64, F2, I2, B, EP))

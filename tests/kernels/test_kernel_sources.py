@@ -21,9 +21,10 @@ JIT_WRAPPERS = {"jit_kernel", "jit_bounded", "_bounded"}  # functions that compi
 PRODUCT_KERNELS = {"matvec.py:kernel", "mmq.py:kernel", "moe.py:kernel"}
 PRODUCT_FILES = ("matvec.py", "mmq.py", "moe.py")
 # what a decode product may do before the wait: allocate, load weights (the step's words, a router row, an
-# expert's rows), clear its shared partials (and the barrier after that clearing: block-local, no global memory)
+# expert's rows; mmq's copies of its first step's codes into shared memory, `stage_w`), clear its shared partials
+# (and the barrier after that clearing: block-local, no global memory)
 BEFORE_THE_WAIT = {"array", "_begin", "_clear_partials", "float32", "range", "min", "load_group", "_q8_load",
-                   "load_step", "load_row", "expert_rows", "resident_rows", "syncthreads"}
+                   "load_step", "load_row", "expert_rows", "resident_rows", "syncthreads", "stage_w"}
 
 
 def _is_cuda_jit(node: ast.expr) -> bool:

@@ -349,7 +349,7 @@ def product(w: DeviceMatrix, qx: QuantizedX, out, stream=0, scratch_sums=None) -
     kernel = _kernel(w.kind, w.block_log2 == 4, w.has_bias, by_step, tiles, qx.parts)
     grid = (blocks(w.rows, TILE_ROWS * p.warps), p.splits)
     # a step's sub words of a row in one load: 4 or 8 bytes (a stand-in where not grouped)
-    subs = w.subs.view(_sub_type(w, tiles, qx.parts)) if by_step else w.codes
+    subs = w.subs.view(sub_type(w.kind, w.block_log2, w.has_bias, tiles, qx.parts)) if by_step else w.codes
     if p.splits == 1:
         kernel[grid, p.warps * WARP, stream](w.quant, subs, qx.words, qx.scales, ep, qx.n, _no_sums())
         return
@@ -367,9 +367,9 @@ def _step_runs(kind: str, tiles: int, parts: int) -> int:
     return RUNS[kind] if tiles * parts <= 2 else min(RUNS[kind], 2)
 
 
-def _sub_type(w: DeviceMatrix, tiles: int, parts: int):
+def sub_type(kind: str, block_log2: int, bias: bool, tiles: int, parts: int):
     """The words `_kernel` reads a grouped matrix's sub words in: a step's of a row (uint32 or uint64)."""
-    step_bytes = (_step_runs(w.kind, tiles, parts) * RUN >> w.block_log2) * (2 if w.has_bias else 1)
+    step_bytes = (_step_runs(kind, tiles, parts) * RUN >> block_log2) * (2 if bias else 1)
     return np.uint64 if step_bytes == 8 else np.uint32
 
 
@@ -520,7 +520,7 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
                     buf[o] = np.uint32(w.scales[r, first >> w.group_log2])
                 else:
                     buf[o] = prev[o]
-                if sub_words == 2:  # subs: uint64 (see _sub_type)
+                if sub_words == 2:  # subs: uint64 (see sub_type)
                     both = subs[r, (first * sub_bytes) >> 3]
                     buf[o + 1], buf[o + 2] = np.uint32(both & np.uint64(0xFFFFFFFF)), np.uint32(both >> np.uint64(32))
                 else:
@@ -533,13 +533,9 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
     code_chunks = runs * code_words // 4  # 16-byte chunks of a row's step: its code words, then its high words
     row_chunks = code_chunks + runs * high_words // 4
     # an odd number of chunks a staged row, so that ldmatrix's 8 rows of 16 bytes fall on distinct banks
-    w_shape = (2 * MAX_WARPS, TILE_ROWS, 4 * (row_chunks + 1 - row_chunks % 2))  # (shapes: constants of the closure)
+    # the block's staged weights: [2 warp + buffer, row, word] (shapes: constants of the closure, not arithmetic)
+    w_shape = (2 * MAX_WARPS, TILE_ROWS, 4 * (row_chunks + 1 - row_chunks % 2))
     stride = w_shape[2]
-
-    @cuda.jit(device=True, inline=True)
-    def shared_w():
-        """The block's staged weights: [2 warp + buffer, row, word]."""
-        return cuda.shared.array(w_shape, np.uint32, alignment=ALIGN_16)
 
     @cuda.jit(device=True, inline=True)
     def stage_w(w, step, wb, first, last, lane, w_s):
@@ -582,11 +578,6 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
     x_scales = runs * 2 * n_pad
     lo_words = pairs * n_pad * 16  # where the lo part's words begin
     x_sizes = (2 * x_words, 2 * x_scales)  # both buffers
-
-    @cuda.jit(device=True, inline=True)
-    def shared_x():
-        return (cuda.shared.array(x_sizes[0], np.uint32, alignment=ALIGN_16),
-                cuda.shared.array(x_sizes[1], np.float32, alignment=ALIGN_16))
 
     @cuda.jit(device=True, inline=True)
     def stage_x(xw, xs, step, b, xw_s, xs_s):
@@ -658,8 +649,9 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
         acc = cuda.local.array(outputs, np.float32)
         buf_a = cuda.local.array(step_words, np.uint32)
         buf_b = cuda.local.array(step_words, np.uint32)
-        w_s = shared_w()
-        xw_s, xs_s = shared_x()
+        w_s = cuda.shared.array(w_shape, np.uint32, alignment=ALIGN_16)
+        xw_s = cuda.shared.array(x_sizes[0], np.uint32, alignment=ALIGN_16)
+        xs_s = cuda.shared.array(x_sizes[1], np.float32, alignment=ALIGN_16)
         for i in range(outputs):
             acc[i] = np.float32(0)
         lane = cuda.threadIdx.x % WARP
