@@ -33,7 +33,7 @@ from lucekv.kernels.cpu.quants import (
     permute_rows,
     stack_rows,
 )
-from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, flash, kv_copy, mmq, moe, norm, sample
+from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, expert_counts, flash, kv_copy, mmq, moe, norm, sample
 from lucekv.kernels.cuda._numba import device_zeros, ordering_event, overlapped_launches
 from lucekv.kernels.cuda.embed import embed
 from lucekv.kernels.cuda.matmul import matmuls
@@ -270,6 +270,8 @@ class CudaOps:
         self._pooled_tokens = 0  # the token count the pools' arrays are shaped for
         self._counter = None  # the MoE router's (see _route_counter)
         self.spark: SparkStore | None = None  # where the experts live when not all on the GPU
+        # per MoE layer, the device counts [n_expert] its routing adds each token's experts to (see count_routing)
+        self.routing_counts: list | None = None
         self._slot_row_maps: dict[tuple[int, int], object] = {}
         # block tables (attention.BlockTables) in one fixed device buffer, [start (max_rows), used (max_rows), flat
         # blocks], filled from pinned memory in two turns like the one-token inputs, and only when they changed
@@ -497,6 +499,8 @@ class CudaOps:
             else:
                 parts = self._alloc(moe.router_parts(n, spec.n_expert, n_embd), np.float32)
                 moe.route_prefill(e.router, h, parts, logits, ids, weights, spec.arch.norm_topk, stream=s)
+        if self.routing_counts is not None:
+            expert_counts.count_experts(ids, self.positions, self.routing_counts[m.layer], stream=s)
         act_out = self._empty(n * k, e.n_ff)
         if n == 1 and e.gate_up is not None and moe.sums_routed(e.down, k):
             # the down products sum themselves back into the residual (no combine launch), the shared expert's
@@ -1048,9 +1052,33 @@ class CudaBackend(RunAhead):
         self.discard_ahead()
         synchronize(self.stream)
         self.spark.place(options)
+        self._forget_graphs()
+
+    def _forget_graphs(self) -> None:
+        """The captured graphs are captured again at their next use (what a step launches changed)."""
         if self._graphs:
             self.graph = DecodeGraph(self)
             self.prefill_graphs, self.verify_graphs, self.row_graphs = {}, {}, {}
+
+    def count_routing(self) -> None:
+        """From now on, count the experts each MoE layer routes every forward's tokens to (padding rows not), on the
+        device: a launch per MoE layer, in the captured graphs too (those captured before are captured again).
+        `take_routing_counts` reads the counts."""
+        if self.ops.routing_counts is not None:
+            return
+        if self._ahead:
+            raise ValueError("routing counts start between steps: steps are running ahead")
+        synchronize(self.stream)
+        self._routing = device_zeros((self.spec.n_layer, max(self.spec.n_expert, 1)), np.int32, self.stream)
+        self.ops.routing_counts = [self._routing[layer] for layer in range(self.spec.n_layer)]  # views made once
+        self._forget_graphs()
+
+    def take_routing_counts(self) -> np.ndarray:
+        """int64 [n_layer, n_expert]: the tokens each MoE layer routed to each expert in the forwards enqueued since
+        the last take (the steps still running ahead included: the read waits for them, as a request's end does)."""
+        if self.ops.routing_counts is None:
+            raise ValueError("routing is not counted (count_routing)")
+        return expert_counts.take_counts(self._routing, self.stream)
 
     def decode_ahead(self, position: int, slot: int, token: int | None = None, table: np.ndarray | None = None
                      ) -> None:

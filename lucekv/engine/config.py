@@ -96,6 +96,12 @@ class EngineConfig:
                              int)
     max_sessions: int = setting(64, "sessions held in memory", int)
     session_memory_gib: float = setting(16.0, "host RAM for the K/V of sessions held in memory", float)
+    spark_record: Path | None = setting(
+        None, "MoE models: record the experts each layer routes the served tokens to (prompts and decoding, any "
+        "backend) into this routing trace JSON, as `lucekv spark trace` writes one (for `lucekv spark calibrate`); "
+        "written every --spark-record-every requests and at shutdown; a trace of this model already there is "
+        "continued", optional_path, metavar="FILE")
+    spark_record_every: int = setting(64, "with --spark-record: rewrite the trace every N requests", int)
 
     # the library's alone (no flag)
     n_ctx: int | None = None  # the context, at most the model's (None: the model's)
@@ -109,7 +115,8 @@ class EngineConfig:
         """Values that cannot work raise ConfigError naming their flag; what needs the model or the backend (a pool's
         size, a drafter's tokenizer, a placement's model) the Engine checks."""
         for name, least in (("max_batch", 1), ("max_queue", 0), ("max_sessions", 1), ("session_memory_gib", 0),
-                            ("prefill_threshold", 0), ("spark_spare", 0), ("spark_promote", 0), ("mmq_tokens", 0)):
+                            ("prefill_threshold", 0), ("spark_spare", 0), ("spark_promote", 0), ("mmq_tokens", 0),
+                            ("spark_record_every", 1)):
             if getattr(self, name) < least:
                 raise ConfigError(f"--{flag(name)} must be >= {least} (got {getattr(self, name)})")
         if self.prefill_compression is not None:

@@ -11,6 +11,7 @@ the backends).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -54,6 +55,7 @@ from lucekv.snapshot.blob import (
     write_snapshot,
 )
 from lucekv.snapshot.store import SnapshotStore, check_session_id
+from lucekv.spark.record import TraceRecorder
 from lucekv.spec.dflash import DFlashDrafter, DFlashModel
 from lucekv.spec.draft_model import DraftModel, DraftModelDrafter, check_same_vocabulary
 from lucekv.spec.drafter import Drafter
@@ -61,6 +63,8 @@ from lucekv.spec.gate import Gate, StepClock
 from lucekv.spec.speculator import Speculator
 from lucekv.spec.suffix import RecentOutputs, SuffixDrafter
 from lucekv.spec.tree import DraftTree
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 AUTO_POOL_SHARE = 0.9  # of the GPU memory free after the weights, for the KV pool
@@ -125,6 +129,7 @@ class Engine:
                                               config.kv_cache, config.max_batch, _spark_options(g, config),
                                               config.mmq_tokens)
         self._spark_promote = config.spark_promote > 0
+        self._recorder = self._routing_recorder(g.fingerprint, config)  # before prepare: graphs capture the counting
         self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, config.kv_tau
         self.spec_config = replace(config.speculation, tree_verify=hasattr(self.backend, "forward_tree")).check()
         self._drafter = None
@@ -571,6 +576,11 @@ class Engine:
             self._ahead = None
         if self._spark_promote:
             self.backend.spark.promote()  # between requests: busier cold experts into the placement
+        if self._recorder is not None and self._recorder.request_ended():
+            try:
+                self.save_routing_trace()
+            except OSError as e:  # the counts stay for the next write; the requests go on
+                logger.error("--spark-record: writing %s: %s", self._recorder.path, e)
         self.scheduler.remove(r)
         s = r.session
         if s.request is not r:
@@ -717,6 +727,27 @@ class Engine:
         s = self.sessions.require(session_id)
         _check_unused(s, "delete")
         self._forget(s)
+
+    def _routing_recorder(self, fingerprint: str, config: EngineConfig) -> TraceRecorder | None:
+        """--spark-record: the recorder, the backend counting its routing; or None."""
+        if config.spark_record is None:
+            return None
+        if not self.spec.n_expert:
+            raise ConfigError(f"--spark-record: {self.spec.name} is not a mixture of experts (it routes nothing)")
+        recorder = TraceRecorder(config.spark_record, fingerprint, self.spec.n_layer, self.spec.n_expert,
+                                 self.spec.n_expert_used, config.spark_record_every)
+        self.backend.count_routing()
+        return recorder
+
+    def save_routing_trace(self) -> bool:
+        """--spark-record: the routing counted so far (every forward enqueued) into its trace file, written whole or not
+        at all; False when not recording. The engine writes it every --spark-record-every requests, the server at
+        shutdown. Raises OSError if the file cannot be written (the counts are kept for the next write)."""
+        if self._recorder is None:
+            return False
+        self._recorder.add(self.backend.take_routing_counts())
+        self._recorder.save()
+        return True
 
     def save_sessions(self) -> int:
         """Write every session held in memory to the snapshot store (at shutdown); how many were written. One that

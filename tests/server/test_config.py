@@ -74,6 +74,7 @@ ENGINE_VARIABLES = {
     "mmq_tokens": ("32", 32), "step_tokens": ("128", 128), "prefill_compression": ("0.5", 0.5),
     "prefill_threshold": ("99", 99), "prefill_drafter": ("tiny", "tiny"), "prefill_drafter_layers": ("3", 3),
     "max_queue": ("5", 5), "max_sessions": ("7", 7), "session_memory_gib": ("0.5", 0.5),
+    "spark_record": ("live.json", Path("live.json")), "spark_record_every": ("10", 10),
 }
 
 
