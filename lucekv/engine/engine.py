@@ -127,7 +127,7 @@ class Engine:
         self.prefill_keep = config.prefill_compression if config.prefill_compression != 1 else None  # all: none
         self.backend, kv_pool = _make_backend(config.backend, g, self.spec, config.kv_dtype, self.n_ctx, config.kv_pool,
                                               config.kv_cache, config.max_batch, _spark_options(g, config),
-                                              config.mmq_tokens)
+                                              config.mmq_tokens, config.gpu_memory_gib)
         self._spark_promote = config.spark_promote > 0
         self._recorder = self._routing_recorder(g.fingerprint, config)  # before prepare: graphs capture the counting
         self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, config.kv_tau
@@ -917,11 +917,13 @@ def _spark_options(g, config: EngineConfig):
 
 
 def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_pool: int | str | None,
-                  kv_cache: int | None, max_batch: int, spark=None, mmq_tokens: int | None = None):
+                  kv_cache: int | None, max_batch: int, spark=None, mmq_tokens: int | None = None,
+                  gpu_memory_gib: float = 0.0):
     """The backend with its KV pool, and each sequence's residency budget in tokens (None: the whole context) with
     "auto" resolved. The pool: `kv_cache` tokens, or room for max_batch sequences at that budget, on CUDA within
-    AUTO_POOL_SHARE of the GPU memory free after the weights; it always holds one sequence at least. mmq_tokens:
-    CUDA's CudaOps.mmq_tokens (None: its default)."""
+    AUTO_POOL_SHARE of the GPU memory free (at most gpu_memory_gib, if > 0) after the weights (`gpu_weight_bytes`:
+    with Spark, the expert tables' share only); it always holds one sequence at least. mmq_tokens: CUDA's
+    CudaOps.mmq_tokens (None: its default)."""
     from lucekv.backends.cpu import KV_DTYPES, CpuBackend
 
     if kv_dtype not in KV_DTYPES:
@@ -935,7 +937,7 @@ def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_p
         if available() and (name == "cuda" or not SIMULATOR):  # "auto" never picks the slow simulator
             from lucekv.backends.cuda import CudaBackend
 
-            room = _gpu_kv_room(g, spec, np.dtype(KV_DTYPES[kv_dtype]))
+            room = _gpu_kv_room(g, spec, np.dtype(KV_DTYPES[kv_dtype]), spark, gpu_memory_gib)
             if kv_pool == "auto":
                 kv_pool = auto_pool_tokens(room, whole)
             total = _check_cache(kv_cache or max(min(room, max_batch * (kv_pool or whole)), kv_pool or whole),
@@ -969,15 +971,33 @@ def _check_cache(tokens: int, sequence: int) -> int:
     return tokens
 
 
-def _gpu_kv_room(g, spec: ModelSpec, kv_dtype: np.dtype) -> int:
-    """Tokens of K/V that fit AUTO_POOL_SHARE of the GPU memory free after the weights (the rest is scratch and
-    headroom), in whole chunks."""
+def _gpu_kv_room(g, spec: ModelSpec, kv_dtype: np.dtype, spark=None, gpu_memory_gib: float = 0.0) -> int:
+    """Tokens of K/V that fit AUTO_POOL_SHARE of the GPU memory free (at most gpu_memory_gib, if > 0) after the
+    weights (the rest is scratch and headroom), in whole chunks."""
     from lucekv.kernels.cuda import cuda
 
-    token_bytes = 2 * spec.n_layer * spec.n_kv_head * spec.head_dim * kv_dtype.itemsize
-    weight_bytes = sum(t.data.nbytes for t in g.tensors.values())  # as uploaded, near enough: quants stay packed
     free_bytes = cuda.current_context().get_memory_info().free
-    return kv_room_tokens(free_bytes, weight_bytes, token_bytes)
+    if gpu_memory_gib:
+        free_bytes = min(free_bytes, gpu_memory_gib * 2**30)
+    return kv_room_tokens(free_bytes, gpu_weight_bytes(g, spark), kv_token_bytes(spec, kv_dtype))
+
+
+def kv_token_bytes(spec: ModelSpec, kv_dtype: np.dtype) -> int:
+    """One token's K and V in every layer."""
+    return 2 * spec.n_layer * spec.n_kv_head * spec.head_dim * kv_dtype.itemsize
+
+
+def gpu_weight_bytes(g, spark=None) -> int:
+    """The model's bytes on the GPU, as uploaded near enough (quants stay packed): every tensor's; with Spark
+    (SparkOptions), of the experts only those its tables hold, the placed ones and the spare slots of every layer (the
+    rest stays in pinned host memory)."""
+    total = sum(t.data.nbytes for t in g.tensors.values())
+    if spark is None:
+        return total
+    from lucekv.spark.cli import expert_bytes
+
+    sizes = expert_bytes(g)
+    return total - sum(sizes) * spark.placement.n_expert + spark.placement.table_bytes(sizes, spark.spare)
 
 
 def kv_room_tokens(free_bytes: float, weight_bytes: int, token_bytes: int) -> int:
@@ -991,8 +1011,9 @@ def auto_pool_tokens(room: int, n_ctx: int) -> int | None:
         return None
     if room < min_pool_tokens():
         raise ConfigError(
-            f"--kv-pool auto: the GPU memory free after the weights holds {room} tokens of K/V, below the "
-            f"{min_pool_tokens()} a pool needs; free GPU memory or use a smaller model")
+            f"--kv-pool auto: the GPU memory free (or --gpu-memory-gib) after the weights holds {room} tokens of K/V, "
+            f"below the {min_pool_tokens()} a pool needs; free GPU memory, use a smaller model or, for an MoE, keep "
+            "fewer experts on the GPU (--spark-placement)")
     return room
 
 
