@@ -19,7 +19,10 @@
 #                                      kernel tests (128 greedy tokens of the k-means-routed upcycled smollm2 at 30/50%
 #                                      + cache == all-GPU; needs smollm2's pieces; ~3 min); `spark bench`: lucekv bench
 #                                      spark at 30/50/70% resident (calibration trace recorded on the GPU) beside
-#                                      llama-bench -ncmoe at the same expert VRAM (built by `depth build`)
+#                                      llama-bench -ncmoe at the same expert VRAM (built by `depth build`); `spark
+#                                      long`: the engine within 16 GiB of GPU memory (--gpu-memory-gib, auto KVFlash
+#                                      pool), 50% resident, calibrated (its own --spark-record) + cache, decode on a
+#                                      128K context (restored, not prefilled) and a 1K one; peak GPU memory (~5-8 min)
 #   bash bench/gpu_session.sh niah CTX [MODEL] [RES]  recall of the RULER-style tasks at CTX tokens (10 cases per
 #                                      task), full cache vs pools of RES (default 0.0625,0.125) under quest, lru and
 #                                      draft (drafter qwen2.5-coder-0.5b); MODEL qwen05 (default) or qwen15; needs
@@ -268,6 +271,11 @@ spark)
     python3 -m lucekv.cli bench spark $A3BZ --resident 0.3,0.5,0.7 $([ -x "$LB" ] && echo --llama-bench "$LB") \
       --json "$OUT/spark-qwen3-30b-a3b-zipf.json" 2>&1 | grep --line-buffered -v -i warning \
       | tee "$OUT/spark-bench.log" | grep -v '^ ' ;;
+  long)
+    [ -f $A3BZ ] || { echo "no $A3BZ: run 'spark write' first" >&2; exit 1; }
+    timeout 590 python3 -m lucekv.cli bench spark $A3BZ --resident 0.5 --long-context 131072 --gpu-memory-gib 16 \
+      --json "$OUT/spark-long-qwen3-30b-a3b-zipf-128k.json" 2>&1 | grep --line-buffered -v -i warning \
+      | tee "$OUT/spark-long.log" | grep -v '^ ' ;;
   esac
   ;;
 niah)

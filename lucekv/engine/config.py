@@ -63,9 +63,10 @@ class EngineConfig:
         "weights)", optional_int, group="engine", metavar="TOKENS")
     max_batch: int = setting(64, "sequences that decode together in one step", int, group="engine")
     gpu_memory_gib: float = setting(
-        0.0, "CUDA: the GPU memory the model may take: its weights as held on the GPU (with --spark-placement the "
-        "placed experts and spare slots only), the KV pool and scratch; --kv-pool auto and the default --kv-cache are "
-        "sized within it (0: within the memory free)", float, group="engine")
+        0.0, "CUDA: keep the GPU's memory in use (the CUDA context's and whatever else is on the device at load "
+        "included) under this: --kv-pool auto and the default --kv-cache are sized within it, after the weights as "
+        "held on the GPU (with --spark-placement the placed experts and spare slots only); 0: within the memory free",
+        float, group="engine")
     spark_placement: Path | None = setting(
         None, "CUDA, MoE models: an expert placement JSON (`lucekv spark calibrate`) of this model: its experts stay "
         "on the GPU, the others in pinned host memory, read over PCIe; refused for another model", optional_path,

@@ -921,9 +921,9 @@ def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_p
                   gpu_memory_gib: float = 0.0):
     """The backend with its KV pool, and each sequence's residency budget in tokens (None: the whole context) with
     "auto" resolved. The pool: `kv_cache` tokens, or room for max_batch sequences at that budget, on CUDA within
-    AUTO_POOL_SHARE of the GPU memory free (at most gpu_memory_gib, if > 0) after the weights (`gpu_weight_bytes`:
-    with Spark, the expert tables' share only); it always holds one sequence at least. mmq_tokens: CUDA's
-    CudaOps.mmq_tokens (None: its default)."""
+    AUTO_POOL_SHARE of the GPU memory free (within gpu_memory_gib, if > 0: `usable_bytes`) after the weights
+    (`gpu_weight_bytes`: with Spark, the expert tables' share only); it always holds one sequence at least.
+    mmq_tokens: CUDA's CudaOps.mmq_tokens (None: its default)."""
     from lucekv.backends.cpu import KV_DTYPES, CpuBackend
 
     if kv_dtype not in KV_DTYPES:
@@ -972,14 +972,21 @@ def _check_cache(tokens: int, sequence: int) -> int:
 
 
 def _gpu_kv_room(g, spec: ModelSpec, kv_dtype: np.dtype, spark=None, gpu_memory_gib: float = 0.0) -> int:
-    """Tokens of K/V that fit AUTO_POOL_SHARE of the GPU memory free (at most gpu_memory_gib, if > 0) after the
-    weights (the rest is scratch and headroom), in whole chunks."""
+    """Tokens of K/V that fit AUTO_POOL_SHARE of the GPU memory free (`usable_bytes`: within gpu_memory_gib, if > 0)
+    after the weights (the rest is scratch and headroom), in whole chunks."""
     from lucekv.kernels.cuda import cuda
 
-    free_bytes = cuda.current_context().get_memory_info().free
-    if gpu_memory_gib:
-        free_bytes = min(free_bytes, gpu_memory_gib * 2**30)
-    return kv_room_tokens(free_bytes, gpu_weight_bytes(g, spark), kv_token_bytes(spec, kv_dtype))
+    free_bytes, total_bytes = cuda.current_context().get_memory_info()
+    return kv_room_tokens(usable_bytes(free_bytes, total_bytes, gpu_memory_gib), gpu_weight_bytes(g, spark),
+                          kv_token_bytes(spec, kv_dtype))
+
+
+def usable_bytes(free_bytes: int, total_bytes: int, gpu_memory_gib: float) -> int:
+    """The GPU memory the model may take: what is free, or with a bound (gpu_memory_gib > 0), no more than keeps the
+    device's memory in use (this process's CUDA context and whatever else is there) under it."""
+    if not gpu_memory_gib:
+        return free_bytes
+    return max(0, min(free_bytes, int(gpu_memory_gib * 2**30) - (total_bytes - free_bytes)))
 
 
 def kv_token_bytes(spec: ModelSpec, kv_dtype: np.dtype) -> int:

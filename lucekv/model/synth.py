@@ -428,9 +428,10 @@ def scale_blocks(data: np.ndarray, qtype: GGMLQuantizationType, factor: float) -
     return blocks.reshape(data.shape)
 
 
-# Qwen3-30B-A3B's shape: 48 layers, 128 experts of 768, top-8, n_embd 2048, 32 / 4 heads of 128, Qwen's vocabulary.
+# Qwen3-30B-A3B's shape: 48 layers, 128 experts of 768, top-8, n_embd 2048, 32 / 4 heads of 128, Qwen's vocabulary;
+# the context of its 2507 release (262144), so that Spark's 128K-context case runs on it
 QWEN3_30B_A3B = {"n_embd": 2048, "n_layer": 48, "n_head": 32, "n_kv_head": 4, "head_dim": 128, "n_ff": 6144,
-                 "n_ff_expert": 768, "n_expert": 128, "n_expert_used": 8, "vocab": 151936, "n_ctx": 40960}
+                 "n_ff_expert": 768, "n_expert": 128, "n_expert_used": 8, "vocab": 151936, "n_ctx": 262144}
 
 
 def q4_k_m_types(n_layer: int, experts: bool = True) -> dict[str, GGMLQuantizationType]:
