@@ -483,7 +483,12 @@ class CudaOps:
         expert's run through the tensor-core tile."""
         spec, e, s = self.spec, m.experts, self.stream
         n, k, n_embd = x.shape[0], spec.n_expert_used, spec.n_embd
-        ids = e.routed if n == 1 and e.routed is not None else self._alloc((n, k), np.int32)
+        if n == 1 and e.routed is not None:
+            ids = e.routed
+        elif self.spark is not None and not self.one_sequence:  # decode rows: the cache reads their experts too
+            ids = self.spark.rows_ids(m.layer, n)
+        else:
+            ids = self._alloc((n, k), np.int32)
         weights = self._empty(n, k)
         logits = self._empty(n, spec.n_expert)
         gate = GELU if spec.arch.activation == "gelu_tanh" else SILU
@@ -761,7 +766,7 @@ class CudaBackend(RunAhead):
         if spark is not None:
             if not spec.n_expert:
                 raise UnsupportedModelError(f"{spec.name} has no experts to place (--spark-placement)")
-            self.ops.spark = SparkStore(spark, spec, g.fingerprint, self.stream)
+            self.ops.spark = SparkStore(spark, spec, g.fingerprint, self.stream, self.max_rows)
         self.spark = self.ops.spark
         self.weights: Weights = load_weights(g, spec, self.ops)
         self._graphs = not SIMULATOR if use_graph is None else use_graph
@@ -814,6 +819,8 @@ class CudaBackend(RunAhead):
             out = out[len(out) - n :] if all_logits else out
         if self.spark is not None and n == 1 and not rows:
             self.spark.observe_now()  # a one-token step: its experts feed the cache
+        elif self.spark is not None and rows:
+            self.spark.observe_rows(n)  # decode rows: so do theirs
         return out
 
     def _graph_for(self, n: int, all_logits: bool) -> ForwardGraph | None:
@@ -1027,7 +1034,10 @@ class CudaBackend(RunAhead):
             with cuda.defer_cleanup():
                 forward(self.spec, self.weights, self.ops, tokens, positions, slots, True)
             graph.capture(tokens, positions, slots)  # and from now on replayed, this first time too
-        return graph.replay_rows(n, sampled)
+        out = graph.replay_rows(n, sampled)
+        if self.spark is not None and n:  # (none: a capture of padding rows only)
+            self.spark.observe_rows(n)  # the rows' experts feed the cache
+        return out
 
     def prepare_decode(self) -> None:
         """Capture the one-token step's graph and the decode rows' graph of every batch size bucket up to max_rows

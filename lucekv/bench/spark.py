@@ -241,9 +241,9 @@ def run_long(model: str, share: float, context: int, gen_tokens: int, spare: int
             before = spark.stats.to_json()
             row = decode_run(engine, length, gen_tokens_for(length, gen_tokens, TAU, True), rng, "spark-long")
             after = spark.stats.to_json()
-            steps = max(after["steps"] - before["steps"], 1)
-            row.update({"cold_per_token": (after["cold"] - before["cold"]) / steps,
-                        "fills_per_token": (after["fills"] - before["fills"]) / steps,
+            tokens = max(after["tokens"] - before["tokens"], 1)
+            row.update({"cold_per_token": (after["cold"] - before["cold"]) / tokens,
+                        "fills_per_token": (after["fills"] - before["fills"]) / tokens,
                         "gpu_used_gib": gpu_used_gib()})
             runs.append(row)
             print(f"context {length}: {row['decode_tok_s']:.1f} tok/s over {row['gen_tokens']} tokens, "
