@@ -17,7 +17,8 @@
 #   bash bench/gpu_session.sh spark    Spark (issue 24): `spark write` writes the 30B-A3B-shaped Q4_K_M file with a
 #                                      Zipf-skewed router (~5 min, a call of its own); `spark tests`: Spark's gpu and
 #                                      kernel tests (128 greedy tokens of the k-means-routed upcycled smollm2 at 30/50%
-#                                      + cache == all-GPU; needs smollm2's pieces; ~3 min); `spark bench`: lucekv bench
+#                                      + cache == all-GPU; decode rows feeding the cache; routing counted on the
+#                                      device == the CPU's; needs smollm2's pieces; ~3-4 min); `spark bench`: lucekv bench
 #                                      spark at 30/50/70% resident (calibration trace recorded on the GPU) beside
 #                                      llama-bench -ncmoe at the same expert VRAM (built by `depth build`); `spark
 #                                      long`: the engine within 16 GiB of GPU memory (--gpu-memory-gib, auto KVFlash
@@ -262,8 +263,9 @@ spark)
   case "${2:-bench}" in
   write) timeout 560 python3 -m lucekv.model.synth qwen3-30b-a3b $A3BZ --router zipf; ls -la $A3BZ ;;
   tests)
-    LUCEKV_TEST_MODELS_DIR=/tmp python3 -m pytest -q -s -p no:cacheprovider -m "gpu or slow or not slow" -k spark \
-      tests/backends/test_cuda_spark.py tests/kernels/test_cuda_moe.py 2>&1 \
+    LUCEKV_TEST_MODELS_DIR=/tmp python3 -m pytest -q -s -p no:cacheprovider -m "gpu or slow or not slow" \
+      -k "spark or routing" tests/backends/test_cuda_spark.py tests/backends/test_cuda_spark_rows.py \
+      tests/backends/test_cuda_routing_counts.py tests/kernels/test_cuda_moe.py 2>&1 \
       | tee "$OUT/spark-gpu-tests.log" | grep -E "error|passed|failed|FAIL|tok/s" | tail -30 ;;
   bench)
     [ -f $A3BZ ] || { echo "no $A3BZ: run 'spark write' first" >&2; exit 1; }

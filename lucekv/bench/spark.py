@@ -236,6 +236,7 @@ def run_long(model: str, share: float, context: int, gen_tokens: int, spare: int
               f"weights on the GPU {m['weights_on_gpu_gib']:.2f} GiB (expert tables {m['expert_table_gib']:.2f}), "
               f"{result['gpu_used_gib_after_load']:.2f} GiB in use after load", flush=True)
         rng = np.random.default_rng(0)
+        decode_run(engine, 256, WARMUP, rng, "spark-long")  # captures the decode graph (the placement dropped it)
         runs = []
         for length in (1024, context):
             before = spark.stats.to_json()

@@ -38,7 +38,8 @@ def test_padding_rows_are_not_counted_and_a_take_clears():
 @needs_gpu
 def test_the_cuda_backend_counts_the_routing_the_cpu_backend_counts_gpu(tmp_path):
     """A 6-token prompt (a prompt piece padded to its graph's width) and 4 decode steps run ahead (the decode graph):
-    per layer, the experts counted on the device equal the CPU backend's. (Minutes in the simulator: GPU only.)"""
+    per layer, every real token's experts counted on the device (padding rows and the graphs' captures not), those the
+    CPU backend counts but for a near tie or two. (Minutes in the simulator: GPU only.)"""
     from lucekv.backends.cpu import CpuBackend
     from lucekv.backends.cuda import CudaBackend
     from lucekv.model.arch import ModelSpec
@@ -64,5 +65,7 @@ def test_the_cuda_backend_counts_the_routing_the_cpu_backend_counts_gpu(tmp_path
             b.next_token()
         counts.append(b.take_routing_counts())
         assert b.take_routing_counts().sum() == 0
-    np.testing.assert_array_equal(counts[1], counts[0])
-    np.testing.assert_array_equal(counts[0].sum(axis=1), 10 * 3)
+    np.testing.assert_array_equal(counts[1].sum(axis=1), 10 * 3)  # every real token, no padding row, in each layer
+    # the same experts as the CPU's but where the GPU's rounding (tensor-core products) flips a near tie at the k-th
+    # expert: a flip moves one selection
+    assert np.abs(counts[1] - counts[0]).sum() <= 2 * 2, (counts[1], counts[0])
