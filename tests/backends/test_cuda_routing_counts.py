@@ -1,6 +1,6 @@
 """Routing counts on the CUDA backend (`--spark-record`, kernels/cuda/expert_counts): the count kernel against numpy
-(padding rows not counted, a take clears), in the simulator; on a GPU, the backend's counts of a prompt and decode
-steps through its captured (padded) graphs equal to the CPU backend's."""
+(padding rows not counted, a take clears) and the MoE op's counts against a float64 top-k, in the simulator; on a GPU,
+the backend's counts of a prompt and decode steps through its captured (padded) graphs beside the CPU backend's."""
 
 from __future__ import annotations
 
@@ -32,6 +32,37 @@ def test_padding_rows_are_not_counted_and_a_take_clears():
     want[1] = np.bincount(ids[2:].ravel(), minlength=8)
     np.testing.assert_array_equal(take_counts(counts, stream), want)
     np.testing.assert_array_equal(take_counts(counts, stream), 0)
+
+
+@needs_kernels
+def test_the_moe_op_counts_its_routed_experts(tmp_path):
+    """CudaOps.moe_ffn with routing counted: a token's top-k (float64 reference from the router and the normalized
+    input) added to its layer's counts."""
+    from lucekv.backends.cuda import CudaKVPool, CudaOps
+    from lucekv.kernels.cuda._numba import device_zeros
+    from lucekv.kernels.cuda.expert_counts import take_counts
+    from lucekv.model.arch import ModelSpec
+    from lucekv.model.decoder import load_weights
+    from lucekv.model.gguf import open_gguf
+    from lucekv.model.synth import write_synthetic_gguf
+    from tests.kernels import moe_reference
+
+    g = open_gguf(write_synthetic_gguf(tmp_path / "moe.gguf", "qwen3moe", qtype=Q.Q8_0, n_embd=64, n_head=4,
+                                       n_kv_head=2, head_dim=16, n_ff=64, n_ff_expert=32, n_layer=1, n_expert=8,
+                                       n_expert_used=3, seed=4))
+    spec = ModelSpec.from_gguf(g)
+    stream = cuda.stream()
+    ops = CudaOps(spec, CudaKVPool(spec, 64, "f32", stream), stream)
+    layer = load_weights(g, spec, ops).layers[0]
+    counts = device_zeros((1, 8), np.int32, stream)
+    ops.routing_counts = [counts[0]]
+    x = np.random.default_rng(3).standard_normal((1, spec.n_embd)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    h = x64 / np.sqrt(np.mean(x64 * x64) + spec.rms_eps) * moe_reference.dequantized(g, "blk.0.ffn_norm.weight")
+    want, _ = moe_reference.route(h, moe_reference.dequantized(g, "blk.0.ffn_gate_inp.weight"), 3, False)
+    ops.positions = cuda.to_device(np.array([7], np.int32), stream=stream)  # (a padding row's, -1: the kernel test)
+    ops.moe_ffn(cuda.to_device(x, stream=stream), layer.moe, layer.ffn_norm)
+    np.testing.assert_array_equal(take_counts(counts, stream)[0], np.bincount(want[0], minlength=8))
 
 
 @pytest.mark.gpu
