@@ -224,7 +224,10 @@ def run_long(model: str, share: float, context: int, gen_tokens: int, spare: int
             trace = RoutingTrace.load(Path(tmp) / "trace.json", g.fingerprint)
             engine.backend.place_experts(SparkOptions(calibrated(trace, sizes, cache_budget), spare))
             result["calibration"] = {"recorded": "--spark-record of the engine serving a prompt of Python code "
-                                                 "(64 tokens decoded)", "tokens": trace.tokens}
+                                                 "(64 tokens decoded)", "tokens": trace.tokens,
+                                     # what the trace must count: the prompt and every decoded token but the last
+                                     "tokens_forwarded": len(ids) + 63}
+            result["routing_counted"] = True  # the runs below count routing on the device (one launch a layer)
         spark = engine.backend.spark
         result["memory"] = {
             "kv_pool_tokens": engine.info.kv_pool_tokens, "kv_cache_tokens": engine.info.kv_cache_tokens,
