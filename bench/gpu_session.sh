@@ -21,9 +21,10 @@
 #                                      device == the CPU's; needs smollm2's pieces; ~3-4 min); `spark bench`: lucekv bench
 #                                      spark at 30/50/70% resident (calibration trace recorded on the GPU) beside
 #                                      llama-bench -ncmoe at the same expert VRAM (built by `depth build`); `spark
-#                                      long`: the engine within 16 GiB of GPU memory (--gpu-memory-gib, auto KVFlash
-#                                      pool), 50% resident, calibrated (its own --spark-record) + cache, decode on a
-#                                      128K context (restored, not prefilled) and a 1K one; peak GPU memory (~5-8 min)
+#                                      long`: the engine sized within 15 GiB of GPU memory (--gpu-memory-gib, auto
+#                                      KVFlash pool; the goal: a peak under 16 GiB, scratch measured), 50% resident,
+#                                      calibrated (its own --spark-record) + cache, decode on a 128K context (restored,
+#                                      not prefilled) and a 1K one; peak GPU memory (~5-8 min)
 #   bash bench/gpu_session.sh niah CTX [MODEL] [RES]  recall of the RULER-style tasks at CTX tokens (10 cases per
 #                                      task), full cache vs pools of RES (default 0.0625,0.125) under quest, lru and
 #                                      draft (drafter qwen2.5-coder-0.5b); MODEL qwen05 (default) or qwen15; needs
@@ -275,7 +276,7 @@ spark)
       | tee "$OUT/spark-bench.log" | grep -v '^ ' ;;
   long)
     [ -f $A3BZ ] || { echo "no $A3BZ: run 'spark write' first" >&2; exit 1; }
-    timeout 590 python3 -m lucekv.cli bench spark $A3BZ --resident 0.5 --long-context 131072 --gpu-memory-gib 16 \
+    timeout 590 python3 -m lucekv.cli bench spark $A3BZ --resident 0.5 --long-context 131072 --gpu-memory-gib 15 \
       --json "$OUT/spark-long-qwen3-30b-a3b-zipf-128k.json" 2>&1 | grep --line-buffered -v -i warning \
       | tee "$OUT/spark-long.log" | grep -v '^ ' ;;
   esac

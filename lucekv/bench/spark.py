@@ -207,6 +207,7 @@ def run_long(model: str, share: float, context: int, gen_tokens: int, spare: int
         else:  # loaded as uniform + cache (the same table bytes), calibrated once the engine has recorded a trace
             first = uniform(g.fingerprint, n_expert, sizes, cache_budget)
         first.save(Path(tmp) / "placement.json")
+        result["gpu_used_gib_before_load"] = gpu_used_gib()  # the CUDA context (made here) and anything else there
         started = time.perf_counter()
         engine = lucekv.load(path, backend="cuda", kv_pool="auto", gpu_memory_gib=gpu_memory_gib, max_batch=1,
                              n_ctx=n_ctx, kv_tau=TAU, session_memory_gib=NO_HOST_LIMIT,
@@ -235,6 +236,10 @@ def run_long(model: str, share: float, context: int, gen_tokens: int, spare: int
             "weights_on_gpu_gib": gpu_weight_bytes(g, SparkOptions(spark.slots.placement, spare)) / GIB,
             "expert_table_gib": spark.table_bytes / GIB, "pinned_host_experts_gib": spark.host_bytes / GIB}
         m = result["memory"]
+        # what the engine took beside the weights and the pool (activations, graphs, code): the auto pool's headroom
+        # (10% of what the weights leave) is meant to hold it
+        m["scratch_gib_after_load"] = (result["gpu_used_gib_after_load"] - result["gpu_used_gib_before_load"]
+                                       - m["weights_on_gpu_gib"] - m["kv_cache_gib"])
         print(f"within {gpu_memory_gib} GiB: KV pool {m['kv_pool_tokens']} tokens ({m['kv_cache_gib']:.2f} GiB), "
               f"weights on the GPU {m['weights_on_gpu_gib']:.2f} GiB (expert tables {m['expert_table_gib']:.2f}), "
               f"{result['gpu_used_gib_after_load']:.2f} GiB in use after load", flush=True)
