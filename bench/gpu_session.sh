@@ -262,7 +262,7 @@ moe)
 spark)
   A3BZ=/tmp/qwen3-30b-a3b-zipf.gguf
   case "${2:-bench}" in
-  write) timeout 560 python3 -m lucekv.model.synth qwen3-30b-a3b $A3BZ --router zipf; ls -la $A3BZ ;;
+  write) timeout 560 python3 -m lucekv.model.synth qwen3-30b-a3b $A3BZ --router zipf --n-ctx 262144; ls -la $A3BZ ;;
   tests)
     LUCEKV_TEST_MODELS_DIR=/tmp python3 -m pytest -q -s -p no:cacheprovider -m "gpu or slow or not slow" \
       -k "spark or routing" tests/backends/test_cuda_spark.py tests/backends/test_cuda_spark_rows.py \
