@@ -14,7 +14,8 @@ With `--long-context TOKENS` (`run_long`): the engine as a server runs it, withi
 by `--kv-pool auto` from what the expert tables leave), one share resident as calibrated + cache: the calibration trace
 recorded by the engine itself (`--spark-record`) serving a prompt of code, unless `--trace`; then decode on a context of
 TOKENS installed as `bench depth` installs it (random token ids and K/V restored as a session: decode reads every
-resident row and weight whatever their values; prefill is not measured), past one KVFlash reselect, beside a 1K context.
+resident row and weight whatever their values; prefill is not measured) or, with `--prefill`, prefilled as a prompt,
+past one KVFlash reselect, beside a 1K context.
 Each: decode tok/s, cold selections and fills per token; the pool, the GPU bytes of weights and tables, and the GPU
 memory in use (sampled in-process, and its peak over the run from nvidia-smi).
 """
@@ -166,12 +167,13 @@ def run(model: str, shares: list[float], prompt_tokens: int, gen_tokens: int, sp
 
 
 def run_long(model: str, share: float, context: int, gen_tokens: int, spare: int | None, trace_path: str | None,
-             calibration_tokens: int, gpu_memory_gib: float) -> dict:
-    """See the module's docstring (`--long-context`)."""
+             calibration_tokens: int, gpu_memory_gib: float, prefill: bool = False) -> dict:
+    """See the module's docstring (`--long-context`); `prefill`: the long context is a prompt prefilled (prose
+    repeated), its time to first token measured, rather than restored."""
     import lucekv
     from lucekv.backends.cuda_spark import SparkOptions
     from lucekv.bench.decode import git_commit
-    from lucekv.bench.depth import NO_HOST_LIMIT, decode_run, gen_tokens_for
+    from lucekv.bench.depth import NO_HOST_LIMIT, _generate, decode_run, gen_tokens_for
     from lucekv.engine.engine import gpu_weight_bytes
     from lucekv.engine.sampling import SamplingParams
     from lucekv.model.arch import ModelSpec
@@ -215,10 +217,10 @@ def run_long(model: str, share: float, context: int, gen_tokens: int, spare: int
                              spark_record=None if trace_path else Path(tmp) / "trace.json")
         result["load_s"] = time.perf_counter() - started
         result["gpu_used_gib_after_load"] = gpu_used_gib()
+        tok = Tokenizer.from_metadata(g.metadata)
         if trace_path:
             result["calibration"] = {"trace": Path(trace_path).name, "tokens": trace.tokens}
         else:
-            tok = Tokenizer.from_metadata(g.metadata)
             ids = (tok.encode(CALIBRATION) * (calibration_tokens // 8 + 1))[:calibration_tokens]
             list(engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)))
             engine.save_routing_trace()
@@ -248,7 +250,15 @@ def run_long(model: str, share: float, context: int, gen_tokens: int, spare: int
         runs = []
         for length in (1024, context):
             before = spark.stats.to_json()
-            row = decode_run(engine, length, gen_tokens_for(length, gen_tokens, TAU, True), rng, "spark-long")
+            gen = gen_tokens_for(length, gen_tokens, TAU, True)
+            if prefill and length == context:
+                try:
+                    prompt = (tok.encode(MEASURED) * (length // 8 + 1))[:length]
+                    row = {"context": length, "prefilled": True, **_generate(engine, prompt, gen, "spark-long")}
+                finally:
+                    engine.delete_session("spark-long")
+            else:
+                row = decode_run(engine, length, gen, rng, "spark-long")
             after = spark.stats.to_json()
             tokens = max(after["tokens"] - before["tokens"], 1)
             row.update({"cold_per_token": (after["cold"] - before["cold"]) / tokens,
@@ -340,10 +350,11 @@ def main(args) -> int:
         if len(shares) != 1:
             raise ConfigError("--long-context measures one --resident share")
         result = run_long(args.model, shares[0], args.long_context, args.gen_tokens, args.spare, args.trace,
-                          args.calibration_tokens, args.gpu_memory_gib)
+                          args.calibration_tokens, args.gpu_memory_gib, args.prefill)
         result["command"] = " ".join(["lucekv bench spark", Path(args.model).name, "--resident", args.resident,
                                       "--long-context", str(args.long_context), "--gpu-memory-gib",
                                       str(args.gpu_memory_gib), "--gen-tokens", str(args.gen_tokens)]
+                                     + (["--prefill"] if args.prefill else [])
                                      + (["--trace", Path(args.trace).name] if args.trace else []))
         report(result, args.json)
         return 0
@@ -372,4 +383,6 @@ def add_parser(bench_sub) -> None:
                     "--resident share (calibrated + cache, auto KV pool): decode on a context of TOKENS (see the doc)")
     sp.add_argument("--gpu-memory-gib", type=float, default=16.0, help="with --long-context: the engine's GPU memory "
                     "(default 16)")
+    sp.add_argument("--prefill", action="store_true", help="with --long-context: prefill the long context as a "
+                    "prompt (its time to first token measured) rather than restore it")
     sp.add_argument("--json", help="also write the result here")
