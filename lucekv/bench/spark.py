@@ -213,9 +213,13 @@ def run_long(model: str, share: float, context: int, gen_tokens: int, spare: int
         started = time.perf_counter()
         engine = lucekv.load(path, backend="cuda", kv_pool="auto", gpu_memory_gib=gpu_memory_gib, max_batch=1,
                              n_ctx=n_ctx, kv_tau=TAU, session_memory_gib=NO_HOST_LIMIT,
+                             # without --prefill only the calibration prompt is prefilled: pieces of 64 tokens, so
+                             # that load compiles and captures no wider prompt graphs
+                             step_tokens=None if prefill else 64,
                              spark_placement=Path(tmp) / "placement.json", spark_spare=spare,
                              spark_record=None if trace_path else Path(tmp) / "trace.json")
         result["load_s"] = time.perf_counter() - started
+        result["step_tokens"] = engine.scheduler.config.step_tokens  # a step's prompt piece: its scratch is sized by it
         result["gpu_used_gib_after_load"] = gpu_used_gib()
         tok = Tokenizer.from_metadata(g.metadata)
         if trace_path:
