@@ -23,8 +23,9 @@
 #                                      llama-bench -ncmoe at the same expert VRAM (built by `depth build`); `spark
 #                                      long`: the engine sized within 15 GiB of GPU memory (--gpu-memory-gib, auto
 #                                      KVFlash pool; the goal: a peak under 16 GiB, scratch measured), 50% resident,
-#                                      calibrated (its own --spark-record) + cache, decode on a 128K context (restored,
-#                                      not prefilled) and a 1K one; peak GPU memory (~5-8 min)
+#                                      calibrated (its routing counted on the device, as --spark-record does) + cache,
+#                                      decode on a 128K context (restored, not prefilled) and a 1K one (again with the
+#                                      routing counted: its cost); peak GPU memory (~5-8 min)
 #   bash bench/gpu_session.sh niah CTX [MODEL] [RES]  recall of the RULER-style tasks at CTX tokens (10 cases per
 #                                      task), full cache vs pools of RES (default 0.0625,0.125) under quest, lru and
 #                                      draft (drafter qwen2.5-coder-0.5b); MODEL qwen05 (default) or qwen15; needs

@@ -435,10 +435,11 @@ class CpuBackend(RunAhead):
     def prepare(self, step_tokens: int, verify_width: int) -> None:
         """Nothing to prepare at engine start here (the CUDA backend compiles its kernels and captures graphs)."""
 
-    def count_routing(self) -> None:
-        """From now on, count the experts each MoE layer routes every forward's tokens to (`take_routing_counts`)."""
+    def count_routing(self, on: bool = True) -> None:
+        """From now on (or, `on` False, no longer) count the experts each MoE layer routes every forward's tokens to
+        (`take_routing_counts`)."""
         self._routed = np.zeros((self.spec.n_layer, max(self.spec.n_expert, 1)), np.int64)
-        self.ops.routing_observer = self._count_routed
+        self.ops.routing_observer = self._count_routed if on else None
 
     def _count_routed(self, layer: int, ids: np.ndarray) -> None:
         self._routed[layer] += np.bincount(ids.reshape(-1), minlength=self._routed.shape[1])

@@ -1070,17 +1070,20 @@ class CudaBackend(RunAhead):
             self.graph = DecodeGraph(self)
             self.prefill_graphs, self.verify_graphs, self.row_graphs = {}, {}, {}
 
-    def count_routing(self) -> None:
-        """From now on, count the experts each MoE layer routes every forward's tokens to (padding rows not), on the
-        device: a launch per MoE layer, in the captured graphs too (those captured before are captured again).
-        `take_routing_counts` reads the counts."""
-        if self.ops.routing_counts is not None:
+    def count_routing(self, on: bool = True) -> None:
+        """From now on (or, `on` False, no longer) count the experts each MoE layer routes every forward's tokens to
+        (padding rows not), on the device: a launch per MoE layer, in the captured graphs too (those captured before
+        are captured again). `take_routing_counts` reads the counts."""
+        if (self.ops.routing_counts is not None) == on:
             return
         if self._ahead:
-            raise ValueError("routing counts start between steps: steps are running ahead")
+            raise ValueError("routing counts start or stop between steps: steps are running ahead")
         synchronize(self.stream)
-        self._routing = device_zeros((self.spec.n_layer, max(self.spec.n_expert, 1)), np.int32, self.stream)
-        self.ops.routing_counts = [self._routing[layer] for layer in range(self.spec.n_layer)]  # views made once
+        if on:
+            self._routing = device_zeros((self.spec.n_layer, max(self.spec.n_expert, 1)), np.int32, self.stream)
+            self.ops.routing_counts = [self._routing[layer] for layer in range(self.spec.n_layer)]  # views made once
+        else:
+            self.ops.routing_counts = None
         self._forget_graphs()
 
     def take_routing_counts(self) -> np.ndarray:

@@ -12,12 +12,14 @@ expert VRAM), and with none there, in the same run.
 
 With `--long-context TOKENS` (`run_long`): the engine as a server runs it, within `--gpu-memory-gib` (the KV pool sized
 by `--kv-pool auto` from what the expert tables leave), one share resident as calibrated + cache: the calibration trace
-recorded by the engine itself (`--spark-record`) serving a prompt of code, unless `--trace`; then decode on a context of
+counted by the engine itself on the device (as `serve --spark-record` counts) serving a prompt of code, unless
+`--trace`; then decode on a context of
 TOKENS installed as `bench depth` installs it (random token ids and K/V restored as a session: decode reads every
 resident row and weight whatever their values; prefill is not measured) or, with `--prefill`, prefilled as a prompt,
 past one KVFlash reselect, beside a 1K context.
 Each: decode tok/s, cold selections and fills per token; the pool, the GPU bytes of weights and tables, and the GPU
-memory in use (sampled in-process, and its peak over the run from nvidia-smi).
+memory in use (sampled in-process, and its peak over the run from nvidia-smi). Last, the 1K run again with the routing
+counted (what `--spark-record` costs a decode step).
 """
 
 from __future__ import annotations
@@ -173,7 +175,7 @@ def run_long(model: str, share: float, context: int, gen_tokens: int, spare: int
     import lucekv
     from lucekv.backends.cuda_spark import SparkOptions
     from lucekv.bench.decode import git_commit
-    from lucekv.bench.depth import NO_HOST_LIMIT, _generate, decode_run, gen_tokens_for
+    from lucekv.bench.depth import NO_HOST_LIMIT, decode_run, gen_tokens_for
     from lucekv.engine.engine import gpu_weight_bytes
     from lucekv.engine.sampling import SamplingParams
     from lucekv.model.arch import ModelSpec
@@ -216,26 +218,26 @@ def run_long(model: str, share: float, context: int, gen_tokens: int, spare: int
                              # without --prefill only the calibration prompt is prefilled: pieces of 64 tokens, so
                              # that load compiles and captures no wider prompt graphs
                              step_tokens=None if prefill else 64,
-                             spark_placement=Path(tmp) / "placement.json", spark_spare=spare,
-                             spark_record=None if trace_path else Path(tmp) / "trace.json")
+                             spark_placement=Path(tmp) / "placement.json", spark_spare=spare)
         result["load_s"] = time.perf_counter() - started
         result["step_tokens"] = engine.scheduler.config.step_tokens  # a step's prompt piece: its scratch is sized by it
         result["gpu_used_gib_after_load"] = gpu_used_gib()
-        tok = Tokenizer.from_metadata(g.metadata)
+        backend, tok = engine.backend, Tokenizer.from_metadata(g.metadata)
         if trace_path:
             result["calibration"] = {"trace": Path(trace_path).name, "tokens": trace.tokens}
-        else:
+        else:  # the routing counted on the device as --spark-record counts it, then counted no more
+            backend.count_routing()
             ids = (tok.encode(CALIBRATION) * (calibration_tokens // 8 + 1))[:calibration_tokens]
             list(engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)))
-            engine.save_routing_trace()
-            trace = RoutingTrace.load(Path(tmp) / "trace.json", g.fingerprint)
-            engine.backend.place_experts(SparkOptions(calibrated(trace, sizes, cache_budget), spare))
-            result["calibration"] = {"recorded": "--spark-record of the engine serving a prompt of Python code "
-                                                 "(64 tokens decoded)", "tokens": trace.tokens,
+            trace = RoutingTrace(g.fingerprint, spec.n_expert_used, backend.take_routing_counts())
+            backend.count_routing(False)
+            backend.place_experts(SparkOptions(calibrated(trace, sizes, cache_budget), spare))
+            result["calibration"] = {"recorded": "the engine's routing counted on the device (as --spark-record "
+                                                 "counts it) serving a prompt of Python code, 64 tokens decoded",
+                                     "tokens": trace.tokens,
                                      # what the trace must count: the prompt and every decoded token but the last
                                      "tokens_forwarded": len(ids) + 63}
-            result["routing_counted"] = True  # the runs below count routing on the device (one launch a layer)
-        spark = engine.backend.spark
+        spark = backend.spark
         result["memory"] = {
             "kv_pool_tokens": engine.info.kv_pool_tokens, "kv_cache_tokens": engine.info.kv_cache_tokens,
             "kv_cache_gib": engine.info.kv_cache_tokens * engine.layout.token_bytes / GIB,
@@ -250,34 +252,49 @@ def run_long(model: str, share: float, context: int, gen_tokens: int, spare: int
               f"weights on the GPU {m['weights_on_gpu_gib']:.2f} GiB (expert tables {m['expert_table_gib']:.2f}), "
               f"{result['gpu_used_gib_after_load']:.2f} GiB in use after load", flush=True)
         rng = np.random.default_rng(0)
+
+        long_prompt = (tok.encode(MEASURED) * (context // 8 + 1))[:context] if prefill else None
+        gen_short = gen_tokens_for(1024, gen_tokens, TAU, True)
         decode_run(engine, 256, WARMUP, rng, "spark-long")  # captures the decode graph (the placement dropped it)
-        runs = []
-        for length in (1024, context):
-            before = spark.stats.to_json()
-            gen = gen_tokens_for(length, gen_tokens, TAU, True)
-            if prefill and length == context:
-                try:
-                    prompt = (tok.encode(MEASURED) * (length // 8 + 1))[:length]
-                    row = {"context": length, "prefilled": True, **_generate(engine, prompt, gen, "spark-long")}
-                finally:
-                    engine.delete_session("spark-long")
-            else:
-                row = decode_run(engine, length, gen, rng, "spark-long")
-            after = spark.stats.to_json()
-            tokens = max(after["tokens"] - before["tokens"], 1)
-            row.update({"cold_per_token": (after["cold"] - before["cold"]) / tokens,
-                        "fills_per_token": (after["fills"] - before["fills"]) / tokens,
-                        "gpu_used_gib": gpu_used_gib()})
-            runs.append(row)
-            print(f"context {length}: {row['decode_tok_s']:.1f} tok/s over {row['gen_tokens']} tokens, "
-                  f"{row['cold_per_token']:.2f} cold/token, {row['fills_per_token']:.2f} fills/token, "
-                  f"{row['gpu_used_gib']:.2f} GiB in use", flush=True)
+        runs = [decode_measured(engine, 1024, gen_short, rng),
+                decode_measured(engine, context, gen, rng, long_prompt)]
+        # what counting routing (--spark-record) costs a decode step: the 1K run again with the count launches
+        backend.count_routing()
+        decode_run(engine, 256, WARMUP, rng, "spark-long")  # captures the decode graph with them
+        runs.append(decode_measured(engine, 1024, gen_short, rng, counted=True))
+        result["routing_counted"] = {"tokens": int(backend.take_routing_counts()[0].sum()) // spec.n_expert_used,
+                                     "tokens_forwarded": WARMUP + runs[-1]["gen_tokens"]}  # (they must agree)
         result["runs"] = runs
-        del engine, spark
+        del engine, backend, spark
         gc.collect()
     result["gpu_peak_gib_nvidia_smi"] = peak.gib
     result["within_gpu_memory"] = None if peak.gib is None else peak.gib <= gpu_memory_gib
     return result
+
+
+def decode_measured(engine, length: int, gen: int, rng: np.random.Generator, prompt: list[int] | None = None,
+                    counted: bool = False) -> dict:
+    """`gen` tokens decoded on a context of `length` tokens, restored (`bench depth`'s decode_run) or, given, `prompt`
+    prefilled; with the cold selections and fills per token of those steps and the GPU memory in use after."""
+    from lucekv.bench.depth import _generate, decode_run
+
+    spark = engine.backend.spark
+    before = spark.stats.to_json()
+    if prompt is None:
+        row = decode_run(engine, length, gen, rng, "spark-long")
+    else:
+        try:
+            row = {"context": length, "prefilled": True, **_generate(engine, prompt, gen, "spark-long")}
+        finally:
+            engine.delete_session("spark-long")
+    after = spark.stats.to_json()
+    tokens = max(after["tokens"] - before["tokens"], 1)
+    row.update({"routing_counted": counted, "cold_per_token": (after["cold"] - before["cold"]) / tokens,
+                "fills_per_token": (after["fills"] - before["fills"]) / tokens, "gpu_used_gib": gpu_used_gib()})
+    print(f"context {length}{' (routing counted)' * counted}: {row['decode_tok_s']:.1f} tok/s over "
+          f"{row['gen_tokens']} tokens, {row['cold_per_token']:.2f} cold/token, {row['fills_per_token']:.2f} "
+          f"fills/token, {row['gpu_used_gib']:.2f} GiB in use", flush=True)
+    return row
 
 
 TAU = 64  # the engine's default reselect interval
