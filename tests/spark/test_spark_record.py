@@ -150,3 +150,19 @@ def test_calibrate_merges_several_traces_and_refuses_an_empty_one(moe, tmp_path,
     assert main(["spark", "calibrate", str(moe), str(tmp_path / "empty.json"), "--expert-vram", "1",
                  "-o", str(tmp_path / "q.json")]) == 2
     assert "count no tokens" in capsys.readouterr().err
+
+
+def test_the_cpu_backend_counts_routing_while_asked(moe):
+    """count_routing: a forward's tokens counted in every layer; a take starts the counts afresh; switched off, no
+    counts to take."""
+    g = open_gguf(moe)
+    backend, _ = prompt_backend(g, [], 64)
+    backend.count_routing()
+    pos = np.arange(5, dtype=np.int32)
+    backend.forward(np.array([5, 6, 7, 8, 9], np.int32), pos, pos)
+    np.testing.assert_array_equal(backend.take_routing_counts().sum(axis=1), [5 * 3, 5 * 3])
+    assert backend.take_routing_counts().sum() == 0
+    backend.count_routing(False)
+    backend.forward(np.array([10], np.int32), np.array([5], np.int32), np.array([5], np.int32))
+    with pytest.raises(ValueError, match="not counted"):
+        backend.take_routing_counts()
