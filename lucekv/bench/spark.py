@@ -13,13 +13,12 @@ expert VRAM), and with none there, in the same run.
 With `--long-context TOKENS` (`run_long`): the engine as a server runs it, within `--gpu-memory-gib` (the KV pool sized
 by `--kv-pool auto` from what the expert tables leave), one share resident as calibrated + cache: the calibration trace
 counted by the engine itself on the device (as `serve --spark-record` counts) serving a prompt of code, unless
-`--trace`; then decode on a context of
-TOKENS installed as `bench depth` installs it (random token ids and K/V restored as a session: decode reads every
-resident row and weight whatever their values; prefill is not measured) or, with `--prefill`, prefilled as a prompt,
-past one KVFlash reselect, beside a 1K context.
-Each: decode tok/s, cold selections and fills per token; the pool, the GPU bytes of weights and tables, and the GPU
-memory in use (sampled in-process, and its peak over the run from nvidia-smi). Last, the 1K run again with the routing
-counted (what `--spark-record` costs a decode step).
+`--trace`; then decode on a context of TOKENS installed as `bench depth` installs it (random token ids and K/V restored
+as a session: decode reads every resident row and weight whatever their values; prefill is not measured) or, with
+`--prefill`, prefilled as a prompt, past one KVFlash reselect, beside a 1K context. Each: decode tok/s, cold
+selections and fills per token; the pool, the GPU bytes of weights and tables, and the GPU memory in use (sampled
+in-process, and its peak over the run from nvidia-smi). Last, the 1K run again with the routing counted (what
+`--spark-record` costs a decode step).
 """
 
 from __future__ import annotations
