@@ -17,9 +17,15 @@
 #   bash bench/gpu_session.sh spark    Spark (issue 24): `spark write` writes the 30B-A3B-shaped Q4_K_M file with a
 #                                      Zipf-skewed router (~5 min, a call of its own); `spark tests`: Spark's gpu and
 #                                      kernel tests (128 greedy tokens of the k-means-routed upcycled smollm2 at 30/50%
-#                                      + cache == all-GPU; needs smollm2's pieces; ~3 min); `spark bench`: lucekv bench
+#                                      + cache == all-GPU; decode rows feeding the cache; routing counted on the
+#                                      device == the CPU's; needs smollm2's pieces; ~3-4 min); `spark bench`: lucekv bench
 #                                      spark at 30/50/70% resident (calibration trace recorded on the GPU) beside
-#                                      llama-bench -ncmoe at the same expert VRAM (built by `depth build`)
+#                                      llama-bench -ncmoe at the same expert VRAM (built by `depth build`); `spark
+#                                      long`: the engine sized within 15 GiB of GPU memory (--gpu-memory-gib, auto
+#                                      KVFlash pool; the goal: a peak under 16 GiB, scratch measured), 50% resident,
+#                                      calibrated (its routing counted on the device, as --spark-record does) + cache,
+#                                      decode on a 128K context (restored, not prefilled) and a 1K one (again with the
+#                                      routing counted: its cost); peak GPU memory (~5-8 min)
 #   bash bench/gpu_session.sh niah CTX [MODEL] [RES]  recall of the RULER-style tasks at CTX tokens (10 cases per
 #                                      task), full cache vs pools of RES (default 0.0625,0.125) under quest, lru and
 #                                      draft (drafter qwen2.5-coder-0.5b); MODEL qwen05 (default) or qwen15; needs
@@ -257,10 +263,11 @@ moe)
 spark)
   A3BZ=/tmp/qwen3-30b-a3b-zipf.gguf
   case "${2:-bench}" in
-  write) timeout 560 python3 -m lucekv.model.synth qwen3-30b-a3b $A3BZ --router zipf; ls -la $A3BZ ;;
+  write) timeout 560 python3 -m lucekv.model.synth qwen3-30b-a3b $A3BZ --router zipf --n-ctx 262144; ls -la $A3BZ ;;
   tests)
-    LUCEKV_TEST_MODELS_DIR=/tmp python3 -m pytest -q -s -p no:cacheprovider -m "gpu or slow or not slow" -k spark \
-      tests/backends/test_cuda_spark.py tests/kernels/test_cuda_moe.py 2>&1 \
+    LUCEKV_TEST_MODELS_DIR=/tmp python3 -m pytest -q -s -p no:cacheprovider -m "gpu or slow or not slow" \
+      -k "spark or routing" tests/backends/test_cuda_spark.py tests/backends/test_cuda_spark_rows.py \
+      tests/backends/test_cuda_routing_counts.py tests/kernels/test_cuda_moe.py 2>&1 \
       | tee "$OUT/spark-gpu-tests.log" | grep -E "error|passed|failed|FAIL|tok/s" | tail -30 ;;
   bench)
     [ -f $A3BZ ] || { echo "no $A3BZ: run 'spark write' first" >&2; exit 1; }
@@ -268,6 +275,11 @@ spark)
     python3 -m lucekv.cli bench spark $A3BZ --resident 0.3,0.5,0.7 $([ -x "$LB" ] && echo --llama-bench "$LB") \
       --json "$OUT/spark-qwen3-30b-a3b-zipf.json" 2>&1 | grep --line-buffered -v -i warning \
       | tee "$OUT/spark-bench.log" | grep -v '^ ' ;;
+  long)
+    [ -f $A3BZ ] || { echo "no $A3BZ: run 'spark write' first" >&2; exit 1; }
+    timeout 590 python3 -m lucekv.cli bench spark $A3BZ --resident 0.5 --long-context 131072 --gpu-memory-gib 15 \
+      --json "$OUT/spark-long-qwen3-30b-a3b-zipf-128k.json" 2>&1 | grep --line-buffered -v -i warning \
+      | tee "$OUT/spark-long.log" | grep -v '^ ' ;;
   esac
   ;;
 niah)

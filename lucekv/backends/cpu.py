@@ -435,6 +435,22 @@ class CpuBackend(RunAhead):
     def prepare(self, step_tokens: int, verify_width: int) -> None:
         """Nothing to prepare at engine start here (the CUDA backend compiles its kernels and captures graphs)."""
 
+    def count_routing(self, on: bool = True) -> None:
+        """From now on (or, `on` False, no longer) count the experts each MoE layer routes every forward's tokens to
+        (`take_routing_counts`)."""
+        self._routed = np.zeros((self.spec.n_layer, max(self.spec.n_expert, 1)), np.int64)
+        self.ops.routing_observer = self._count_routed if on else None
+
+    def _count_routed(self, layer: int, ids: np.ndarray) -> None:
+        self._routed[layer] += np.bincount(ids.reshape(-1), minlength=self._routed.shape[1])
+
+    def take_routing_counts(self) -> np.ndarray:
+        """int64 [n_layer, n_expert]: the tokens each MoE layer routed to each expert since the last take."""
+        if self.ops.routing_observer != self._count_routed:
+            raise ValueError("routing is not counted (count_routing)")
+        counts, self._routed = self._routed, np.zeros_like(self._routed)
+        return counts
+
     def decode_rows(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: Sequence[np.ndarray],
                     sampled: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """One token of each of several sequences (tables: each one's blocks in logical order): the greedy token of

@@ -33,7 +33,7 @@ from lucekv.kernels.cpu.quants import (
     permute_rows,
     stack_rows,
 )
-from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, flash, kv_copy, mmq, moe, norm, sample
+from lucekv.kernels.cuda import SIMULATOR, act, attention, cuda, expert_counts, flash, kv_copy, mmq, moe, norm, sample
 from lucekv.kernels.cuda._numba import device_zeros, ordering_event, overlapped_launches
 from lucekv.kernels.cuda.embed import embed
 from lucekv.kernels.cuda.matmul import matmuls
@@ -270,6 +270,8 @@ class CudaOps:
         self._pooled_tokens = 0  # the token count the pools' arrays are shaped for
         self._counter = None  # the MoE router's (see _route_counter)
         self.spark: SparkStore | None = None  # where the experts live when not all on the GPU
+        # per MoE layer, the device counts [n_expert] its routing adds each token's experts to (see count_routing)
+        self.routing_counts: list | None = None
         self._slot_row_maps: dict[tuple[int, int], object] = {}
         # block tables (attention.BlockTables) in one fixed device buffer, [start (max_rows), used (max_rows), flat
         # blocks], filled from pinned memory in two turns like the one-token inputs, and only when they changed
@@ -481,7 +483,12 @@ class CudaOps:
         expert's run through the tensor-core tile."""
         spec, e, s = self.spec, m.experts, self.stream
         n, k, n_embd = x.shape[0], spec.n_expert_used, spec.n_embd
-        ids = e.routed if n == 1 and e.routed is not None else self._alloc((n, k), np.int32)
+        if n == 1 and e.routed is not None:
+            ids = e.routed
+        elif self.spark is not None and not self.one_sequence:  # decode rows: the cache reads their experts too
+            ids = self.spark.rows_ids(m.layer, n)
+        else:
+            ids = self._alloc((n, k), np.int32)
         weights = self._empty(n, k)
         logits = self._empty(n, spec.n_expert)
         gate = GELU if spec.arch.activation == "gelu_tanh" else SILU
@@ -497,6 +504,8 @@ class CudaOps:
             else:
                 parts = self._alloc(moe.router_parts(n, spec.n_expert, n_embd), np.float32)
                 moe.route_prefill(e.router, h, parts, logits, ids, weights, spec.arch.norm_topk, stream=s)
+        if self.routing_counts is not None:
+            expert_counts.count_experts(ids, self.positions, self.routing_counts[m.layer], stream=s)
         act_out = self._empty(n * k, e.n_ff)
         if n == 1 and e.gate_up is not None and moe.sums_routed(e.down, k):
             # the down products sum themselves back into the residual (no combine launch), the shared expert's
@@ -757,7 +766,7 @@ class CudaBackend(RunAhead):
         if spark is not None:
             if not spec.n_expert:
                 raise UnsupportedModelError(f"{spec.name} has no experts to place (--spark-placement)")
-            self.ops.spark = SparkStore(spark, spec, g.fingerprint, self.stream)
+            self.ops.spark = SparkStore(spark, spec, g.fingerprint, self.stream, self.max_rows)
         self.spark = self.ops.spark
         self.weights: Weights = load_weights(g, spec, self.ops)
         self._graphs = not SIMULATOR if use_graph is None else use_graph
@@ -810,6 +819,8 @@ class CudaBackend(RunAhead):
             out = out[len(out) - n :] if all_logits else out
         if self.spark is not None and n == 1 and not rows:
             self.spark.observe_now()  # a one-token step: its experts feed the cache
+        elif self.spark is not None and rows:
+            self.spark.observe_rows(n)  # decode rows: so do theirs
         return out
 
     def _graph_for(self, n: int, all_logits: bool) -> ForwardGraph | None:
@@ -1023,7 +1034,10 @@ class CudaBackend(RunAhead):
             with cuda.defer_cleanup():
                 forward(self.spec, self.weights, self.ops, tokens, positions, slots, True)
             graph.capture(tokens, positions, slots)  # and from now on replayed, this first time too
-        return graph.replay_rows(n, sampled)
+        out = graph.replay_rows(n, sampled)
+        if self.spark is not None and n:  # (none: a capture of padding rows only)
+            self.spark.observe_rows(n)  # the rows' experts feed the cache
+        return out
 
     def prepare_decode(self) -> None:
         """Capture the one-token step's graph and the decode rows' graph of every batch size bucket up to max_rows
@@ -1048,9 +1062,36 @@ class CudaBackend(RunAhead):
         self.discard_ahead()
         synchronize(self.stream)
         self.spark.place(options)
+        self._forget_graphs()
+
+    def _forget_graphs(self) -> None:
+        """The captured graphs are captured again at their next use (what a step launches changed)."""
         if self._graphs:
             self.graph = DecodeGraph(self)
             self.prefill_graphs, self.verify_graphs, self.row_graphs = {}, {}, {}
+
+    def count_routing(self, on: bool = True) -> None:
+        """From now on (or, `on` False, no longer) count the experts each MoE layer routes every forward's tokens to
+        (padding rows not), on the device: a launch per MoE layer, in the captured graphs too (those captured before
+        are captured again). `take_routing_counts` reads the counts."""
+        if (self.ops.routing_counts is not None) == on:
+            return
+        if self._ahead:
+            raise ValueError("routing counts start or stop between steps: steps are running ahead")
+        synchronize(self.stream)
+        if on:
+            self._routing = device_zeros((self.spec.n_layer, max(self.spec.n_expert, 1)), np.int32, self.stream)
+            self.ops.routing_counts = [self._routing[layer] for layer in range(self.spec.n_layer)]  # views made once
+        else:
+            self.ops.routing_counts = None
+        self._forget_graphs()
+
+    def take_routing_counts(self) -> np.ndarray:
+        """int64 [n_layer, n_expert]: the tokens each MoE layer routed to each expert in the forwards enqueued since
+        the last take (the steps still running ahead included: the read waits for them, as a request's end does)."""
+        if self.ops.routing_counts is None:
+            raise ValueError("routing is not counted (count_routing)")
+        return expert_counts.take_counts(self._routing, self.stream)
 
     def decode_ahead(self, position: int, slot: int, token: int | None = None, table: np.ndarray | None = None
                      ) -> None:

@@ -11,7 +11,8 @@ So the decode step stays ONE captured graph whatever is resident; prefill's grou
 through the mapping too (a tile of 64 tokens per read of the expert).
 
 The cache: after each one-token step the host reads the step's expert ids (n_layer x k int32, copied with its
-token), `ExpertSlots.admit` picks fills, and their copies run on a stream of their own. The device remap changes only
+token), and after each step of decode rows (several sequences' tokens, synchronous) every row's, `ExpertSlots.admit`
+picks fills from the step's experts, and their copies run on a stream of their own. The device remap changes only
 between steps, on the compute stream (so never under a replay that reads it): an evicted expert turns COLD at once,
 and the fills' copies wait until every step enqueued before that remap has finished (the last ones that may read
 the evicted experts' slots); a filled expert shows in the remap of the next step boundary, which waits for its copy.
@@ -49,25 +50,28 @@ class SparkOptions:
 
 @dataclass
 class SparkStats:
-    """One-token steps seen, their expert selections, those a step read cold (over PCIe), copies into spare slots."""
+    """Decode steps seen (one-token steps and steps of decode rows) and their tokens (a row each), their expert
+    selections, those a step read cold (over PCIe), copies into spare slots."""
 
     steps: int = 0
+    tokens: int = 0
     selections: int = 0
     cold: int = 0
     fills: int = 0
     promotions: int = 0
 
     def to_json(self) -> dict:
-        return {"steps": self.steps, "selections": self.selections, "cold": self.cold, "fills": self.fills,
-                "promotions": self.promotions,
-                "cold_per_token": self.cold / self.steps if self.steps else 0.0,
-                "fills_per_token": self.fills / self.steps if self.steps else 0.0}
+        return {"steps": self.steps, "tokens": self.tokens, "selections": self.selections, "cold": self.cold,
+                "fills": self.fills, "promotions": self.promotions,
+                "cold_per_token": self.cold / self.tokens if self.tokens else 0.0,
+                "fills_per_token": self.fills / self.tokens if self.tokens else 0.0}
 
 
 class SparkStore:
     """The expert tables, the mapped host copy, the device remap and the cache's copies of one CUDA backend."""
 
-    def __init__(self, options: SparkOptions, spec: ModelSpec, fingerprint: str, stream):
+    def __init__(self, options: SparkOptions, spec: ModelSpec, fingerprint: str, stream, max_rows: int = 1):
+        """max_rows: the most decode rows a step holds (CudaBackend.max_rows, a bucket of graphs)."""
         self.fingerprint = fingerprint
         p = options.placement
         self.slots = self._checked(options, spec.n_layer, spec.n_expert)
@@ -81,6 +85,10 @@ class SparkStore:
         self.routed = device_zeros((n_layer, 1, k), np.int32, stream)
         self.routed_rows = [self.routed[layer] for layer in range(n_layer)]
         self._routed_host = cuda.pinned_array((3, n_layer, 1, k), np.int32)  # two run-ahead turns and SYNC_TURN
+        # the expert ids of the latest step of decode rows, per layer and row (CudaOps.moe_ffn writes `rows_ids`)
+        self.routed_rows_of_step = device_zeros((n_layer, max_rows, k), np.int32, stream) if max_rows > 1 else None
+        self._rows_views: dict[tuple[int, int], object] = {}
+        self._rows_host = cuda.pinned_array((n_layer, max_rows, k), np.int32)
         self._step_remap = [self._visible] * 3  # the remap each turn's step read
         self._remap_host = cuda.pinned_array((2, n_layer, p.n_expert), np.int32)
         self._remap_sent: list = [None, None]  # per turn: the event after its upload, once made
@@ -157,16 +165,35 @@ class SparkStore:
         self._step_remap[turn] = self._visible
 
     def step_done(self, turn: int) -> None:
-        """The step of `turn` has finished (its readback arrived): count its cold selections, and with spare slots
-        admit its cold experts and publish the next remap (see the module's docstring)."""
-        ids = self._routed_host[turn].reshape(len(self._tables), -1)
-        remap = self._step_remap[turn]
+        """The step of `turn` has finished (its readback arrived): see `_step_done`."""
+        self._step_done(self._routed_host[turn].reshape(len(self._tables), -1), self._step_remap[turn], 1)
+
+    def rows_ids(self, layer: int, rows: int):
+        """Where a step of `rows` decode rows leaves `layer`'s expert ids [rows, k] (a view made once per shape)."""
+        view = self._rows_views.get((layer, rows))
+        if view is None:
+            view = self._rows_views[layer, rows] = self.routed_rows_of_step[layer, :rows]
+        return view
+
+    def observe_rows(self, rows: int) -> None:
+        """A step of decode rows whose first `rows` rows are sequences' tokens (the rest padding) has been enqueued:
+        its expert ids read now (the stream drained) and its step boundary, as `step_done`'s."""
+        _copy_to_host(self._rows_host, self.routed_rows_of_step, self.stream)
+        self.stream.synchronize()
+        self._step_done(self._rows_host[:, :rows].reshape(len(self._tables), -1), self._visible, rows)
+
+    def _step_done(self, ids: np.ndarray, remap: np.ndarray, tokens: int) -> None:
+        """A decode step of `tokens` tokens has finished, its expert ids [n_layer, tokens * k] on the host, `remap` the
+        one it read: count its cold selections, and with spare slots admit its cold experts (the step's experts of
+        every row alike) and publish the next remap (see the module's docstring)."""
         self.stats.steps += 1
+        self.stats.tokens += tokens
         self.stats.selections += ids.size
-        self.stats.cold += int(np.count_nonzero(remap[np.arange(len(ids))[:, None], ids] == COLD))
+        layers = np.broadcast_to(np.arange(len(ids))[:, None], ids.shape)
+        self.stats.cold += int(np.count_nonzero(remap[layers, ids] == COLD))
         for trace in (self.trace, self.live if self.max_swaps else None):
             if trace is not None:
-                trace.counts[np.arange(len(ids))[:, None], ids] += 1  # a token's k experts are distinct
+                np.add.at(trace.counts, (layers, ids), 1)  # rows may select the same expert
         if not self.slots.spare:
             if self._pending:  # a promotion's copies
                 self._publish([])

@@ -49,8 +49,8 @@ class EngineConfig:
     kv_pool: int | str | None = setting(
         None, "KV slots kept on the device, in tokens (a multiple of 64); colder chunks page to host RAM. 'off' "
         "holds the whole context; 'auto': on CUDA the whole context if it fits in 90%% of the GPU memory free "
-        "after the weights, else the largest pool that does; on the CPU backend 'off'", kv_pool_value,
-        group="engine", metavar="TOKENS|auto|off")
+        "(or --gpu-memory-gib) after the weights, else the largest pool that does; on the CPU backend 'off'",
+        kv_pool_value, group="engine", metavar="TOKENS|auto|off")
     kv_policy: str = setting("auto", "which paged-out chunks come back (draft: a small model's attention, with "
                              "--kv-drafter; auto: draft with a --kv-drafter, else quest)",
                              choices=("auto", "lru", "quest", "meankey", "draft"), group="engine")
@@ -62,6 +62,11 @@ class EngineConfig:
         "--max-batch sequences at their --kv-pool budget (on CUDA within 90%% of the GPU memory free after the "
         "weights)", optional_int, group="engine", metavar="TOKENS")
     max_batch: int = setting(64, "sequences that decode together in one step", int, group="engine")
+    gpu_memory_gib: float = setting(
+        0.0, "CUDA: keep the GPU's memory in use (the CUDA context's and whatever else is on the device at load "
+        "included) under this: --kv-pool auto and the default --kv-cache are sized within it, after the weights as "
+        "held on the GPU (with --spark-placement the placed experts and spare slots only); 0: within the memory free",
+        float, group="engine")
     spark_placement: Path | None = setting(
         None, "CUDA, MoE models: an expert placement JSON (`lucekv spark calibrate`) of this model: its experts stay "
         "on the GPU, the others in pinned host memory, read over PCIe; refused for another model", optional_path,
@@ -96,6 +101,12 @@ class EngineConfig:
                              int)
     max_sessions: int = setting(64, "sessions held in memory", int)
     session_memory_gib: float = setting(16.0, "host RAM for the K/V of sessions held in memory", float)
+    spark_record: Path | None = setting(
+        None, "MoE models: record the experts each layer routes the served tokens to (prompts and decoding, any "
+        "backend) into this routing trace JSON, as `lucekv spark trace` writes one (for `lucekv spark calibrate`); "
+        "written every --spark-record-every requests and at shutdown; a trace of this model already there is "
+        "continued", optional_path, metavar="FILE")
+    spark_record_every: int = setting(64, "with --spark-record: rewrite the trace every N requests", int)
 
     # the library's alone (no flag)
     n_ctx: int | None = None  # the context, at most the model's (None: the model's)
@@ -109,7 +120,8 @@ class EngineConfig:
         """Values that cannot work raise ConfigError naming their flag; what needs the model or the backend (a pool's
         size, a drafter's tokenizer, a placement's model) the Engine checks."""
         for name, least in (("max_batch", 1), ("max_queue", 0), ("max_sessions", 1), ("session_memory_gib", 0),
-                            ("prefill_threshold", 0), ("spark_spare", 0), ("spark_promote", 0), ("mmq_tokens", 0)):
+                            ("prefill_threshold", 0), ("spark_spare", 0), ("spark_promote", 0), ("mmq_tokens", 0),
+                            ("spark_record_every", 1), ("gpu_memory_gib", 0)):
             if getattr(self, name) < least:
                 raise ConfigError(f"--{flag(name)} must be >= {least} (got {getattr(self, name)})")
         if self.prefill_compression is not None:

@@ -11,6 +11,7 @@ the backends).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -54,6 +55,7 @@ from lucekv.snapshot.blob import (
     write_snapshot,
 )
 from lucekv.snapshot.store import SnapshotStore, check_session_id
+from lucekv.spark.record import TraceRecorder
 from lucekv.spec.dflash import DFlashDrafter, DFlashModel
 from lucekv.spec.draft_model import DraftModel, DraftModelDrafter, check_same_vocabulary
 from lucekv.spec.drafter import Drafter
@@ -61,6 +63,8 @@ from lucekv.spec.gate import Gate, StepClock
 from lucekv.spec.speculator import Speculator
 from lucekv.spec.suffix import RecentOutputs, SuffixDrafter
 from lucekv.spec.tree import DraftTree
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 AUTO_POOL_SHARE = 0.9  # of the GPU memory free after the weights, for the KV pool
@@ -123,8 +127,9 @@ class Engine:
         self.prefill_keep = config.prefill_compression if config.prefill_compression != 1 else None  # all: none
         self.backend, kv_pool = _make_backend(config.backend, g, self.spec, config.kv_dtype, self.n_ctx, config.kv_pool,
                                               config.kv_cache, config.max_batch, _spark_options(g, config),
-                                              config.mmq_tokens)
+                                              config.mmq_tokens, config.gpu_memory_gib)
         self._spark_promote = config.spark_promote > 0
+        self._recorder = self._routing_recorder(g.fingerprint, config)  # before prepare: graphs capture the counting
         self._kv_pool, self._kv_policy, self._kv_tau = kv_pool, kv_policy, config.kv_tau
         self.spec_config = replace(config.speculation, tree_verify=hasattr(self.backend, "forward_tree")).check()
         self._drafter = None
@@ -571,6 +576,11 @@ class Engine:
             self._ahead = None
         if self._spark_promote:
             self.backend.spark.promote()  # between requests: busier cold experts into the placement
+        if self._recorder is not None and self._recorder.request_ended():
+            try:
+                self.save_routing_trace()
+            except OSError as e:  # the counts stay for the next write; the requests go on
+                logger.error("--spark-record: writing %s: %s", self._recorder.path, e)
         self.scheduler.remove(r)
         s = r.session
         if s.request is not r:
@@ -717,6 +727,27 @@ class Engine:
         s = self.sessions.require(session_id)
         _check_unused(s, "delete")
         self._forget(s)
+
+    def _routing_recorder(self, fingerprint: str, config: EngineConfig) -> TraceRecorder | None:
+        """--spark-record: the recorder, the backend counting its routing; or None."""
+        if config.spark_record is None:
+            return None
+        if not self.spec.n_expert:
+            raise ConfigError(f"--spark-record: {self.spec.name} is not a mixture of experts (it routes nothing)")
+        recorder = TraceRecorder(config.spark_record, fingerprint, self.spec.n_layer, self.spec.n_expert,
+                                 self.spec.n_expert_used, config.spark_record_every)
+        self.backend.count_routing()
+        return recorder
+
+    def save_routing_trace(self) -> bool:
+        """--spark-record: the routing counted so far (every forward enqueued) into its trace file, written whole or not
+        at all; False when not recording. The engine writes it every --spark-record-every requests, the server at
+        shutdown. Raises OSError if the file cannot be written (the counts are kept for the next write)."""
+        if self._recorder is None:
+            return False
+        self._recorder.add(self.backend.take_routing_counts())
+        self._recorder.save()
+        return True
 
     def save_sessions(self) -> int:
         """Write every session held in memory to the snapshot store (at shutdown); how many were written. One that
@@ -886,11 +917,13 @@ def _spark_options(g, config: EngineConfig):
 
 
 def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_pool: int | str | None,
-                  kv_cache: int | None, max_batch: int, spark=None, mmq_tokens: int | None = None):
+                  kv_cache: int | None, max_batch: int, spark=None, mmq_tokens: int | None = None,
+                  gpu_memory_gib: float = 0.0):
     """The backend with its KV pool, and each sequence's residency budget in tokens (None: the whole context) with
     "auto" resolved. The pool: `kv_cache` tokens, or room for max_batch sequences at that budget, on CUDA within
-    AUTO_POOL_SHARE of the GPU memory free after the weights; it always holds one sequence at least. mmq_tokens:
-    CUDA's CudaOps.mmq_tokens (None: its default)."""
+    AUTO_POOL_SHARE of the GPU memory free (within gpu_memory_gib, if > 0: `usable_bytes`) after the weights
+    (`gpu_weight_bytes`: with Spark, the expert tables' share only); it always holds one sequence at least.
+    mmq_tokens: CUDA's CudaOps.mmq_tokens (None: its default)."""
     from lucekv.backends.cpu import KV_DTYPES, CpuBackend
 
     if kv_dtype not in KV_DTYPES:
@@ -904,7 +937,7 @@ def _make_backend(name: str, g, spec: ModelSpec, kv_dtype: str, n_ctx: int, kv_p
         if available() and (name == "cuda" or not SIMULATOR):  # "auto" never picks the slow simulator
             from lucekv.backends.cuda import CudaBackend
 
-            room = _gpu_kv_room(g, spec, np.dtype(KV_DTYPES[kv_dtype]))
+            room = _gpu_kv_room(g, spec, np.dtype(KV_DTYPES[kv_dtype]), spark, gpu_memory_gib)
             if kv_pool == "auto":
                 kv_pool = auto_pool_tokens(room, whole)
             total = _check_cache(kv_cache or max(min(room, max_batch * (kv_pool or whole)), kv_pool or whole),
@@ -938,15 +971,40 @@ def _check_cache(tokens: int, sequence: int) -> int:
     return tokens
 
 
-def _gpu_kv_room(g, spec: ModelSpec, kv_dtype: np.dtype) -> int:
-    """Tokens of K/V that fit AUTO_POOL_SHARE of the GPU memory free after the weights (the rest is scratch and
-    headroom), in whole chunks."""
+def _gpu_kv_room(g, spec: ModelSpec, kv_dtype: np.dtype, spark=None, gpu_memory_gib: float = 0.0) -> int:
+    """Tokens of K/V that fit AUTO_POOL_SHARE of the GPU memory free (`usable_bytes`: within gpu_memory_gib, if > 0)
+    after the weights (the rest is scratch and headroom), in whole chunks."""
     from lucekv.kernels.cuda import cuda
 
-    token_bytes = 2 * spec.n_layer * spec.n_kv_head * spec.head_dim * kv_dtype.itemsize
-    weight_bytes = sum(t.data.nbytes for t in g.tensors.values())  # as uploaded, near enough: quants stay packed
-    free_bytes = cuda.current_context().get_memory_info().free
-    return kv_room_tokens(free_bytes, weight_bytes, token_bytes)
+    free_bytes, total_bytes = cuda.current_context().get_memory_info()
+    return kv_room_tokens(usable_bytes(free_bytes, total_bytes, gpu_memory_gib), gpu_weight_bytes(g, spark),
+                          kv_token_bytes(spec, kv_dtype))
+
+
+def usable_bytes(free_bytes: int, total_bytes: int, gpu_memory_gib: float) -> int:
+    """The GPU memory the model may take: what is free, or with a bound (gpu_memory_gib > 0), no more than keeps the
+    device's memory in use (this process's CUDA context and whatever else is there) under it."""
+    if not gpu_memory_gib:
+        return free_bytes
+    return max(0, min(free_bytes, int(gpu_memory_gib * 2**30) - (total_bytes - free_bytes)))
+
+
+def kv_token_bytes(spec: ModelSpec, kv_dtype: np.dtype) -> int:
+    """One token's K and V in every layer."""
+    return 2 * spec.n_layer * spec.n_kv_head * spec.head_dim * kv_dtype.itemsize
+
+
+def gpu_weight_bytes(g, spark=None) -> int:
+    """The model's bytes on the GPU, as uploaded near enough (quants stay packed): every tensor's; with Spark
+    (SparkOptions), of the experts only those its tables hold, the placed ones and the spare slots of every layer (the
+    rest stays in pinned host memory)."""
+    total = sum(t.data.nbytes for t in g.tensors.values())
+    if spark is None:
+        return total
+    from lucekv.spark.cli import expert_bytes
+
+    sizes = expert_bytes(g)
+    return total - sum(sizes) * spark.placement.n_expert + spark.placement.table_bytes(sizes, spark.spare)
 
 
 def kv_room_tokens(free_bytes: float, weight_bytes: int, token_bytes: int) -> int:
@@ -960,8 +1018,9 @@ def auto_pool_tokens(room: int, n_ctx: int) -> int | None:
         return None
     if room < min_pool_tokens():
         raise ConfigError(
-            f"--kv-pool auto: the GPU memory free after the weights holds {room} tokens of K/V, below the "
-            f"{min_pool_tokens()} a pool needs; free GPU memory or use a smaller model")
+            f"--kv-pool auto: the GPU memory free (or --gpu-memory-gib) after the weights holds {room} tokens of K/V, "
+            f"below the {min_pool_tokens()} a pool needs; free GPU memory, use a smaller model or, for an MoE, keep "
+            "fewer experts on the GPU (--spark-placement)")
     return room
 
 

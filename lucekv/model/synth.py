@@ -456,10 +456,11 @@ def write_qwen25_15b_shape(path: str | Path, seed: int = 0) -> Path:
 
 
 def write_qwen3_30b_a3b_shape(path: str | Path, n_layer: int = QWEN3_30B_A3B["n_layer"], seed: int = 0,
-                              router_zipf: float | None = None) -> Path:
+                              router_zipf: float | None = None, n_ctx: int = QWEN3_30B_A3B["n_ctx"]) -> Path:
     """Random weights in Qwen3-30B-A3B's shape and a Q4_K_M mix (`q4_k_m_types`): the MoE speed model (about 17 GB;
-    fewer layers for a quick look); `router_zipf`: Zipf-skewed expert popularity (see write_synthetic_gguf)."""
-    shape = dict(QWEN3_30B_A3B, n_layer=n_layer)
+    fewer layers for a quick look); `router_zipf`: Zipf-skewed expert popularity (see write_synthetic_gguf); `n_ctx`:
+    its context (the 2507 release's is 262144)."""
+    shape = dict(QWEN3_30B_A3B, n_layer=n_layer, n_ctx=n_ctx)
     return write_synthetic_gguf(path, "qwen3moe", qtype=Q.Q4_K, seed=seed, tied_output=False,
                                 qtype_overrides=q4_k_m_types(n_layer), router_zipf=router_zipf, **shape)
 
@@ -818,7 +819,7 @@ def _pad_vocab(tok: _SynthTokenizer, vocab: int | None) -> _SynthTokenizer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m lucekv.model.synth qwen3-30b-a3b OUT [--layers N] [--router zipf [--zipf-s S]]
+    """python -m lucekv.model.synth qwen3-30b-a3b OUT [--layers N] [--router zipf [--zipf-s S]] [--n-ctx N]
     | qwen2.5-1.5b OUT
     | upcycle DENSE OUT [--distinct] [--experts N --top-k K] [--router kmeans --corpus FILE ...]
     | dflash TARGET OUT [--layers L,..] [--block B] [--draft-layers N] [--seed S]"""
@@ -833,6 +834,8 @@ def main(argv: list[str] | None = None) -> int:
     a3b.add_argument("--router", choices=("random", "zipf"), default="random",
                      help="zipf: expert popularity skewed by Zipf's law (named so in general.name)")
     a3b.add_argument("--zipf-s", type=float, default=1.0, help="the Zipf exponent (default 1)")
+    a3b.add_argument("--n-ctx", type=int, default=QWEN3_30B_A3B["n_ctx"], help="the context (default %(default)s; "
+                     "the 2507 release's: 262144)")
     sub.add_parser("qwen2.5-1.5b", help="random weights, Qwen2.5-1.5B's shape, Q4_K_M mix").add_argument("out")
     up = sub.add_parser("upcycle", help="a real dense llama GGUF as a Mixtral-style MoE (4 experts, top-2)")
     up.add_argument("dense")
@@ -867,7 +870,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.what == "qwen3-30b-a3b":
         zipf = args.zipf_s if args.router == "zipf" else None
-        print(write_qwen3_30b_a3b_shape(args.out, args.layers, router_zipf=zipf))
+        print(write_qwen3_30b_a3b_shape(args.out, args.layers, router_zipf=zipf, n_ctx=args.n_ctx))
         return 0
     routers = None
     if args.router == "kmeans":

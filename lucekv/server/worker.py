@@ -220,6 +220,14 @@ class EngineWorker:
             for job in self._running:
                 self.engine.cancel(job.request)
                 self._release(job)
+            self._save_routing_trace()
+
+    def _save_routing_trace(self) -> None:
+        """--spark-record: the routing trace's last write, on the engine's thread (its backend's)."""
+        try:
+            self.engine.save_routing_trace()
+        except Exception:
+            logger.exception("writing the routing trace (--spark-record)")
 
     def _serve(self) -> None:
         while (jobs := self._next_jobs()) is not None:

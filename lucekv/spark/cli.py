@@ -60,7 +60,8 @@ def add_spark_commands(subparsers: argparse._SubParsersAction) -> None:
     tr.set_defaults(func=cmd_trace)
     cal = commands.add_parser("calibrate", help="place experts under a GPU byte budget from a routing trace")
     cal.add_argument("model", help="the MoE GGUF the trace was recorded on")
-    cal.add_argument("trace", help="routing trace JSON")
+    cal.add_argument("trace", nargs="+", help="routing trace JSON (`spark trace`, or `serve --spark-record`); "
+                     "several are merged")
     cal.add_argument("--expert-vram", type=float, required=True, metavar="GIB", help="GPU memory for experts, GiB")
     cal.add_argument("--min-per-layer", type=int, default=1, help="experts every layer keeps (default 1)")
     cal.add_argument("-o", "--output", required=True, help="placement JSON to write")
@@ -207,7 +208,7 @@ def run_documents(backend: CpuBackend, documents: Sequence[tuple[str, np.ndarray
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     g = open_gguf(args.model)
-    trace = RoutingTrace.load(args.trace, g.fingerprint)
+    trace = merged_traces(args.trace, g.fingerprint)
     sizes = expert_bytes(g)
     placement = calibrated(trace, sizes, int(args.expert_vram * GIB), args.min_per_layer)
     placement.save(args.output)
@@ -216,6 +217,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
           f"{placement.bytes(sizes) / GIB:.2f} of {total / GIB:.2f} GiB; trace of {trace.tokens} tokens: "
           f"{cold_per_token(placement, trace):.2f} cold selections per token")
     return 0
+
+
+def merged_traces(paths: Sequence[str], fingerprint: str) -> RoutingTrace:
+    """The traces of these files (each of the model of `fingerprint`) as one; a merge of no tokens is refused."""
+    trace = RoutingTrace.load(paths[0], fingerprint)
+    for path in paths[1:]:
+        trace.add(RoutingTrace.load(path, fingerprint))
+    if not trace.tokens:
+        raise ConfigError(f"the routing trace{'s' * (len(paths) > 1)} {', '.join(paths)} count no tokens yet")
+    return trace
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

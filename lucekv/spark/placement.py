@@ -45,6 +45,11 @@ class Placement:
     def bytes(self, expert_bytes: Sequence[int]) -> int:
         return sum(len(ids) * b for ids, b in zip(self.hot, expert_bytes, strict=True))
 
+    def table_bytes(self, expert_bytes: Sequence[int], spare: int) -> int:
+        """GPU bytes of the expert tables that hold the placement and `spare` cache slots per layer (a table has one
+        slot at least: backends/cuda_spark)."""
+        return sum(max(len(ids) + spare, 1) * b for ids, b in zip(self.hot, expert_bytes, strict=True))
+
     def to_json(self) -> dict:
         return {"format": PLACEMENT_FORMAT, "version": PLACEMENT_VERSION, "fingerprint": self.fingerprint,
                 "n_expert": self.n_expert, "hot": [list(ids) for ids in self.hot]}

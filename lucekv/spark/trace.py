@@ -9,6 +9,7 @@ never mixed with another model's. Pure bookkeeping: numpy and JSON only.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,10 +106,14 @@ def check_fingerprint(found: str, expected: str | None, what: str) -> None:
 
 
 def write_json(path: str | Path, doc: dict) -> None:
-    """Written whole or not at all: a temp file renamed into place."""
+    """Written whole or not at all: a temp file, on the disk (fsync) before it is renamed into place, so that a crash
+    at any moment leaves the previous file or the new one."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc))
+    with tmp.open("w") as f:
+        f.write(json.dumps(doc))
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(path)
 
 

@@ -19,7 +19,20 @@ import numba.cuda.dispatcher as dispatcher
 import numpy as np
 from numba import typeof, types
 
-from lucekv.kernels.cuda import act, attention, cuda, embed, flash, matmul, matvec, mmq, moe, norm, sample
+from lucekv.kernels.cuda import (
+    act,
+    attention,
+    cuda,
+    embed,
+    expert_counts,
+    flash,
+    matmul,
+    matvec,
+    mmq,
+    moe,
+    norm,
+    sample,
+)
 from lucekv.kernels.cuda.packed import Quant, attention_inputs, epilogue
 from lucekv.kernels.cuda.rope import Rotary
 
@@ -128,6 +141,8 @@ CHECKS["moe_count"] = (moe._count, (I2, I64, I2, I2))
 CHECKS["moe_place"] = (moe._place, (I2, I64, I2, I1, I2, I1, I2))
 CHECKS["moe_gather"] = (moe._gather, (F2, I1, I64, I64, U2))
 CHECKS["moe_combine"] = (moe._combine, (F2, I2, F2, F2, F2, F2, B, F2))
+CHECKS["expert_counts_count"] = (expert_counts._count, (I2, I1, I1))
+CHECKS["expert_counts_clear"] = (expert_counts._clear, (I1,))
 
 
 def find_ptxas() -> str | None:

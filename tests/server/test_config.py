@@ -29,8 +29,9 @@ def test_a_flag_beats_its_variable_which_beats_the_default():
     assert (sources["port"], sources["max_streams"], sources["host"]) == ("--port", "LUCEKV_MAX_STREAMS", "default")
     engine = {f.name: getattr(config.engine, f.name) for f in settings("engine")}
     assert engine == {"backend": "auto", "kv_dtype": "f16", "kv_pool": None, "kv_policy": "auto", "kv_tau": 64,
-                      "kv_drafter": "", "kv_cache": None, "max_batch": 64, "spark_placement": None, "spark_spare": 0,
-                      "spark_promote": 0, "mmq_tokens": 64, "step_tokens": None, "prefill_compression": None,
+                      "kv_drafter": "", "kv_cache": None, "max_batch": 64, "gpu_memory_gib": 0.0,
+                      "spark_placement": None, "spark_spare": 0, "spark_promote": 0, "mmq_tokens": 64,
+                      "step_tokens": None, "prefill_compression": None,
                       "prefill_threshold": 2048, "prefill_drafter": "", "prefill_drafter_layers": 0}
 
 
@@ -74,6 +75,8 @@ ENGINE_VARIABLES = {
     "mmq_tokens": ("32", 32), "step_tokens": ("128", 128), "prefill_compression": ("0.5", 0.5),
     "prefill_threshold": ("99", 99), "prefill_drafter": ("tiny", "tiny"), "prefill_drafter_layers": ("3", 3),
     "max_queue": ("5", 5), "max_sessions": ("7", 7), "session_memory_gib": ("0.5", 0.5),
+    "spark_record": ("live.json", Path("live.json")), "spark_record_every": ("10", 10),
+    "gpu_memory_gib": ("16", 16.0),
 }
 
 
