@@ -20,6 +20,7 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 
 def test_metrics_show_the_requests_tokens_and_sessions_of_a_run(slow_probe):
+    slow_probe.step_delay = 0.1  # the long generation lasts 30 s: it is still running when cancelled, however loaded
     running = ServerThread(slow_probe, metrics_port=0)
     port = running.server.metrics_port
     try:
