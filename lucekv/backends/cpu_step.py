@@ -116,8 +116,9 @@ class DecodeStep:
         self.n_out = weights.output.rows
         self.width = max(spec.n_embd, spec.n_head * spec.head_dim, spec.n_kv_head * spec.head_dim,
                          *(lw.gate_up[0].rows for lw in weights.layers))
-        self._sized = (0, 0)  # (threads, rows) the scratch holds
+        self._sized = (0, 0, 0)  # (threads, rows, slots of a run) the scratch holds
         self._no_capture = np.full(spec.n_layer, -1, np.int64)
+        self.trace: np.ndarray | None = None
 
     def _rope_row(self, inv_freq: np.ndarray) -> int:
         for i, f in enumerate(self.inv_freqs):
@@ -126,16 +127,21 @@ class DecodeStep:
         self.inv_freqs.append(inv_freq)
         return len(self.inv_freqs) - 1
 
-    def _scratch(self, n: int, rows: int) -> None:
-        if n != self._sized[0] or rows > self._sized[1]:  # grows with the rows; np.empty maps pages as touched
+    def _scratch(self, n: int, rows: int, run: int) -> None:
+        """Scratch for n threads, `rows` rows and runs of up to `run` slots (grown as they grow: np.empty maps pages as
+        they are touched)."""
+        spec = self.spec
+        if n != self._sized[0] or rows > self._sized[1]:
             rows = max(rows, self._sized[1])
-            pool, hd = self.pool, self.spec.head_dim
-            self.shared = np.zeros((7, rows * self.width), np.float32)
+            self.shared = np.zeros((k.SHARED_ROWS, rows * self.width), np.float32)
             self.private = np.zeros((n, k.PRIVATE_ROWS, rows * self.width), np.float32)
             self.private_q = np.zeros((n, rows * self.width), np.int16)
-            self.scores = np.empty((n, pool.size), np.float32)
-            self.kv_rows = np.empty((n, 3, pool.size, hd), np.float32)  # K, V, K transposed
-            self._sized = (n, rows)
+            self._sized = (n, rows, 0)
+        if run > self._sized[2]:
+            run = max(run, 2 * self._sized[2])  # a run grows a token a step: doubled, not each step
+            heads = self._sized[1] * spec.n_head // spec.n_kv_head  # (row, q head) pairs of an attention task at most
+            self.attn_scratch = np.empty((n, 2 * spec.head_dim * k.ATTN_TILE + heads * (run + 1)), np.float32)
+            self._sized = (n, rows, run)
 
     def __call__(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, attended: np.ndarray,
                  runs: np.ndarray, n_logits: int, capture_at: np.ndarray | None = None,
@@ -144,7 +150,8 @@ class DecodeStep:
         """attended_pos: the positions each row sees at its run of `attended` ([n_rows, run]: a draft tree's block,
         whose rows share one run; None: the slot map's)."""
         n, n_rows = numba.get_num_threads(), len(tokens)
-        self._scratch(n, n_rows)
+        runs = np.ascontiguousarray(runs, np.int64)
+        self._scratch(n, n_rows, int((runs[:, 1] - runs[:, 0]).max()))
         x = np.ascontiguousarray(self.embed(tokens), np.float32)
         ang = np.asarray(positions, np.float64)[:, None, None] * np.stack(self.inv_freqs)  # as CpuOps.rope
         rope_cs = np.ascontiguousarray(np.stack([np.cos(ang), np.sin(ang)], axis=2).astype(np.float32))
@@ -157,13 +164,14 @@ class DecodeStep:
         a = self.arenas
         args = (a.codes, a.scales, a.table, self.vecs, self.layers, self.attn_scales, self.dims, self.eps, rope_cs,
                 kp, vp, attended, self.pool.slot_pos[attended] if attended_pos is None else
-                np.ascontiguousarray(attended_pos, np.int32).reshape(-1), np.ascontiguousarray(runs, np.int64),
+                np.ascontiguousarray(attended_pos, np.int32).reshape(-1), runs,
                 np.ascontiguousarray(runs[:, 0], np.int64) if attended_pos is None else
                 np.arange(n_rows, dtype=np.int64) * attended_pos.shape[1],
                 np.asarray(positions, np.int64), np.asarray(slots, np.int64), x, self.shared, self.private,
-                self.private_q, self.scores, self.kv_rows, logits, queries,
+                self.private_q, self.attn_scratch, logits, queries,
                 self._no_capture if capture_at is None else capture_at,
-                np.zeros((0, 1, 1), np.float32) if captured is None else captured)
+                np.zeros((0, 1, 1), np.float32) if captured is None else captured,
+                self.trace if self.trace is not None else np.zeros((0, 1, 2), np.int64))
         work = np.zeros(2 * k.step_phases(self.spec.n_layer), np.int64)
         self.workers.run(n, lambda t: k.decode_step(t, work, *args))
         return logits, queries

@@ -28,7 +28,7 @@ from numba.extending import overload
 from lucekv.kernels.cpu.intdot import X_BLOCK, quantize_x16
 from lucekv.kernels.cpu.matvec import INT_Q4, INT_Q8, INT_Q8_16, _f32_rows, block_sums, group_rows
 from lucekv.kernels.cpu.quants import GROUP_ROWS
-from lucekv.kernels.cpu.sync import atomic_add, atomic_load, wait_at_least
+from lucekv.kernels.cpu.sync import atomic_add, atomic_load, cycles, wait_at_least
 
 # matrix table columns (`mats`)
 KIND, ROWS, COLS, CODES_AT, SCALE_AT, BIAS_AT, CODE_COLS, BLOCKS, HALVES = range(9)  # HALVES: float16 scales
@@ -43,8 +43,10 @@ LAYER_FIELDS = 18
 N_HEAD, N_KV_HEAD, HEAD_DIM, ROPE_DIM, NEOX, GELU, N_EMBD, OUTPUT, OUTPUT_NORM, N_FF = range(10)
 DIM_FIELDS = 10
 CHUNK_ROWS = 64  # rows of a product one thread takes at a time (a multiple of matvec.ROW_GROUP)
+ATTN_TILE = 64  # slots whose K (V) rows attention widens at a time, into a tile that stays in cache
 # float32 scratch rows shared by the threads (`shared`) and private to each (`private[t]`)
 S_Q, S_K, S_V, S_ATTN, S_Y, S_GATE, S_UP = range(7)
+SHARED_ROWS = 7
 P_H, P_XS16, P_XS32, P_KBITS, P_XD = range(5)
 PRIVATE_ROWS = 5
 
@@ -54,8 +56,8 @@ GELU_C = np.float32(np.sqrt(2.0 / np.pi))
 
 @njit(cache=True, nogil=True)
 def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, eps, rope_cs, k_pool, v_pool,
-                attended, attended_pos, runs, pos_at, positions, slots, x, shared, private, private_q, scores, kv_rows,
-                logits, last_q, capture_at, captured):
+                attended, attended_pos, runs, pos_at, positions, slots, x, shared, private, private_q, attn_scratch,
+                logits, last_q, capture_at, captured, trace):
     """Thread t's part: the rows of x (float32 [n_rows, n_embd], embedded tokens, shared) through every layer. Row r
     is the token at positions[r]: its K/V go into pool slot slots[r] of each layer, it attends over the pool slots
     attended[runs[r, 0]:runs[r, 1]] (as it sees them, at positions attended_pos[pos_at[r]:...], in the order given:
@@ -64,7 +66,9 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
     and where capture_at[layer] = i >= 0 the layer's output rows into captured[i] ([n_capture, n_rows, n_embd]).
     A row's numbers are a function of its own token, position and slots: the same in any batch of rows, whichever
     thread computes what. Any number of threads may call this at once with the same arguments but t (a distinct
-    row of private/private_q/scores/kv_rows), `work` zeros (int64 [2 * step_phases(...)]) at the start."""
+    row of private/private_q/attn_scratch), `work` zeros (int64 [2 * step_phases(...)]) at the start."""
+    if trace.shape[0]:
+        trace[t, trace.shape[1] - 1, 0] = cycles()
     n_head, n_kv, hd = dims[N_HEAD], dims[N_KV_HEAD], dims[HEAD_DIM]
     d, n_rows = dims[N_EMBD], x.shape[0]
     group = n_head // n_kv
@@ -90,8 +94,8 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
                 _product(codes, scales, mats, m, h, mine, xq, _rows(shared[S_Q + j], n_rows, mats[m, ROWS]),
                          vecs, lt[Q_BIAS + j], c * CHUNK_ROWS)
                 c = _done_claim(work, phase)
-        phase = _wait(work, phase, n)
-        # per row and kv head: k norm, RoPE, K and V into the pool
+        phase = _wait(work, phase, n, trace, t)
+        # per row and kv head: k norm, RoPE, K and V into the pool; the q heads of the kv head: q norm, RoPE
         c = _claim(work, phase)
         while c < n_rows * n_kv:
             r, kvh = c // n_kv, c % n_kv
@@ -101,37 +105,27 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
             _rope(k, rope_cs[r, lt[ROPE]], dims[ROPE_DIM], dims[NEOX])
             _store_kv(k, k_pool[layer, slots[r], kvh], mine[P_KBITS])
             _store_kv(v_all[r, kvh * hd:(kvh + 1) * hd], v_pool[layer, slots[r], kvh], mine[P_KBITS])
+            for head in range(kvh * group, (kvh + 1) * group):
+                q = q_all[r, head * hd:(head + 1) * hd]
+                if lt[Q_NORM] >= 0:
+                    _rmsnorm(q, vecs, lt[Q_NORM], q, eps)
+                _rope(q, rope_cs[r, lt[ROPE]], dims[ROPE_DIM], dims[NEOX])
+                last_q[layer, r, head, :] = q
             c = _done_claim(work, phase)
-        phase = _wait(work, phase, n_rows * n_kv)
-        # per row and q head: q norm, RoPE, attention over the row's slots. Tasks in kv-head order, so that a thread
-        # taking the next one mostly finds the kv head's rows already gathered and widened (rows of one sequence
-        # read the same slots)
-        loaded_kvh, loaded_at, loaded_stop = -1, -1, -1
+        phase = _wait(work, phase, n_rows * n_kv, trace, t)
+        # attention by rows sharing a run of slots and kv head: each tile of the run's K and V widened once for every
+        # row and q head of the group
+        n = _attention_tasks(runs, n_kv, -1)[0]
         c = _claim(work, phase)
-        while c < n_rows * n_head:
-            kvh, rest = c // (n_rows * group), c % (n_rows * group)
-            r, head = rest // group, kvh * group + rest % group
-            q = q_all[r, head * hd:(head + 1) * hd]
-            if lt[Q_NORM] >= 0:
-                _rmsnorm(q, vecs, lt[Q_NORM], q, eps)
-            _rope(q, rope_cs[r, lt[ROPE]], dims[ROPE_DIM], dims[NEOX])
-            last_q[layer, r, head, :] = q
-            at, stop = runs[r, 0], runs[r, 1]
-            n_slots = stop - at
-            if kvh != loaded_kvh or at != loaded_at or stop != loaded_stop:
-                widen_rows(k_pool[layer], attended[at:stop], kvh, kv_rows[t, 0, :n_slots])
-                widen_rows(v_pool[layer], attended[at:stop], kvh, kv_rows[t, 1, :n_slots])
-                _transpose(kv_rows[t, 0, :n_slots], _rows(kv_rows[t, 2].reshape(-1), hd, n_slots))
-                loaded_kvh, loaded_at, loaded_stop = kvh, at, stop
-            seen = attended_pos[pos_at[r]:pos_at[r] + n_slots]
-            _attend(q, _rows(kv_rows[t, 2].reshape(-1), hd, n_slots), kv_rows[t, 1, :n_slots], seen, positions[r],
-                    lt[WINDOW],
-                    attn_scales[layer], scores[t, :n_slots], attn[r, head * hd:(head + 1) * hd])
+        while c < n:
+            r0, r1, kvh = _attention_tasks(runs, n_kv, c)
+            _attend_group(q_all, r0, r1, kvh, group, k_pool[layer], v_pool[layer], attended, runs, attended_pos,
+                          pos_at, positions, lt[WINDOW], attn_scales[layer], attn_scratch[t], attn)
             c = _done_claim(work, phase)
-        phase = _wait(work, phase, n_rows * n_head)
+        phase = _wait(work, phase, n, trace, t)
         # x += [post-norm of] W_o attn
         phase = _residual_product(work, phase, codes, scales, mats, lt[WO], attn, mine, xq, x, y, vecs,
-                                  lt[POST_ATTN_NORM], eps)
+                                  lt[POST_ATTN_NORM], eps, trace, t)
         # act(W_gate h) * (W_up h), h the FFN norm of x
         n_ff = mats[lt[WGATE], ROWS]
         gate, up = _rows(shared[S_GATE], n_rows, n_ff), _rows(shared[S_UP], n_rows, n_ff)
@@ -145,16 +139,16 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
                 for r in range(n_rows):
                     _gated_act(gate[r], up[r], c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, n_ff), dims[GELU])
                 c = _done_claim(work, phase)
-        phase = _wait(work, phase, n)
+        phase = _wait(work, phase, n, trace, t)
         # x += [post-norm of] W_down of that
         phase = _residual_product(work, phase, codes, scales, mats, lt[WDOWN], gate, mine, xq, x, y, vecs,
-                                  lt[POST_FFN_NORM], eps)
+                                  lt[POST_FFN_NORM], eps, trace, t)
         if capture_at[layer] >= 0:  # the layer's output, copied before the next layer's residual changes x
             c = _claim(work, phase)
             while c < n_rows:
                 captured[capture_at[layer], c, :] = x[c]
                 c = _done_claim(work, phase)
-            phase = _wait(work, phase, n_rows)
+            phase = _wait(work, phase, n_rows, trace, t)
     # the logits of the last rows
     n = _chunks(mats, dims[OUTPUT])
     n_out = logits.shape[0]
@@ -167,7 +161,9 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
         while c < n:
             _product(codes, scales, mats, dims[OUTPUT], h_out, mine, xq, logits, vecs, -1, c * CHUNK_ROWS)
             c = _done_claim(work, phase)
-    _wait(work, phase, n)
+    _wait(work, phase, n, trace, t)
+    if trace.shape[0]:
+        trace[t, trace.shape[1] - 1, 1] = cycles()
 
 
 def step_phases(n_layer: int) -> int:
@@ -205,9 +201,13 @@ def _done_claim(work, phase):
 
 
 @njit(cache=True, nogil=True)
-def _wait(work, phase, n):
+def _wait(work, phase, n, trace, t):
     """Wait until the phase's n chunks are finished; the next phase's number."""
+    if trace.shape[0]:
+        trace[t, phase, 0] = cycles()
     wait_at_least(work, 2 * phase + 1, n)
+    if trace.shape[0]:
+        trace[t, phase, 1] = cycles()
     return phase + 1
 
 
@@ -234,7 +234,7 @@ def _norm_and_prepare(x, vecs, norm_at, h, mine, xq, eps):
 
 
 @njit(cache=True, nogil=True)
-def _residual_product(work, phase, codes, scales, mats, m, inputs, mine, xq, x, y, vecs, post_norm, eps):
+def _residual_product(work, phase, codes, scales, mats, m, inputs, mine, xq, x, y, vecs, post_norm, eps, trace, t):
     """x += [post-norm of] W_m inputs, W_m's chunks of rows claimed by the threads; returns the phase after it."""
     n = _chunks(mats, m)
     if _open(work, phase, n):
@@ -245,12 +245,12 @@ def _residual_product(work, phase, codes, scales, mats, m, inputs, mine, xq, x, 
             if post_norm < 0:
                 _add_rows(x, y, c * CHUNK_ROWS)
             c = _done_claim(work, phase)
-    phase = _wait(work, phase, n)
-    return _post_norm_add(work, phase, x, y, vecs, post_norm, eps)
+    phase = _wait(work, phase, n, trace, t)
+    return _post_norm_add(work, phase, x, y, vecs, post_norm, eps, trace, t)
 
 
 @njit(cache=True, nogil=True)
-def _post_norm_add(work, phase, x, y, vecs, norm_at, eps):
+def _post_norm_add(work, phase, x, y, vecs, norm_at, eps, trace, t):
     """x[t] += rmsnorm(y[t]) for every row t, by chunks of columns once y is whole (Gemma 3's post-norms); nothing
     without a norm."""
     if norm_at < 0:
@@ -267,7 +267,7 @@ def _post_norm_add(work, phase, x, y, vecs, norm_at, eps):
             for r in range(c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, d)):
                 x[t, r] += y[t, r] * inv * vecs[norm_at + r]
         c = _done_claim(work, phase)
-    return _wait(work, phase, n)
+    return _wait(work, phase, n, trace, t)
 
 
 @njit(cache=True, nogil=True)
@@ -374,17 +374,88 @@ def _transpose(a, out):
 
 
 @njit(cache=True, nogil=True)
-def _attend(q, kt, v, slot_pos, pos, window, scale, scores, out):
-    """out = softmax(scale q.k) v over the slots visible at `pos` (DESIGN §4); kt float32 [hd, n_slots] (K
-    transposed: each slot's dot product, summed in order over hd, runs in a lane of its own, 16 slots a vector instead
-    of one latency-bound chain) and v float32 [n_slots, hd] of the slots whose positions are slot_pos."""
+def _attention_tasks(runs, n_kv, c):
+    """Attention task c: (first row, row past the last, kv head) of rows sharing a run of slots (consecutive rows with
+    the same run: they read the same K and V); c < 0: (the number of tasks, 0, 0)."""
+    n_rows = runs.shape[0]
+    r0, total = 0, 0
+    while r0 < n_rows:
+        r1 = r0 + 1
+        while r1 < n_rows and runs[r1, 0] == runs[r0, 0] and runs[r1, 1] == runs[r0, 1]:
+            r1 += 1
+        if 0 <= c < n_kv:
+            return r0, r1, c
+        c -= n_kv
+        total += n_kv
+        r0 = r1
+    return total, 0, 0
+
+
+@njit(cache=True, nogil=True)
+def _attend_group(q_all, r0, r1, kvh, group, k_pool, v_pool, attended, runs, attended_pos, pos_at, positions,
+                  window, scale, scratch, out):
+    """out[r, head] = softmax(scale q.k) v for rows r0..r1 (one run of slots) and the q heads of kv head kvh, over the
+    run's slots visible to each row (their positions as it sees them at attended_pos[pos_at[r]:], DESIGN §4's rule).
+    K is widened and transposed a tile of ATTN_TILE slots at a time, so that each slot's dot product, summed in order
+    over hd, runs in a lane of its own (16 slots a vector instead of one latency-bound chain); every row and head
+    reads each tile while it is in cache. scratch: this thread's, float32 [2 * hd * ATTN_TILE + (r1 - r0) * group *
+    (run + 1)]."""
+    hd = k_pool.shape[2]
+    at, stop = runs[r0, 0], runs[r0, 1]
+    n = stop - at
+    heads = (r1 - r0) * group  # (row, q head) i: row r0 + i // group, head kvh * group + i % group
+    rows = _rows(scratch, ATTN_TILE, hd)  # a tile's K rows, then its V rows
+    kt_flat = scratch[hd * ATTN_TILE:2 * hd * ATTN_TILE]
+    totals = scratch[2 * hd * ATTN_TILE:2 * hd * ATTN_TILE + heads]
+    weights = _rows(scratch[2 * hd * ATTN_TILE + heads:], heads, n)  # scores, then e^(score - max)
+    weights[:] = 0
+    for s0 in range(0, n, ATTN_TILE):
+        s1 = min(s0 + ATTN_TILE, n)
+        tile = rows[:s1 - s0]
+        widen_rows(k_pool, attended[at + s0:at + s1], kvh, tile)
+        kt = _rows(kt_flat, hd, s1 - s0)
+        _transpose(tile, kt)
+        for i in range(heads):
+            head = kvh * group + i % group
+            q = q_all[r0 + i // group, head * hd:(head + 1) * hd]
+            scores = weights[i, s0:s1]
+            for j in range(hd):
+                qj = q[j]
+                for s in range(s1 - s0):
+                    scores[s] += qj * kt[j, s]
+    for i in range(heads):
+        r = r0 + i // group
+        totals[i] = _softmax_weights(weights[i], attended_pos[pos_at[r]:pos_at[r] + n], positions[r], window, scale)
+    for i in range(heads):
+        head = kvh * group + i % group
+        out[r0 + i // group, head * hd:(head + 1) * hd] = 0
+    for s0 in range(0, n, ATTN_TILE):
+        s1 = min(s0 + ATTN_TILE, n)
+        tile = rows[:s1 - s0]
+        widen_rows(v_pool, attended[at + s0:at + s1], kvh, tile)
+        for s in range(s1 - s0):
+            v = tile[s]
+            for i in range(heads):
+                e = weights[i, s0 + s]
+                if e < 0:  # out of view
+                    continue
+                head = kvh * group + i % group
+                acc = out[r0 + i // group, head * hd:(head + 1) * hd]
+                for j in range(hd):
+                    acc[j] += e * v[j]
+    for i in range(heads):
+        head = kvh * group + i % group
+        acc = out[r0 + i // group, head * hd:(head + 1) * hd]
+        for j in range(hd):
+            acc[j] /= totals[i]
+
+
+@njit(cache=True, nogil=True)
+def _softmax_weights(scores, slot_pos, pos, window, scale):
+    """scores (q.k of each slot, whose positions are slot_pos) -> e^(scale q.k - m) over the slots visible at `pos`
+    (DESIGN §4), -1 where not, m the largest visible scaled score; returns their sum."""
     lo = pos - window if window > 0 else -1
-    n = kt.shape[1]
-    scores[:n] = 0
-    for j in range(q.shape[0]):
-        qj = q[j]
-        for s in range(n):
-            scores[s] += qj * kt[j, s]
+    n = scores.shape[0]
     m = np.float32(-np.inf)
     for s in range(n):
         p = slot_pos[s]
@@ -393,17 +464,15 @@ def _attend(q, kt, v, slot_pos, pos, window, scale, scores, out):
             continue
         scores[s] *= scale
         m = max(m, scores[s])
-    out[:] = 0
     total = np.float32(0.0)
     for s in range(n):
         if scores[s] == -np.inf:
+            scores[s] = -1
             continue
         e = np.float32(np.exp(scores[s] - m))
+        scores[s] = e
         total += e
-        for j in range(out.shape[0]):
-            out[j] += e * v[s, j]
-    for j in range(out.shape[0]):
-        out[j] /= total
+    return total
 
 
 def widen_rows(pool, slots, kvh, out):

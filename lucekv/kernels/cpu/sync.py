@@ -98,6 +98,19 @@ def sched_yield(typingctx):
     return sig, codegen
 
 
+@intrinsic
+def cycles(typingctx):
+    """The CPU's cycle counter (llvm.readcyclecounter: x86's TSC, which ticks at a constant rate), for profiles."""
+    sig = types.int64()
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True)
 def wait_at_least(counter, index, target):
     """Spin until counter[index] >= target (another thread's atomic_add gets it there)."""
