@@ -15,6 +15,7 @@ from lucekv.backends.ahead import RunAhead
 from lucekv.backends.cpu_step import DecodeStep, Workers
 from lucekv.backends.slots import SlotMap
 from lucekv.kernels.cpu.attention import attend_batch, attend_rows
+from lucekv.kernels.cpu.kv_tiles import LANES as KV_LANES
 from lucekv.kernels.cpu.matvec import PromptInput, matmul, matvec_rows, prompt_input, prompt_rows
 from lucekv.kernels.cpu.moe import group_by_expert, route
 from lucekv.kernels.cpu.quants import PackedMatrix, dequantize, dequantize_rows, pack_stacked, pack_tensor, split_rows
@@ -348,10 +349,11 @@ class CpuBackend(RunAhead):
         self.ops = CpuOps(spec, self.pool, self.workers)
         self.weights: Weights = load_weights(g, spec, self.ops)
         embed_scale = float(np.sqrt(spec.n_embd)) if spec.arch.embed_scale else 1.0
-        # decode as one numba call per thread, for dense models (an MoE layer's one-token step goes op by op)
+        # decode as one numba call per thread, for dense models (an MoE layer's one-token step goes op by op) whose
+        # heads are whole vectors of the step's attention (kv_tiles)
         self.decode_step = DecodeStep(spec, self.weights, lambda tokens: self.ops.embed(
             self.weights.token_embd, tokens, embed_scale), self.pool, self.workers
-        ) if all(lw.moe is None for lw in self.weights.layers) else None
+        ) if all(lw.moe is None for lw in self.weights.layers) and spec.head_dim % KV_LANES == 0 else None
         # target features for a DFlash drafter (lucekv.spec.dflash): while `capture_layers` names layers, each forward
         # leaves their outputs in `captured` [n_tokens, len(capture_layers) * n_embd] (in that order); () costs nothing
         self.capture_layers: tuple[int, ...] = ()

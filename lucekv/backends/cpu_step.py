@@ -140,7 +140,7 @@ class DecodeStep:
         if run > self._sized[2]:
             run = max(run, 2 * self._sized[2])  # a run grows a token a step: doubled, not each step
             heads = self._sized[1] * spec.n_head // spec.n_kv_head  # (row, q head) pairs of an attention task at most
-            self.attn_scratch = np.empty((n, 2 * spec.head_dim * k.ATTN_TILE + heads * (run + 1)), np.float32)
+            self.attn_scratch = np.empty((n, heads * (run + k.LANES + 1)), np.float32)
             self._sized = (n, rows, run)
 
     def __call__(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, attended: np.ndarray,

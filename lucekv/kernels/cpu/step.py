@@ -3,7 +3,7 @@
 The model's matrices live in one flat byte arena (`codes`) and one float32 arena (`scales`), described by a table
 (`mats`, one row per matrix); norms and biases in a third arena (`vecs`); each layer is a row of `layers` naming
 its matrices and vectors. `decode_step` runs on every thread of the step at once: each op's work (rows of a
-product in chunks, attention's heads) goes to whichever thread takes it next, and a thread waits at the end of
+product in chunks, attention's kv heads) goes to whichever thread takes it next, and a thread waits at the end of
 an op only for chunks still in flight (6 ops a layer, 8 with post-norms). The products are matvec.py's
 `group_rows` on the weights grouped by 16 rows (quants.group_rows): each input row quantized once per op to int16
 codes by 32-blocks, integer products with the weights' codes (intdot.py), every row of x through a group's codes
@@ -11,12 +11,12 @@ while they are in cache; each row's arithmetic is its own (its own int16 scales,
 gives the same numbers in any batch, and its products those of its prefill tiles. Nothing here allocates per token:
 scratch comes in from the caller.
 
-numba's on-disk cache keys a function on its own file only: after editing matvec.py, intdot.py or sync.py, delete
-lucekv/kernels/cpu/__pycache__/step.* (a fresh checkout compiles everything anew).
+numba's on-disk cache keys a function on its own file only: after editing matvec.py, intdot.py, kv_tiles.py or
+sync.py, delete lucekv/kernels/cpu/__pycache__/step.* (a fresh checkout compiles everything anew).
 
 RoPE's cos/sin come in from the host (numpy, as the prefill path computes them). A float16 KV pool comes in as
-its uint16 bits: rows are widened exactly (`widen_rows`) and new K/V rounded to nearest-even (`round_to_f16`),
-the same values numpy's float16 gives.
+its uint16 bits: rows are widened exactly (kv_tiles) and new K/V rounded to nearest-even (`round_to_f16`), the
+same values numpy's float16 gives.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from lucekv.kernels.cpu.intdot import X_BLOCK, quantize_x16
+from lucekv.kernels.cpu.kv_tiles import LANES, key_scores, value_sums
 from lucekv.kernels.cpu.matvec import INT_Q4, INT_Q8, INT_Q8_16, _f32_rows, block_sums, group_rows
 from lucekv.kernels.cpu.quants import GROUP_ROWS
 from lucekv.kernels.cpu.sync import atomic_add, atomic_load, cycles, wait_at_least
@@ -43,14 +44,12 @@ LAYER_FIELDS = 18
 N_HEAD, N_KV_HEAD, HEAD_DIM, ROPE_DIM, NEOX, GELU, N_EMBD, OUTPUT, OUTPUT_NORM, N_FF = range(10)
 DIM_FIELDS = 10
 CHUNK_ROWS = 64  # rows of a product one thread takes at a time (a multiple of matvec.ROW_GROUP)
-ATTN_TILE = 64  # slots whose K (V) rows attention widens at a time, into a tile that stays in cache
 # float32 scratch rows shared by the threads (`shared`) and private to each (`private[t]`)
 S_Q, S_K, S_V, S_ATTN, S_Y, S_GATE, S_UP = range(7)
 SHARED_ROWS = 7
 P_H, P_XS16, P_XS32, P_KBITS, P_XD = range(5)
 PRIVATE_ROWS = 5
 
-F16_EXP_SHIFT = np.float32(2.0 ** 112)  # an f16's bits moved to f32's places, times this, is its value
 GELU_C = np.float32(np.sqrt(2.0 / np.pi))
 
 
@@ -366,14 +365,6 @@ def _rope(x, cs, rope_dim, neox):
 
 
 @njit(cache=True, nogil=True)
-def _transpose(a, out):
-    """out [cols, rows] = a [rows, cols] transposed."""
-    for i in range(a.shape[0]):
-        for j in range(a.shape[1]):
-            out[j, i] = a[i, j]
-
-
-@njit(cache=True, nogil=True)
 def _attention_tasks(runs, n_kv, c):
     """Attention task c: (first row, row past the last, kv head) of rows sharing a run of slots (consecutive rows with
     the same run: they read the same K and V); c < 0: (the number of tasks, 0, 0)."""
@@ -396,53 +387,27 @@ def _attend_group(q_all, r0, r1, kvh, group, k_pool, v_pool, attended, runs, att
                   window, scale, scratch, out):
     """out[r, head] = softmax(scale q.k) v for rows r0..r1 (one run of slots) and the q heads of kv head kvh, over the
     run's slots visible to each row (their positions as it sees them at attended_pos[pos_at[r]:], DESIGN §4's rule).
-    K is widened and transposed a tile of ATTN_TILE slots at a time, so that each slot's dot product, summed in order
-    over hd, runs in a lane of its own (16 slots a vector instead of one latency-bound chain); every row and head
-    reads each tile while it is in cache. scratch: this thread's, float32 [2 * hd * ATTN_TILE + (r1 - r0) * group *
-    (run + 1)]."""
-    hd = k_pool.shape[2]
-    at, stop = runs[r0, 0], runs[r0, 1]
-    n = stop - at
+    The scores and the sums with V are kv_tiles' (16 slots a vector, each K and V row read once for every q head of
+    the row); each is summed in order, as a scalar loop would. scratch: this thread's, float32 [(r1 - r0) * group *
+    (run + LANES + 1)]."""
+    n_kv, hd = k_pool.shape[1], k_pool.shape[2]
+    at = runs[r0, 0]
+    n = runs[r0, 1] - at
+    padded = (n + LANES - 1) // LANES * LANES  # key_scores fills whole vectors
     heads = (r1 - r0) * group  # (row, q head) i: row r0 + i // group, head kvh * group + i % group
-    rows = _rows(scratch, ATTN_TILE, hd)  # a tile's K rows, then its V rows
-    kt_flat = scratch[hd * ATTN_TILE:2 * hd * ATTN_TILE]
-    totals = scratch[2 * hd * ATTN_TILE:2 * hd * ATTN_TILE + heads]
-    weights = _rows(scratch[2 * hd * ATTN_TILE + heads:], heads, n)  # scores, then e^(score - max)
-    weights[:] = 0
-    for s0 in range(0, n, ATTN_TILE):
-        s1 = min(s0 + ATTN_TILE, n)
-        tile = rows[:s1 - s0]
-        widen_rows(k_pool, attended[at + s0:at + s1], kvh, tile)
-        kt = _rows(kt_flat, hd, s1 - s0)
-        _transpose(tile, kt)
-        for i in range(heads):
-            head = kvh * group + i % group
-            q = q_all[r0 + i // group, head * hd:(head + 1) * hd]
-            scores = weights[i, s0:s1]
-            for j in range(hd):
-                qj = q[j]
-                for s in range(s1 - s0):
-                    scores[s] += qj * kt[j, s]
+    totals = scratch[:heads]
+    weights = scratch[heads:heads + heads * padded]  # scores, then e^(score - max) (-1: out of view)
+    k_flat, v_flat, q_flat = k_pool.reshape(-1), v_pool.reshape(-1), q_all.reshape(-1)
+    for r in range(r0, r1):
+        key_scores(k_flat, attended, at, n, n_kv * hd, kvh * hd, q_flat, r * q_all.shape[1] + kvh * group * hd, group,
+                   hd, weights, (r - r0) * group * padded, padded)
     for i in range(heads):
         r = r0 + i // group
-        totals[i] = _softmax_weights(weights[i], attended_pos[pos_at[r]:pos_at[r] + n], positions[r], window, scale)
-    for i in range(heads):
-        head = kvh * group + i % group
-        out[r0 + i // group, head * hd:(head + 1) * hd] = 0
-    for s0 in range(0, n, ATTN_TILE):
-        s1 = min(s0 + ATTN_TILE, n)
-        tile = rows[:s1 - s0]
-        widen_rows(v_pool, attended[at + s0:at + s1], kvh, tile)
-        for s in range(s1 - s0):
-            v = tile[s]
-            for i in range(heads):
-                e = weights[i, s0 + s]
-                if e < 0:  # out of view
-                    continue
-                head = kvh * group + i % group
-                acc = out[r0 + i // group, head * hd:(head + 1) * hd]
-                for j in range(hd):
-                    acc[j] += e * v[j]
+        totals[i] = _softmax_weights(weights[i * padded:i * padded + n], attended_pos[pos_at[r]:pos_at[r] + n],
+                                     positions[r], window, scale)
+    for r in range(r0, r1):
+        value_sums(v_flat, attended, at, n, n_kv * hd, kvh * hd, weights, (r - r0) * group * padded, padded, group, hd,
+                   out[r], kvh * group * hd, hd)
     for i in range(heads):
         head = kvh * group + i % group
         acc = out[r0 + i // group, head * hd:(head + 1) * hd]
@@ -473,37 +438,6 @@ def _softmax_weights(scores, slot_pos, pos, window, scale):
         scores[s] = e
         total += e
     return total
-
-
-def widen_rows(pool, slots, kvh, out):
-    """out (float32 [n, hd]) = kv head kvh of the pool rows `slots` (pool [P, n_kv, hd]: float32, or float16 as
-    uint16 bits)."""
-
-
-@overload(widen_rows, jit_options={"cache": True, "nogil": True})
-def _widen_rows(pool, slots, kvh, out):
-    if pool.dtype == types.uint16:
-        def widen(pool, slots, kvh, out):
-            bits = out.reshape(-1).view(np.uint32)
-            flat_out = out.reshape(-1)
-            n = out.shape[1]
-            for i in range(slots.shape[0]):
-                row = pool[slots[i], kvh]
-                for j in range(n):
-                    hb = np.uint32(row[j])
-                    bits[i * n + j] = ((hb & np.uint32(0x8000)) << np.uint32(16)) | (
-                        (hb & np.uint32(0x7FFF)) << np.uint32(13))
-            for i in range(slots.shape[0] * n):
-                flat_out[i] *= F16_EXP_SHIFT
-        return widen
-    return lambda pool, slots, kvh, out: _copy_rows(pool, slots, kvh, out)
-
-
-@njit(cache=True, nogil=True)
-def _copy_rows(pool, slots, kvh, out):
-    for i in range(slots.shape[0]):
-        for j in range(out.shape[1]):
-            out[i, j] = pool[slots[i], kvh, j]
 
 
 def _store_kv(values, dst, scratch):

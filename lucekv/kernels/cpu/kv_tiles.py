@@ -1,0 +1,165 @@
+"""Attention's scores on the CPU: q against 16 K rows at a time, the slots the lanes, as LLVM IR (a numba intrinsic).
+
+A slot's score is a dot product over head_dim, summed in order; run one slot after another it is a latency-bound
+chain, so the decode step takes 16 slots side by side, each in a lane of its own. That needs K's rows transposed:
+numba's loop vectorizer leaves the transpose (and the float16 widening of a pool row) scalar, ~1 cycle an element,
+more than the products themselves. Here each 16 x 16 block of K (16 slots' rows, 16 of their elements) is loaded as
+16 vectors, widened (float16: x86's vcvtph2ps, exact), transposed in registers by four rounds of shuffles, and
+multiplied into every q head's 16 scores while it is in registers. The arithmetic is the scalar loop's: per slot,
+score = ((0 + q0 k0) + q1 k1) + ... in order over head_dim, a multiply and an add each (no fused multiply-add).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from lucekv.kernels.cpu.intdot import _F32, _I16, _I32, _I64, _counted_loop, _load, _ptr, _splat, _vec
+
+LANES = 16  # slots a vector, and K elements a block of the transpose
+
+
+def _transpose(builder, rows):
+    """16 vectors of 16 lanes, rows[i][l] = M[i][l] -> cols[j][i] = M[i][j]: the off-diagonal blocks of 8, 4, 2 and 1
+    lanes swapped in turn (one two-source shuffle a vector each round)."""
+    rows = list(rows)
+    for b in (8, 4, 2, 1):
+        low = ir.Constant(_vec(_I32, LANES), [lane if lane & b == 0 else LANES + lane - b for lane in range(LANES)])
+        high = ir.Constant(_vec(_I32, LANES), [lane + b if lane & b == 0 else LANES + lane for lane in range(LANES)])
+        for i in range(LANES):
+            if i & b == 0:
+                a, c = rows[i], rows[i + b]
+                rows[i], rows[i + b] = builder.shuffle_vector(a, c, low), builder.shuffle_vector(a, c, high)
+    return rows
+
+
+def _codegen(context, builder, sig, args):
+    pool, slots, q, out = (_ptr(context, builder, sig.args[i], args[i], ir.Constant(_I64, 0)) for i in (0, 1, 6, 10))
+    s_at, n, row_stride, row_at, q_at, n_heads, hd, o_at, o_stride = (
+        context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3, 4, 5, 7, 8, 9, 11, 12))
+    halves = sig.args[0].dtype == types.uint16
+    v16f = _vec(_F32, LANES)
+    one, lanes = ir.Constant(_I64, 1), ir.Constant(_I64, LANES)
+    last = builder.sub(n, one)
+    n_tiles = builder.sdiv(builder.add(n, ir.Constant(_I64, LANES - 1)), lanes)
+
+    def tile(t, _):
+        first = builder.mul(t, lanes)
+        starts = []  # each lane's K row (lanes past n: the last slot's again)
+        for i in range(LANES):
+            s = builder.add(first, ir.Constant(_I64, i))
+            s = builder.select(builder.icmp_signed("<", s, last), s, last)
+            slot = builder.load(builder.gep(slots, [builder.add(s_at, s)]))
+            starts.append(builder.add(builder.mul(context.cast(builder, slot, sig.args[1].dtype, types.int64),
+                                                  row_stride), row_at))
+
+        def block(c, _):
+            k0 = builder.mul(c, lanes)
+            rows = []
+            for start in starts:
+                at = builder.add(start, k0)
+                if halves:
+                    bits = _load(builder, pool, at, _vec(_I16, LANES))
+                    rows.append(builder.fpext(builder.bitcast(bits, _vec(ir.HalfType(), LANES)), v16f))
+                else:
+                    rows.append(_load(builder, pool, at, v16f))
+            cols = _transpose(builder, rows)  # cols[j]: element k0 + j of the 16 slots
+
+            def head(h, _):
+                at = builder.add(builder.add(o_at, builder.mul(h, o_stride)), first)
+                dst = builder.bitcast(builder.gep(out, [at]), v16f.as_pointer())
+                zero = ir.Constant(v16f, [0.0] * LANES)
+                acc = builder.select(builder.icmp_signed("==", c, ir.Constant(_I64, 0)), zero,
+                                     builder.load(dst, align=4))
+                qh = builder.add(builder.add(q_at, builder.mul(h, hd)), k0)
+                for j, col in enumerate(cols):
+                    qj = builder.load(builder.gep(q, [builder.add(qh, ir.Constant(_I64, j))]))
+                    acc = builder.fadd(acc, builder.fmul(_splat(builder, qj, LANES), col))
+                builder.store(acc, dst, align=4)
+                return []
+
+            _counted_loop(builder, n_heads, "kv_tiles.head", head, [])
+            return []
+
+        _counted_loop(builder, builder.sdiv(hd, lanes), "kv_tiles.block", block, [])
+        return []
+
+    _counted_loop(builder, n_tiles, "kv_tiles.tile", tile, [])
+    return context.get_dummy_value()
+
+
+@intrinsic
+def key_scores(typingctx, pool, slots, s_at, n, row_stride, row_at, q, q_at, n_heads, hd, out, o_at, o_stride):
+    """out[o_at + h * o_stride + s] = q_h . K row of slot s, for s < n rounded up to 16 (lanes past n: slot n - 1's
+    score again) and heads h < n_heads, q_h = q[q_at + h * hd:][:hd]. Slot s's K row is pool[slots[s_at + s] *
+    row_stride + row_at:][:hd] (pool flat: float32, or float16 as uint16 bits); hd a multiple of 16."""
+    arrays = (pool, slots, q, out)
+    if not (all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arrays)
+            and pool.dtype in (types.uint16, types.float32) and isinstance(slots.dtype, types.Integer)
+            and q.dtype == types.float32 and out.dtype == types.float32):
+        return None
+    sig = types.void(pool, slots, s_at, n, row_stride, row_at, q, q_at, n_heads, hd, out, o_at, o_stride)
+    return sig, _codegen
+
+
+def _value_codegen(context, builder, sig, args):
+    pool, slots, w, out = (_ptr(context, builder, sig.args[i], args[i], ir.Constant(_I64, 0)) for i in (0, 1, 6, 11))
+    s_at, n, row_stride, row_at, w_at, w_stride, n_heads, hd, o_at, o_stride = (
+        context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3, 4, 5, 7, 8, 9, 10, 12, 13))
+    halves = sig.args[0].dtype == types.uint16
+    v16f = _vec(_F32, LANES)
+    lanes = ir.Constant(_I64, LANES)
+
+    def block(c, _):
+        k0 = builder.mul(c, lanes)
+
+        def head(h, _):
+            ws = builder.add(w_at, builder.mul(h, w_stride))
+
+            def slot(s, state):
+                e = builder.load(builder.gep(w, [builder.add(ws, s)]))
+                visible = builder.fcmp_ordered(">=", e, ir.Constant(_F32, 0.0))
+                before = builder.block
+                with builder.if_then(visible):
+                    index = builder.load(builder.gep(slots, [builder.add(s_at, s)]))
+                    at = builder.add(builder.add(builder.mul(context.cast(builder, index, sig.args[1].dtype,
+                                                                          types.int64), row_stride), row_at), k0)
+                    if halves:
+                        bits = _load(builder, pool, at, _vec(_I16, LANES))
+                        v = builder.fpext(builder.bitcast(bits, _vec(ir.HalfType(), LANES)), v16f)
+                    else:
+                        v = _load(builder, pool, at, v16f)
+                    added = builder.fadd(state[0], builder.fmul(_splat(builder, e, LANES), v))
+                    inside = builder.block
+                acc = builder.phi(v16f)
+                acc.add_incoming(state[0], before)
+                acc.add_incoming(added, inside)
+                return [acc]
+
+            (acc,) = _counted_loop(builder, n, "kv_tiles.slot", slot, [ir.Constant(v16f, [0.0] * LANES)])
+            at = builder.add(builder.add(o_at, builder.mul(h, o_stride)), k0)
+            builder.store(acc, builder.bitcast(builder.gep(out, [at]), v16f.as_pointer()), align=4)
+            return []
+
+        _counted_loop(builder, n_heads, "kv_tiles.vhead", head, [])
+        return []
+
+    _counted_loop(builder, builder.sdiv(hd, lanes), "kv_tiles.vblock", block, [])
+    return context.get_dummy_value()
+
+
+@intrinsic
+def value_sums(typingctx, pool, slots, s_at, n, row_stride, row_at, w, w_at, w_stride, n_heads, hd, out, o_at,
+               o_stride):
+    """out[o_at + h * o_stride:][:hd] = the sum over slots s < n, in order, of w_h[s] times V row of slot s, for heads
+    h < n_heads, w_h = w[w_at + h * w_stride:]; a slot whose weight is negative (out of view) is left out. Slot s's V
+    row is pool[slots[s_at + s] * row_stride + row_at:][:hd] (pool flat: float32, or float16 as uint16 bits); hd a
+    multiple of 16. Each sum is the scalar loop's: ((0 + w0 v0) + w1 v1) + ..., a multiply and an add a term."""
+    arrays = (pool, slots, w, out)
+    if not (all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arrays)
+            and pool.dtype in (types.uint16, types.float32) and isinstance(slots.dtype, types.Integer)
+            and w.dtype == types.float32 and out.dtype == types.float32):
+        return None
+    sig = types.void(pool, slots, s_at, n, row_stride, row_at, w, w_at, w_stride, n_heads, hd, out, o_at, o_stride)
+    return sig, _value_codegen
