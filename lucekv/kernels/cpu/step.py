@@ -4,12 +4,12 @@ The model's matrices live in one flat byte arena (`codes`) and one float32 arena
 (`mats`, one row per matrix); norms and biases in a third arena (`vecs`); each layer is a row of `layers` naming
 its matrices and vectors. `decode_step` runs on every thread of the step at once: each op's work (rows of a
 product in chunks, attention's kv heads) goes to whichever thread takes it next, and a thread waits at the end of
-an op only for chunks still in flight (6 ops a layer, 8 with post-norms). The products are matvec.py's
-`group_rows` on the weights grouped by 16 rows (quants.group_rows): each input row quantized once per op to int16
-codes by 32-blocks, integer products with the weights' codes (intdot.py), every row of x through a group's codes
-while they are in cache; each row's arithmetic is its own (its own int16 scales, its own attention), so a row
-gives the same numbers in any batch, and its products those of its prefill tiles. Nothing here allocates per token:
-scratch comes in from the caller.
+an op only for chunks still in flight (5 ops a layer: 6 for rows of several runs, 2 more with post-norms). The
+products are matvec.py's `group_rows` on the weights grouped by 16 rows (quants.group_rows): each input row
+quantized once per op to int16 codes by 32-blocks, integer products with the weights' codes (intdot.py), every row
+of x through a group's codes while they are in cache; each row's arithmetic is its own (its own int16 scales, its
+own attention), so a row gives the same numbers in any batch, and its products those of its prefill tiles. Nothing
+here allocates per token: scratch comes in from the caller.
 
 numba's on-disk cache keys a function on its own file only: after editing matvec.py, intdot.py, kv_tiles.py or
 sync.py, delete lucekv/kernels/cpu/__pycache__/step.* (a fresh checkout compiles everything anew).
@@ -94,30 +94,25 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
                          vecs, lt[Q_BIAS + j], c * CHUNK_ROWS)
                 c = _done_claim(work, phase)
         phase = _wait(work, phase, n, trace, t)
-        # per row and kv head: k norm, RoPE, K and V into the pool; the q heads of the kv head: q norm, RoPE
-        c = _claim(work, phase)
-        while c < n_rows * n_kv:
-            r, kvh = c // n_kv, c % n_kv
-            k = k_all[r, kvh * hd:(kvh + 1) * hd]
-            if lt[K_NORM] >= 0:
-                _rmsnorm(k, vecs, lt[K_NORM], k, eps)
-            _rope(k, rope_cs[r, lt[ROPE]], dims[ROPE_DIM], dims[NEOX])
-            _store_kv(k, k_pool[layer, slots[r], kvh], mine[P_KBITS])
-            _store_kv(v_all[r, kvh * hd:(kvh + 1) * hd], v_pool[layer, slots[r], kvh], mine[P_KBITS])
-            for head in range(kvh * group, (kvh + 1) * group):
-                q = q_all[r, head * hd:(head + 1) * hd]
-                if lt[Q_NORM] >= 0:
-                    _rmsnorm(q, vecs, lt[Q_NORM], q, eps)
-                _rope(q, rope_cs[r, lt[ROPE]], dims[ROPE_DIM], dims[NEOX])
-                last_q[layer, r, head, :] = q
-            c = _done_claim(work, phase)
-        phase = _wait(work, phase, n_rows * n_kv, trace, t)
-        # attention by rows sharing a run of slots and kv head: each tile of the run's K and V widened once for every
-        # row and q head of the group
+        # per row and kv head: k norm, RoPE, K and V into the pool, the kv head's q heads' norm and RoPE; then attention
+        # by rows sharing a run of slots and kv head. Where every row shares one run (a row alone, a verify block, a
+        # tree), each attention task does its rows' K/V first (no other task reads them): one phase, not two
         n = _attention_tasks(runs, n_kv, -1)[0]
+        one_run = n == n_kv
+        if not one_run:
+            c = _claim(work, phase)
+            while c < n_rows * n_kv:
+                _new_kv(layer, c // n_kv, c % n_kv, lt, k_all, v_all, q_all, k_pool, v_pool, slots, rope_cs, vecs,
+                        dims, eps, last_q, mine[P_KBITS])
+                c = _done_claim(work, phase)
+            phase = _wait(work, phase, n_rows * n_kv, trace, t)
         c = _claim(work, phase)
         while c < n:
             r0, r1, kvh = _attention_tasks(runs, n_kv, c)
+            if one_run:
+                for r in range(r0, r1):
+                    _new_kv(layer, r, kvh, lt, k_all, v_all, q_all, k_pool, v_pool, slots, rope_cs, vecs, dims, eps,
+                            last_q, mine[P_KBITS])
             _attend_group(q_all, r0, r1, kvh, group, k_pool[layer], v_pool[layer], attended, runs, attended_pos,
                           pos_at, positions, lt[WINDOW], attn_scales[layer], attn_scratch[t], attn)
             c = _done_claim(work, phase)
@@ -362,6 +357,25 @@ def _rope(x, cs, rope_dim, neox):
             a, b = x[2 * i], x[2 * i + 1]
             x[2 * i] = a * c - b * s
             x[2 * i + 1] = a * s + b * c
+
+
+@njit(cache=True, nogil=True)
+def _new_kv(layer, r, kvh, lt, k_all, v_all, q_all, k_pool, v_pool, slots, rope_cs, vecs, dims, eps, last_q, kbits):
+    """Row r's kv head kvh: k normed and rotated, K and V into the pool at slots[r]; its q heads normed and rotated
+    (and kept in last_q)."""
+    hd, group = dims[HEAD_DIM], dims[N_HEAD] // dims[N_KV_HEAD]
+    k = k_all[r, kvh * hd:(kvh + 1) * hd]
+    if lt[K_NORM] >= 0:
+        _rmsnorm(k, vecs, lt[K_NORM], k, eps)
+    _rope(k, rope_cs[r, lt[ROPE]], dims[ROPE_DIM], dims[NEOX])
+    _store_kv(k, k_pool[layer, slots[r], kvh], kbits)
+    _store_kv(v_all[r, kvh * hd:(kvh + 1) * hd], v_pool[layer, slots[r], kvh], kbits)
+    for head in range(kvh * group, (kvh + 1) * group):
+        q = q_all[r, head * hd:(head + 1) * hd]
+        if lt[Q_NORM] >= 0:
+            _rmsnorm(q, vecs, lt[Q_NORM], q, eps)
+        _rope(q, rope_cs[r, lt[ROPE]], dims[ROPE_DIM], dims[NEOX])
+        last_q[layer, r, head, :] = q
 
 
 @njit(cache=True, nogil=True)
