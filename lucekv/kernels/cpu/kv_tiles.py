@@ -103,6 +103,9 @@ def key_scores(typingctx, pool, slots, s_at, n, row_stride, row_at, q, q_at, n_h
     return sig, _codegen
 
 
+CHAINS = 4  # blocks of 16 elements value_sums keeps in flight: independent sums, so not one add latency a slot
+
+
 def _value_codegen(context, builder, sig, args):
     pool, slots, w, out = (_ptr(context, builder, sig.args[i], args[i], ir.Constant(_I64, 0)) for i in (0, 1, 6, 11))
     s_at, n, row_stride, row_at, w_at, w_stride, n_heads, hd, o_at, o_stride = (
@@ -110,12 +113,16 @@ def _value_codegen(context, builder, sig, args):
     halves = sig.args[0].dtype == types.uint16
     v16f = _vec(_F32, LANES)
     lanes = ir.Constant(_I64, LANES)
+    n_blocks = builder.sdiv(hd, lanes)
+    whole = builder.sdiv(n_blocks, ir.Constant(_I64, CHAINS))
 
-    def block(c, _):
-        k0 = builder.mul(c, lanes)
+    def head(h, _):
+        ws = builder.add(w_at, builder.mul(h, w_stride))
+        oh = builder.add(o_at, builder.mul(h, o_stride))
 
-        def head(h, _):
-            ws = builder.add(w_at, builder.mul(h, w_stride))
+        def blocks(first, width):
+            """The sums of blocks first..first + width (width fixed), over every slot."""
+            k0 = builder.mul(first, lanes)
 
             def slot(s, state):
                 e = builder.load(builder.gep(w, [builder.add(ws, s)]))
@@ -123,29 +130,39 @@ def _value_codegen(context, builder, sig, args):
                 before = builder.block
                 with builder.if_then(visible):
                     index = builder.load(builder.gep(slots, [builder.add(s_at, s)]))
-                    at = builder.add(builder.add(builder.mul(context.cast(builder, index, sig.args[1].dtype,
-                                                                          types.int64), row_stride), row_at), k0)
-                    if halves:
-                        bits = _load(builder, pool, at, _vec(_I16, LANES))
-                        v = builder.fpext(builder.bitcast(bits, _vec(ir.HalfType(), LANES)), v16f)
-                    else:
-                        v = _load(builder, pool, at, v16f)
-                    added = builder.fadd(state[0], builder.fmul(_splat(builder, e, LANES), v))
+                    start = builder.add(builder.add(builder.mul(context.cast(builder, index, sig.args[1].dtype,
+                                                                             types.int64), row_stride), row_at), k0)
+                    ev = _splat(builder, e, LANES)
+                    added = []
+                    for b, acc in enumerate(state):
+                        at = builder.add(start, ir.Constant(_I64, b * LANES))
+                        if halves:
+                            bits = _load(builder, pool, at, _vec(_I16, LANES))
+                            v = builder.fpext(builder.bitcast(bits, _vec(ir.HalfType(), LANES)), v16f)
+                        else:
+                            v = _load(builder, pool, at, v16f)
+                        added.append(builder.fadd(acc, builder.fmul(ev, v)))
                     inside = builder.block
-                acc = builder.phi(v16f)
-                acc.add_incoming(state[0], before)
-                acc.add_incoming(added, inside)
-                return [acc]
+                merged = []
+                for acc, new in zip(state, added, strict=True):
+                    phi = builder.phi(v16f)
+                    phi.add_incoming(acc, before)
+                    phi.add_incoming(new, inside)
+                    merged.append(phi)
+                return merged
 
-            (acc,) = _counted_loop(builder, n, "kv_tiles.slot", slot, [ir.Constant(v16f, [0.0] * LANES)])
-            at = builder.add(builder.add(o_at, builder.mul(h, o_stride)), k0)
-            builder.store(acc, builder.bitcast(builder.gep(out, [at]), v16f.as_pointer()), align=4)
-            return []
+            accs = _counted_loop(builder, n, f"kv_tiles.slot{width}", slot, [ir.Constant(v16f, [0.0] * LANES)] * width)
+            for b, acc in enumerate(accs):
+                at = builder.add(builder.add(oh, k0), ir.Constant(_I64, b * LANES))
+                builder.store(acc, builder.bitcast(builder.gep(out, [at]), v16f.as_pointer()), align=4)
 
-        _counted_loop(builder, n_heads, "kv_tiles.vhead", head, [])
+        chains = ir.Constant(_I64, CHAINS)
+        _counted_loop(builder, whole, "kv_tiles.chains", lambda g, _: blocks(builder.mul(g, chains), CHAINS) or [], [])
+        _counted_loop(builder, builder.sub(n_blocks, builder.mul(whole, chains)), "kv_tiles.rest",
+                      lambda g, _: blocks(builder.add(builder.mul(whole, chains), g), 1) or [], [])
         return []
 
-    _counted_loop(builder, builder.sdiv(hd, lanes), "kv_tiles.vblock", block, [])
+    _counted_loop(builder, n_heads, "kv_tiles.vhead", head, [])
     return context.get_dummy_value()
 
 
