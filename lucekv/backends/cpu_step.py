@@ -172,7 +172,8 @@ class DecodeStep:
                 self._no_capture if capture_at is None else capture_at,
                 np.zeros((0, 1, 1), np.float32) if captured is None else captured,
                 self.trace if self.trace is not None else np.zeros((0, 1, 2), np.int64))
-        work = np.zeros(2 * k.step_phases(self.spec.n_layer), np.int64)
+        work = np.zeros(k.work_size(n, self.spec.n_layer), np.int64)
+        work[0] = n
         self.workers.run(n, lambda t: k.decode_step(t, work, *args))
         return logits, queries
 

@@ -65,7 +65,7 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
     and where capture_at[layer] = i >= 0 the layer's output rows into captured[i] ([n_capture, n_rows, n_embd]).
     A row's numbers are a function of its own token, position and slots: the same in any batch of rows, whichever
     thread computes what. Any number of threads may call this at once with the same arguments but t (a distinct
-    row of private/private_q/attn_scratch), `work` zeros (int64 [2 * step_phases(...)]) at the start."""
+    row of private/private_q/attn_scratch), `work` as work_size gives it: zeros but work[0] = the threads."""
     if trace.shape[0]:
         trace[t, trace.shape[1] - 1, 0] = cycles()
     n_head, n_kv, hd = dims[N_HEAD], dims[N_KV_HEAD], dims[HEAD_DIM]
@@ -83,7 +83,7 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
         n = _chunks(mats, lt[WQ]) + _chunks(mats, lt[WK]) + _chunks(mats, lt[WV])
         if _open(work, phase, n):
             _norm_and_prepare(x, vecs, lt[ATTN_NORM], h, mine, xq, eps)
-            c = _claim(work, phase)
+            c = _claim(work, phase, n, t)
             while c < n:
                 j = 0  # which of q, k, v chunk c belongs to
                 while c >= _chunks(mats, lt[WQ + j]):
@@ -92,7 +92,7 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
                 m = lt[WQ + j]
                 _product(codes, scales, mats, m, h, mine, xq, _rows(shared[S_Q + j], n_rows, mats[m, ROWS]),
                          vecs, lt[Q_BIAS + j], c * CHUNK_ROWS)
-                c = _done_claim(work, phase)
+                c = _done_claim(work, phase, n, t)
         phase = _wait(work, phase, n, trace, t)
         # per row and kv head: k norm, RoPE, K and V into the pool, the kv head's q heads' norm and RoPE; then attention
         # by rows sharing a run of slots and kv head. Where every row shares one run (a row alone, a verify block, a
@@ -100,13 +100,13 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
         n = _attention_tasks(runs, n_kv, -1)[0]
         one_run = n == n_kv
         if not one_run:
-            c = _claim(work, phase)
+            c = _claim(work, phase, n_rows * n_kv, t)
             while c < n_rows * n_kv:
                 _new_kv(layer, c // n_kv, c % n_kv, lt, k_all, v_all, q_all, k_pool, v_pool, slots, rope_cs, vecs,
                         dims, eps, last_q, mine[P_KBITS])
-                c = _done_claim(work, phase)
+                c = _done_claim(work, phase, n_rows * n_kv, t)
             phase = _wait(work, phase, n_rows * n_kv, trace, t)
-        c = _claim(work, phase)
+        c = _claim(work, phase, n, t)
         while c < n:
             r0, r1, kvh = _attention_tasks(runs, n_kv, c)
             if one_run:
@@ -115,7 +115,7 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
                             last_q, mine[P_KBITS])
             _attend_group(q_all, r0, r1, kvh, group, k_pool[layer], v_pool[layer], attended, runs, attended_pos,
                           pos_at, positions, lt[WINDOW], attn_scales[layer], attn_scratch[t], attn)
-            c = _done_claim(work, phase)
+            c = _done_claim(work, phase, n, t)
         phase = _wait(work, phase, n, trace, t)
         # x += [post-norm of] W_o attn
         phase = _residual_product(work, phase, codes, scales, mats, lt[WO], attn, mine, xq, x, y, vecs,
@@ -126,22 +126,22 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
         n = _chunks(mats, lt[WGATE])
         if _open(work, phase, n):
             _norm_and_prepare(x, vecs, lt[FFN_NORM], h, mine, xq, eps)
-            c = _claim(work, phase)
+            c = _claim(work, phase, n, t)
             while c < n:
                 _product(codes, scales, mats, lt[WGATE], h, mine, xq, gate, vecs, -1, c * CHUNK_ROWS)
                 _product(codes, scales, mats, lt[WUP], h, mine, xq, up, vecs, -1, c * CHUNK_ROWS)
                 for r in range(n_rows):
                     _gated_act(gate[r], up[r], c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, n_ff), dims[GELU])
-                c = _done_claim(work, phase)
+                c = _done_claim(work, phase, n, t)
         phase = _wait(work, phase, n, trace, t)
         # x += [post-norm of] W_down of that
         phase = _residual_product(work, phase, codes, scales, mats, lt[WDOWN], gate, mine, xq, x, y, vecs,
                                   lt[POST_FFN_NORM], eps, trace, t)
         if capture_at[layer] >= 0:  # the layer's output, copied before the next layer's residual changes x
-            c = _claim(work, phase)
+            c = _claim(work, phase, n_rows, t)
             while c < n_rows:
                 captured[capture_at[layer], c, :] = x[c]
-                c = _done_claim(work, phase)
+                c = _done_claim(work, phase, n_rows, t)
             phase = _wait(work, phase, n_rows, trace, t)
     # the logits of the last rows
     n = _chunks(mats, dims[OUTPUT])
@@ -151,10 +151,10 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
         for r in range(n_out):
             _rmsnorm(x[n_rows - n_out + r], vecs, dims[OUTPUT_NORM], h_out[r], eps)
         _prepare(h_out, mine, xq)
-        c = _claim(work, phase)
+        c = _claim(work, phase, n, t)
         while c < n:
             _product(codes, scales, mats, dims[OUTPUT], h_out, mine, xq, logits, vecs, -1, c * CHUNK_ROWS)
-            c = _done_claim(work, phase)
+            c = _done_claim(work, phase, n, t)
     _wait(work, phase, n, trace, t)
     if trace.shape[0]:
         trace[t, trace.shape[1] - 1, 1] = cycles()
@@ -166,9 +166,25 @@ def step_phases(n_layer: int) -> int:
     return 9 * n_layer + 1
 
 
-# Work of a phase is handed out in chunks (rows of a product, heads) to whichever thread asks next: work[2p] counts
-# the chunks of phase p taken, work[2p + 1] those finished. A thread that the OS has descheduled between two chunks
-# holds nobody up: the others take its share. A thread waits only for chunks in flight at the end of a phase.
+# Work of a phase is handed out in chunks (rows of a product, attention's tasks): each thread has a region, its
+# share of the phase's chunks in order, and takes them one by one; a thread whose region is done takes the next chunks
+# left in the other threads' regions. So each thread mostly streams one contiguous range of a matrix (its prefetches
+# run ahead into its own next chunk), and a thread that the OS has descheduled between two chunks holds nobody up:
+# the others take the rest of its region. A thread waits only for chunks in flight at the end of a phase.
+# `work` (int64, zeros but work[0] = the number of threads): per phase, each thread's count of chunks taken from its
+# region, then the count of chunks finished, each counter on a cache line of its own (no false sharing).
+LINE = 8  # int64 a cache line
+
+
+def work_size(n_threads: int, n_layer: int) -> int:
+    """The length of a step's `work` array."""
+    return (1 + step_phases(n_layer) * (n_threads + 1)) * LINE
+
+
+@njit(cache=True, nogil=True)
+def _counter(work, phase, slot):
+    """Index in `work` of the phase's counter `slot`: a thread's region, or (slot = threads) the finished chunks."""
+    return (1 + phase * (work[0] + 1) + slot) * LINE
 
 
 @njit(cache=True, nogil=True)
@@ -178,20 +194,33 @@ def _chunks(mats, m):
 
 @njit(cache=True, nogil=True)
 def _open(work, phase, n):
-    """Whether chunks of the phase may be left (else the inputs need not be prepared)."""
-    return atomic_load(work, 2 * phase) < n
+    """Whether chunks of the phase's n may be left (else the inputs need not be prepared)."""
+    nt = work[0]
+    for u in range(nt):
+        if atomic_load(work, _counter(work, phase, u)) < (u + 1) * n // nt - u * n // nt:
+            return True
+    return False
 
 
 @njit(cache=True, nogil=True)
-def _claim(work, phase):
-    return atomic_add(work, 2 * phase, 1)
+def _claim(work, phase, n, t):
+    """Thread t's next chunk of the phase's n: its own region's next, else the next left in another's; n: none."""
+    nt = work[0]
+    for i in range(nt):
+        u = (t + i) % nt
+        lo, hi = u * n // nt, (u + 1) * n // nt
+        if atomic_load(work, _counter(work, phase, u)) < hi - lo:
+            c = atomic_add(work, _counter(work, phase, u), 1)
+            if c < hi - lo:
+                return lo + c
+    return n
 
 
 @njit(cache=True, nogil=True)
-def _done_claim(work, phase):
-    """Count the chunk this thread finished, take the next."""
-    atomic_add(work, 2 * phase + 1, 1)
-    return atomic_add(work, 2 * phase, 1)
+def _done_claim(work, phase, n, t):
+    """Count the chunk thread t finished, take its next."""
+    atomic_add(work, _counter(work, phase, work[0]), 1)
+    return _claim(work, phase, n, t)
 
 
 @njit(cache=True, nogil=True)
@@ -199,7 +228,7 @@ def _wait(work, phase, n, trace, t):
     """Wait until the phase's n chunks are finished; the next phase's number."""
     if trace.shape[0]:
         trace[t, phase, 0] = cycles()
-    wait_at_least(work, 2 * phase + 1, n)
+    wait_at_least(work, _counter(work, phase, work[0]), n)
     if trace.shape[0]:
         trace[t, phase, 1] = cycles()
     return phase + 1
@@ -233,34 +262,34 @@ def _residual_product(work, phase, codes, scales, mats, m, inputs, mine, xq, x, 
     n = _chunks(mats, m)
     if _open(work, phase, n):
         _prepare(inputs, mine, xq)
-        c = _claim(work, phase)
+        c = _claim(work, phase, n, t)
         while c < n:
             _product(codes, scales, mats, m, inputs, mine, xq, y, vecs, -1, c * CHUNK_ROWS)
             if post_norm < 0:
                 _add_rows(x, y, c * CHUNK_ROWS)
-            c = _done_claim(work, phase)
+            c = _done_claim(work, phase, n, t)
     phase = _wait(work, phase, n, trace, t)
     return _post_norm_add(work, phase, x, y, vecs, post_norm, eps, trace, t)
 
 
 @njit(cache=True, nogil=True)
 def _post_norm_add(work, phase, x, y, vecs, norm_at, eps, trace, t):
-    """x[t] += rmsnorm(y[t]) for every row t, by chunks of columns once y is whole (Gemma 3's post-norms); nothing
+    """x[r] += rmsnorm(y[r]) for every row r, by chunks of columns once y is whole (Gemma 3's post-norms); nothing
     without a norm."""
     if norm_at < 0:
         return phase
     d = x.shape[1]
     n = (d + CHUNK_ROWS - 1) // CHUNK_ROWS
-    c = _claim(work, phase)
+    c = _claim(work, phase, n, t)
     while c < n:
-        for t in range(x.shape[0]):
+        for row in range(x.shape[0]):
             ss = 0.0
             for i in range(d):
-                ss += np.float64(y[t, i]) * np.float64(y[t, i])
+                ss += np.float64(y[row, i]) * np.float64(y[row, i])
             inv = np.float32(1.0 / np.sqrt(np.float32(ss / d) + eps))
             for r in range(c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, d)):
-                x[t, r] += y[t, r] * inv * vecs[norm_at + r]
-        c = _done_claim(work, phase)
+                x[row, r] += y[row, r] * inv * vecs[norm_at + r]
+        c = _done_claim(work, phase, n, t)
     return _wait(work, phase, n, trace, t)
 
 
