@@ -348,12 +348,11 @@ class CpuBackend(RunAhead):
         self.workers = Workers()
         self.ops = CpuOps(spec, self.pool, self.workers)
         self.weights: Weights = load_weights(g, spec, self.ops)
-        embed_scale = float(np.sqrt(spec.n_embd)) if spec.arch.embed_scale else 1.0
         # decode as one numba call per thread, for dense models (an MoE layer's one-token step goes op by op) whose
         # heads are whole vectors of the step's attention (kv_tiles)
-        self.decode_step = DecodeStep(spec, self.weights, lambda tokens: self.ops.embed(
-            self.weights.token_embd, tokens, embed_scale), self.pool, self.workers
-        ) if all(lw.moe is None for lw in self.weights.layers) and spec.head_dim % KV_LANES == 0 else None
+        dense = all(lw.moe is None for lw in self.weights.layers)
+        self.decode_step = DecodeStep(spec, self.weights, self.pool, self.workers) if (
+            dense and spec.head_dim % KV_LANES == 0) else None
         # target features for a DFlash drafter (lucekv.spec.dflash): while `capture_layers` names layers, each forward
         # leaves their outputs in `captured` [n_tokens, len(capture_layers) * n_embd] (in that order); () costs nothing
         self.capture_layers: tuple[int, ...] = ()

@@ -26,7 +26,7 @@ class Arenas:
     at views of the arenas, so the weights are held once."""
 
     def __init__(self, weights: Weights):
-        mats = [m for lw in weights.layers for m in _layer_matrices(lw)] + [weights.output]
+        mats = [m for lw in weights.layers for m in _layer_matrices(lw)] + [weights.output, weights.token_embd]
         self.mat_id: dict[int, int] = {}
         for m in mats:
             self.mat_id.setdefault(id(m), len(self.mat_id))
@@ -89,11 +89,12 @@ class DecodeStep:
     numba's thread count (NUMBA_NUM_THREADS) at the call. capture_at [n_layer] (-1: none) / captured [n_capture,
     n_rows, n_embd]: layer outputs handed out (see decode_step)."""
 
-    def __init__(self, spec: ModelSpec, weights: Weights, embed: Callable[[np.ndarray], np.ndarray], pool,
-                 workers: Workers):
-        self.spec, self.pool, self.embed, self.workers = spec, pool, embed, workers
+    def __init__(self, spec: ModelSpec, weights: Weights, pool, workers: Workers):
+        self.spec, self.pool, self.workers = spec, pool, workers
         a = Arenas(weights)
         self.arenas = a
+        self.token_embd = a.matrix(weights.token_embd)
+        self.embed_scale = np.float32(np.sqrt(spec.n_embd) if spec.arch.embed_scale else 1.0)  # as CpuOps.embed
         ropes = [spec.layer_rope(i) for i in range(spec.n_layer)]
         self.inv_freqs: list[np.ndarray] = []
         rope_row = [self._rope_row(r.inv_freq) for r in ropes]
@@ -111,6 +112,7 @@ class DecodeStep:
             spec.arch.activation != "silu", spec.n_embd, a.matrix(weights.output), a.vector(weights.output_norm),
             weights.layers[0].gate_up[0].rows)
         self.vecs = a.vectors()
+        self.inv_freq_rows = np.stack(self.inv_freqs)
         self.attn_scales = np.array([r.attn_scale for r in ropes], np.float32)
         self.eps = np.float32(spec.rms_eps)
         self.n_out = weights.output.rows
@@ -152,8 +154,10 @@ class DecodeStep:
         n, n_rows = numba.get_num_threads(), len(tokens)
         runs = np.ascontiguousarray(runs, np.int64)
         self._scratch(n, n_rows, int((runs[:, 1] - runs[:, 0]).max()))
-        x = np.ascontiguousarray(self.embed(tokens), np.float32)
-        ang = np.asarray(positions, np.float64)[:, None, None] * np.stack(self.inv_freqs)  # as CpuOps.rope
+        a = self.arenas
+        x = np.empty((n_rows, self.spec.n_embd), np.float32)
+        k.embed_rows(a.codes, a.scales, a.table, self.token_embd, np.asarray(tokens, np.int64), self.embed_scale, x)
+        ang = np.asarray(positions, np.float64)[:, None, None] * self.inv_freq_rows  # as CpuOps.rope
         rope_cs = np.ascontiguousarray(np.stack([np.cos(ang), np.sin(ang)], axis=2).astype(np.float32))
         logits = np.empty((n_logits, self.n_out), np.float32)
         queries = np.empty((self.spec.n_layer, n_rows, self.spec.n_head, self.spec.head_dim), np.float32)
@@ -161,7 +165,6 @@ class DecodeStep:
         kp, vp = self.pool.k_all, self.pool.v_all
         if kp.dtype == np.float16:
             kp, vp = kp.view(np.uint16), vp.view(np.uint16)
-        a = self.arenas
         args = (a.codes, a.scales, a.table, self.vecs, self.layers, self.attn_scales, self.dims, self.eps, rope_cs,
                 kp, vp, attended, self.pool.slot_pos[attended] if attended_pos is None else
                 np.ascontiguousarray(attended_pos, np.int32).reshape(-1), runs,

@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import lucekv
-from lucekv.kernels.cpu.step import round_to_f16
+from lucekv.kernels.cpu.step import embed_rows, round_to_f16
 from lucekv.kvflash.pager import CHUNK_TOKENS
 from lucekv.model.decoder import forward
 from lucekv.model.synth import write_synthetic_gguf
@@ -132,3 +132,21 @@ def test_round_to_f16_equals_numpy():
     with np.errstate(over="ignore"):
         expected = values.astype(np.float16).view(np.uint16)
     assert np.array_equal(out, expected), values[out != expected][:5]
+
+
+@pytest.mark.parametrize("arch,qtype,overrides", CASES, ids=[c[0] for c in CASES])
+def test_step_embeddings_from_the_arena_equal_the_op_by_op_ones(arch, qtype, overrides, tmp_path):
+    """The step embeds tokens from its grouped arena (embed_rows): the rows quants.dequantize_rows gives, bit for bit
+    (Q4_1: q4 with float16 biases; Q5_0: q8; Q4_K: float32 scales; F16: float, and gemma3's embedding scale), the last
+    row too."""
+    dims = K_DIMS if qtype == Q.Q4_K or Q.Q6_K in overrides.values() else {}
+    path = write_synthetic_gguf(tmp_path / f"{arch}.gguf", arch, qtype=qtype, qtype_overrides=overrides, n_layer=1,
+                                **dims)
+    backend = lucekv.load(path, backend="cpu", kv_dtype="f32").backend
+    step, table = backend.decode_step, backend.weights.token_embd
+    tokens = np.array([0, 5, 17, table.rows - 1], np.int64)
+    got = np.empty((len(tokens), table.cols), np.float32)
+    a = step.arenas
+    embed_rows(a.codes, a.scales, a.table, step.token_embd, tokens, step.embed_scale, got)
+    scale = float(np.sqrt(backend.spec.n_embd)) if backend.spec.arch.embed_scale else 1.0
+    assert np.array_equal(got, backend.ops.embed(table, tokens, scale))

@@ -27,7 +27,7 @@ from numba.extending import overload
 
 from lucekv.kernels.cpu.intdot import X_BLOCK, quantize_x16
 from lucekv.kernels.cpu.kv_tiles import LANES, key_scores, value_sums
-from lucekv.kernels.cpu.matvec import INT_Q4, INT_Q8, INT_Q8_16, _f32_rows, block_sums, group_rows
+from lucekv.kernels.cpu.matvec import INT_Q4, INT_Q8, INT_Q8_16, _f32_rows, block_sums, float32_of, group_rows
 from lucekv.kernels.cpu.quants import GROUP_ROWS
 from lucekv.kernels.cpu.sync import atomic_add, atomic_load, cycles, wait_at_least
 
@@ -158,6 +158,53 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
     _wait(work, phase, n, trace, t)
     if trace.shape[0]:
         trace[t, trace.shape[1] - 1, 1] = cycles()
+
+
+@njit(cache=True, nogil=True)
+def embed_rows(codes, scales, mats, m, tokens, mult, out):
+    """out[i] = row tokens[i] of matrix m in the arenas (the token embeddings) times mult, as quants.dequantize_rows
+    expands it: per block scale * code + bias (a type without biases stores none: its -0.0 adds nothing)."""
+    rows, cols, at = mats[m, ROWS], mats[m, COLS], mats[m, CODES_AT]
+    if mats[m, KIND] == KIND_F32:
+        w = codes[at:at + rows * cols * 4].view(np.float32).reshape(rows, cols)
+        for i in range(tokens.shape[0]):
+            out[i] = w[tokens[i]]
+    else:
+        groups, nb, q4 = (rows + GROUP_ROWS - 1) // GROUP_ROWS, mats[m, BLOCKS], mats[m, KIND] == KIND_Q4
+        group_bytes = mats[m, CODE_COLS] * GROUP_ROWS
+        if mats[m, HALVES]:
+            _embed_grouped(codes[at:], _factors(scales, mats[m, SCALE_AT], groups, nb, True, np.uint16),
+                           _factors(scales, mats[m, BIAS_AT], groups, nb, mats[m, BIAS_AT] >= 0, np.uint16),
+                           group_bytes, q4, tokens, out)
+        else:
+            _embed_grouped(codes[at:], _factors(scales, mats[m, SCALE_AT], groups, nb, True, np.float32),
+                           _factors(scales, mats[m, BIAS_AT], groups, nb, mats[m, BIAS_AT] >= 0, np.float32),
+                           group_bytes, q4, tokens, out)
+    if mult != 1:
+        for i in range(tokens.shape[0]):
+            for j in range(cols):
+                out[i, j] *= mult
+
+
+@njit(cache=True, nogil=True)
+def _embed_grouped(codes, scale, bias, group_bytes, q4, tokens, out):
+    """Rows of a grouped matrix (quants.group_rows: element pair p of a group's row j at p * GROUP_ROWS + j)."""
+    cols = out.shape[1]
+    nb = scale.shape[1] // GROUP_ROWS
+    block = cols // nb
+    for i in range(tokens.shape[0]):
+        g, j = tokens[i] // GROUP_ROWS, tokens[i] % GROUP_ROWS
+        base = g * group_bytes
+        for e in range(cols):
+            p = e // 2
+            if q4:
+                byte = codes[base + p * GROUP_ROWS + j]
+                code = np.float32(byte & 15 if e % 2 == 0 else byte >> 4)
+            else:
+                code = np.float32(np.int8(codes[base + 2 * (p * GROUP_ROWS + j) + e % 2]))
+            b = (e // block) * GROUP_ROWS + j
+            v = float32_of(scale[g, b]) * code
+            out[i, e] = v + float32_of(bias[g, b]) if bias.shape[1] else v
 
 
 def step_phases(n_layer: int) -> int:
