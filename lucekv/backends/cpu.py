@@ -120,10 +120,14 @@ class CpuOps:
         if len(runs) not in (1, n_tokens):
             raise ValueError(f"a forward of {n_tokens} tokens over {len(runs)} sequences: one sequence's tokens, or "
                              "one token of each")
-        self._slots = np.concatenate(runs).astype(np.intp)
-        self._offsets = np.cumsum([0] + [len(r) for r in runs]) if n_tokens == len(runs) else None
-        self.runs = (np.stack([self._offsets[:-1], self._offsets[1:]], axis=1) if self._offsets is not None
-                     else np.tile([0, len(self._slots)], (n_tokens, 1)))
+        if len(runs) == 1:  # every token reads the one run (few numpy calls: each is slow on caches a step left cold)
+            self._slots = runs[0]
+            self._offsets = np.array([0, len(self._slots)]) if n_tokens == 1 else None
+            self.runs = np.array([[0, len(self._slots)]] * n_tokens, np.int64)
+        else:
+            self._slots = np.concatenate(runs).astype(np.intp)
+            self._offsets = np.cumsum([0] + [len(r) for r in runs])
+            self.runs = np.stack([self._offsets[:-1], self._offsets[1:]], axis=1)
         self._attended_pos = None
 
     def begin_tree(self, table: np.ndarray, slots: np.ndarray, positions: np.ndarray, ancestors: np.ndarray) -> None:

@@ -112,7 +112,7 @@ class DecodeStep:
             spec.arch.activation != "silu", spec.n_embd, a.matrix(weights.output), a.vector(weights.output_norm),
             weights.layers[0].gate_up[0].rows)
         self.vecs = a.vectors()
-        self.inv_freq_rows = np.stack(self.inv_freqs)
+        self.rope_table = np.empty((0, len(self.inv_freqs), 2, spec.rope_dim // 2), np.float32)  # see _rope_rows
         self.attn_scales = np.array([r.attn_scale for r in ropes], np.float32)
         self.eps = np.float32(spec.rms_eps)
         self.n_out = weights.output.rows
@@ -120,7 +120,10 @@ class DecodeStep:
                          *(lw.gate_up[0].rows for lw in weights.layers))
         self._sized = (0, 0, 0)  # (threads, rows, slots of a run) the scratch holds
         self._no_capture = np.full(spec.n_layer, -1, np.int64)
-        self.trace: np.ndarray | None = None
+        self._none_captured, self._no_trace = np.zeros((0, 1, 1), np.float32), np.zeros((0, 1, 3), np.int64)
+        kp, vp = pool.k_all, pool.v_all
+        self._pool = (kp.view(np.uint16), vp.view(np.uint16)) if kp.dtype == np.float16 else (kp, vp)
+        self.trace: np.ndarray | None = None  # int64 [threads, step_phases + 1, 3]: the next step's (decode_step)
 
     def _rope_row(self, inv_freq: np.ndarray) -> int:
         for i, f in enumerate(self.inv_freqs):
@@ -128,6 +131,17 @@ class DecodeStep:
                 return i
         self.inv_freqs.append(inv_freq)
         return len(self.inv_freqs) - 1
+
+    def _rope_rows(self, positions: np.ndarray) -> np.ndarray:
+        """float32 [n, RoPE rows, 2, rope_dim / 2]: cos and sin of each position's angles, as CpuOps.rope computes
+        them (float64 angles), from a table of every position so far (grown by doubling: a step takes its rows in one
+        numpy call instead of seven)."""
+        top = int(positions.max()) + 1
+        if top > len(self.rope_table):
+            p = np.arange(max(top, 2 * len(self.rope_table), 1024), dtype=np.float64)
+            ang = p[:, None, None] * np.stack(self.inv_freqs)
+            self.rope_table = np.stack([np.cos(ang), np.sin(ang)], axis=2).astype(np.float32)
+        return self.rope_table[positions]
 
     def _scratch(self, n: int, rows: int, run: int) -> None:
         """Scratch for n threads, `rows` rows and runs of up to `run` slots (grown as they grow: np.empty maps pages as
@@ -157,24 +171,20 @@ class DecodeStep:
         a = self.arenas
         x = np.empty((n_rows, self.spec.n_embd), np.float32)
         k.embed_rows(a.codes, a.scales, a.table, self.token_embd, np.asarray(tokens, np.int64), self.embed_scale, x)
-        ang = np.asarray(positions, np.float64)[:, None, None] * self.inv_freq_rows  # as CpuOps.rope
-        rope_cs = np.ascontiguousarray(np.stack([np.cos(ang), np.sin(ang)], axis=2).astype(np.float32))
+        positions = np.asarray(positions, np.int64)
         logits = np.empty((n_logits, self.n_out), np.float32)
         queries = np.empty((self.spec.n_layer, n_rows, self.spec.n_head, self.spec.head_dim), np.float32)
         attended = np.ascontiguousarray(attended, np.intp)
-        kp, vp = self.pool.k_all, self.pool.v_all
-        if kp.dtype == np.float16:
-            kp, vp = kp.view(np.uint16), vp.view(np.uint16)
-        args = (a.codes, a.scales, a.table, self.vecs, self.layers, self.attn_scales, self.dims, self.eps, rope_cs,
-                kp, vp, attended, self.pool.slot_pos[attended] if attended_pos is None else
-                np.ascontiguousarray(attended_pos, np.int32).reshape(-1), runs,
-                np.ascontiguousarray(runs[:, 0], np.int64) if attended_pos is None else
-                np.arange(n_rows, dtype=np.int64) * attended_pos.shape[1],
-                np.asarray(positions, np.int64), np.asarray(slots, np.int64), x, self.shared, self.private,
+        seen, seen_at = (self.pool.slot_pos[attended], np.ascontiguousarray(runs[:, 0])) if attended_pos is None else (
+            np.ascontiguousarray(attended_pos, np.int32).reshape(-1),
+            np.arange(n_rows, dtype=np.int64) * attended_pos.shape[1])
+        args = (a.codes, a.scales, a.table, self.vecs, self.layers, self.attn_scales, self.dims, self.eps,
+                self._rope_rows(positions), *self._pool, attended, seen, runs, seen_at,
+                positions, np.asarray(slots, np.int64), x, self.shared, self.private,
                 self.private_q, self.attn_scratch, logits, queries,
                 self._no_capture if capture_at is None else capture_at,
-                np.zeros((0, 1, 1), np.float32) if captured is None else captured,
-                self.trace if self.trace is not None else np.zeros((0, 1, 2), np.int64))
+                self._none_captured if captured is None else captured,
+                self._no_trace if self.trace is None else self.trace)
         work = np.zeros(k.work_size(n, self.spec.n_layer), np.int64)
         work[0] = n
         self.workers.run(n, lambda t: k.decode_step(t, work, *args))

@@ -6,6 +6,11 @@ step reads against this machine's measured memory bandwidth.
 
 With --prefill N: where a prompt of N tokens (one forward, op by op) goes instead, per op and kernel.
 
+Inside the step (`phases`): each thread's time per op of the step (from the end of one phase to the end of its
+share of the next: busy) and at the op's end waiting for the others (wait), from the CPU's cycle counter at each
+phase's end (DecodeStep.trace); medians over the steps of each phase, summed over the layers; host_ms: a step's
+wall time outside the kernel's span (Python and numpy before and after, handing the step to the threads).
+
 Every numba kernel the backend calls (a `Dispatcher` in lucekv.kernels.cpu.* or lucekv.backends.cpu) and every
 method of the backend's ops is wrapped in a timer; a step's time not spent inside any kernel is host overhead
 (Python, numpy temporaries, allocation). Wall time and this process's CPU time are both kept: on a loaded machine
@@ -29,7 +34,8 @@ from numba import njit, prange
 from numba.core.registry import CPUDispatcher
 
 from lucekv.bench.decode import git_commit, machine, report
-from lucekv.kernels.cpu.step import KIND_F32
+from lucekv.kernels.cpu.step import KIND_F32, OP_NAMES, step_phases
+from lucekv.kernels.cpu.sync import cycles
 
 KERNEL_MODULES = ("lucekv.kernels.cpu.matvec", "lucekv.kernels.cpu.attention", "lucekv.kernels.cpu.quants",
                   "lucekv.kernels.cpu.step",
@@ -131,6 +137,43 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+@njit
+def _cycles_now() -> int:
+    return cycles()
+
+
+def phase_profile(backend, step, tokens: int, first: int) -> dict:
+    """`tokens` steps (step(n, position)) traced by the decode step's phases (see the module's docstring)."""
+    n = numba.get_num_threads()
+    traces, walls = [], []
+    c0, w0 = _cycles_now(), time.perf_counter()
+    for p in range(first, first + tokens):
+        backend.decode_step.trace = np.zeros((n, step_phases(backend.spec.n_layer) + 1, 3), np.int64)
+        t = time.perf_counter()
+        step(p)
+        walls.append(time.perf_counter() - t)
+        traces.append(backend.decode_step.trace)
+    backend.decode_step.trace = None
+    hz = (_cycles_now() - c0) / (time.perf_counter() - w0)
+    tr = np.stack(traces)  # [steps, threads, phases + 1, 3]
+    begin, end = tr[:, :, -1, 0], tr[:, :, -1, 1]
+    arrive, leave, used = tr[:, :, :-1, 0], tr[:, :, :-1, 1], tr[0, 0, :-1, 0] > 0
+    before = np.concatenate([begin[:, :, None], leave[:, :, :-1]], axis=2)  # when each phase began, thread by thread
+    busy = np.median(arrive - before, axis=0)[:, used] * 1e3 / hz  # [threads, phases]
+    wait = np.median(leave - arrive, axis=0)[:, used] * 1e3 / hz
+    ops = tr[0, 0, :-1, 2][used]
+    spans = (end.max(axis=1) - begin.min(axis=1)) * 1e3 / hz
+    return {
+        "threads": n, "cycles_per_s": hz,
+        "phases": {OP_NAMES[op]: {"busy_ms": busy[:, ops == op].sum(axis=1).round(4).tolist(),
+                                  "wait_ms": wait[:, ops == op].sum(axis=1).round(4).tolist(),
+                                  "phases": int((ops == op).sum())} for op in sorted(set(ops.tolist()))},
+        "busy_ms": busy.sum(axis=1).round(4).tolist(), "wait_ms": wait.sum(axis=1).round(4).tolist(),
+        "late_start_ms": np.median(begin - begin.min(axis=1, keepdims=True), axis=0).round(4).tolist(),
+        "span_ms": float(np.median(spans)), "host_ms": float(np.median(1e3 * np.array(walls) - spans)),
+    }
+
+
 def profile(model: str, tokens: int, context: int, kv_dtype: str) -> dict:
     import lucekv
     from lucekv.bench.decode import prompt_ids
@@ -160,6 +203,7 @@ def profile(model: str, tokens: int, context: int, kv_dtype: str) -> dict:
         c0 = time.process_time()
         timed = steps(tokens, len(ids) + 4)  # same positions again: the same work
         timed_cpu = time.process_time() - c0
+    inside = phase_profile(backend, lambda p: steps(1, p), tokens, len(ids) + 4)
     per_tok = {k: 1e3 * v / tokens for k, v in timers.wall.items()}
     kernels_ms = sum(v for k, v in per_tok.items() if k.startswith("kernel:"))
     step_ms = 1e3 * float(np.median(timed))
@@ -178,7 +222,7 @@ def profile(model: str, tokens: int, context: int, kv_dtype: str) -> dict:
         "per_token_cpu_ms": {k: 1e3 * v / tokens for k, v in timers.cpu.items()},
         "calls_per_token": {k: v / tokens for k, v in timers.calls.items()},
         "weight_bytes_per_step": read, "weight_mb_per_step": total_bytes / 1e6,
-        "achieved_gb_s": total_bytes / untimed_ms / 1e6, "memory_bandwidth": bw,
+        "achieved_gb_s": total_bytes / untimed_ms / 1e6, "memory_bandwidth": bw, "inside_step": inside,
     }
 
 
@@ -238,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['kernels_ms']:.2f} ms, outside {result['outside_kernels_ms']:.2f} ms; "
           f"{result['weight_mb_per_step']:.1f} MB read at {result['achieved_gb_s']:.1f} GB/s "
           f"(machine {result['memory_bandwidth']})", file=sys.stderr)
+    inside = result["inside_step"]
+    for op, t in inside["phases"].items():
+        print(f"  {op:10s} busy {' '.join(f'{v:.3f}' for v in t['busy_ms'])} wait "
+              f"{' '.join(f'{v:.3f}' for v in t['wait_ms'])} ms ({t['phases']} phases)", file=sys.stderr)
+    print(f"  span {inside['span_ms']:.3f} ms, host {inside['host_ms']:.3f} ms", file=sys.stderr)
     return 0
 
 

@@ -40,6 +40,9 @@ WQ, WK, WV, WO, WGATE, WUP, WDOWN = range(7)
 ATTN_NORM, FFN_NORM, Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM, POST_ATTN_NORM, POST_FFN_NORM = range(7, 16)
 WINDOW, ROPE = 16, 17
 LAYER_FIELDS = 18
+# the ops of a step's phases, as a trace names them
+OP_QKV, OP_KV, OP_ATTENTION, OP_WO, OP_GATE_UP, OP_DOWN, OP_POST_NORM, OP_CAPTURE, OP_OUTPUT = range(9)
+OP_NAMES = ("qkv", "kv", "attention", "wo", "gate_up", "down", "post_norm", "capture", "output")
 # model dims (`dims`)
 N_HEAD, N_KV_HEAD, HEAD_DIM, ROPE_DIM, NEOX, GELU, N_EMBD, OUTPUT, OUTPUT_NORM, N_FF = range(10)
 DIM_FIELDS = 10
@@ -65,7 +68,10 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
     and where capture_at[layer] = i >= 0 the layer's output rows into captured[i] ([n_capture, n_rows, n_embd]).
     A row's numbers are a function of its own token, position and slots: the same in any batch of rows, whichever
     thread computes what. Any number of threads may call this at once with the same arguments but t (a distinct
-    row of private/private_q/attn_scratch), `work` as work_size gives it: zeros but work[0] = the threads."""
+    row of private/private_q/attn_scratch), `work` as work_size gives it: zeros but work[0] = the threads.
+    trace (profiles; int64 [0, 1, 3]: none): [threads, step_phases + 1, 3], for each phase the cycle counts
+    (sync.cycles) when thread t came to its end and when it went on, and the op (OP_*); the last row: when t began
+    and ended."""
     if trace.shape[0]:
         trace[t, trace.shape[1] - 1, 0] = cycles()
     n_head, n_kv, hd = dims[N_HEAD], dims[N_KV_HEAD], dims[HEAD_DIM]
@@ -93,7 +99,7 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
                 _product(codes, scales, mats, m, h, mine, xq, _rows(shared[S_Q + j], n_rows, mats[m, ROWS]),
                          vecs, lt[Q_BIAS + j], c * CHUNK_ROWS)
                 c = _done_claim(work, phase, n, t)
-        phase = _wait(work, phase, n, trace, t)
+        phase = _wait(work, phase, n, OP_QKV, trace, t)
         # per row and kv head: k norm, RoPE, K and V into the pool, the kv head's q heads' norm and RoPE; then attention
         # by rows sharing a run of slots and kv head. Where every row shares one run (a row alone, a verify block, a
         # tree), each attention task does its rows' K/V first (no other task reads them): one phase, not two
@@ -105,7 +111,7 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
                 _new_kv(layer, c // n_kv, c % n_kv, lt, k_all, v_all, q_all, k_pool, v_pool, slots, rope_cs, vecs,
                         dims, eps, last_q, mine[P_KBITS])
                 c = _done_claim(work, phase, n_rows * n_kv, t)
-            phase = _wait(work, phase, n_rows * n_kv, trace, t)
+            phase = _wait(work, phase, n_rows * n_kv, OP_KV, trace, t)
         c = _claim(work, phase, n, t)
         while c < n:
             r0, r1, kvh = _attention_tasks(runs, n_kv, c)
@@ -116,10 +122,10 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
             _attend_group(q_all, r0, r1, kvh, group, k_pool[layer], v_pool[layer], attended, runs, attended_pos,
                           pos_at, positions, lt[WINDOW], attn_scales[layer], attn_scratch[t], attn)
             c = _done_claim(work, phase, n, t)
-        phase = _wait(work, phase, n, trace, t)
+        phase = _wait(work, phase, n, OP_ATTENTION, trace, t)
         # x += [post-norm of] W_o attn
         phase = _residual_product(work, phase, codes, scales, mats, lt[WO], attn, mine, xq, x, y, vecs,
-                                  lt[POST_ATTN_NORM], eps, trace, t)
+                                  lt[POST_ATTN_NORM], eps, OP_WO, trace, t)
         # act(W_gate h) * (W_up h), h the FFN norm of x
         n_ff = mats[lt[WGATE], ROWS]
         gate, up = _rows(shared[S_GATE], n_rows, n_ff), _rows(shared[S_UP], n_rows, n_ff)
@@ -133,16 +139,16 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
                 for r in range(n_rows):
                     _gated_act(gate[r], up[r], c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, n_ff), dims[GELU])
                 c = _done_claim(work, phase, n, t)
-        phase = _wait(work, phase, n, trace, t)
+        phase = _wait(work, phase, n, OP_GATE_UP, trace, t)
         # x += [post-norm of] W_down of that
         phase = _residual_product(work, phase, codes, scales, mats, lt[WDOWN], gate, mine, xq, x, y, vecs,
-                                  lt[POST_FFN_NORM], eps, trace, t)
+                                  lt[POST_FFN_NORM], eps, OP_DOWN, trace, t)
         if capture_at[layer] >= 0:  # the layer's output, copied before the next layer's residual changes x
             c = _claim(work, phase, n_rows, t)
             while c < n_rows:
                 captured[capture_at[layer], c, :] = x[c]
                 c = _done_claim(work, phase, n_rows, t)
-            phase = _wait(work, phase, n_rows, trace, t)
+            phase = _wait(work, phase, n_rows, OP_CAPTURE, trace, t)
     # the logits of the last rows
     n = _chunks(mats, dims[OUTPUT])
     n_out = logits.shape[0]
@@ -155,7 +161,7 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
         while c < n:
             _product(codes, scales, mats, dims[OUTPUT], h_out, mine, xq, logits, vecs, -1, c * CHUNK_ROWS)
             c = _done_claim(work, phase, n, t)
-    _wait(work, phase, n, trace, t)
+    _wait(work, phase, n, OP_OUTPUT, trace, t)
     if trace.shape[0]:
         trace[t, trace.shape[1] - 1, 1] = cycles()
 
@@ -271,13 +277,15 @@ def _done_claim(work, phase, n, t):
 
 
 @njit(cache=True, nogil=True)
-def _wait(work, phase, n, trace, t):
-    """Wait until the phase's n chunks are finished; the next phase's number."""
+def _wait(work, phase, n, op, trace, t):
+    """Wait until the phase's n chunks are finished; the next phase's number. A trace (profiles) keeps when thread t
+    came to wait and when it went on, and the op."""
     if trace.shape[0]:
         trace[t, phase, 0] = cycles()
     wait_at_least(work, _counter(work, phase, work[0]), n)
     if trace.shape[0]:
         trace[t, phase, 1] = cycles()
+        trace[t, phase, 2] = op
     return phase + 1
 
 
@@ -304,7 +312,8 @@ def _norm_and_prepare(x, vecs, norm_at, h, mine, xq, eps):
 
 
 @njit(cache=True, nogil=True)
-def _residual_product(work, phase, codes, scales, mats, m, inputs, mine, xq, x, y, vecs, post_norm, eps, trace, t):
+def _residual_product(work, phase, codes, scales, mats, m, inputs, mine, xq, x, y, vecs, post_norm, eps, op, trace,
+                      t):
     """x += [post-norm of] W_m inputs, W_m's chunks of rows claimed by the threads; returns the phase after it."""
     n = _chunks(mats, m)
     if _open(work, phase, n):
@@ -315,7 +324,7 @@ def _residual_product(work, phase, codes, scales, mats, m, inputs, mine, xq, x, 
             if post_norm < 0:
                 _add_rows(x, y, c * CHUNK_ROWS)
             c = _done_claim(work, phase, n, t)
-    phase = _wait(work, phase, n, trace, t)
+    phase = _wait(work, phase, n, op, trace, t)
     return _post_norm_add(work, phase, x, y, vecs, post_norm, eps, trace, t)
 
 
@@ -337,7 +346,7 @@ def _post_norm_add(work, phase, x, y, vecs, norm_at, eps, trace, t):
             for r in range(c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, d)):
                 x[row, r] += y[row, r] * inv * vecs[norm_at + r]
         c = _done_claim(work, phase, n, t)
-    return _wait(work, phase, n, trace, t)
+    return _wait(work, phase, n, OP_POST_NORM, trace, t)
 
 
 @njit(cache=True, nogil=True)
