@@ -15,7 +15,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from lucekv.kernels.cpu.intdot import _F32, _I16, _I32, _I64, _counted_loop, _load, _ptr, _splat, _vec
+from lucekv.kernels.cpu.intdot import _F32, _I16, _I32, _I64, _counted_loop, _fn, _load, _ptr, _splat, _vec
 
 LANES = 16  # slots a vector, and K elements a block of the transpose
 
@@ -34,6 +34,23 @@ def _transpose(builder, rows):
     return rows
 
 
+PREFETCH_SLOTS = 16  # value_sums: slots ahead whose V rows it asks the cache for (key_scores: the next tile's K rows)
+
+
+def _prefetch(builder, ptr, at):
+    """Ask the cache for the line of ptr[at] (llvm.prefetch: a read, kept in all levels)."""
+    i8p = ir.IntType(8).as_pointer()
+    fn = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p, _I32, _I32, _I32])
+    builder.call(fn, [builder.bitcast(builder.gep(ptr, [at]), i8p), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                      ir.Constant(_I32, 1)])
+
+
+def _row_start(context, builder, sig, slots, s_at, s, row_stride, row_at):
+    """Where slot s's row starts in the pool (elements)."""
+    slot = builder.load(builder.gep(slots, [builder.add(s_at, s)]))
+    return builder.add(builder.mul(context.cast(builder, slot, sig.args[1].dtype, types.int64), row_stride), row_at)
+
+
 def _codegen(context, builder, sig, args):
     pool, slots, q, out = (_ptr(context, builder, sig.args[i], args[i], ir.Constant(_I64, 0)) for i in (0, 1, 6, 10))
     s_at, n, row_stride, row_at, q_at, n_heads, hd, o_at, o_stride = (
@@ -46,16 +63,19 @@ def _codegen(context, builder, sig, args):
 
     def tile(t, _):
         first = builder.mul(t, lanes)
-        starts = []  # each lane's K row (lanes past n: the last slot's again)
-        for i in range(LANES):
-            s = builder.add(first, ir.Constant(_I64, i))
-            s = builder.select(builder.icmp_signed("<", s, last), s, last)
-            slot = builder.load(builder.gep(slots, [builder.add(s_at, s)]))
-            starts.append(builder.add(builder.mul(context.cast(builder, slot, sig.args[1].dtype, types.int64),
-                                                  row_stride), row_at))
+
+        def clamped(s):  # lanes past n: the last slot's row again
+            return builder.select(builder.icmp_signed("<", s, last), s, last)
+
+        starts = [_row_start(context, builder, sig, slots, s_at, clamped(builder.add(first, ir.Constant(_I64, i))),
+                             row_stride, row_at) for i in range(LANES)]
+        after = [_row_start(context, builder, sig, slots, s_at, clamped(builder.add(first, ir.Constant(_I64, i))),
+                            row_stride, row_at) for i in range(LANES, 2 * LANES)]  # the next tile's rows
 
         def block(c, _):
             k0 = builder.mul(c, lanes)
+            for start in after:
+                _prefetch(builder, pool, builder.add(start, k0))
             rows = []
             for start in starts:
                 at = builder.add(start, k0)
@@ -125,6 +145,11 @@ def _value_codegen(context, builder, sig, args):
             k0 = builder.mul(first, lanes)
 
             def slot(s, state):
+                ahead = builder.add(s, ir.Constant(_I64, PREFETCH_SLOTS))
+                ahead = builder.select(builder.icmp_signed("<", ahead, n), ahead, builder.sub(n, ir.Constant(_I64, 1)))
+                ahead_at = builder.add(_row_start(context, builder, sig, slots, s_at, ahead, row_stride, row_at), k0)
+                for b in range(width):
+                    _prefetch(builder, pool, builder.add(ahead_at, ir.Constant(_I64, b * LANES)))
                 e = builder.load(builder.gep(w, [builder.add(ws, s)]))
                 visible = builder.fcmp_ordered(">=", e, ir.Constant(_F32, 0.0))
                 before = builder.block
