@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from lucekv.kernels.cpu.kv_tiles import LANES, key_scores, value_sums
+from lucekv.kernels.cpu.kv_tiles import LANES, exp_weights, key_scores, value_sums
 
 P, N_KV, GROUP, N = 300, 3, 3, 37  # N: two whole vectors and 5 slots of a third
 KVH, FIRST = 1, 3  # the kv head read; the run starts at slots[FIRST]
@@ -79,3 +79,23 @@ def test_value_sums_are_the_in_order_weighted_sums_of_the_visible_slots(dtype, h
                 want = want + e * v[s]
         assert np.array_equal(out[5 + h * hd:5 + (h + 1) * hd], want)
     assert np.isnan(out[:5]).all() and np.isnan(out[5 + GROUP * hd:]).all()
+
+
+@njit
+def _exps(buf, at, n, top):
+    exp_weights(buf, at, n, top)
+
+
+def test_exp_weights_are_within_an_ulp_of_e_to_the_x_and_mark_the_slots_out_of_view():
+    rng = np.random.default_rng(3)
+    x = np.concatenate([-rng.exponential(3, 4000), -np.linspace(0, 87, 3000), [0, -1e-7, -1e-30]]).astype(np.float32)
+    top = np.float32(2.5)
+    buf = np.full(3 + len(x) + LANES, 7, np.float32)
+    buf[3:3 + len(x)] = x + top
+    buf[3 + 5] = -np.inf
+    _exps(buf, 3, len(x), top)
+    got, want = buf[3:3 + len(x)].astype(np.float64), np.exp(((x + top) - top).astype(np.float64))  # float32 x - top
+    want[5] = -1
+    ulp = np.abs(np.spacing(want.astype(np.float32))).astype(np.float64)
+    assert np.all(np.abs(got - want) <= ulp) and got[5] == -1
+    assert np.all(buf[:3] == 7)

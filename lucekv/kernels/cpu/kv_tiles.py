@@ -205,3 +205,54 @@ def value_sums(typingctx, pool, slots, s_at, n, row_stride, row_at, w, w_at, w_s
         return None
     sig = types.void(pool, slots, s_at, n, row_stride, row_at, w, w_at, w_stride, n_heads, hd, out, o_at, o_stride)
     return sig, _value_codegen
+
+
+# e^x, 16 lanes at a time (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n; within
+# ~1 ulp of the correctly rounded value). x <= 0 here; below -87.3 (e^x under float32's smallest normal) it is taken
+# as -87.3: 1.2e-38, nothing beside the e^0 = 1 every softmax sums.
+_EXP_LOW, _LOG2E, _LN2_HI, _LN2_LO = -87.33654, 1.44269504088896341, 0.693359375, -2.12194440e-4
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
+def _exp_codegen(context, builder, sig, args):
+    scores = _ptr(context, builder, sig.args[0], args[0], ir.Constant(_I64, 0))
+    at, n = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2))
+    v16f, v16i = _vec(_F32, LANES), _vec(_I32, LANES)
+
+    def splat(c):
+        return ir.Constant(v16f, [c] * LANES)
+
+    top = _splat(builder, args[3], LANES)
+    floor = _fn(builder, "llvm.floor.v16f32", v16f, [v16f])
+    maxnum = _fn(builder, "llvm.maxnum.v16f32", v16f, [v16f, v16f])
+
+    def block(b, _):
+        ptr = builder.bitcast(builder.gep(scores, [builder.add(at, builder.mul(b, ir.Constant(_I64, LANES)))]),
+                              v16f.as_pointer())
+        s = builder.load(ptr, align=4)
+        x = builder.call(maxnum, [builder.fsub(s, top), splat(_EXP_LOW)])
+        k = builder.call(floor, [builder.fadd(builder.fmul(x, splat(_LOG2E)), splat(0.5))])
+        r = builder.fsub(builder.fsub(x, builder.fmul(k, splat(_LN2_HI))), builder.fmul(k, splat(_LN2_LO)))
+        p = splat(_EXP_POLY[0])
+        for c in _EXP_POLY[1:]:
+            p = builder.fadd(builder.fmul(p, r), splat(c))
+        y = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), splat(1.0))
+        two_k = builder.bitcast(builder.shl(builder.add(builder.fptosi(k, v16i), ir.Constant(v16i, [127] * LANES)),
+                                            ir.Constant(v16i, [23] * LANES)), v16f)
+        visible = builder.fcmp_ordered("one", s, splat(float("-inf")))
+        builder.store(builder.select(visible, builder.fmul(y, two_k), splat(-1.0)), ptr, align=4)
+        return []
+
+    _counted_loop(builder, builder.sdiv(builder.add(n, ir.Constant(_I64, LANES - 1)), ir.Constant(_I64, LANES)),
+                  "kv_tiles.exp", block, [])
+    return context.get_dummy_value()
+
+
+@intrinsic
+def exp_weights(typingctx, scores, at, n, top):
+    """scores[at + s] = e^(scores[at + s] - top) (see _EXP_POLY), or -1 where it is -inf (out of view), for s < n
+    rounded up to 16 (the lanes past n are computed too: scores must hold them)."""
+    if not (isinstance(scores, types.Array) and scores.ndim == 1 and scores.layout == "C"
+            and scores.dtype == types.float32 and top == types.float32):
+        return None
+    return types.void(scores, at, n, top), _exp_codegen

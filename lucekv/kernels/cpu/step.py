@@ -26,7 +26,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from lucekv.kernels.cpu.intdot import X_BLOCK, quantize_x16
-from lucekv.kernels.cpu.kv_tiles import LANES, key_scores, value_sums
+from lucekv.kernels.cpu.kv_tiles import LANES, exp_weights, key_scores, value_sums
 from lucekv.kernels.cpu.matvec import INT_Q4, INT_Q8, INT_Q8_16, _f32_rows, block_sums, float32_of, group_rows
 from lucekv.kernels.cpu.quants import GROUP_ROWS
 from lucekv.kernels.cpu.sync import atomic_add, atomic_load, cycles, wait_at_least
@@ -502,8 +502,8 @@ def _attend_group(q_all, r0, r1, kvh, group, k_pool, v_pool, attended, runs, att
                    hd, weights, (r - r0) * group * padded, padded)
     for i in range(heads):
         r = r0 + i // group
-        totals[i] = _softmax_weights(weights[i * padded:i * padded + n], attended_pos[pos_at[r]:pos_at[r] + n],
-                                     positions[r], window, scale)
+        totals[i] = _softmax_weights(weights, i * padded, n, attended_pos[pos_at[r]:pos_at[r] + n], positions[r],
+                                     window, scale)
     for r in range(r0, r1):
         value_sums(v_flat, attended, at, n, n_kv * hd, kvh * hd, weights, (r - r0) * group * padded, padded, group, hd,
                    out[r], kvh * group * hd, hd)
@@ -515,11 +515,12 @@ def _attend_group(q_all, r0, r1, kvh, group, k_pool, v_pool, attended, runs, att
 
 
 @njit(cache=True, nogil=True)
-def _softmax_weights(scores, slot_pos, pos, window, scale):
-    """scores (q.k of each slot, whose positions are slot_pos) -> e^(scale q.k - m) over the slots visible at `pos`
-    (DESIGN §4), -1 where not, m the largest visible scaled score; returns their sum."""
+def _softmax_weights(weights, at, n, slot_pos, pos, window, scale):
+    """weights[at:at + n] (q.k of each slot, whose positions are slot_pos) -> e^(scale q.k - m) over the slots visible
+    at `pos` (DESIGN §4; kv_tiles.exp_weights), -1 where not, m the largest visible scaled score; returns their sum,
+    taken in order. weights holds the lanes up to n rounded up to 16."""
     lo = pos - window if window > 0 else -1
-    n = scores.shape[0]
+    scores = weights[at:at + n]
     m = np.float32(-np.inf)
     for s in range(n):
         p = slot_pos[s]
@@ -528,14 +529,11 @@ def _softmax_weights(scores, slot_pos, pos, window, scale):
             continue
         scores[s] *= scale
         m = max(m, scores[s])
+    exp_weights(weights, at, n, m)
     total = np.float32(0.0)
     for s in range(n):
-        if scores[s] == -np.inf:
-            scores[s] = -1
-            continue
-        e = np.float32(np.exp(scores[s] - m))
-        scores[s] = e
-        total += e
+        if scores[s] >= 0:
+            total += scores[s]
     return total
 
 
