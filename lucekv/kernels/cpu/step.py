@@ -487,11 +487,25 @@ def _attend_group(q_all, r0, r1, kvh, group, k_pool, v_pool, attended, runs, att
     """out[r, head] = softmax(scale q.k) v for rows r0..r1 (one run of slots) and the q heads of kv head kvh, over the
     run's slots visible to each row (their positions as it sees them at attended_pos[pos_at[r]:], DESIGN §4's rule).
     The scores and the sums with V are kv_tiles' (16 slots a vector, each K and V row read once for every q head of
-    the row); each is summed in order, as a scalar loop would. scratch: this thread's, float32 [(r1 - r0) * group *
-    (run + LANES + 1)]."""
+    the row); each is summed in order, as a scalar loop would. Slots before the first or after the last that any row
+    sees are left out (a table's last block past the head, a sliding window's past): they change nothing. scratch:
+    this thread's, float32 [(r1 - r0) * group * (run + LANES + 1)]."""
     n_kv, hd = k_pool.shape[1], k_pool.shape[2]
-    at = runs[r0, 0]
-    n = runs[r0, 1] - at
+    first, stop = runs[r0, 1] - runs[r0, 0], 0  # the slots of the run any row sees: first..stop
+    for r in range(r0, r1):
+        seen = attended_pos[pos_at[r]:pos_at[r] + runs[r0, 1] - runs[r0, 0]]
+        lo = positions[r] - window if window > 0 else -1
+        s = 0
+        while s < first and not lo < seen[s] <= positions[r]:
+            s += 1
+        first = s
+        s = seen.shape[0]
+        while s > stop and not lo < seen[s - 1] <= positions[r]:
+            s -= 1
+        stop = s
+    if stop <= first:
+        first = stop = 0
+    at, n = runs[r0, 0] + first, stop - first
     padded = (n + LANES - 1) // LANES * LANES  # key_scores fills whole vectors
     heads = (r1 - r0) * group  # (row, q head) i: row r0 + i // group, head kvh * group + i % group
     totals = scratch[:heads]
@@ -502,8 +516,8 @@ def _attend_group(q_all, r0, r1, kvh, group, k_pool, v_pool, attended, runs, att
                    hd, weights, (r - r0) * group * padded, padded)
     for i in range(heads):
         r = r0 + i // group
-        totals[i] = _softmax_weights(weights, i * padded, n, attended_pos[pos_at[r]:pos_at[r] + n], positions[r],
-                                     window, scale)
+        seen = attended_pos[pos_at[r] + first:pos_at[r] + stop]
+        totals[i] = _softmax_weights(weights, i * padded, n, seen, positions[r], window, scale)
     for r in range(r0, r1):
         value_sums(v_flat, attended, at, n, n_kv * hd, kvh * hd, weights, (r - r0) * group * padded, padded, group, hd,
                    out[r], kvh * group * hd, hd)
