@@ -17,6 +17,7 @@ from lucekv.model.arch import ModelSpec
 from lucekv.model.decoder import Weights
 
 ALIGN = 64  # bytes: each matrix starts on a cache line
+ROPE_TABLE = 16384  # positions whose RoPE rows DecodeStep keeps (gemma3's two rows of 256: 32 MB at most)
 KINDS = {"q4": k.KIND_Q4, "q8": k.KIND_Q8, "f32": k.KIND_F32}
 
 
@@ -134,14 +135,18 @@ class DecodeStep:
 
     def _rope_rows(self, positions: np.ndarray) -> np.ndarray:
         """float32 [n, RoPE rows, 2, rope_dim / 2]: cos and sin of each position's angles, as CpuOps.rope computes
-        them (float64 angles), from a table of every position so far (grown by doubling: a step takes its rows in one
-        numpy call instead of seven)."""
+        them (float64 angles). Positions below ROPE_TABLE take theirs from a table of every position so far (grown by
+        doubling: one numpy call a step instead of seven, each slow on caches a step left cold)."""
         top = int(positions.max()) + 1
+        if top > ROPE_TABLE:
+            return self._rope_of(positions)
         if top > len(self.rope_table):
-            p = np.arange(max(top, 2 * len(self.rope_table), 1024), dtype=np.float64)
-            ang = p[:, None, None] * np.stack(self.inv_freqs)
-            self.rope_table = np.stack([np.cos(ang), np.sin(ang)], axis=2).astype(np.float32)
+            self.rope_table = self._rope_of(np.arange(min(max(top, 2 * len(self.rope_table), 1024), ROPE_TABLE)))
         return self.rope_table[positions]
+
+    def _rope_of(self, positions: np.ndarray) -> np.ndarray:
+        ang = np.asarray(positions, np.float64)[:, None, None] * np.stack(self.inv_freqs)
+        return np.ascontiguousarray(np.stack([np.cos(ang), np.sin(ang)], axis=2).astype(np.float32))
 
     def _scratch(self, n: int, rows: int, run: int) -> None:
         """Scratch for n threads, `rows` rows and runs of up to `run` slots (grown as they grow: np.empty maps pages as
