@@ -45,7 +45,8 @@ class _Ewma:
 
 
 class StepClock:
-    """Measured seconds per context bucket: a plain decode step, and a round of each verify width."""
+    """Measured seconds per context bucket: a plain decode step, and a round of each verify width (the width the
+    backend runs the block as, its padding included: `verify_width` of the backends)."""
 
     def __init__(self, config: GateConfig = GateConfig()):
         self.config = config
