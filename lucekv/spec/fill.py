@@ -51,11 +51,13 @@ def fill(draft: Draft, verify_width: Callable[[int], int], seconds: Callable[[in
          acceptance: Acceptance) -> Draft:
     """The draft at the length that pays most (module doc): `verify_width(n)`, the width a block of n tokens runs as;
     `seconds(w)`, a round's measured time at width w (None: not measured)."""
-    available = len(draft) + len(draft.more)
     if not draft.tokens:
         return draft
+    available = len(draft) + len(draft.more)
     width = verify_width(len(draft) + 1)
-    anchor = min(available, width - 1)
+    anchor = min(available, width - 1)  # the drafter's block, filled
+    if seconds(width) is None:
+        return draft.first(anchor)
     lengths = [anchor]
     if anchor < width - 1:  # drafts that cannot fill their block: the narrower one's may pay more
         narrowest = anchor + 1  # the least block of this width
@@ -70,6 +72,4 @@ def fill(draft: Draft, verify_width: Callable[[int], int], seconds: Callable[[in
         t = seconds(verify_width(n + 1))
         return acceptance.expected_tokens(n) / t if t else 0.0
 
-    if seconds(width) is None:
-        return draft.first(anchor)
     return draft.first(max(lengths, key=pays))  # the first best: the anchor on a tie

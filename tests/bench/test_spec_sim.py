@@ -16,6 +16,8 @@ COSTS = {"step_ms": 1.685, "host_ms_per_round": 0.111}
 
 
 def test_the_cost_table_is_by_the_width_run_and_interpolates_the_unmeasured():
+    # (CUDA's graphs: one token is a decode step, blocks up to 65 replay a multiple of 4, wider ones run as they are)
+    assert [graph_width(n) for n in (1, 2, 4, 5, 17, 65, 66)] == [1, 4, 4, 8, 20, 68, 66]
     assert cost_table(H100, graph_width, 17) == {1: 1.841, 4: 4.026, 8: 4.24, 12: 4.944, 16: 5.648, 20: 7.022}
     with pytest.raises(ValueError):
         cost_table(H100, graph_width, 21)  # 24: past every measured width
