@@ -191,8 +191,9 @@ def run(args) -> dict:
     measured = {int(w): ms for w, ms in source["verify_forward_ms"]["as_run"].items()}
     verify_ms = cost_table(measured, graph_width, args.max_draft + 1)
     result = {"bench": "spec-sim", "commit": git_commit(), "machine": machine(),
-              "command": "lucekv " + " ".join(sys.argv[1:]),
-              "sequences": {k: v for k, v in sequences.items() if k != "workloads"},
+              "command": f"lucekv bench spec-sim --sequences {seq_path.name} --costs {Path(args.costs).name} "
+                         f"--workloads {args.workloads} --n {args.n} --max-draft {args.max_draft}",
+              "sequences": {"file": seq_path.name, **{k: v for k, v in sequences.items() if k != "workloads"}},
               "cost_source": {"file": Path(args.costs).name, "device": source["device"], "commit": source["commit"],
                               "model": source["model"]["file"], "verify_forward_ms": measured},
               "verify_ms_by_width_run": verify_ms, "width_rule": "lucekv.backends.cuda.graph_width",
