@@ -68,9 +68,13 @@ class SpecUsage:
 
 class Speculator:
     """`gate` None: speculate every step (a forced mode). `max_draft`: the longest draft a round verifies. `clock`: the
-    engine's measured times (a gate's own clock), which the rounds of a cheap drafter join; `verify_width`: the
-    backend's width of a verify block of n tokens (its padding), by which rounds are timed and drafts filled
-    (spec.fill). `timer`: seconds now (a simulation passes its own)."""
+    engine's measured times (the gates' clock: the rounds of auto turns), which the draft length reads; `verify_width`:
+    the backend's width of a verify block of n tokens (its padding), by which rounds are timed and drafts filled
+    (spec.fill). `timer`: seconds now (a simulation passes its own).
+
+    Only gated rounds are timed into the clock: a forced turn's rounds run whatever they cost, and timed beside other
+    sequences' work in a shared step (a round's time runs from the end of the request's step before) they would
+    misjudge auto turns' rounds."""
 
     def __init__(self, mode: str, drafter: Drafter, gate: Gate | None, max_draft: int, clock: StepClock,
                  verify_width: Callable[[int], int], timer: Callable[[], float] = time.perf_counter):
@@ -130,11 +134,8 @@ class Speculator:
         u.accepted += len(tokens) - 1
         seconds = self._lap()
         u.round_seconds += seconds
-        width = self.verify_width(len(inputs))
-        if self.gate is not None:  # (it times the round into the clock)
-            self.gate.real_round(seconds, width, len(tokens), position, at)
-        elif self.drafter.cheap:  # a round's time is its verify forward's (and the bookkeeping's): the clock's measure
-            self.clock.observe_round(context_bucket(position), width, seconds)
+        if self.gate is not None:  # (it times the round into the clock, by the width it ran as)
+            self.gate.real_round(seconds, self.verify_width(len(inputs)), len(tokens), position, at)
         return Block(tokens, logits)
 
     def _propose(self, max_len: int, position: int) -> Draft | DraftTree:

@@ -110,25 +110,31 @@ class Replay:
 
 def test_real_rounds_and_the_gates_shadow_rounds_fill_the_same_blocks():
     text = list(range(1000, 1200))
-    clock = StepClock(GateConfig())
     now = [0.0]
-    forced = Speculator("suffix", ListDrafter(text), None, 16, clock, by_four, timer=lambda: now[0])
+    forced = Speculator("suffix", ListDrafter(text), None, 16, StepClock(GateConfig()), by_four, timer=lambda: now[0])
     forced.begin(text[:10], text[10], SamplingParams())
     target = Replay(text, now)
-    for _ in range(3):
+    for _ in range(2):
         forced.round(target, text[len(forced.drafter.seq) - 1], len(forced.drafter.seq) - 1, 100, 0)
-    # 2 drafts proposed, 3 verified: the block of 4 they pay for; then the untimed 8 looks as cheap as 4 (the clock's
-    # stand-in), is tried, and with every draft accepted so far its measured 4.24 ms pays
-    assert target.widths == [4, 8, 8]
-    assert clock.round(0, 4) == pytest.approx(0.00403)  # a forced mode's rounds are timed too (by their width)
+    assert target.widths == [4, 4]  # 2 drafts proposed, 3 verified: the block of 4 they pay for (nothing timed)
+    assert forced.clock.round(0, 4) is None  # a forced turn's rounds are not timed into the clock
 
-    gate = Gate(clock)
+    gate = Gate(StepClock(GateConfig()))
     shadows = []
     gate.shadow_round = lambda width, emitted, context, at: shadows.append((width, emitted))
-    auto = Speculator("auto", ListDrafter(text), gate, 16, clock, by_four, timer=lambda: now[0])
+    auto = Speculator("auto", ListDrafter(text), gate, 16, gate.clock, by_four, timer=lambda: now[0])
     auto.begin(text[:10], text[10], SamplingParams())
     for i in range(11, 20):
         auto.plain(text[i], i, i - 10)
-    # a new turn's prior rate (0.5) takes 7 drafts at 8 (1.99 tokens in 4.24 ms) over 3 at 4 (1.88 in 4.03), as a
-    # real round would: the shadow's 7 all came true, then the token of the target's own
-    assert shadows[0] == (8, 8)
+    assert shadows[0] == (4, 4)  # the shadow drafted 3 (a block of 4), all came true, then the target's own token
+    gate.speculating = True
+    for _ in range(3):
+        auto.round(target, text[len(auto.drafter.seq) - 1], len(auto.drafter.seq) - 1, 100, 20)
+    # its rounds are timed; the untimed 8 looks as cheap as 4 (the clock's stand-in), is tried, and with every draft
+    # accepted so far its measured 4.24 ms pays
+    assert target.widths[2:] == [4, 8, 8] and gate.clock.round(0, 4) == pytest.approx(0.00403)
+    gate.speculating = False
+    for _ in range(20):
+        n = len(auto.drafter.seq)
+        auto.plain(text[n], n, n - 10)
+    assert shadows[-1] == (8, 8)  # the shadow now proposes as the rounds did: 7 drafts at 8
