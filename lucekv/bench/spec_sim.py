@@ -208,7 +208,8 @@ def run(args) -> dict:
         ran = source["workloads"][costs_from]
         costs = {"verify_ms": verify_ms, "step_ms": ran["off"]["step_ms"],
                  "host_ms_per_round": ran["suffix"]["host_ms_per_round"]}
-        out: dict = {"prompts": len(seqs), "costs_from": costs_from, "step_ms": costs["step_ms"], "host_ms_per_round": costs["host_ms_per_round"],
+        out: dict = {"prompts": len(seqs), "costs_from": costs_from, "step_ms": costs["step_ms"],
+                     "host_ms_per_round": costs["host_ms_per_round"],
                      "measured": {m: {k: ran[m].get(k) for k in ("speedup", "tau", "rounds", "drafted", "accepted",
                                                                   "width", "plain_steps")} for m in MODES if m in ran}}
         for rule in RULES:
