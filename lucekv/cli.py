@@ -30,7 +30,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from lucekv.bench import decode, depth, links, niah, serve, sessions, spark, spec, startup, steps
+    from lucekv.bench import decode, depth, links, niah, serve, sessions, spark, spec, spec_sim, startup, steps
 
     plots = {"depth-plot": depth.plot, "serve-plot": serve.plot, "spec-plot": spec.plot, "niah-plot": niah.plot}
     if args.bench in plots:  # a result JSON drawn again
@@ -40,7 +40,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench in special:
         return special[args.bench](args)
     benches = {"decode": decode, "serve": serve, "niah": niah, "sessions": sessions, "depth": depth, "spec": spec,
-               "steps": steps, "spark": spark, "startup": startup, "links": links}
+               "spec-sim": spec_sim, "steps": steps, "spark": spark, "startup": startup, "links": links}
     return benches[args.bench].main(args)
 
 
@@ -260,6 +260,21 @@ def add_spec_commands(bench_sub: argparse._SubParsersAction, default_model: str)
     prompts.add_argument("-o", "--output", required=True)
     prompts.add_argument("--n", type=int, default=20, help="prompts per workload (default 20)")
     prompts.set_defaults(func=cmd_bench)
+
+    sim = bench_sub.add_parser("spec-sim", help="speculative rounds replayed over recorded greedy outputs, timed by "
+                               "a `bench spec` GPU result's verify costs: draft-length rules compared without a GPU")
+    sim.add_argument("--sequences", required=True, help="greedy outputs JSON (made here first if it is missing)")
+    sim.add_argument("--costs", required=True, help="a `bench spec` result JSON (its verify_forward_ms, step and "
+                     "host ms)")
+    sim.add_argument("--model", default=default_model, help="the model that makes missing sequences")
+    sim.add_argument("--backend", default="cpu", help="the backend that makes missing sequences (default cpu)")
+    sim.add_argument("--prompts", help="workloads JSON from `lucekv bench spec-prompts` (to make missing sequences)")
+    sim.add_argument("--workloads", default="code,edit")
+    sim.add_argument("--n", type=int, default=20, help="prompts per workload (default 20)")
+    sim.add_argument("--max-tokens", type=int, default=256)
+    sim.add_argument("--max-draft", type=int, default=16, help="longest draft a round verifies (default 16)")
+    sim.add_argument("--json", help="also write the result here")
+    sim.set_defaults(func=cmd_bench)
 
     plot = bench_sub.add_parser("spec-plot", help="draw a `bench spec` JSON result (needs matplotlib)")
     plot.add_argument("result")

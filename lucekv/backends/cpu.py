@@ -414,6 +414,10 @@ class CpuBackend(RunAhead):
         logits = self.forward(tokens, positions, slots, all_logits=True, tables=tables)
         return np.argmax(logits[:, : self.spec.vocab_size], axis=1).astype(np.int32)
 
+    def verify_width(self, n: int) -> int:
+        """The width a verify block of n tokens runs as: n (no padding here; lucekv.spec.fill)."""
+        return n
+
     def forward_tree(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, ancestors: np.ndarray,
                      table: np.ndarray, greedy: bool = False) -> np.ndarray:
         """Logits [n, vocab] (with `greedy`: each row's argmax, int32 [n]) of a draft tree's verify block of one

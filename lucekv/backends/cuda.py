@@ -895,6 +895,11 @@ class CudaBackend(RunAhead):
             return self._eager_argmax(tokens, positions, slots, tables)
         return self._verify_rows(graph, tokens, positions, slots, tables)
 
+    def verify_width(self, n: int) -> int:
+        """The width a verify block of n tokens runs as (`graph_width`; without graphs n). Drafts fill it
+        (lucekv.spec.fill)."""
+        return graph_width(n) if self.verify_graphs is not None else n
+
     def _verify_rows(self, graph: RowsGraph, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                      tables: Sequence[np.ndarray] | None) -> np.ndarray:
         """forward_argmax through the graph of its bucket, padded to its width (`_padded`, padding first)."""
@@ -1310,6 +1315,12 @@ def verify_bucket(width: int) -> int:
     """The width a verify block's graph is captured for: rounded up to a multiple of VERIFY_STEP (a few graphs
     for every draft length, and a padding row costs little: CudaOps.as_matvec_rows)."""
     return -(-width // VERIFY_STEP) * VERIFY_STEP
+
+
+def graph_width(n: int) -> int:
+    """The width a verify block of n tokens runs as with graphs: its bucket's (`verify_bucket`, padded), else n (one
+    token: a decode step; wider than MAX_VERIFY: eager)."""
+    return verify_bucket(n) if 1 < n <= MAX_VERIFY else n
 
 
 def capture_graph(stream, record: Callable[[], None], busy_warps: float = BUSY_WARPS_PER_SM) -> tuple[object, int]:

@@ -65,6 +65,9 @@ class InstantBackend:
         self.pool.assign(slots, positions)
         return self._next(positions)
 
+    def verify_width(self, n: int) -> int:
+        return n
+
     def decode_rows(self, tokens, positions, slots, tables, sampled):
         self.pool.assign(slots, positions)
         return self._next(positions), np.zeros((len(sampled), self.vocab_size), np.float32)

@@ -303,7 +303,8 @@ class Engine:
         """A turn's speculation: its own gate (mode auto) and the session's drafter of that kind, kept across its turns
         (a suffix index, a draft model's K/V)."""
         gate = Gate(self._step_clock) if mode == "auto" else None
-        return Speculator(mode, self._session_drafter(mode, session), gate, self.spec_config.max_draft)
+        return Speculator(mode, self._session_drafter(mode, session), gate, self.spec_config.max_draft,
+                          self._step_clock, self.backend.verify_width)
 
     def _session_drafter(self, mode: str, session: Session) -> Drafter:
         kind = "suffix" if mode == "auto" else mode

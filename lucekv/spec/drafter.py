@@ -16,13 +16,20 @@ class Draft:
     """Tokens proposed to follow the sequence, in order (a chain).
 
     `probs`: the drafter's distribution q [len(tokens), vocab] each token was drawn from, where it has one; None
-    for deterministic proposals (a suffix match), which verification treats as one-hot."""
+    for deterministic proposals (a suffix match), which verification treats as one-hot. `more`: tokens that may
+    follow at no cost of the drafter's but that it would not propose by itself (a suffix match's continuation past
+    the length its match earns): the speculator takes as many as fill the verify block it pays for (spec.fill)."""
 
     tokens: list[int] = field(default_factory=list)
     probs: np.ndarray | None = None
+    more: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def first(self, n: int) -> Draft:
+        """The first n tokens of the draft and its continuation (n <= len(tokens) + len(more))."""
+        return Draft((self.tokens + self.more)[:n], None if self.probs is None else self.probs[:n])
 
 
 class Drafter(Protocol):

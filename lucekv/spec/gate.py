@@ -27,7 +27,10 @@ def context_bucket(n_tokens: int) -> int:
 @dataclass(frozen=True)
 class GateConfig:
     margin: float = 0.05  # hysteresis: off below 1 - margin, back on above 1 + margin
-    min_rounds: int = 4  # rounds (real or shadow) before a judgement
+    # rounds (real or shadow) before a judgement: 1, as replays of real greedy outputs timed by H100 costs ran best
+    # with it (auto on code 1.70x against 1.32x at 4, chat 1.05x either way: bench/results/cpu-spec-sim-*-gate.json);
+    # a turn's answer often starts by copying, and every round spent waiting to judge misses that copy
+    min_rounds: int = 1
     warm_steps: int = 4  # plain steps timed in a context bucket before its plain step time is trusted
     decay: float = 0.8  # weight of the past in the running sums
     backoff: int = 8  # shadow rounds that must pay before speculation returns; doubles with each switch off
@@ -45,7 +48,8 @@ class _Ewma:
 
 
 class StepClock:
-    """Measured seconds per context bucket: a plain decode step, and a round of each verify width."""
+    """Measured seconds per context bucket: a plain decode step, and a round of each verify width (the width the
+    backend runs the block as, its padding included: `verify_width` of the backends)."""
 
     def __init__(self, config: GateConfig = GateConfig()):
         self.config = config

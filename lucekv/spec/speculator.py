@@ -17,7 +17,8 @@ import numpy as np
 
 from lucekv.engine.sampling import SamplingParams
 from lucekv.spec.drafter import Draft, Drafter
-from lucekv.spec.gate import Gate
+from lucekv.spec.fill import Acceptance, fill
+from lucekv.spec.gate import Gate, StepClock, context_bucket
 from lucekv.spec.tree import DraftTree, accept_tree_greedy, accept_tree_sampled
 from lucekv.spec.verify import TargetSampler, accept_greedy, accept_rejection, accept_sampled
 
@@ -66,14 +67,26 @@ class SpecUsage:
 
 
 class Speculator:
-    """`gate` None: speculate every step (a forced mode). `max_draft`: the longest draft a round verifies."""
+    """`gate` None: speculate every step (a forced mode). `max_draft`: the longest draft a round verifies. `clock`: the
+    engine's measured times (the gates' clock: the rounds of auto turns), which the draft length reads; `verify_width`:
+    the backend's width of a verify block of n tokens (its padding), by which rounds are timed and drafts filled
+    (spec.fill). `timer`: seconds now (a simulation passes its own).
 
-    def __init__(self, mode: str, drafter: Drafter, gate: Gate | None, max_draft: int):
+    Only gated rounds are timed into the clock: a forced turn's rounds run whatever they cost, and timed beside other
+    sequences' work in a shared step (a round's time runs from the end of the request's step before) they would
+    misjudge auto turns' rounds."""
+
+    def __init__(self, mode: str, drafter: Drafter, gate: Gate | None, max_draft: int, clock: StepClock,
+                 verify_width: Callable[[int], int], timer: Callable[[], float] = time.perf_counter):
         self.drafter = drafter
         self.gate = gate
         self.max_draft = max_draft
+        self.clock = clock
+        self.verify_width = verify_width
+        self.acceptance = Acceptance()
         self.usage = SpecUsage(mode, drafter.name)
-        self._mark = time.perf_counter()
+        self._timer = timer
+        self._mark = timer()
         self._shadow: tuple[list[int], int] | None = None  # a plain-decoding stretch scored as a round: (draft, hits)
 
     @property
@@ -84,7 +97,7 @@ class Speculator:
         """The turn's prompt and its first token (sampled from the prefill's logits)."""
         self.drafter.begin(prompt, params)
         self.drafter.accept([first])
-        self._mark = time.perf_counter()
+        self._mark = self._timer()
 
     def round(self, target: Target, last: int, position: int, budget: int, at: int,
               host: HostSampling | None = None) -> Block:
@@ -92,17 +105,17 @@ class Speculator:
         At most `budget` tokens come out; `at`: output tokens so far. Greedy on the device when `host` is None,
         else on the host with the request's sampler: the rejection rule where the drafter gave its distributions,
         sample-and-match where its drafts are deterministic."""
-        draft = self.drafter.propose(self.max_draft_for(budget))
+        draft = self._propose(self.max_draft_for(budget), position)
         tree = None
         if isinstance(draft, DraftTree):  # its first nodes are a tree too (parents come first), and the best ones
             tree = draft.prefix(target.tree_width(position) - 1)
             draft, tree = (Draft(tree.tokens), None) if tree.is_chain else (tree, tree)  # a chain verifies as one
         inputs = [last, *draft.tokens]
         u = self.usage
-        t_verify = time.perf_counter()
+        t_verify = self._timer()
         verify = target.verify_greedy if host is None else target.verify_logits
         verified = verify(inputs, position, tree)
-        u.verify_seconds += time.perf_counter() - t_verify
+        u.verify_seconds += self._timer() - t_verify
         if tree is not None:
             path, tokens = (accept_tree_greedy(tree, verified) if host is None
                             else accept_tree_sampled(tree, verified, host))
@@ -112,6 +125,7 @@ class Speculator:
             else:
                 tokens = (accept_sampled if draft.probs is None else accept_rejection)(draft, host(verified))
             path = list(range(len(tokens)))  # the block indices of `last` and the accepted drafts
+            self.acceptance.add(len(draft), len(tokens) - 1)
         logits = None if host is None else np.stack([verified[j] for j in path])
         target.keep(position, path)
         self.drafter.accept(tokens)
@@ -120,9 +134,17 @@ class Speculator:
         u.accepted += len(tokens) - 1
         seconds = self._lap()
         u.round_seconds += seconds
-        if self.gate is not None:
-            self.gate.real_round(seconds, len(inputs), len(tokens), position, at)
+        if self.gate is not None:  # (it times the round into the clock, by the width it ran as)
+            self.gate.real_round(seconds, self.verify_width(len(inputs)), len(tokens), position, at)
         return Block(tokens, logits)
+
+    def _propose(self, max_len: int, position: int) -> Draft | DraftTree:
+        """The drafter's proposal for a round at `position`, a chain filled to the length that pays (spec.fill)."""
+        draft = self.drafter.propose(max_len)
+        if isinstance(draft, DraftTree):
+            return draft
+        bucket = context_bucket(position)
+        return fill(draft, self.verify_width, lambda width: self.clock.round(bucket, width), self.acceptance)
 
     def max_draft_for(self, budget: int) -> int:
         """The longest draft a round may propose when `budget` more tokens may come out (a round emits one more)."""
@@ -143,8 +165,9 @@ class Speculator:
             if hits < len(draft) and draft[hits] == token:
                 self._shadow = (draft, hits + 1)
                 return
-            self.gate.shadow_round(len(draft) + 1, hits + 1, position, at)
-        self._shadow = (self.drafter.propose(self.max_draft).tokens, 0) if not self.gate.speculating else None
+            self.acceptance.add(len(draft), hits)
+            self.gate.shadow_round(self.verify_width(len(draft) + 1), hits + 1, position, at)
+        self._shadow = (self._propose(self.max_draft, position).tokens, 0) if not self.gate.speculating else None
 
     def end(self) -> SpecUsage:
         self.drafter.end()
@@ -153,6 +176,6 @@ class Speculator:
         return self.usage
 
     def _lap(self) -> float:
-        now = time.perf_counter()
+        now = self._timer()
         seconds, self._mark = now - self._mark, now
         return seconds

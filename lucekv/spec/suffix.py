@@ -241,7 +241,8 @@ class SuffixIndex:
 
 class SuffixDrafter:
     """Drafts from the sequence's own history (prompt and output) and, where that has no match, from a shared index
-    of recent outputs (`RecentOutputs`, server-wide). Draft length grows with the match: k = ceil(per_match * m).
+    of recent outputs (`RecentOutputs`, server-wide). Draft length grows with the match: k = ceil(per_match * m); the
+match's continuation up to max_len comes along as the draft's `more` (the speculator fills its verify block with it).
 
     With `tree`, a proposal is a DraftTree of up to max_len nodes: the chain above first, then best-first over what
     followed the suffix's earlier occurrences (up to TREE_OCCURRENCES of them, each continued as far as the chain
@@ -281,7 +282,8 @@ class SuffixDrafter:
         if match is None:
             return Draft()
         k = min(max_len, math.ceil(self.per_match * match.length))
-        return Draft(match.index.continuation(match.start, k, self.index))
+        tokens = match.index.continuation(match.start, max_len, self.index)
+        return Draft(tokens[:k], more=tokens[k:])
 
     def _tree(self, chain: list[int], budget: int) -> DraftTree:
         if budget <= 0:

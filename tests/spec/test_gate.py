@@ -4,7 +4,7 @@ from lucekv.spec.gate import Gate, GateConfig, StepClock, context_bucket
 
 
 def warm_clock(t_plain=0.010, context=100):
-    clock = StepClock(GateConfig())
+    clock = StepClock(GateConfig(min_rounds=4))  # judging after 4 rounds (the default judges after 1)
     for _ in range(clock.config.warm_steps):
         clock.observe_plain(context_bucket(context), t_plain)
     return clock

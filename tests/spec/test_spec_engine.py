@@ -25,13 +25,14 @@ def model(tmp_path_factory):
 
 class OracleDrafter:
     """Proposes the reference continuation, 1 to `longest` tokens (cycling), every third proposal spoilt in its
-    middle: rounds accept everything, nothing, and partway."""
+    middle: rounds accept everything, nothing, and partway. With `more`, the reference after them comes along as the
+    draft's continuation (as a suffix match's), every fourth one spoilt at its second token."""
 
     name = "oracle"
     cheap = True
 
-    def __init__(self, reference: list[int], longest: int = 9):
-        self.reference, self.longest = reference, longest
+    def __init__(self, reference: list[int], longest: int = 9, more: bool = False):
+        self.reference, self.longest, self.more = reference, longest, more
         self.proposals = 0
 
     def begin(self, tokens, params=None):
@@ -44,7 +45,10 @@ class OracleDrafter:
         tokens = list(self.reference[at : at + k])
         if tokens and self.proposals % 3 == 0:
             tokens[len(tokens) // 2] = (tokens[len(tokens) // 2] + 1) % VOCAB
-        return Draft(tokens)
+        more = list(self.reference[at + k : at + max(k, max_len)]) if self.more else []
+        if len(more) > 1 and self.proposals % 4 == 0:
+            more[1] = (more[1] + 1) % VOCAB
+        return Draft(tokens, more=more)
 
     def accept(self, tokens):
         self.seq += list(tokens)
@@ -95,6 +99,28 @@ def test_greedy_rounds_equal_plain_greedy(model, pool):
     if pool:
         assert engine.paged.usage().paged_chunks > 0  # the pool paged during the run
         assert engine.paged.pager.n_tokens == len(ids) + len(plain) - 1  # rejected drafts' slots are freed
+
+
+@pytest.mark.parametrize("pool", POOLS.values(), ids=POOLS.keys())
+def test_drafts_filling_padded_verify_blocks_equal_plain_greedy(model, pool, monkeypatch):
+    """The CPU backend as one that pads verify blocks to multiples of 4 (as CUDA's graphs): drafts are filled from
+    their continuation (lucekv.spec.fill) and the output stays plain greedy's."""
+    from lucekv.engine.engine import _RequestTarget
+
+    ids = prompt(700, seed=1)
+    plain, _ = generate(load(model, pool), ids)
+    engine = with_oracle(load(model, pool), ids + plain, more=True)
+    engine.backend.verify_width = lambda n: n if n == 1 else -(-n // 4) * 4
+    blocks = []
+    verify = _RequestTarget.verify_greedy
+    monkeypatch.setattr(_RequestTarget, "verify_greedy",
+                        lambda self, tokens, *a, **kw: blocks.append(len(tokens)) or verify(self, tokens, *a, **kw))
+    spec, out = generate(engine, ids, "suffix")
+    assert spec == plain
+    u = out[-1].usage.speculation
+    assert 0 < u.accepted < u.drafted and u.rounds + 1 + u.accepted == len(plain)
+    # the oracle proposes 1 to 9 tokens, blocks of 2 to 10: filled to 4, 8 or 12 (but the last ones, at the budget)
+    assert sum(n % 4 == 0 for n in blocks) >= len(blocks) - 2 and max(blocks) > 10
 
 
 def test_rejected_drafts_are_never_read_and_free_slots_never_are(model):
