@@ -242,7 +242,8 @@ class SuffixIndex:
 class SuffixDrafter:
     """Drafts from the sequence's own history (prompt and output) and, where that has no match, from a shared index
     of recent outputs (`RecentOutputs`, server-wide). Draft length grows with the match: k = ceil(per_match * m); the
-match's continuation up to max_len comes along as the draft's `more` (the speculator fills its verify block with it).
+    match's continuation up to max_len comes along as the draft's `more` (the speculator fills its verify block with
+    it).
 
     With `tree`, a proposal is a DraftTree of up to max_len nodes: the chain above first, then best-first over what
     followed the suffix's earlier occurrences (up to TREE_OCCURRENCES of them, each continued as far as the chain
