@@ -250,6 +250,9 @@ def add_spec_commands(bench_sub: argparse._SubParsersAction, default_model: str)
     spec.add_argument("--n", type=int, default=20, help="prompts per workload (default 20)")
     spec.add_argument("--max-tokens", type=int, default=256)
     spec.add_argument("--max-draft", type=int, default=16, help="longest draft a round verifies (default 16)")
+    spec.add_argument("--context-tokens", type=int, default=0, help="each prompt after standard-library sources "
+                      "that fill it to this many tokens (with --kv-pool: speculation on a pool that pages; default "
+                      "0: the prompts alone)")
     spec.add_argument("--json", help="also write the result here")
     spec.add_argument("--plot", metavar="PNG", help="also draw the speedups here (needs matplotlib)")
     add_engine_flags(spec)

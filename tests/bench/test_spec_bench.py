@@ -4,9 +4,11 @@ import json
 
 import pytest
 
-from lucekv.bench.spec import build_prompts, plot
+from lucekv.bench.spec import build_prompts, plot, reference_text, with_context
 from lucekv.cli import main
+from lucekv.model.gguf import open_gguf
 from lucekv.model.synth import write_dflash_gguf, write_synthetic_gguf
+from lucekv.model.tokenizer import Tokenizer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -39,3 +41,15 @@ def test_a_run_reports_every_mode_against_plain_decoding(tmp_path):
     pytest.importorskip("matplotlib")
     plot(r, png)
     assert png.read_bytes().startswith(PNG_SIGNATURE)
+
+
+
+def test_a_long_context_prompt_leads_with_reference_files_up_to_its_tokens(tmp_path):
+    model = write_synthetic_gguf(tmp_path / "tiny.gguf", "llama", n_ctx=1024, vocab=512)
+    tok = Tokenizer.from_metadata(open_gguf(model).metadata)
+    chat = [{"role": "user", "content": "rename f to g"}]
+    reference = tok.encode(reference_text(900), add_special=False)
+    ids = with_context(chat, tok, 900, reference)
+    assert 850 <= len(ids) <= 900
+    assert tok.decode(ids).rstrip().endswith(tok.decode(tok.encode(tok.apply_chat_template(chat),
+                                                                     add_special=False)[-12:]).rstrip())
