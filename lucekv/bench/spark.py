@@ -85,7 +85,7 @@ def run(model: str, shares: list[float], prompt_tokens: int, gen_tokens: int, sp
     from lucekv.model.gguf import open_gguf
     from lucekv.model.registry import resolve_model
     from lucekv.model.tokenizer import Tokenizer
-    from lucekv.spark.cli import expert_bytes
+    from lucekv.spark.experts import expert_bytes
     from lucekv.spark.placement import Placement, calibrated, uniform
     from lucekv.spark.trace import RoutingTrace
 
@@ -181,7 +181,7 @@ def run_long(model: str, share: float, context: int, gen_tokens: int, spare: int
     from lucekv.model.gguf import open_gguf
     from lucekv.model.registry import resolve_model
     from lucekv.model.tokenizer import Tokenizer
-    from lucekv.spark.cli import expert_bytes
+    from lucekv.spark.experts import expert_bytes
     from lucekv.spark.placement import calibrated, uniform
     from lucekv.spark.trace import RoutingTrace
 

@@ -1002,7 +1002,7 @@ def gpu_weight_bytes(g, spark=None) -> int:
     total = sum(t.data.nbytes for t in g.tensors.values())
     if spark is None:
         return total
-    from lucekv.spark.cli import expert_bytes
+    from lucekv.spark.experts import expert_bytes
 
     sizes = expert_bytes(g)
     return total - sum(sizes) * spark.placement.n_expert + spark.placement.table_bytes(sizes, spark.spare)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -15,8 +14,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from lucekv.errors import ConfigError, UnsupportedModelError
+from lucekv.errors import ConfigError
 from lucekv.model.gguf import GGUFFile, open_gguf
+from lucekv.spark.experts import expert_bytes, expert_count
 from lucekv.spark.placement import Placement, calibrated, cold_per_token, uniform
 from lucekv.spark.trace import RoutingTrace, write_json
 
@@ -24,27 +24,6 @@ if TYPE_CHECKING:
     from lucekv.backends.cpu import CpuBackend
 
 GIB = 1 << 30
-_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_\w+_exps\.weight")
-
-
-def expert_count(g: GGUFFile) -> int:
-    """Experts per layer; a dense model is refused."""
-    n_expert = int(g.metadata.get(f"{g.arch}.expert_count", 0))
-    if n_expert <= 0:
-        raise UnsupportedModelError(f"{g.path.name} is not a mixture of experts ({g.arch}.expert_count is missing)")
-    return n_expert
-
-
-def expert_bytes(g: GGUFFile) -> list[int]:
-    """One expert's bytes in each layer: its slices of the layer's stacked `ffn_*_exps` tensors."""
-    n_expert = expert_count(g)
-    per_layer: dict[int, int] = {}
-    for name, t in g.tensors.items():
-        if m := _EXPERT_TENSOR.fullmatch(name):
-            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + t.data.nbytes // n_expert
-    return [per_layer[layer] for layer in sorted(per_layer)]
-
-
 def add_spark_commands(subparsers: argparse._SubParsersAction) -> None:
     spark = subparsers.add_parser("spark", help="MoE expert placement from routing traces")
     commands = spark.add_subparsers(dest="spark_command", metavar="COMMAND", required=True)

@@ -23,7 +23,7 @@ from lucekv.engine.engine import (
     usable_bytes,
 )
 from lucekv.errors import ConfigError
-from lucekv.spark.cli import expert_bytes
+from lucekv.spark.experts import expert_bytes
 from lucekv.spark.placement import Placement
 
 GIB = 1 << 30

@@ -6,7 +6,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from lucekv.cli import main
 from lucekv.model.gguf import open_gguf
-from lucekv.spark.cli import expert_bytes
+from lucekv.spark.experts import expert_bytes
 from lucekv.spark.placement import Placement
 from lucekv.spark.trace import RoutingTrace
 from tests.spark.test_placement import zipf_trace
