@@ -191,8 +191,8 @@ def test_a_drafter_made_for_another_target_is_refused(files):
 
 def load(target, drafter, pool=None, policy="lru"):
     """`policy` quest reselects every ~14 tokens (kv_tau 8) against the last decoded tokens' queries."""
-    return lucekv.load(target, backend="cpu", kv_dtype="f32", kv_pool=pool, kv_policy=policy, kv_tau=8,
-                       speculation=SpecConfig(dflash_drafter=drafter))
+    return lucekv.load(target, backend="cpu", kv_dtype="f32", kv_pool=pool, kv_policy=policy,
+                       kv_tau=8 if policy == "quest" else 64, speculation=SpecConfig(dflash_drafter=drafter))
 
 
 def greedy(engine, ids, mode, session_id="", n=60):
