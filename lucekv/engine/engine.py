@@ -500,8 +500,9 @@ class Engine:
         r.computed = max(r.computed, start + len(ids))
         if round_at is None:
             seq.after_forward(decoded=0)
-        else:
-            seq.after_verify(round_at, range(start - round_at, start - round_at + len(ids)), start - round_at)
+        else:  # the block's rows from `row` on, a chain's: each row's depth is its index
+            row = start - round_at
+            seq.after_verify(round_at, range(row, row + len(ids)), row)
         return out
 
     def _round(self, r: Request, batch: int) -> None:
