@@ -477,11 +477,11 @@ class Engine:
                 seq.after_forward(decoded=0)
                 start += n
 
-    def _forward(self, r: Request, ids: list[int], start: int, decoded: int = 0, all_logits: bool = False,
+    def _forward(self, r: Request, ids: list[int], start: int, round_at: int | None = None, all_logits: bool = False,
                  greedy: bool = False) -> np.ndarray:
         """A forward of the request's own sequence: the logits of `ids` at positions from `start` (the last, or all),
-        or with `greedy` the argmax after each token, taken by the backend. `decoded`: output tokens among them (a
-        verify block's), for the pager's policy."""
+        or with `greedy` the argmax after each token, taken by the backend. `round_at`: the position of the speculative
+        round whose verify block this is (a piece of), which the pager's policy counts when the round ends."""
         seq = r.session.paged
         slots = seq.alloc(start, len(ids))
         tokens, positions = np.asarray(ids, np.int32), np.arange(start, start + len(ids), dtype=np.int32)
@@ -498,7 +498,11 @@ class Engine:
             r.capture(start, self.backend.captured)
         r.session.tokens.extend(ids)
         r.computed = max(r.computed, start + len(ids))
-        seq.after_forward(decoded=decoded)
+        if round_at is None:
+            seq.after_forward(decoded=0)
+        else:  # the block's rows from `row` on, a chain's: each row's depth is its index
+            row = start - round_at
+            seq.after_verify(round_at, range(row, row + len(ids)), row)
         return out
 
     def _round(self, r: Request, batch: int) -> None:
@@ -506,7 +510,10 @@ class Engine:
         keep the accepted drafts; the block's tokens are the request's next. Greedy on the device where its next token
         would be, else on the host with its sampler. Tokens past a finish inside the block leave the sequence."""
         position = r.computed
-        block = r.spec.round(_RequestTarget(self, r), r.last_token, position, r.params.max_tokens - r.n_out, r.n_out,
+        budget, limit = r.params.max_tokens - r.n_out, r.session.paged.round_limit(position)
+        if limit is not None:  # the block ends by the pager policy's next event
+            budget = min(budget, limit)
+        block = r.spec.round(_RequestTarget(self, r), r.last_token, position, budget, r.n_out,
                              None if r.device_greedy else r.host_sampling)
         r.computed = position + len(block.tokens)  # `last` and the accepted drafts are the sequence's now
         r.emit(block, batch)
@@ -1041,7 +1048,8 @@ class _RequestTarget:
     evicted) only when a query has reached it, as in plain decoding, and only when every draft before the boundary
     stands: a rejected draft's query must not evict a chunk that the positions before it, verified again next round,
     would still see in plain decoding. Greedy, the target's tokens show it; sampled, the rows are forwarded as the
-    rejection rule reads them (`_Rows`), and it reads a row only while every draft before it stood."""
+    rejection rule reads them (`_Rows`), and it reads a row only while every draft before it stood. The pager's
+    policy counts the kept tokens when the round ends (`keep`: PagedSequence.after_round)."""
 
     def __init__(self, engine: Engine, r: Request):
         self._engine, self._r = engine, r
@@ -1080,6 +1088,7 @@ class _RequestTarget:
         if self._tree_features is not None:  # the accepted path's features, at its positions
             self._r.capture(start, self._tree_features[path])
             self._tree_features = None
+        self._r.session.paged.after_round(start, path)
 
     def _tree(self, tokens: list[int], start: int, tree: DraftTree, greedy: bool = False) -> np.ndarray:
         """Logits [n, vocab] of a tree's verify block (or with `greedy` each node's greedy token), every node at the
@@ -1097,7 +1106,7 @@ class _RequestTarget:
         self._tree_features = b.captured if capture else None
         r.session.tokens.extend(tokens)
         r.computed = max(r.computed, start + len(tokens))
-        seq.after_forward(decoded=len(tokens))
+        seq.after_verify(start, tree.depths())
         return out
 
     def _pieces(self, tokens: list[int], start: int, **kw) -> Iterator[np.ndarray]:
@@ -1107,7 +1116,7 @@ class _RequestTarget:
         while done < len(tokens):
             pos = start + done
             n = min(len(tokens) - done, CHUNK_TOKENS - pos % CHUNK_TOKENS) if bounded else len(tokens) - done
-            yield self._engine._forward(self._r, tokens[done : done + n], pos, decoded=n, **kw)
+            yield self._engine._forward(self._r, tokens[done : done + n], pos, round_at=start, **kw)
             done += n
 
 

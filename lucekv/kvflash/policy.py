@@ -324,6 +324,15 @@ class Policy:
             return self._pending.due_in > 1
         return not self.wants_query(history) and self._decoded_since + 1 < self.tau_eff(history)
 
+    def quiet_for(self, history: int) -> int:
+        """How many of the next decoded tokens after `history` neither start a reselect nor make its moves in
+        `after_decode` (their queries may be wanted): a speculative round's block ends at the token after them at
+        the latest, where plain decoding meets the event after that token's forward (a lower bound: tau_eff only
+        grows)."""
+        if self._pending is not None:
+            return self._pending.due_in - 1
+        return max(0, self.tau_eff(history) - 1 - self._decoded_since)
+
     def after_decode(self, pager: Pager, n_tokens: int = 1) -> list[Move]:
         """Count `n_tokens` newly decoded tokens; start a reselect when due, or make the moves of the one under way
         when they are due. Returns the moves to run now."""

@@ -69,6 +69,7 @@ class PagedSequence:
         self.policy = None if self.holds_all else make_policy(policy, n_kv_head, tau, drafter, history)
         self.backend = backend
         self._resume: dict | None = None  # the residency to return to, while suspended
+        self._round_queries: dict[int, np.ndarray] = {}  # a speculative round's queries by block row (after_verify)
 
     def alloc(self, start: int, n: int) -> np.ndarray:
         a = self.pager.alloc_span(start, n)
@@ -78,15 +79,59 @@ class PagedSequence:
     def after_forward(self, decoded: int, row: int = -1) -> None:
         """Summarize chunks that just filled up; after a decode step, feed the policy and maybe reselect. `row`: the
         sequence's row in the forward (its query is the scorers')."""
-        sealed = self.pager.take_sealed()
-        if self.policy is None:
-            return
-        for c in sealed:
-            self.policy.scorer.seal(self.pager, c, self.backend.chunk_keys(int(self.pager.block_of[c])))
-        if decoded:
+        self._seal()
+        if decoded and self.policy is not None:
             if self.policy.wants_query(self.pager.n_tokens, decoded):
                 self.policy.scorer.observe(self.backend.last_queries(row))
             self._run(self.policy.after_decode(self.pager, decoded))
+
+    def round_limit(self, position: int) -> int | None:
+        """The most tokens a speculative round's verify block from `position` may hold: the policy's next event (a
+        reselect starting, its moves) falls on its last token at the latest, where plain decoding meets it too, after
+        that token's forward (issue 22). None: no limit (no policy)."""
+        return None if self.policy is None else self.policy.quiet_for(position) + 1
+
+    def after_verify(self, start: int, depths: Sequence[int], first_row: int = 0) -> None:
+        """After a forward of a speculative round's verify block from `start`: the whole block, or the piece of a
+        chain's from block row `first_row` on; its row i at depth depths[i]. Nothing is counted before the round has
+        kept its tokens (`after_round`), but the queries the scorer's window would want of its rows, were they kept,
+        are put aside: a later forward overwrites them."""
+        if first_row == 0:
+            self._round_queries = {}
+        if self.policy is None or not self._wanted(start, max(depths)):  # wanted at a depth: at every deeper one
+            return
+        queries = self.backend.recent_queries()[-len(depths) :]
+        for i, depth in enumerate(depths):
+            if self._wanted(start, depth):
+                self._round_queries[first_row + i] = queries[i]
+
+    def after_round(self, start: int, path: Sequence[int]) -> None:
+        """A speculative round kept its block's rows `path`, one per position from `start` on: the rejected drafts past
+        them are forgotten, and the kept tokens counted as plain decoding counts them, each after its forward: the
+        chunks they filled summarized, the queries the scorer's window wants observed in order, then the count (an
+        event of it can fall on the last token only: `round_limit`)."""
+        end = start + len(path)
+        if self.policy is not None and self.pager.n_tokens > end:
+            self._cut(end)  # (a chunk the drafts filled is not sealed)
+        self._seal()
+        if self.policy is None:
+            return
+        for row in path:
+            if (query := self._round_queries.get(row)) is not None:
+                self.policy.scorer.observe(query)
+        self._round_queries = {}
+        self._run(self.policy.after_decode(self.pager, len(path)))
+
+    def _wanted(self, start: int, depth: int) -> bool:
+        """Whether the query of a round's token at `depth` (position start + depth) is the scorer's, once kept."""
+        return self.policy.wants_query(start + depth + 1, depth + 1)
+
+    def _seal(self) -> None:
+        """Summarize the chunks that filled up since the last call, for the scorer."""
+        sealed = self.pager.take_sealed()
+        if self.policy is not None:
+            for c in sealed:
+                self.policy.scorer.seal(self.pager, c, self.backend.chunk_keys(int(self.pager.block_of[c])))
 
     def quiet_step(self, position: int) -> bool:
         """Whether `after_forward` of the decode step at `position` (allocated) will only count it, and allocating
@@ -124,6 +169,9 @@ class PagedSequence:
         if self.policy is not None:
             self.policy.truncate(n_tokens)
         self._resume = None
+        self._cut(n_tokens)
+
+    def _cut(self, n_tokens: int) -> None:
         cut = self.pager.truncate(n_tokens)
         for c in cut.dropped:
             self.host.discard(c)

@@ -178,10 +178,12 @@ def test_reselect_starts_every_tau_eff_decoded_tokens_and_moves_lag_tokens_later
     assert policy.tau_eff(pager.n_tokens) == tau_eff
     lag = reselect_lag(pager.n_tokens, 64)
     assert lag == min(RESELECT_LAG, tau_eff // 4)
-    moved, loud = [], []
+    moved, loud, events = [], [], []
     for step in range(1, 2 * tau_eff + lag + 1):
         if not policy.quiet(pager.n_tokens):
             loud.append(step)
+        if policy.quiet_for(pager.n_tokens) == 0:  # this step starts a reselect or makes its moves
+            events.append(step)
         moves = policy.after_decode(pager)
         backend.run(moves)
         assert scorer.calls == step // tau_eff
@@ -189,7 +191,8 @@ def test_reselect_starts_every_tau_eff_decoded_tokens_and_moves_lag_tokens_later
             moved.append(step)
     assert moved == [tau_eff + lag, 2 * tau_eff + lag]
     # a start, moves, or the steps whose queries the next start ranks against (none for LRU) are never quiet
-    assert set(loud) == {tau_eff, tau_eff + lag, 2 * tau_eff, 2 * tau_eff + lag}
+    assert set(loud) == set(events) == {tau_eff, tau_eff + lag, 2 * tau_eff, 2 * tau_eff + lag}
+    assert Policy(scorer, tau=64).quiet_for(pager.n_tokens) == tau_eff - 1  # the steps before the first event
 
 
 def test_a_reselect_under_way_survives_a_snapshot_of_the_policy():

@@ -189,9 +189,10 @@ def test_a_drafter_made_for_another_target_is_refused(files):
             lucekv.load(path, backend="cpu", speculation=SpecConfig(dflash_drafter=drafters[5]))
 
 
-def load(target, drafter, pool=None):
-    return lucekv.load(target, backend="cpu", kv_dtype="f32", kv_pool=pool, kv_policy="lru",
-                       speculation=SpecConfig(dflash_drafter=drafter))
+def load(target, drafter, pool=None, policy="lru"):
+    """`policy` quest reselects every ~14 tokens (kv_tau 8) against the last decoded tokens' queries."""
+    return lucekv.load(target, backend="cpu", kv_dtype="f32", kv_pool=pool, kv_policy=policy,
+                       kv_tau=8 if policy == "quest" else 64, speculation=SpecConfig(dflash_drafter=drafter))
 
 
 def greedy(engine, ids, mode, session_id="", n=60):
@@ -227,15 +228,17 @@ def test_greedy_with_the_dflash_drafter_equals_plain_greedy(files, pool):
             assert np.max(np.abs(got - k)) < 1e-3 * np.max(np.abs(k))
 
 
-@pytest.mark.parametrize("pool", [None, 512], ids=["whole context", "paged pool"])
-def test_dflash_trees_equal_plain_greedy_and_feed_the_drafter_the_accepted_paths_features(files, pool, monkeypatch):
+@pytest.mark.parametrize(("pool", "policy"), [(None, "lru"), (512, "lru"), (512, "quest")],
+                         ids=["whole context", "paged pool", "pool paged by queries"])
+def test_dflash_trees_equal_plain_greedy_and_feed_the_drafter_the_accepted_paths_features(files, pool, policy,
+                                                                                          monkeypatch):
     """DDTree on the random drafter, its slots steered (plain decoding's next token second in each, a decoy first):
     the greedy chain is rejected and the tree's other branches accepted, their K/V moved to their positions. The
     output is plain greedy's, and the drafter's context K/V holds each position's features (the accepted path's,
     by position), as a chain turn's does."""
     target, drafters, _ = files
     ids = np.random.default_rng(1).integers(10, 500, 600 if pool else 100).tolist()
-    plain, _ = greedy(load(target, drafters[5], pool), ids, "off", n=40)
+    plain, _ = greedy(load(target, drafters[5], pool, policy), ids, "off", n=40)
     reference = ids + plain
     block_logits = DFlashModel.block_logits
 
@@ -249,7 +252,7 @@ def test_dflash_trees_equal_plain_greedy_and_feed_the_drafter_the_accepted_paths
     monkeypatch.setattr(DFlashModel, "block_logits", steered)
     contexts = {}
     for mode in ("dflash", "dflash-tree"):
-        engine = load(target, drafters[5], pool)
+        engine = load(target, drafters[5], pool, policy)
         moves = []
         copy = engine.backend.copy_kv
         engine.backend.copy_kv = lambda src, dst, _copy=copy, _moves=moves: (_moves.append(len(src)), _copy(src, dst))

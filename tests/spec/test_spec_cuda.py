@@ -24,6 +24,7 @@ from tests.spec.test_spec_engine import OracleDrafter
 
 gpu = pytest.mark.gpu
 VOCAB = 512
+POOLS = {"whole": (None, "lru"), "paged": (512, "lru"), "paged by queries": (512, "quest")}
 
 
 @pytest.mark.skipif(available(), reason="runs directly in this process")
@@ -84,15 +85,17 @@ def test_a_verify_width_replayed_from_its_graph_equals_its_eager_run(model, n):
     assert first.tolist() == replayed.tolist() == eager.tolist() == np.argmax(logits[:, :VOCAB], axis=1).tolist()
 
 
-def plain_and_oracle_greedy_on_the_gpu(model, pool, mode: str, oracle) -> tuple[list[int], list[int], Usage]:
+def plain_and_oracle_greedy_on_the_gpu(model, pool, mode: str, oracle, policy: str = "lru"
+                                       ) -> tuple[list[int], list[int], Usage]:
     """150 greedy tokens after one 700-token prompt on CUDA, each run on a fresh engine: plainly, then speculating
     with `mode`, whose drafter is `oracle` (a drafter class) of the prompt and the plain tokens. Returns (plain
-    tokens, speculative tokens, the speculative run's last usage)."""
+    tokens, speculative tokens, the speculative run's last usage). `policy` quest reselects every ~16 tokens."""
     ids = np.random.default_rng(7).integers(10, 500, 700).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
 
     def run(speculation, reference=None):
-        engine = lucekv.load(model, backend="cuda", kv_dtype="f32", kv_pool=pool, kv_policy="lru")
+        engine = lucekv.load(model, backend="cuda", kv_dtype="f32", kv_pool=pool, kv_policy=policy,
+                             kv_tau=8 if policy == "quest" else 64)
         if reference is not None:
             engine.drafters[speculation] = lambda: oracle(reference)
         out = list(engine.generate(ids, params, speculation=speculation))
@@ -105,9 +108,10 @@ def plain_and_oracle_greedy_on_the_gpu(model, pool, mode: str, oracle) -> tuple[
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("pool", [None, 512], ids=["whole", "paged"])
-def test_greedy_rounds_on_the_gpu_equal_its_plain_greedy(model, pool):
-    plain, spec, usage = plain_and_oracle_greedy_on_the_gpu(model, pool, "suffix", OracleDrafter)
+@pytest.mark.parametrize(("pool", "policy"), POOLS.values(), ids=POOLS.keys())
+def test_greedy_rounds_on_the_gpu_equal_its_plain_greedy(model, pool, policy):
+    """(Paged by queries: the verify blocks' queries the quest window takes are the graphs' recent rows.)"""
+    plain, spec, usage = plain_and_oracle_greedy_on_the_gpu(model, pool, "suffix", OracleDrafter, policy)
     assert spec == plain
     assert 0 < usage.speculation.accepted < usage.speculation.drafted
 
@@ -247,12 +251,12 @@ def test_forward_tree_marks_its_block_by_index_and_hands_its_masks_to_attention(
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("pool", [None, 512], ids=["whole", "paged"])
-def test_greedy_tree_rounds_on_the_gpu_equal_its_plain_greedy(model, pool):
+@pytest.mark.parametrize(("pool", "policy"), POOLS.values(), ids=POOLS.keys())
+def test_greedy_tree_rounds_on_the_gpu_equal_its_plain_greedy(model, pool, policy):
     """Tree verify blocks replayed from the verify graphs (masks in their fixed buffers), accepted paths moved."""
     from tests.spec.test_tree_engine import OracleTreeDrafter
 
-    plain, tree, usage = plain_and_oracle_greedy_on_the_gpu(model, pool, "suffix-tree", OracleTreeDrafter)
+    plain, tree, usage = plain_and_oracle_greedy_on_the_gpu(model, pool, "suffix-tree", OracleTreeDrafter, policy)
     assert tree == plain
     assert usage.speculation.rounds < len(plain) / 2
 

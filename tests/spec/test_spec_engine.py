@@ -58,7 +58,7 @@ class OracleDrafter:
 
 
 def load(model, pool, **kw):
-    return lucekv.load(model, backend="cpu", kv_dtype="f32", kv_pool=pool, kv_policy="lru", **kw)
+    return lucekv.load(model, backend="cpu", kv_dtype="f32", kv_pool=pool, **{"kv_policy": "lru", **kw})
 
 
 def prompt(n, seed=0):
@@ -101,26 +101,51 @@ def test_greedy_rounds_equal_plain_greedy(model, pool):
         assert engine.paged.pager.n_tokens == len(ids) + len(plain) - 1  # rejected drafts' slots are freed
 
 
+@pytest.mark.parametrize("policy", ["quest", "meankey"])
+def test_greedy_rounds_on_a_pool_whose_residency_follows_queries_equal_plain_greedy(model, policy):
+    """Reselects every ~16 tokens (kv_tau 8), each ranking chunks by the queries of the last 8 decoded tokens: a round
+    changes residency at the token plain decoding does, with the same queries (issue 22: only the accepted tokens
+    count, and a block never runs past the policy's next event)."""
+    ids = prompt(700, seed=13)
+    plain_engine = load(model, 512, kv_policy=policy, kv_tau=8)
+    plain, _ = generate(plain_engine, ids)
+    engine = with_oracle(load(model, 512, kv_policy=policy, kv_tau=8), ids + plain, longest=12, more=True)
+    spec, out = generate(engine, ids, "suffix")
+    assert spec == plain
+    u = out[-1].usage.speculation
+    assert 0 < u.accepted < u.drafted and u.rounds < len(plain) // 2
+    assert engine.paged.usage().paged_chunks > 0 and engine.paged.pager.stats.page_ins > 0  # reselects recalled
+    for key in "resident", "scores":  # (recency's clock counts allocations: a round's block is one)
+        assert engine.paged.pager.residency()[key] == plain_engine.paged.pager.residency()[key]
+
+
 @pytest.mark.parametrize("pool", POOLS.values(), ids=POOLS.keys())
 def test_drafts_filling_padded_verify_blocks_equal_plain_greedy(model, pool, monkeypatch):
     """The CPU backend as one that pads verify blocks to multiples of 4 (as CUDA's graphs): drafts are filled from
     their continuation (lucekv.spec.fill) and the output stays plain greedy's."""
     from lucekv.engine.engine import _RequestTarget
+    from lucekv.kvflash.sequence import PagedSequence
 
     ids = prompt(700, seed=1)
     plain, _ = generate(load(model, pool), ids)
     engine = with_oracle(load(model, pool), ids + plain, more=True)
     engine.backend.verify_width = lambda n: n if n == 1 else -(-n // 4) * 4
-    blocks = []
+    blocks, limits = [], []
     verify = _RequestTarget.verify_greedy
     monkeypatch.setattr(_RequestTarget, "verify_greedy",
                         lambda self, tokens, *a, **kw: blocks.append(len(tokens)) or verify(self, tokens, *a, **kw))
+    limit = PagedSequence.round_limit
+    monkeypatch.setattr(PagedSequence, "round_limit", lambda self, at: limits.append(limit(self, at)) or limits[-1])
     spec, out = generate(engine, ids, "suffix")
     assert spec == plain
     u = out[-1].usage.speculation
     assert 0 < u.accepted < u.drafted and u.rounds + 1 + u.accepted == len(plain)
-    # the oracle proposes 1 to 9 tokens, blocks of 2 to 10: filled to 4, 8 or 12 (but the last ones, at the budget)
-    assert sum(n % 4 == 0 for n in blocks) >= len(blocks) - 2 and max(blocks) > 10
+    # the oracle proposes 1 to 9 tokens, blocks of 2 to 10: filled to 4, 8 or 12 (but the last ones, at the budget,
+    # and those that end where the pool's policy starts a reselect or makes its moves: 2 of each in 150 tokens)
+    at_events = [n == limit for n, limit in zip(blocks, limits, strict=True)]
+    assert any(at_events) == bool(pool)
+    assert sum(n % 4 == 0 or at for n, at in zip(blocks, at_events, strict=True)) >= len(blocks) - 2
+    assert max(blocks) > 10
 
 
 def test_rejected_drafts_are_never_read_and_free_slots_never_are(model):
@@ -238,7 +263,7 @@ def verify_forwards_past_a_boundary(engine, ids, params, mode) -> int:
     forward = engine._forward
 
     def spy(r, piece, start, **kw):
-        forwards.append((start, kw.get("decoded", 0)))
+        forwards.append((start, kw.get("round_at") is not None))
         return forward(r, piece, start, **kw)
     engine._forward = spy
     request = engine.submit(ids, params, speculation=mode)
