@@ -159,23 +159,35 @@ def test_mmq(qtype, rows, cols, n, parts):
 
 @needs_kernels
 def test_columns_split_over_blocks(monkeypatch):
-    """Splits of the columns (partial sums added by the second launch), plain and gated."""
+    """Uneven splits of the columns (4 of 6 steps: 1, 2, 1, 2), their sums added by the row tile's last block (up
+    to 2 token tiles) or by the second launch (3): the same bits for a token either way; the tickets back at 0
+    after each product (a graph replays it). Then a gated product in 2 splits."""
     from lucekv.kernels.cpu.quants import interleave_rows
     from lucekv.kernels.cuda import mmq
     from lucekv.kernels.cuda.packed import GATE_ROWS, SILU, epilogue, upload
 
     monkeypatch.setattr(mmq, "MIN_STEPS", 1)
+    monkeypatch.setattr(mmq, "RESIDENT_WARPS", 8)  # 4 blocks of two warps a wave (the simulator's 1 SM)
     rng = np.random.default_rng(6)
-    m = random_packed(rng, Q.Q6_K, 16, 256)
-    x = rng.standard_normal((9, 256)).astype(np.float32)
-    assert mmq.plan(upload(m)).splits == 4
-    assert rel_err(run_mmq(m, x), oracle(m, x)) <= 1e-5
+    m = random_packed(rng, Q.Q4_K, 20, 768)
+    x = rng.standard_normal((17, 768)).astype(np.float32)
+    w = upload(m)
+    assert mmq.plan(w) == (2, 4) and mmq.last_block_reduces(2) and not mmq.last_block_reduces(3)
+    scratch = mmq.partials(w, 3)
+    first = cuda.device_array((3, m.rows), np.float32)
+    for _ in range(2):  # the same scratch twice: the tickets reset themselves
+        mmq.product(w, mmq.quantize(cuda.to_device(x[:3]), mmq.scratch(3, 768)), first, scratch_sums=scratch)
+        assert not scratch.tickets.copy_to_host().any()
+    every = run_mmq(m, x)
+    assert rel_err(every, oracle(m, x)) <= 1e-5
+    assert np.array_equal(first.copy_to_host(), every[:3])
     gate, up = (random_packed(rng, Q.Q4_K, GATE_ROWS, 256) for _ in range(2))
     w = upload(interleave_rows(gate, up, GATE_ROWS))
     assert mmq.plan(w).splits == 2
     out = cuda.device_array((2, GATE_ROWS), np.float32)
-    mmq.mmq(w, cuda.to_device(x[:2]), epilogue((out,), gate=SILU))
-    g, u = oracle(gate, x[:2]), oracle(up, x[:2])
+    x = x[:2, :256].copy()
+    mmq.mmq(w, cuda.to_device(x), epilogue((out,), gate=SILU))
+    g, u = oracle(gate, x), oracle(up, x)
     assert rel_err(out.copy_to_host(), g / (1 + np.exp(-g)) * u) <= 1e-5
 
 
@@ -246,7 +258,7 @@ def test_mmq_gated_and_epilogue():
 
 def test_serves_and_plans(monkeypatch):
     """2..64 tokens of q4 / q6 / q8 in whole steps; 16-column blocks only without biases; the warps of a block (on an
-    H100's 132 SMs) divide the steps, 8 where 4 leave SMs short of warps."""
+    H100's 132 SMs) split the steps to fill a wave."""
     from lucekv.kernels.cuda import mmq
     from lucekv.kernels.cuda.packed import DeviceMatrix
 
@@ -266,11 +278,14 @@ def test_serves_and_plans(monkeypatch):
         for rows, cols in [(16, 128), (4096, 12288), (24576, 4096), (1024, 4096), (151936, 896)]:
             p = mmq.plan(matrix(kind, rows, cols))
             steps = cols // (mmq.RUN * mmq.RUNS[kind])
-            assert 1 <= p.warps <= mmq.MAX_WARPS and steps % p.splits == 0
+            assert 1 <= p.warps <= mmq.MAX_WARPS
             assert p.splits == 1 or steps // p.splits >= mmq.MIN_STEPS
     # the 8B's: gate+up's 192 row tiles fill the GPU, down's 32 take 8 splits of 24 steps, o's 8 of 4
     assert [mmq.plan(matrix(*shape)) for shape in [("q4", 24576, 4096), ("q6", 4096, 12288), ("q4", 4096, 4096)]] == [
         (8, 1), (8, 8), (8, 8)]
+    # the 1.5B's down (12 row tiles): 17 splits of 70 steps (4 or 5 each), 22 of 140 for q6; its q (12 steps): 3
+    assert [mmq.plan(matrix(*shape)) for shape in [("q4", 1536, 8960), ("q6", 1536, 8960), ("q4", 1536, 1536)]] == [
+        (8, 17), (8, 22), (8, 3)]
 
 
 @needs_kernels

@@ -69,6 +69,7 @@ from lucekv.kernels.cuda._numba import (
     copy_async_wait_all,
     copy_async_wait_one,
     cuda,
+    device_zeros,
     half2_floats,
     jit_bounded,
     jit_inlined,
@@ -76,6 +77,7 @@ from lucekv.kernels.cuda._numba import (
     load1,
     load4,
     load_f32x4,
+    load_f32x4_l2,
     load_matrix_x4,
     mma_s8_16816,
     mma_s8_16832,
@@ -102,6 +104,7 @@ RUNS = {"q4": 4, "q6": 2, "q8": 2}  # runs per step: a row's 64 bytes of q4 code
 MAX_WARPS = 8
 RESIDENT_WARPS = 16  # warps an SM holds at the kernels' launch bounds (128 registers a thread)
 MIN_STEPS = 4  # steps of a split of the columns, at least
+LAST_BLOCK_TILES = 2  # token tiles up to which a row tile's last block adds the splits' sums (`last_block_reduces`)
 QUANTIZE_THREADS = 128  # threads of a token's block, a 32-column run each in turn
 QUANTIZE_WARPS = QUANTIZE_THREADS // WARP
 REDUCE_THREADS = 128
@@ -311,7 +314,7 @@ STAGED_WORDS = {"q4": (4, 0), "q6": (4, 2), "q8": (8, 0)}  # (code words, high w
 
 class Plan(NamedTuple):
     """How `product` cuts a matrix: blocks of `warps` warps of TILE_ROWS rows each, `splits` blocks sharing a row
-    tile's columns (their partial sums added in order by a second launch, `_reduce_kernel`)."""
+    tile's columns, split k taking steps [k steps // splits, (k + 1) steps // splits) (whole RUNS[kind] steps)."""
 
     warps: int
     splits: int
@@ -319,22 +322,32 @@ class Plan(NamedTuple):
 
 def plan(w: DeviceMatrix) -> Plan:
     """Row tiles of MAX_WARPS warps (every warp of a block reads the same x at once: one L2 read per block), and as
-    many splits of the columns (powers of two, MIN_STEPS steps each at least) as a wave of resident blocks holds. The
-    shape alone decides: a token's sums must be in the same order whatever n."""
+    many splits of the columns (any number, MIN_STEPS steps each at least) as fill a wave of resident blocks: the
+    1.5B's down product (12 row tiles, 70 steps) takes 17 (204 blocks), where powers of two dividing the steps gave
+    it 2 (24 blocks on 132 SMs). The shape alone decides: a token's sums must be in the same order whatever n."""
     steps = w.cols // (RUN * RUNS[w.kind])
     warps = min(MAX_WARPS, blocks(w.rows, TILE_ROWS))
     tiles = blocks(w.rows, TILE_ROWS * warps)
     slots = sm_count() * max(RESIDENT_WARPS // warps, 1)
-    splits = 1
-    while 2 * splits * tiles <= slots and steps % (2 * splits) == 0 and steps // (2 * splits) >= MIN_STEPS:
-        splits *= 2
-    return Plan(warps, splits)
+    return Plan(warps, max(1, min(slots // tiles, steps // MIN_STEPS)))
 
 
-def partials(w: DeviceMatrix, n: int, stream=0):
+class Partials(NamedTuple):
+    """Scratch of a product whose columns `plan` splits: the splits' sums float32 [splits, n_pad, rows rounded up to
+    4] (16-byte rows: the last block reads them 4 rows at a time), and a ticket per row tile int32 (zeros: the
+    blocks of a row tile count themselves in, and its last one sets it back to 0 for the next product)."""
+
+    sums: object
+    tickets: object
+
+
+def partials(w: DeviceMatrix, n: int, stream=0) -> Partials | None:
     """Scratch for the partial sums of a product of n tokens of w where `plan` splits its columns, else None."""
-    splits = plan(w).splits
-    return None if splits == 1 else cuda.device_array((splits, padded(n), w.rows), np.float32, stream=stream)
+    p = plan(w)
+    if p.splits == 1:
+        return None
+    sums = cuda.device_array((p.splits, padded(n), blocks(w.rows, 4) * 4), np.float32, stream=stream)
+    return Partials(sums, device_zeros((blocks(w.rows, TILE_ROWS * p.warps),), np.int32, stream))
 
 
 def product(w: DeviceMatrix, qx: QuantizedX, out, stream=0, scratch_sums=None) -> None:
@@ -351,13 +364,23 @@ def product(w: DeviceMatrix, qx: QuantizedX, out, stream=0, scratch_sums=None) -
     # a step's sub words of a row in one load: 4 or 8 bytes (a stand-in where not grouped)
     subs = w.subs.view(sub_type(w.kind, w.block_log2, w.has_bias, tiles, qx.parts)) if by_step else w.codes
     if p.splits == 1:
-        kernel[grid, p.warps * WARP, stream](w.quant, subs, qx.words, qx.scales, ep, qx.n, _no_sums())
+        kernel[grid, p.warps * WARP, stream](w.quant, subs, qx.words, qx.scales, ep, qx.n, _no_partials())
         return
-    sums = partials(w, qx.n, stream) if scratch_sums is None else scratch_sums
-    if sums.shape != (p.splits, qx.n_pad, w.rows):
-        raise ValueError(f"partial sums of shape {sums.shape} for {p.splits} splits of {qx.n} tokens x {w.rows} rows")
-    kernel[grid, p.warps * WARP, stream](w.quant, subs, qx.words, qx.scales, ep, qx.n, sums)
-    _reduce_kernel[blocks(qx.n * w.rows, REDUCE_THREADS), REDUCE_THREADS, stream](sums, ep, qx.n)
+    part = partials(w, qx.n, stream) if scratch_sums is None else scratch_sums
+    if part.sums.shape[:2] != (p.splits, qx.n_pad) or part.sums.shape[2] < w.rows or part.tickets.size != grid[0]:
+        raise ValueError(f"partial sums of shape {part.sums.shape}, {part.tickets.size} tickets for {p.splits} "
+                         f"splits of {qx.n} tokens x {w.rows} rows")
+    kernel[grid, p.warps * WARP, stream](w.quant, subs, qx.words, qx.scales, ep, qx.n, part)
+    if not last_block_reduces(tiles):
+        _reduce_kernel[blocks(qx.n * w.rows, REDUCE_THREADS), REDUCE_THREADS, stream](part.sums, ep, qx.n, w.rows)
+
+
+def last_block_reduces(tiles: int) -> bool:
+    """Whether the splits' sums of a product of `tiles` token tiles are added by each row tile's last block to finish
+    (`_kernel`: no second launch, ~5 us on an H100) rather than by `_reduce_kernel`: up to LAST_BLOCK_TILES, where
+    that block's reads at L2 (splits x tokens x its rows) stay small; beyond, one block reading them all would take
+    longer than a launch spread over the GPU. The same sums in the same order either way: the same bits."""
+    return tiles <= LAST_BLOCK_TILES
 
 
 def _step_runs(kind: str, tiles: int, parts: int) -> int:
@@ -374,17 +397,16 @@ def sub_type(kind: str, block_log2: int, bias: bool, tiles: int, parts: int):
 
 
 @functools.cache
-def _no_sums():
+def _no_partials() -> Partials:
     """The partial sums' stand-in where the columns are not split (never read or written)."""
-    return cuda.device_array((1, 1, 1), np.float32)
+    return Partials(cuda.device_array((1, 1, 4), np.float32), cuda.device_array(1, np.int32))
 
 
 @jit_kernel
-def _reduce_kernel(sums, ep, n):
+def _reduce_kernel(sums, ep, n, rows):
     """Thread i: row i % rows of token i // rows, its splits' partial sums added in order, to ep (a gated product's
     gate rows take their up rows', TILE_ROWS // 2 further; the up rows' threads store nothing)."""
     await_grid()
-    rows = sums.shape[2]
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i >= n * rows:
         return
@@ -402,6 +424,64 @@ def _reduce_kernel(sums, ep, n):
         put_gated(ep, t, r, v, u)
     else:
         put(ep, t, r, v)
+
+
+@cuda.jit(device=True, inline=True)
+def _last_block_adds(part, ep, n, last):
+    """After a block of a split product stored its partial sums: the row tile's last block to get here adds every
+    split's sums of its rows in order (as `_reduce_kernel` adds them: the same bits) and puts them into ep, then sets
+    the tile's ticket back to 0 (a graph replays the product with the same tickets). A thread takes 4 rows of a token
+    at a time (a gated product's 4 gate rows and their up rows), read at L2."""
+    tile = cuda.blockIdx.x
+    done = cuda.shared.array(1, np.int32)
+    cuda.threadfence()  # this block's sums are visible to the tile's last block before it counts this one
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        done[0] = cuda.atomic.add(part.tickets, tile, 1) == cuda.gridDim.y - 1
+    cuda.syncthreads()
+    if not done[0]:
+        return
+    quads = cuda.blockDim.x // WARP * TILE_ROWS // 4
+    gated = ep.gate != NO_GATE
+    for i in range(cuda.threadIdx.x, n * quads, cuda.blockDim.x):
+        t, r = i // quads, (tile * quads + i % quads) * 4
+        if r > last or (gated and r % TILE_ROWS >= TILE_ROWS // 2):
+            continue
+        v0, v1, v2, v3 = _split_sums(part.sums, t, r)
+        if gated:
+            u0, u1, u2, u3 = _split_sums(part.sums, t, r + TILE_ROWS // 2)
+            put_gated(ep, t, r, v0, u0)
+            put_gated(ep, t, r + 1, v1, u1)
+            put_gated(ep, t, r + 2, v2, u2)
+            put_gated(ep, t, r + 3, v3, u3)
+        else:
+            put(ep, t, r, v0)
+            for c, v in ((1, v1), (2, v2), (3, v3)):
+                if r + c <= last:
+                    put(ep, t, r + c, v)
+    if cuda.threadIdx.x == 0:
+        part.tickets[tile] = 0
+
+
+@cuda.jit(device=True, inline=True)
+def _split_sums(sums, t, r):
+    """Rows r..r + 3 of token t, every split's sums added in order from 0; four splits' loads at a time in flight
+    (one chain of L2 latencies per split is what would cost)."""
+    v0 = v1 = v2 = v3 = np.float32(0)
+    splits = sums.shape[0]
+    for k in range(0, splits - splits % 4, 4):
+        a0, a1, a2, a3 = load_f32x4_l2(sums, k, t, r)
+        b0, b1, b2, b3 = load_f32x4_l2(sums, k + 1, t, r)
+        c0, c1, c2, c3 = load_f32x4_l2(sums, k + 2, t, r)
+        d0, d1, d2, d3 = load_f32x4_l2(sums, k + 3, t, r)
+        v0 = v0 + a0 + b0 + c0 + d0
+        v1 = v1 + a1 + b1 + c1 + d1
+        v2 = v2 + a2 + b2 + c2 + d2
+        v3 = v3 + a3 + b3 + c3 + d3
+    for k in range(splits - splits % 4, splits):
+        a0, a1, a2, a3 = load_f32x4_l2(sums, k, t, r)
+        v0, v1, v2, v3 = v0 + a0, v1 + a1, v2 + a2, v3 + a3
+    return v0, v1, v2, v3
 
 
 @cuda.jit(device=True, inline=True)
@@ -505,6 +585,7 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
     step_words = 2 * row_words  # a lane's words of a step: rows g and g + 8
     outputs = 4 * tiles  # a lane's accumulators: per token tile rows g, g + 8 x two tokens
     products = _halves_products if halves else _block_products
+    reduces = last_block_reduces(tiles)
 
     @cuda.jit(device=True, inline=True)
     def load_step(w, subs, rows, step, buf, prev, fresh):
@@ -645,7 +726,7 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
             copy_async_wait_all()
         cuda.syncthreads()
 
-    def kernel(w, subs, xw, xs, ep, n, sums):
+    def kernel(w, subs, xw, xs, ep, n, part):
         acc = cuda.local.array(outputs, np.float32)
         buf_a = cuda.local.array(step_words, np.uint32)
         buf_b = cuda.local.array(step_words, np.uint32)
@@ -659,9 +740,9 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
         first = (cuda.blockIdx.x * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP) * TILE_ROWS
         last = w.codes.shape[0] - 1
         rows = (min(first + g, last), min(first + 8 + g, last))  # rows past the end load a real row, stored nowhere
-        per_split = xs.shape[0] // cuda.gridDim.y // runs
-        begin = cuda.blockIdx.y * per_split
-        end = begin + per_split
+        steps = xs.shape[0] // RUNS[kind]  # the plan's steps: split k takes [k steps // splits, (k + 1) ..)
+        begin = cuda.blockIdx.y * steps // cuda.gridDim.y * (RUNS[kind] // runs)
+        end = (cuda.blockIdx.y + 1) * steps // cuda.gridDim.y * (RUNS[kind] // runs)
         load_step(w, subs, rows, begin, buf_a, buf_b, True)  # constant weights: in flight before the wait
         stage_w(w, begin, 2 * (cuda.threadIdx.x // WARP), first, last, lane, w_s)
         await_grid()
@@ -684,12 +765,14 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
                 r, t = first + g + 8 * (i >> 1), TOKEN_TILE * j + 2 * q + (i & 1)
                 if cuda.gridDim.y > 1:
                     if t < n and r <= last:
-                        sums[cuda.blockIdx.y, t, r] = acc[4 * j + i]
+                        part.sums[cuda.blockIdx.y, t, r] = acc[4 * j + i]
                 elif gated:  # rows g and g + 8 of a tile: a gate row and its up row
                     if i < 2 and t < n and r <= last:
                         put_gated(ep, t, r, acc[4 * j + i], acc[4 * j + i + 2])
                 elif t < n and r <= last:
                     put(ep, t, r, acc[4 * j + i])
+        if reduces and cuda.gridDim.y > 1:
+            _last_block_adds(part, ep, n, last)
 
     kernel.__name__ = kernel.__qualname__ = (f"_mmq_{kind}{'_halves' * halves}{'_bias' * bias}{'_by_step' * by_step}"
                                              f"_tokens{TOKEN_TILE * tiles}_parts{parts}")
