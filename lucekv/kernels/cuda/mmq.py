@@ -62,7 +62,6 @@ from lucekv.kernels.cuda._numba import (
     WARP,
     await_grid,
     bits_f32,
-    block_sum,
     blocks,
     copy_async16,
     copy_async_commit,
@@ -82,6 +81,8 @@ from lucekv.kernels.cuda._numba import (
     mma_s8_16816,
     mma_s8_16832,
     sm_count,
+    warp_shfl_xor,
+    warp_sum,
 )
 from lucekv.kernels.cuda.matvec import HI_STEPS, _nearest, _pack4, _unrolled
 from lucekv.kernels.cuda.packed import (
@@ -105,8 +106,8 @@ MAX_WARPS = 8
 RESIDENT_WARPS = 16  # warps an SM holds at the kernels' launch bounds (128 registers a thread)
 MIN_STEPS = 4  # steps of a split of the columns, at least
 LAST_BLOCK_TILES = 2  # token tiles up to which a row tile's last block adds the splits' sums (`last_block_reduces`)
-QUANTIZE_THREADS = 128  # threads of a token's block, a 32-column run each in turn
-QUANTIZE_WARPS = QUANTIZE_THREADS // WARP
+QUANTIZE_THREADS = 128  # threads of a token's block, RUN_LANES to a 32-column run, 16 runs at a time
+RUN_LANES = 8  # lanes that quantize a run together, 4 columns (one 16-byte load) each
 REDUCE_THREADS = 128
 LOW_NIBBLES = np.uint32(0x0F0F0F0F)
 SIGN_BITS = np.uint32(0x80808080)
@@ -194,69 +195,73 @@ def x_word(run, k):
 
 @jit_kernel
 def _quantize_kernel(x, xnorm, words, scales):
-    """Block t: token t (a padding token: zeros), its runs a thread each in turn, normalized first where xnorm says
-    so (RMSNorm as `norm.rmsnorm` defines it, the row's squares summed by this block); two parts where `words` has
-    rows for them."""
+    """Block t: token t (a padding token: zeros), RUN_LANES lanes a run (`_run_words`), normalized first where xnorm
+    says so (RMSNorm as `norm.rmsnorm` defines it, each warp summing the row's squares itself: `_inv_rms`); two parts
+    where `words` has rows for them."""
     await_grid()
     t = cuda.blockIdx.x
     runs, n_pad = scales.shape[0], scales.shape[1] // 2
     real = t < x.shape[0]
     norm_w, eps, on = xnorm
-    inv_rms = np.float32(1)
-    if on:
-        sums = cuda.shared.array(QUANTIZE_WARPS, np.float32)
-        ss = np.float32(0)
-        for r in range(cuda.threadIdx.x, runs if real else 0, cuda.blockDim.x):
-            for k in range(RUN // 4):
-                v0, v1, v2, v3 = load_f32x4(x, t, RUN * r + 4 * k)
-                ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
-        inv_rms = np.float32(1) / math.sqrt(block_sum(ss, sums) / np.float32(x.shape[1]) + eps)
-    xv = cuda.local.array(RUN, np.float32)
-    for r in range(cuda.threadIdx.x, runs, cuda.blockDim.x):
-        if real:
-            for k in range(RUN // 4):
-                xv[4 * k], xv[4 * k + 1], xv[4 * k + 2], xv[4 * k + 3] = load_f32x4(x, t, RUN * r + 4 * k)
-            if on:
-                for k in range(RUN // 4):
-                    w0, w1, w2, w3 = load1(norm_w, RUN * r + 4 * k), load1(norm_w, RUN * r + 4 * k + 1), \
-                        load1(norm_w, RUN * r + 4 * k + 2), load1(norm_w, RUN * r + 4 * k + 3)
-                    xv[4 * k] *= inv_rms * w0
-                    xv[4 * k + 1] *= inv_rms * w1
-                    xv[4 * k + 2] *= inv_rms * w2
-                    xv[4 * k + 3] *= inv_rms * w3
-        else:
-            for k in range(RUN):
-                xv[k] = np.float32(0)
-        _quantize_run(xv, words, scales, t, r, n_pad)
+    inv_rms = _inv_rms(x, t, real, eps) if on else np.float32(1)
+    two = words.shape[0] > n_pad
+    k = cuda.threadIdx.x % RUN_LANES  # this lane's word of the run
+    for first in range(0, runs, cuda.blockDim.x // RUN_LANES):
+        r = first + cuda.threadIdx.x // RUN_LANES
+        c = RUN * r + 4 * k
+        v0, v1, v2, v3 = load_f32x4(x, t, c) if real and r < runs else (np.float32(0),) * 4
+        if on and real and r < runs:
+            v0, v1, v2, v3 = _normed(v0, v1, v2, v3, inv_rms, norm_w, c)
+        hi, lo, scale, minus_sum = _run_words(v0, v1, v2, v3, two)
+        if r < runs:
+            words[t, x_word(r, k)] = hi
+            if two:
+                words[n_pad + t, x_word(r, k)] = lo
+            if k == 0:
+                scales[r, 2 * t], scales[r, 2 * t + 1] = scale, minus_sum
 
 
 @cuda.jit(device=True, inline=True)
-def _quantize_run(xv, words, scales, t, r, n_pad):
-    """Run r of token t (its 32 values in xv) into words / scales: hi codes in row t, lo codes in row n_pad + t where
-    `words` has them (as matvec._quantize_x)."""
-    amax = np.float32(0)
-    total = np.float32(0)
-    for k in range(RUN):
-        amax = max(amax, abs(xv[k]))
-        total += xv[k]
+def _inv_rms(x, t, real, eps):
+    """1 / RMS of token t's row (eps added), for every lane of the calling warp: lane l's squares of columns 4l.., 4l
+    + 128.. in order, then the warp's butterfly. One warp's sum, in one order, wherever it is computed: so the
+    products that quantize x themselves (`_kernel`) get `_quantize_kernel`'s bits."""
+    ss = np.float32(0)
+    for c in range(4 * (cuda.threadIdx.x % WARP), x.shape[1] if real else 0, 4 * WARP):
+        v0, v1, v2, v3 = load_f32x4(x, t, c)
+        ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
+    return np.float32(1) / math.sqrt(warp_sum(ss) / np.float32(x.shape[1]) + eps)
+
+
+@cuda.jit(device=True, inline=True)
+def _normed(v0, v1, v2, v3, inv_rms, norm_w, c):
+    """x's columns c..c + 3 (v0..v3) times inv_rms x the norm's weights."""
+    return (v0 * (inv_rms * load1(norm_w, c)), v1 * (inv_rms * load1(norm_w, c + 1)),
+            v2 * (inv_rms * load1(norm_w, c + 2)), v3 * (inv_rms * load1(norm_w, c + 3)))
+
+
+@cuda.jit(device=True, inline=True)
+def _run_words(v0, v1, v2, v3, two):
+    """A run quantized by its RUN_LANES lanes (an aligned group of a warp), lane k holding its columns 4k..4k + 3
+    (v0..v3): this lane's word of hi codes and of lo codes (two parts, else 0) and the run's scale and minus its sum
+    (the same on every lane of the group). d = max|x| / 127, hi = round(x / d), lo = round((x - d hi) / u), u = d /
+    256 (as matvec._quantize_x). Called in block-uniform control flow (the simulator's shuffles are barriers)."""
+    amax = max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3)))
+    total = v0 + v1 + v2 + v3
+    for offset in (4, 2, 1):
+        amax = max(amax, warp_shfl_xor(amax, offset))
+        total += warp_shfl_xor(total, offset)
     inv = HI_STEPS / amax if amax > np.float32(0) else np.float32(0)
     d = amax / HI_STEPS
-    two = words.shape[0] > n_pad
+    h0, h1, h2, h3 = _nearest(v0 * inv), _nearest(v1 * inv), _nearest(v2 * inv), _nearest(v3 * inv)
+    if not two:
+        return _pack4(h0, h1, h2, h3), np.uint32(0), d, -total
     lo_inv = inv * np.float32(256)
-    for k in range(RUN // 4):
-        h0 = _nearest(xv[4 * k] * inv)
-        h1 = _nearest(xv[4 * k + 1] * inv)
-        h2 = _nearest(xv[4 * k + 2] * inv)
-        h3 = _nearest(xv[4 * k + 3] * inv)
-        words[t, x_word(r, k)] = _pack4(h0, h1, h2, h3)
-        if two:
-            lo0 = min(_nearest((xv[4 * k] - np.float32(h0) * d) * lo_inv), 127)
-            lo1 = min(_nearest((xv[4 * k + 1] - np.float32(h1) * d) * lo_inv), 127)
-            lo2 = min(_nearest((xv[4 * k + 2] - np.float32(h2) * d) * lo_inv), 127)
-            lo3 = min(_nearest((xv[4 * k + 3] - np.float32(h3) * d) * lo_inv), 127)
-            words[n_pad + t, x_word(r, k)] = _pack4(lo0, lo1, lo2, lo3)
-    scales[r, 2 * t] = d / np.float32(256) if two else d
-    scales[r, 2 * t + 1] = -total
+    lo0 = min(_nearest((v0 - np.float32(h0) * d) * lo_inv), 127)
+    lo1 = min(_nearest((v1 - np.float32(h1) * d) * lo_inv), 127)
+    lo2 = min(_nearest((v2 - np.float32(h2) * d) * lo_inv), 127)
+    lo3 = min(_nearest((v3 - np.float32(h3) * d) * lo_inv), 127)
+    return _pack4(h0, h1, h2, h3), _pack4(lo0, lo1, lo2, lo3), d / np.float32(256), -total
 
 
 # ---- a lane's A fragments of a pair of runs, from its warp's staged step: words of rows g (lo) and g + 8 (hi) --
