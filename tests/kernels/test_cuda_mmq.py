@@ -210,6 +210,34 @@ def test_quantize_normalizes_x_where_asked():
 
 
 @needs_kernels
+@pytest.mark.parametrize(("qtype", "rows", "cols", "parts", "norm"), [
+    (Q.Q4_K, 20, 256, 2, True),  # 2 warps, 4 units a thread, normalized; 2 splits
+    (Q.Q6_K, 48, 512, 1, False),  # 3 warps (a lane group without a unit), 5 uneven splits of 8 steps
+], ids=str)
+def test_blocks_quantize_x_as_the_quantize_launch_does(monkeypatch, qtype, rows, cols, parts, norm):
+    """Up to 8 tokens the product's blocks quantize x themselves, step by step (`float_x`): the codes and scales of
+    `quantize`'s launch, so the same outputs bit for bit."""
+    from lucekv.kernels.cuda import mmq
+    from lucekv.kernels.cuda.packed import upload
+
+    monkeypatch.setattr(mmq, "MIN_STEPS", 1)
+    rng = np.random.default_rng(9)
+    m = random_packed(rng, qtype, rows, cols)
+    x = rng.standard_normal((3, cols)).astype(np.float32) * 3
+    x[1, 64:96] = 0  # a run of zeros: scale 0
+    w, xd = upload(m), cuda.to_device(x)
+    by_norm = (cuda.to_device(rng.standard_normal(cols).astype(np.float32)), 1e-5) if norm else None
+    assert mmq.quantizes_itself(3) and mmq.plan(w).splits == (2 if norm else 5)
+    outs = [cuda.device_array((3, rows), np.float32) for _ in range(2)]
+    mmq.product(w, mmq.float_x(xd, parts, by_norm), outs[0])
+    mmq.product(w, mmq.quantize(xd, mmq.scratch(3, cols, parts), norm=by_norm), outs[1])
+    got = outs[0].copy_to_host()
+    assert np.array_equal(got, outs[1].copy_to_host())
+    if not norm:
+        assert rel_err(got, oracle(m, x, parts)) <= 1e-5
+
+
+@needs_kernels
 def test_two_parts_agree_with_each_tokens_one_token_matvec():
     """x in two parts: each run's integer sums are the one-token matvec's, so a token's outputs differ from its own
     decode step's only by float32 rounding (the sums' order)."""

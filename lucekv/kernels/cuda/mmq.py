@@ -73,7 +73,6 @@ from lucekv.kernels.cuda._numba import (
     jit_bounded,
     jit_inlined,
     jit_kernel,
-    load1,
     load4,
     load_f32x4,
     load_f32x4_l2,
@@ -134,6 +133,24 @@ class QuantizedX(NamedTuple):
         return self.scales.shape[1] // 2
 
 
+class FloatX(NamedTuple):
+    """x float32 [n, cols] of up to TOKEN_TILE tokens for a product whose blocks quantize it themselves, each its
+    columns a step at a time, as `quantize` would (no launch before the product: `float_x`); xnorm as
+    `_quantize_kernel` takes it."""
+
+    x: object
+    xnorm: tuple
+    parts: int
+
+    @property
+    def n(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def n_pad(self) -> int:
+        return TOKEN_TILE
+
+
 def serves(w: DeviceMatrix, n: int) -> bool:
     """Whether `mmq` takes a product of n tokens of w: 2..MAX_TOKENS tokens of a quantized matrix whose rows are
     whole steps, in blocks of 32 columns or more (Q8_0, Q4_0, Q5_1..), or `grouped` (the K-quants, Q6_K's 16-column
@@ -153,9 +170,34 @@ def grouped(w: DeviceMatrix) -> bool:
 
 
 def mmq(w: DeviceMatrix, x, out, stream=0, parts: int = PARTS) -> None:
-    """out[n, rows] (a device array or an Epilogue) = x[n, cols] @ W.T, x quantized here in `parts` (see
-    `quantize`)."""
-    product(w, quantize(x, scratch(*x.shape, parts, stream), stream), out, stream)
+    """out[n, rows] (a device array or an Epilogue) = x[n, cols] @ W.T, x quantized in `parts` (see `quantize`) by
+    the product's blocks where they do (`quantizes_itself`), else here."""
+    n = x.shape[0]
+    qx = float_x(x, parts) if quantizes_itself(n) else quantize(x, scratch(n, x.shape[1], parts, stream), stream)
+    product(w, qx, out, stream)
+
+
+def quantizes_itself(n: int) -> bool:
+    """Whether a product of n tokens takes x as floats (`float_x`), its blocks quantizing it: one token tile (a step's
+    x of 8 tokens is q4's 4 runs x 8 tokens, a run to 8 lanes: one 16-byte load a thread of 8 warps). The ~7 us
+    quantize launch before a verify block's or a decode batch's every product saved; beyond, every block would
+    quantize more tokens than its lanes take in one load."""
+    return n <= TOKEN_TILE
+
+
+def float_x(x, parts: int = PARTS, norm: tuple | None = None) -> FloatX:
+    """x [n, cols] (float32, n up to TOKEN_TILE, cols a multiple of 64) for products that quantize it in `parts`
+    themselves; norm: (weight [cols], eps) for RMSNorm(x) * weight (as `quantize`)."""
+    n, cols = x.shape
+    if cols % (2 * RUN) or not 1 <= n <= TOKEN_TILE or parts not in (1, 2):
+        raise ValueError(f"mmq's blocks quantize 1..{TOKEN_TILE} tokens of a multiple of {2 * RUN} columns in 1 or 2 "
+                         f"int8 parts, not {x.shape} in {parts}")
+    return FloatX(x, _xnorm(x, norm), parts)
+
+
+def _xnorm(x, norm: tuple | None) -> tuple:
+    """`_quantize_kernel`'s xnorm: (weight, eps, True) of a norm, else a stand-in."""
+    return (x[0], np.float32(0), False) if norm is None else (norm[0], np.float32(norm[1]), True)
 
 
 def padded(n: int) -> int:
@@ -181,8 +223,7 @@ def quantize(x, into: QuantizedX, stream=0, norm: tuple | None = None) -> Quanti
     qx = into._replace(n=n)
     if qx.n_pad != padded(n) or qx.words.shape[1] != cols // 4 or qx.scales.shape[0] != cols // RUN:
         raise ValueError(f"scratch of shapes {qx.words.shape}, {qx.scales.shape} for x of {x.shape}")
-    xnorm = (x[0], np.float32(0), False) if norm is None else (norm[0], np.float32(norm[1]), True)
-    _quantize_kernel[qx.n_pad, QUANTIZE_THREADS, stream](x, xnorm, qx.words, qx.scales)
+    _quantize_kernel[qx.n_pad, QUANTIZE_THREADS, stream](x, _xnorm(x, norm), qx.words, qx.scales)
     return qx
 
 
@@ -211,7 +252,8 @@ def _quantize_kernel(x, xnorm, words, scales):
         c = RUN * r + 4 * k
         v0, v1, v2, v3 = load_f32x4(x, t, c) if real and r < runs else (np.float32(0),) * 4
         if on and real and r < runs:
-            v0, v1, v2, v3 = _normed(v0, v1, v2, v3, inv_rms, norm_w, c)
+            w0, w1, w2, w3 = load4(norm_w, c)
+            v0, v1, v2, v3 = _normed(v0, v1, v2, v3, inv_rms, w0, w1, w2, w3)
         hi, lo, scale, minus_sum = _run_words(v0, v1, v2, v3, two)
         if r < runs:
             words[t, x_word(r, k)] = hi
@@ -234,10 +276,9 @@ def _inv_rms(x, t, real, eps):
 
 
 @cuda.jit(device=True, inline=True)
-def _normed(v0, v1, v2, v3, inv_rms, norm_w, c):
-    """x's columns c..c + 3 (v0..v3) times inv_rms x the norm's weights."""
-    return (v0 * (inv_rms * load1(norm_w, c)), v1 * (inv_rms * load1(norm_w, c + 1)),
-            v2 * (inv_rms * load1(norm_w, c + 2)), v3 * (inv_rms * load1(norm_w, c + 3)))
+def _normed(v0, v1, v2, v3, inv_rms, w0, w1, w2, w3):
+    """Four columns of x (v0..v3) times inv_rms x their norm weights (w0..w3)."""
+    return v0 * (inv_rms * w0), v1 * (inv_rms * w1), v2 * (inv_rms * w2), v3 * (inv_rms * w3)
 
 
 @cuda.jit(device=True, inline=True)
@@ -355,27 +396,30 @@ def partials(w: DeviceMatrix, n: int, stream=0) -> Partials | None:
     return Partials(sums, device_zeros((blocks(w.rows, TILE_ROWS * p.warps),), np.int32, stream))
 
 
-def product(w: DeviceMatrix, qx: QuantizedX, out, stream=0, scratch_sums=None) -> None:
-    """out (an array [n, rows] or an Epilogue) = the product of w and the quantized x (see `serves`); scratch_sums:
-    `partials(w, n)` (made here if None)."""
-    if not serves(w, qx.n) or qx.words.shape[1] * 4 != w.cols:
-        raise ValueError(f"mmq does not take {qx.n} tokens of {qx.words.shape[1] * 4} columns of a {w.kind} "
+def product(w: DeviceMatrix, qx: QuantizedX | FloatX, out, stream=0, scratch_sums=None) -> None:
+    """out (an array [n, rows] or an Epilogue) = the product of w and x, quantized (`quantize`) or as floats that
+    the product's blocks quantize (`float_x`) (see `serves`); scratch_sums: `partials(w, n)` (made here if None)."""
+    floats = isinstance(qx, FloatX)
+    cols = qx.x.shape[1] if floats else qx.words.shape[1] * 4
+    if not serves(w, qx.n) or cols != w.cols:
+        raise ValueError(f"mmq does not take {qx.n} tokens of {cols} columns of a {w.kind} "
                          f"{w.rows}x{w.cols} matrix in blocks of {1 << w.block_log2}")
     ep = as_epilogue(out)
     p = plan(w)
     by_step, tiles = grouped(w), qx.n_pad // TOKEN_TILE
-    kernel = _kernel(w.kind, w.block_log2 == 4, w.has_bias, by_step, tiles, qx.parts)
+    kernel = _kernel(w.kind, w.block_log2 == 4, w.has_bias, by_step, tiles, qx.parts, p.warps if floats else 0)
     grid = (blocks(w.rows, TILE_ROWS * p.warps), p.splits)
     # a step's sub words of a row in one load: 4 or 8 bytes (a stand-in where not grouped)
     subs = w.subs.view(sub_type(w.kind, w.block_log2, w.has_bias, tiles, qx.parts)) if by_step else w.codes
+    xa, xb = (qx.x, qx.xnorm) if floats else (qx.words, qx.scales)
     if p.splits == 1:
-        kernel[grid, p.warps * WARP, stream](w.quant, subs, qx.words, qx.scales, ep, qx.n, _no_partials())
+        kernel[grid, p.warps * WARP, stream](w.quant, subs, xa, xb, ep, qx.n, _no_partials())
         return
     part = partials(w, qx.n, stream) if scratch_sums is None else scratch_sums
     if part.sums.shape[:2] != (p.splits, qx.n_pad) or part.sums.shape[2] < w.rows or part.tickets.size != grid[0]:
         raise ValueError(f"partial sums of shape {part.sums.shape}, {part.tickets.size} tickets for {p.splits} "
                          f"splits of {qx.n} tokens x {w.rows} rows")
-    kernel[grid, p.warps * WARP, stream](w.quant, subs, qx.words, qx.scales, ep, qx.n, part)
+    kernel[grid, p.warps * WARP, stream](w.quant, subs, xa, xb, ep, qx.n, part)
     if not last_block_reduces(tiles):
         _reduce_kernel[blocks(qx.n * w.rows, REDUCE_THREADS), REDUCE_THREADS, stream](part.sums, ep, qx.n, w.rows)
 
@@ -575,10 +619,12 @@ def _halves_products(a, xh, xl, lo, hi, d0, neg0, d1, neg1, acc, j, bias, two):
 
 
 @functools.cache
-def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, parts: int):
+def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, parts: int, quantizing: int = 0):
     """The product of `tiles` token tiles for `kind` (halves: 16-column blocks, two k16 mmas a run; bias: the matrix
     has biases; by_step: scale words loaded once a step, see `grouped`; parts: x's int8 parts): block (b, k) does
-    rows b * 16 warps.. (16 a warp) over the k-th of the grid's y splits of the steps."""
+    rows b * 16 warps.. (16 a warp) over the k-th of the grid's y splits of the steps. x comes quantized
+    (`QuantizedX`: words, scales), or, where `quantizing` gives the blocks' warps (one token tile), as floats that
+    each block quantizes itself step by step (`FloatX`: x, xnorm)."""
     two = parts == 2
     pair_fragments = _PAIRS[kind]
     runs = _step_runs(kind, tiles, parts)
@@ -675,6 +721,86 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
         for i in range(cuda.threadIdx.x, x_scales // 4, cuda.blockDim.x):
             copy_async16(xs_s, b * x_scales + 4 * i, xs, step * runs + i // (n_pad // 2), 4 * (i % (n_pad // 2)))
 
+    @cuda.jit(device=True, inline=True)
+    def copy_first(xw, xs, begin, end, xr, inv_s, xw_s, xs_s):
+        stage_x(xw, xs, begin, 0, xw_s, xs_s)
+
+    @cuda.jit(device=True, inline=True)
+    def copy_next(xw, xs, s, end, b, xr, inv_s, xw_s, xs_s):
+        stage_x(xw, xs, s, b, xw_s, xs_s)
+
+    # where the blocks quantize x: a step's units (token u % n_pad, run u // n_pad of the step), RUN_LANES lanes a
+    # unit, the block's lane groups taking units g, g + groups, .. (`per_thread` of them, one where 8 warps quantize
+    # q4's 4 runs of 8 tokens); a unit's 4 columns of x, then the norm's 4 weights, in xr
+    groups = max(quantizing, 1) * WARP // RUN_LANES
+    units = n_pad * runs
+    per_thread = blocks(units, groups)
+
+    @cuda.jit(device=True, inline=True)
+    def fetch_x(x, xnorm, step, xr):
+        """Start loading this thread's columns of x (and the norm's weights, where it normalizes) of a step into
+        xr, to be used a step of products later (`put_x`); padding tokens get zeros."""
+        norm_w, _, on = xnorm
+        k = cuda.threadIdx.x % RUN_LANES
+        for j in range(per_thread):
+            u = cuda.threadIdx.x // RUN_LANES + j * groups
+            c = RUN * (step * runs + u // n_pad) + 4 * k
+            real = u < units and u % n_pad < x.shape[0]
+            zeros = (np.float32(0),) * 4
+            xr[8 * j], xr[8 * j + 1], xr[8 * j + 2], xr[8 * j + 3] = load_f32x4(x, u % n_pad, c) if real else zeros
+            if on:
+                xr[8 * j + 4], xr[8 * j + 5], xr[8 * j + 6], xr[8 * j + 7] = load4(norm_w, c) if real else zeros
+
+    @cuda.jit(device=True, inline=True)
+    def put_x(x, xnorm, xr, inv_s, b, xw_s, xs_s):
+        """This thread's units of the step fetched into xr, normalized where xnorm says so and quantized as
+        `_quantize_kernel` quantizes them (the same device functions: the same bits), into shared buffer b in
+        `stage_x`'s layout."""
+        _, _, on = xnorm
+        k = cuda.threadIdx.x % RUN_LANES
+        for j in range(per_thread):
+            u = cuda.threadIdx.x // RUN_LANES + j * groups
+            t, run = u % n_pad, u // n_pad
+            v0, v1, v2, v3 = xr[8 * j], xr[8 * j + 1], xr[8 * j + 2], xr[8 * j + 3]
+            if on and u < units and t < x.shape[0]:
+                v0, v1, v2, v3 = _normed(v0, v1, v2, v3, inv_s[t], xr[8 * j + 4], xr[8 * j + 5], xr[8 * j + 6],
+                                         xr[8 * j + 7])
+            hi, lo, scale, minus_sum = _run_words(v0, v1, v2, v3, two)
+            if u < units:
+                at = b * x_words + ((run >> 1) * n_pad + t) * 16 + 4 * (k & 3) + 2 * (run & 1) + (k >> 2)
+                xw_s[at] = hi
+                if two:
+                    xw_s[at + lo_words] = lo
+                if k == 0:
+                    xs_s[b * x_scales + run * 2 * n_pad + 2 * t] = scale
+                    xs_s[b * x_scales + run * 2 * n_pad + 2 * t + 1] = minus_sum
+
+    @cuda.jit(device=True, inline=True)
+    def quantize_first(x, xnorm, begin, end, xr, inv_s, xw_s, xs_s):
+        """The tokens' 1 / RMS where xnorm says so (a warp a token, as `_quantize_kernel`), the first step of x
+        quantized into buffer 0, and the second's loads started."""
+        _, eps, on = xnorm
+        if on:
+            warp = cuda.threadIdx.x // WARP
+            for t0 in range(0, n_pad, quantizing):
+                inv_rms = _inv_rms(x, t0 + warp, t0 + warp < x.shape[0], eps)
+                if cuda.threadIdx.x % WARP == 0 and t0 + warp < n_pad:
+                    inv_s[t0 + warp] = inv_rms
+            cuda.syncthreads()
+        fetch_x(x, xnorm, begin, xr)
+        put_x(x, xnorm, xr, inv_s, 0, xw_s, xs_s)
+        if begin + 1 < end:
+            fetch_x(x, xnorm, begin + 1, xr)
+
+    @cuda.jit(device=True, inline=True)
+    def quantize_next(x, xnorm, s, end, b, xr, inv_s, xw_s, xs_s):
+        """Step s of x (fetched a step ago) quantized into buffer b, and step s + 1's loads started."""
+        put_x(x, xnorm, xr, inv_s, b, xw_s, xs_s)
+        if s + 1 < end:
+            fetch_x(x, xnorm, s + 1, xr)
+
+    x_first, x_next = (quantize_first, quantize_next) if quantizing else (copy_first, copy_next)
+
     @jit_inlined
     def tile_run(args, j):
         """Token tile j's products of the step's run u: acc[4j..4j+3] (row g tokens 2q, 2q + 1, row g + 8 the
@@ -712,27 +838,30 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
     pairs_step = _unrolled(pair_step, pairs)
 
     @cuda.jit(device=True, inline=True)
-    def stage(w, xw, xs, s, b, first, last, lane, w_s, xw_s, xs_s):
-        """Start copying step s's codes (the warp's rows) and x (the block's share) into buffers b: one group."""
+    def stage(w, xa, xb, s, end, b, first, last, lane, w_s, xr, inv_s, xw_s, xs_s):
+        """Start copying step s's codes (the warp's rows) into buffers b, and x (the block's share: copied, or
+        quantized from xr): one group."""
         stage_w(w, s, 2 * (cuda.threadIdx.x // WARP) + b, first, last, lane, w_s)
-        stage_x(xw, xs, s, b, xw_s, xs_s)
+        x_next(xa, xb, s, end, b, xr, inv_s, xw_s, xs_s)
         copy_async_commit()
 
     @cuda.jit(device=True, inline=True)
-    def next_step(w, subs, rows, buf, prev, xw, xs, s, end, b, first, last, lane, w_s, xw_s, xs_s):
+    def next_step(w, subs, rows, buf, prev, xa, xb, s, end, b, first, last, lane, w_s, xr, inv_s, xw_s, xs_s):
         """Step s's scale words into buf (prev: the step before's) and its codes and x into shared buffers b where
         s < end (the step before's copies then waited for), else the last copies waited for; a barrier (the step
         before's staged for all)."""
         if s < end:
             load_step(w, subs, rows, s, buf, prev, False)
-            stage(w, xw, xs, s, b, first, last, lane, w_s, xw_s, xs_s)
+            stage(w, xa, xb, s, end, b, first, last, lane, w_s, xr, inv_s, xw_s, xs_s)
             copy_async_wait_one()
         else:
             copy_async_wait_all()
         cuda.syncthreads()
 
-    def kernel(w, subs, xw, xs, ep, n, part):
+    def kernel(w, subs, xa, xb, ep, n, part):
         acc = cuda.local.array(outputs, np.float32)
+        xr = cuda.local.array(8 * per_thread, np.float32)
+        inv_s = cuda.shared.array(n_pad, np.float32)
         buf_a = cuda.local.array(step_words, np.uint32)
         buf_b = cuda.local.array(step_words, np.uint32)
         w_s = cuda.shared.array(w_shape, np.uint32, alignment=ALIGN_16)
@@ -745,23 +874,25 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
         first = (cuda.blockIdx.x * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP) * TILE_ROWS
         last = w.codes.shape[0] - 1
         rows = (min(first + g, last), min(first + 8 + g, last))  # rows past the end load a real row, stored nowhere
-        steps = xs.shape[0] // RUNS[kind]  # the plan's steps: split k takes [k steps // splits, (k + 1) ..)
+        steps = w.codes.shape[1] // (code_words * RUNS[kind])  # the plan's: split k takes [k steps // splits, ..)
         begin = cuda.blockIdx.y * steps // cuda.gridDim.y * (RUNS[kind] // runs)
         end = (cuda.blockIdx.y + 1) * steps // cuda.gridDim.y * (RUNS[kind] // runs)
         load_step(w, subs, rows, begin, buf_a, buf_b, True)  # constant weights: in flight before the wait
         stage_w(w, begin, 2 * (cuda.threadIdx.x // WARP), first, last, lane, w_s)
         await_grid()
-        stage_x(xw, xs, begin, 0, xw_s, xs_s)
+        x_first(xa, xb, begin, end, xr, inv_s, xw_s, xs_s)
         copy_async_commit()
         # even steps: scale words in buf_a, codes and x in shared buffers 0; odd: buf_b, 1. Each step's loads and
         # copies are in flight while the step before computes; a barrier after a step's products keeps its buffers
         # until every warp is done
         for s in range(begin, end, 2):
-            next_step(w, subs, rows, buf_b, buf_a, xw, xs, s + 1, end, 1, first, last, lane, w_s, xw_s, xs_s)
+            next_step(w, subs, rows, buf_b, buf_a, xa, xb, s + 1, end, 1, first, last, lane, w_s, xr, inv_s, xw_s,
+                      xs_s)
             pairs_step((w, w_s, xw_s, xs_s, 0, buf_a, acc, lane), 0)
             cuda.syncthreads()
             if s + 1 < end:
-                next_step(w, subs, rows, buf_a, buf_b, xw, xs, s + 2, end, 0, first, last, lane, w_s, xw_s, xs_s)
+                next_step(w, subs, rows, buf_a, buf_b, xa, xb, s + 2, end, 0, first, last, lane, w_s, xr, inv_s,
+                          xw_s, xs_s)
                 pairs_step((w, w_s, xw_s, xs_s, 1, buf_b, acc, lane), 0)
                 cuda.syncthreads()
         gated = ep.gate != NO_GATE
@@ -780,5 +911,6 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
             _last_block_adds(part, ep, n, last)
 
     kernel.__name__ = kernel.__qualname__ = (f"_mmq_{kind}{'_halves' * halves}{'_bias' * bias}{'_by_step' * by_step}"
-                                             f"_tokens{TOKEN_TILE * tiles}_parts{parts}")
+                                             f"_tokens{TOKEN_TILE * tiles}_parts{parts}"
+                                             f"{f'_quantizing{quantizing}' * bool(quantizing)}")
     return jit_bounded(kernel, MAX_WARPS * WARP, RESIDENT_WARPS // MAX_WARPS)
