@@ -2,8 +2,10 @@
 (the idea of llama.cpp's MMQ): a short batch (decode rows, a verify block) reads each weight once, and neither the
 weights nor x become floats before the tensor cores.
 
-- x is quantized first (`quantize`: one small launch, a block per token, RMSNorm'd there where the products' x is)
-  per 32-column run, in one of two precisions
+- x is quantized first (`quantize`: one small launch, a block per token, RMSNorm'd there where the products' x is),
+  or, up to one token tile (`quantizes_itself`: verify blocks, decode batches), by each block of the product itself as
+  it stages x's steps (`float_x`: no launch before the product; the same device functions, the same bits), per
+  32-column run (8 lanes a run, 4 columns each), in one of two precisions
   (`parts`): one int8 code per column, round(x / d) with d = max|x| / 127 (llama.cpp's q8_1: ~5e-3 of a product's
   largest output against float64), or two, hi = round(x / d) and lo = round((x - d hi) / u) with u = d / 256, as the
   matvecs quantize x (`matvec._quantize_x`: 16 bits, ~1e-5; each part its own mma, their int32 sums joined as
@@ -41,8 +43,10 @@ weights nor x become floats before the tensor cores.
   row (two where many tokens leave too few registers); a warp copies its next step's codes and loads its scale words
   (the K-quants' scale word once and their sub words in one load of 4 or 8 bytes, others a scale and sub word per
   run) into second buffers while it computes on this one, and its first step's before `await_grid`. Matrices of few
-  row tiles split their columns over `splits` blocks (`plan`: a wave of resident blocks), whose partial sums
-  a second launch adds in order (`_reduce_kernel`). Outputs go through the Epilogue (rows split, bias, residual;
+  row tiles split their columns over `splits` blocks (`plan`: any number, uneven ranges of whole steps, to fill a
+  wave of resident blocks), whose partial sums the row tile's last block to finish adds in order (an atomic ticket
+  after a fence; `last_block_reduces`: up to 2 token tiles), or beyond, a second launch (`_reduce_kernel`, the same
+  order: the same bits). Outputs go through the Epilogue (rows split, bias, residual;
   a 16-row tile is one gate/up group: a lane holds a gate row and its up row). The plan depends on the matrix's
   shape only, never on n: a token's outputs are the same sums in the same order whatever the other tokens, bit for
   bit.
@@ -113,6 +117,7 @@ SIGN_BITS = np.uint32(0x80808080)
 Q6_BYTES = np.uint32(0x20202020)  # Q6_OFFSET in each byte
 MAGIC = np.int32(0x4B400000)  # the bits of 1.5 * 2^23: C of the mmas, whose sums of a part and run stay below 2^22
 MAGIC_FLOAT = np.float32(12582912.0)
+_ZEROS4 = (np.float32(0),) * 4
 
 
 class QuantizedX(NamedTuple):
@@ -250,7 +255,7 @@ def _quantize_kernel(x, xnorm, words, scales):
     for first in range(0, runs, cuda.blockDim.x // RUN_LANES):
         r = first + cuda.threadIdx.x // RUN_LANES
         c = RUN * r + 4 * k
-        v0, v1, v2, v3 = load_f32x4(x, t, c) if real and r < runs else (np.float32(0),) * 4
+        v0, v1, v2, v3 = load_f32x4(x, t, c) if real and r < runs else _ZEROS4
         if on and real and r < runs:
             w0, w1, w2, w3 = load4(norm_w, c)
             v0, v1, v2, v3 = _normed(v0, v1, v2, v3, inv_rms, w0, w1, w2, w3)
@@ -637,6 +642,7 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
     outputs = 4 * tiles  # a lane's accumulators: per token tile rows g, g + 8 x two tokens
     products = _halves_products if halves else _block_products
     reduces = last_block_reduces(tiles)
+    plan_step = RUNS[kind] // runs  # the kernel's steps in a step of `plan` (whole RUNS[kind] runs)
 
     @cuda.jit(device=True, inline=True)
     def load_step(w, subs, rows, step, buf, prev, fresh):
@@ -662,6 +668,7 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
                     buf[o + 2 * u], buf[o + 2 * u + 1] = block_words(w, r, first + u)
 
     code_words, high_words = STAGED_WORDS[kind]
+    plan_step_words = code_words * RUNS[kind]  # a row's code words of a step of `plan`
     code_chunks = runs * code_words // 4  # 16-byte chunks of a row's step: its code words, then its high words
     row_chunks = code_chunks + runs * high_words // 4
     # an odd number of chunks a staged row, so that ldmatrix's 8 rows of 16 bytes fall on distinct banks
@@ -735,6 +742,7 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
     groups = max(quantizing, 1) * WARP // RUN_LANES
     units = n_pad * runs
     per_thread = blocks(units, groups)
+    fetched = 8 * per_thread  # xr's size
 
     @cuda.jit(device=True, inline=True)
     def fetch_x(x, xnorm, step, xr):
@@ -746,10 +754,9 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
             u = cuda.threadIdx.x // RUN_LANES + j * groups
             c = RUN * (step * runs + u // n_pad) + 4 * k
             real = u < units and u % n_pad < x.shape[0]
-            zeros = (np.float32(0),) * 4
-            xr[8 * j], xr[8 * j + 1], xr[8 * j + 2], xr[8 * j + 3] = load_f32x4(x, u % n_pad, c) if real else zeros
+            xr[8 * j], xr[8 * j + 1], xr[8 * j + 2], xr[8 * j + 3] = load_f32x4(x, u % n_pad, c) if real else _ZEROS4
             if on:
-                xr[8 * j + 4], xr[8 * j + 5], xr[8 * j + 6], xr[8 * j + 7] = load4(norm_w, c) if real else zeros
+                xr[8 * j + 4], xr[8 * j + 5], xr[8 * j + 6], xr[8 * j + 7] = load4(norm_w, c) if real else _ZEROS4
 
     @cuda.jit(device=True, inline=True)
     def put_x(x, xnorm, xr, inv_s, b, xw_s, xs_s):
@@ -860,7 +867,7 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
 
     def kernel(w, subs, xa, xb, ep, n, part):
         acc = cuda.local.array(outputs, np.float32)
-        xr = cuda.local.array(8 * per_thread, np.float32)
+        xr = cuda.local.array(fetched, np.float32)
         inv_s = cuda.shared.array(n_pad, np.float32)
         buf_a = cuda.local.array(step_words, np.uint32)
         buf_b = cuda.local.array(step_words, np.uint32)
@@ -874,9 +881,9 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
         first = (cuda.blockIdx.x * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP) * TILE_ROWS
         last = w.codes.shape[0] - 1
         rows = (min(first + g, last), min(first + 8 + g, last))  # rows past the end load a real row, stored nowhere
-        steps = w.codes.shape[1] // (code_words * RUNS[kind])  # the plan's: split k takes [k steps // splits, ..)
-        begin = cuda.blockIdx.y * steps // cuda.gridDim.y * (RUNS[kind] // runs)
-        end = (cuda.blockIdx.y + 1) * steps // cuda.gridDim.y * (RUNS[kind] // runs)
+        steps = w.codes.shape[1] // plan_step_words  # the plan's: split k takes [k steps // splits, ..)
+        begin = cuda.blockIdx.y * steps // cuda.gridDim.y * plan_step
+        end = (cuda.blockIdx.y + 1) * steps // cuda.gridDim.y * plan_step
         load_step(w, subs, rows, begin, buf_a, buf_b, True)  # constant weights: in flight before the wait
         stage_w(w, begin, 2 * (cuda.threadIdx.x // WARP), first, last, lane, w_s)
         await_grid()
