@@ -133,10 +133,10 @@ for kind, halves, bias, grouped in (("q4", False, True, True), ("q6", True, Fals
             subs = types.uint64[:, ::1] if wide else U2
             CHECKS[f"mmq_{kind}{'_halves' * halves}{'_bias' * bias}_tokens{8 * tiles}_parts{parts}"] = (
                 mmq._kernel(kind, halves, bias, grouped, tiles, parts), (QUANTS[kind], subs, U2, F2, EP, I64, MMQ_PART))
-        if tiles == 1:  # its blocks quantize x themselves (8 warps)
-            CHECKS[f"mmq_{kind}{'_halves' * halves}{'_bias' * bias}_tokens8_parts{parts}_quantizing"] = (
-                mmq._kernel(kind, halves, bias, grouped, tiles, parts, 8),
-                (QUANTS[kind], subs, F2, NORM, EP, I64, MMQ_PART))
+            if tiles == 1:  # its blocks quantize x themselves (8 warps)
+                CHECKS[f"mmq_{kind}{'_halves' * halves}{'_bias' * bias}_tokens8_parts{parts}_quantizing"] = (
+                    mmq._kernel(kind, halves, bias, grouped, tiles, parts, 8),
+                    (QUANTS[kind], subs, F2, NORM, EP, I64, MMQ_PART))
 CHECKS["mmq_quantize"] = (mmq._quantize_kernel, (F2, NORM, U2, F2))
 CHECKS["mmq_reduce"] = (mmq._reduce_kernel, (types.float32[:, :, ::1], EP, I64, I64))
 CHECKS["moe_routed_f32"] = (moe._routed_f32, (F2, F2, I1, I64, F2, I2, B, EP))

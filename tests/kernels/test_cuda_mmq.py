@@ -159,7 +159,7 @@ def test_mmq(qtype, rows, cols, n, parts):
 
 @needs_kernels
 def test_columns_split_over_blocks(monkeypatch):
-    """Uneven splits of the columns (4 of 6 steps: 1, 2, 1, 2), their sums added by the row tile's last block (up
+    """Uneven splits of the columns (4 of 6 steps: 2, 2, 1, 1), their sums added by the row tile's last block (up
     to 2 token tiles) or by the second launch (3): the same bits for a token either way; the tickets back at 0
     after each product (a graph replays it). Then a gated product in 2 splits."""
     from lucekv.kernels.cpu.quants import interleave_rows
