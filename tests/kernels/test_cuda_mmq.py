@@ -167,7 +167,8 @@ def test_columns_split_over_blocks(monkeypatch):
     from lucekv.kernels.cuda.packed import GATE_ROWS, SILU, epilogue, upload
 
     monkeypatch.setattr(mmq, "MIN_STEPS", 1)
-    monkeypatch.setattr(mmq, "RESIDENT_WARPS", 8)  # 4 blocks of two warps a wave (the simulator's 1 SM)
+    monkeypatch.setattr(mmq, "sm_count", lambda: 1)  # (the simulator's; on a GPU too)
+    monkeypatch.setattr(mmq, "RESIDENT_WARPS", 8)  # 4 blocks of two warps a wave
     rng = np.random.default_rng(6)
     m = random_packed(rng, Q.Q4_K, 20, 768)
     x = rng.standard_normal((17, 768)).astype(np.float32)
@@ -221,6 +222,7 @@ def test_blocks_quantize_x_as_the_quantize_launch_does(monkeypatch, qtype, rows,
     from lucekv.kernels.cuda.packed import upload
 
     monkeypatch.setattr(mmq, "MIN_STEPS", 1)
+    monkeypatch.setattr(mmq, "sm_count", lambda: 1)  # (the simulator's; on a GPU too)
     rng = np.random.default_rng(9)
     m = random_packed(rng, qtype, rows, cols)
     x = rng.standard_normal((3, cols)).astype(np.float32) * 3
