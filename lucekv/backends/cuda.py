@@ -611,8 +611,9 @@ class CudaOps:
         """Each (W, destination) of x: for one token the decode matvecs (two matrices to a launch), normalizing x
         themselves when `norm` is given (`_fuses_norm`); for more, MMQ_MIN_TOKENS to `mmq_tokens` tokens the integer
         tensor-core products of the matrices mmq serves (`takes_mmq`: x quantized, and normalized, once for all of
-        them), else tensor-core matmuls (the caller has normalized x), but for a few tokens of a matrix small enough
-        the matvecs (`as_matvec_rows`), which normalize x as for one."""
+        them, or up to a token tile by each product's blocks themselves: `mmq.quantizes_itself`), else tensor-core
+        matmuls (the caller has normalized x), but for a few tokens of a matrix small enough the matvecs
+        (`as_matvec_rows`), which normalize x as for one."""
         n = x.shape[0]
         rows = [(w, ep) for w, ep in products if n == 1 or self.as_matvec_rows(w, n)]
         if rows:
@@ -621,8 +622,9 @@ class CudaOps:
             return
         integer = [(w, ep) for w, ep in products if self.takes_mmq(w, n)]
         if integer:
-            qx = mmq.quantize(x, self._mmq_x(n, x.shape[1]), self.stream,
-                              norm=None if norm is None else (norm, self.spec.rms_eps))
+            by_norm = None if norm is None else (norm, self.spec.rms_eps)
+            qx = (mmq.float_x(x, mmq.PARTS, by_norm) if mmq.quantizes_itself(n)
+                  else mmq.quantize(x, self._mmq_x(n, x.shape[1]), self.stream, norm=by_norm))
             for w, ep in integer:
                 mmq.product(w, qx, ep, self.stream, self._mmq_sums(w, n))
         matmuls([(w, ep) for w, ep in products if not self.as_matvec_rows(w, n) and not self.takes_mmq(w, n)], x,

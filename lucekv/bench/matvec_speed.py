@@ -257,7 +257,9 @@ def bench_rows(s: Shape, rng: np.random.Generator, rows: list[int], replays: int
 
 def bench_mmq(mats: list, order: list[int], xs: list, outs: list, ref: np.ndarray, replays: int, stream) -> dict:
     """The integer tensor-core product of bench_rows' tokens, x in one int8 part and in two (`mmq1_`, `mmq2_`): µs of
-    x's quantization and the product (as a step runs them) and of the product alone, the product's GB/s of weights,
+    x's quantization and the product as a step runs them (up to a token tile the product's blocks quantize x
+    themselves: `mmq.quantizes_itself`, else a launch before it) and of the product of x quantized before it alone
+    (no quantization at all), the latter's GB/s of weights,
     its error against float64, and whether each token's outputs equal bit for bit those of the same token in products
     of two tokens (a token's sums must not depend on the others)."""
     n, cols = xs[0].shape
@@ -266,8 +268,8 @@ def bench_mmq(mats: list, order: list[int], xs: list, outs: list, ref: np.ndarra
     for parts in (1, 2):
         key = f"mmq{parts}_"
         scratch = [mmq.scratch(n, cols, parts, stream) for _ in mats]
-        both = [lambda st, k=k, qx=scratch[k]: mmq.product(mats[k], mmq.quantize(xs[k], qx, st), outs[k], st, sums[k])
-                for k in order]
+        both = [lambda st, k=k, qx=scratch[k]: mmq.product(mats[k], as_step(xs[k], qx, st), outs[k], st,
+                                                            sums[k]) for k in order]
         result[key + "us"] = graph_us(stream, both, replays)
         got = outs[0].copy_to_host()
         alone = [lambda st, k=k, qx=scratch[k]: mmq.product(mats[k], qx, outs[k], st, sums[k]) for k in order]
@@ -281,6 +283,12 @@ def bench_mmq(mats: list, order: list[int], xs: list, outs: list, ref: np.ndarra
             equal &= bool(np.array_equal(pair.copy_to_host(stream=stream), got[t:t + 2]))
         result[key + "equals_two_at_a_time"] = equal
     return result
+
+
+def as_step(x, scratch: mmq.QuantizedX, stream):
+    """x for a product as the backend gives it: floats that its blocks quantize (in scratch's parts), or quantized
+    into scratch here."""
+    return mmq.float_x(x, scratch.parts) if mmq.quantizes_itself(x.shape[0]) else mmq.quantize(x, scratch, stream)
 
 
 def device_name(dev) -> str:
@@ -327,7 +335,8 @@ def main() -> None:
             for parts in (1, 2) if "mmq_plan" in r else ():
                 k = f"mmq{parts}_"
                 print(f"{'':32s}          mmq, x in {parts} part{'s' * (parts > 1)}: {r[k + 'us']:7.1f} µs with x's "
-                      f"quantization, product {r[k + 'product_us']:7.1f} ({r[k + 'gbps']:.0f} GB/s, {r['mmq_plan']}); "
+                      f"quantization, of x quantized before {r[k + 'product_us']:7.1f} ({r[k + 'gbps']:.0f} GB/s, "
+                      f"{r['mmq_plan']}); "
                       f"err {r[k + 'max_rel_err']:.1e}"
                       f"{'' if r[k + 'equals_two_at_a_time'] else ' (NOT equal to two tokens at a time)'}", flush=True)
         write_json(a.json, result)

@@ -55,6 +55,8 @@ FLASH = (F2, U2, U2, I1, TABLES, I1, I64, F32, F2)
 _m = np.zeros((2, 4), np.float32)
 EP = typeof(epilogue((_m, _m), bias=_m[0]))
 XNORM = typeof((_m, np.float32(0), True))
+NORM = typeof((np.zeros(2, np.float32), np.float32(0), True))  # a norm's (weight, eps, on)
+MMQ_PART = typeof(mmq.Partials(np.zeros((2, 2, 4), np.float32), np.zeros(2, np.int32)))
 ROTARY = typeof(Rotary(np.zeros(4), True, True))
 QK_NORM = typeof((_m[0], _m[0], np.float32(0), True))
 QKV = typeof(attention_inputs(_m, *(np.zeros((2, 2, 4), np.float16) for _ in range(2)), *(np.zeros(1, np.int32),) * 2,
@@ -130,9 +132,13 @@ for kind, halves, bias, grouped in (("q4", False, True, True), ("q6", True, Fals
             wide = mmq.sub_type(kind, 4 if halves else 5, bias, tiles, parts) == np.uint64  # a step's sub words
             subs = types.uint64[:, ::1] if wide else U2
             CHECKS[f"mmq_{kind}{'_halves' * halves}{'_bias' * bias}_tokens{8 * tiles}_parts{parts}"] = (
-                mmq._kernel(kind, halves, bias, grouped, tiles, parts), (QUANTS[kind], subs, U2, F2, EP, I64, PART[0]))
-CHECKS["mmq_quantize"] = (mmq._quantize_kernel, (F2, typeof((np.zeros(2, np.float32), np.float32(0), True)), U2, F2))
-CHECKS["mmq_reduce"] = (mmq._reduce_kernel, (types.float32[:, :, ::1], EP, I64))
+                mmq._kernel(kind, halves, bias, grouped, tiles, parts), (QUANTS[kind], subs, U2, F2, EP, I64, MMQ_PART))
+            if tiles == 1:  # its blocks quantize x themselves (8 warps)
+                CHECKS[f"mmq_{kind}{'_halves' * halves}{'_bias' * bias}_tokens8_parts{parts}_quantizing"] = (
+                    mmq._kernel(kind, halves, bias, grouped, tiles, parts, 8),
+                    (QUANTS[kind], subs, F2, NORM, EP, I64, MMQ_PART))
+CHECKS["mmq_quantize"] = (mmq._quantize_kernel, (F2, NORM, U2, F2))
+CHECKS["mmq_reduce"] = (mmq._reduce_kernel, (types.float32[:, :, ::1], EP, I64, I64))
 CHECKS["moe_routed_f32"] = (moe._routed_f32, (F2, F2, I1, I64, F2, I2, B, EP))
 for kind, quant in (("q4", Q4_K), ("f32", _quant(np.float32, np.uint8, np.uint8))):
     CHECKS[f"moe_router_parts_{kind}"] = (moe._ROUTER_PARTS[kind], (quant, F2, types.float32[:, :, ::1]))

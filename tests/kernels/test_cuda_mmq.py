@@ -159,23 +159,35 @@ def test_mmq(qtype, rows, cols, n, parts):
 
 @needs_kernels
 def test_columns_split_over_blocks(monkeypatch):
-    """Splits of the columns (partial sums added by the second launch), plain and gated."""
+    """Uneven splits of the columns (4 of 6 steps: 2, 2, 1, 1), their sums added by the row tile's last block (up
+    to 2 token tiles) or by the second launch (3): the same bits for a token either way; the tickets back at 0
+    after the product (a graph replays it). Then a gated product in 2 splits."""
     from lucekv.kernels.cpu.quants import interleave_rows
     from lucekv.kernels.cuda import mmq
     from lucekv.kernels.cuda.packed import GATE_ROWS, SILU, epilogue, upload
 
     monkeypatch.setattr(mmq, "MIN_STEPS", 1)
+    monkeypatch.setattr(mmq, "sm_count", lambda: 1)  # (the simulator's; on a GPU too)
+    monkeypatch.setattr(mmq, "RESIDENT_WARPS", 8)  # 4 blocks of two warps a wave
     rng = np.random.default_rng(6)
-    m = random_packed(rng, Q.Q6_K, 16, 256)
-    x = rng.standard_normal((9, 256)).astype(np.float32)
-    assert mmq.plan(upload(m)).splits == 4
-    assert rel_err(run_mmq(m, x), oracle(m, x)) <= 1e-5
+    m = random_packed(rng, Q.Q8_0, 20, 384)
+    x = rng.standard_normal((17, 384)).astype(np.float32)
+    w = upload(m)
+    assert mmq.plan(w) == (2, 4) and mmq.last_block_reduces(2) and not mmq.last_block_reduces(3)
+    scratch = mmq.partials(w, 3)
+    first = cuda.device_array((3, m.rows), np.float32)
+    mmq.product(w, mmq.quantize(cuda.to_device(x[:3]), mmq.scratch(3, 384)), first, scratch_sums=scratch)
+    assert not scratch.tickets.copy_to_host().any()  # ready for the next product
+    every = run_mmq(m, x)
+    assert rel_err(every, oracle(m, x)) <= 1e-5
+    assert np.array_equal(first.copy_to_host(), every[:3])
     gate, up = (random_packed(rng, Q.Q4_K, GATE_ROWS, 256) for _ in range(2))
     w = upload(interleave_rows(gate, up, GATE_ROWS))
     assert mmq.plan(w).splits == 2
     out = cuda.device_array((2, GATE_ROWS), np.float32)
-    mmq.mmq(w, cuda.to_device(x[:2]), epilogue((out,), gate=SILU))
-    g, u = oracle(gate, x[:2]), oracle(up, x[:2])
+    x = x[:2, :256].copy()
+    mmq.mmq(w, cuda.to_device(x), epilogue((out,), gate=SILU))
+    g, u = oracle(gate, x), oracle(up, x)
     assert rel_err(out.copy_to_host(), g / (1 + np.exp(-g)) * u) <= 1e-5
 
 
@@ -195,6 +207,35 @@ def test_quantize_normalizes_x_where_asked():
     x64 = x.astype(np.float64)
     normed = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + 1e-5) * weight
     assert rel_err(out.copy_to_host(), normed @ dense(m).T) <= 1e-4
+
+
+@needs_kernels
+@pytest.mark.parametrize(("qtype", "rows", "cols", "parts", "norm"), [
+    (Q.Q4_K, 20, 256, 2, True),  # 2 warps, 4 units a thread, normalized; 2 splits
+    (Q.Q6_K, 48, 512, 1, False),  # 3 warps (a lane group without a unit), 5 uneven splits of 8 steps
+], ids=str)
+def test_blocks_quantize_x_as_the_quantize_launch_does(monkeypatch, qtype, rows, cols, parts, norm):
+    """Up to 8 tokens the product's blocks quantize x themselves, step by step (`float_x`): the codes and scales of
+    `quantize`'s launch, so the same outputs bit for bit."""
+    from lucekv.kernels.cuda import mmq
+    from lucekv.kernels.cuda.packed import upload
+
+    monkeypatch.setattr(mmq, "MIN_STEPS", 1)
+    monkeypatch.setattr(mmq, "sm_count", lambda: 1)  # (the simulator's; on a GPU too)
+    rng = np.random.default_rng(9)
+    m = random_packed(rng, qtype, rows, cols)
+    x = rng.standard_normal((3, cols)).astype(np.float32) * 3
+    x[1, 64:96] = 0  # a run of zeros: scale 0
+    w, xd = upload(m), cuda.to_device(x)
+    by_norm = (cuda.to_device(rng.standard_normal(cols).astype(np.float32)), 1e-5) if norm else None
+    assert mmq.quantizes_itself(3) and mmq.plan(w).splits == (2 if norm else 5)
+    outs = [cuda.device_array((3, rows), np.float32) for _ in range(2)]
+    mmq.product(w, mmq.float_x(xd, parts, by_norm), outs[0])
+    mmq.product(w, mmq.quantize(xd, mmq.scratch(3, cols, parts), norm=by_norm), outs[1])
+    got = outs[0].copy_to_host()
+    assert np.array_equal(got, outs[1].copy_to_host())
+    if not norm:
+        assert rel_err(got, oracle(m, x, parts)) <= 1e-5
 
 
 @needs_kernels
@@ -246,7 +287,7 @@ def test_mmq_gated_and_epilogue():
 
 def test_serves_and_plans(monkeypatch):
     """2..64 tokens of q4 / q6 / q8 in whole steps; 16-column blocks only without biases; the warps of a block (on an
-    H100's 132 SMs) divide the steps, 8 where 4 leave SMs short of warps."""
+    H100's 132 SMs) split the steps to fill a wave."""
     from lucekv.kernels.cuda import mmq
     from lucekv.kernels.cuda.packed import DeviceMatrix
 
@@ -266,11 +307,14 @@ def test_serves_and_plans(monkeypatch):
         for rows, cols in [(16, 128), (4096, 12288), (24576, 4096), (1024, 4096), (151936, 896)]:
             p = mmq.plan(matrix(kind, rows, cols))
             steps = cols // (mmq.RUN * mmq.RUNS[kind])
-            assert 1 <= p.warps <= mmq.MAX_WARPS and steps % p.splits == 0
+            assert 1 <= p.warps <= mmq.MAX_WARPS
             assert p.splits == 1 or steps // p.splits >= mmq.MIN_STEPS
     # the 8B's: gate+up's 192 row tiles fill the GPU, down's 32 take 8 splits of 24 steps, o's 8 of 4
     assert [mmq.plan(matrix(*shape)) for shape in [("q4", 24576, 4096), ("q6", 4096, 12288), ("q4", 4096, 4096)]] == [
         (8, 1), (8, 8), (8, 8)]
+    # the 1.5B's down (12 row tiles): 17 splits of 70 steps (4 or 5 each), 22 of 140 for q6; its q (12 steps): 3
+    assert [mmq.plan(matrix(*shape)) for shape in [("q4", 1536, 8960), ("q6", 1536, 8960), ("q4", 1536, 1536)]] == [
+        (8, 17), (8, 22), (8, 3)]
 
 
 @needs_kernels

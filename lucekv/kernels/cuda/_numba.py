@@ -19,7 +19,8 @@ Compatibility shims live here and nowhere else:
   (`dp4a`: four byte products summed into an int32 in one instruction), `half2_floats` / `bits_f32`
   (words of a K/V tile, staged as raw 32-bit words, back to floats), and `load4` / `store4` / `load1`
   (1-D array elements, four at a time in 16-byte accesses, without the wraparound arithmetic: in
-  unrolled shared-memory loops that arithmetic is most of the instructions).
+  unrolled shared-memory loops that arithmetic is most of the instructions). `load_f32x4_l2` reads 16 bytes at L2
+  (`ld.global.cg`): the partial sums that other blocks of the same grid wrote (a last block's reduce).
 - Tensor cores: `mma_f16_16816` is one warp-wide `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`
   (operands as words of two float16, low half first, in the PTX ISA's fragment layout); its simulator twin
   gathers the warp's fragments through a scratch array between barriers, like the reductions above (so it
@@ -106,6 +107,9 @@ if SIMULATOR:
         return a[r, c], a[r, c + 1], a[r, c + 2], a[r, c + 3]
 
     load_u32x4_coherent = load_f32x4
+
+    def load_f32x4_l2(a, k, r, c):
+        return a[k, r, c], a[k, r, c + 1], a[k, r, c + 2], a[k, r, c + 3]
 
     def half2_floats(word):
         h = np.array([int(word)], np.uint32).view(np.float16)
@@ -399,6 +403,18 @@ else:
             return context.make_tuple(builder, sig.return_type, values)
 
         return types.UniTuple(types.uint32, 4)(words, r, c), codegen
+
+    @intrinsic
+    def load_f32x4_l2(typingctx, a, k, r, c):
+        """a[k, r, c:c+4] of a C-contiguous 3-D float32 array, c a multiple of 4 (rows 16-byte aligned), read at L2
+        (`ld.global.cg`): what other blocks of this grid wrote before a fence, never a stale line of this SM's L1."""
+        def codegen(context, builder, sig, args):
+            ptx = "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];"
+            loaded = _global_load(builder, context, sig, args, ptx, [ir.FloatType()] * 4, constant=False)
+            values = [builder.extract_value(loaded, i) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, values)
+
+        return types.UniTuple(types.float32, 4)(a, k, r, c), codegen
 
     def _dp4a(ptx: str):
         def codegen(context, builder, sig, args):

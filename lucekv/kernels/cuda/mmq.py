@@ -2,8 +2,10 @@
 (the idea of llama.cpp's MMQ): a short batch (decode rows, a verify block) reads each weight once, and neither the
 weights nor x become floats before the tensor cores.
 
-- x is quantized first (`quantize`: one small launch, a block per token, RMSNorm'd there where the products' x is)
-  per 32-column run, in one of two precisions
+- x is quantized first (`quantize`: one small launch, a block per token, RMSNorm'd there where the products' x is),
+  or, up to one token tile (`quantizes_itself`: verify blocks, decode batches), by each block of the product itself as
+  it stages x's steps (`float_x`: no launch before the product; the same device functions, the same bits), per
+  32-column run (8 lanes a run, 4 columns each), in one of two precisions
   (`parts`): one int8 code per column, round(x / d) with d = max|x| / 127 (llama.cpp's q8_1: ~5e-3 of a product's
   largest output against float64), or two, hi = round(x / d) and lo = round((x - d hi) / u) with u = d / 256, as the
   matvecs quantize x (`matvec._quantize_x`: 16 bits, ~1e-5; each part its own mma, their int32 sums joined as
@@ -41,8 +43,10 @@ weights nor x become floats before the tensor cores.
   row (two where many tokens leave too few registers); a warp copies its next step's codes and loads its scale words
   (the K-quants' scale word once and their sub words in one load of 4 or 8 bytes, others a scale and sub word per
   run) into second buffers while it computes on this one, and its first step's before `await_grid`. Matrices of few
-  row tiles split their columns over `splits` blocks (`plan`: a wave of resident blocks), whose partial sums
-  a second launch adds in order (`_reduce_kernel`). Outputs go through the Epilogue (rows split, bias, residual;
+  row tiles split their columns over `splits` blocks (`plan`: any number, uneven ranges of whole steps, to fill a
+  wave of resident blocks), whose partial sums the row tile's last block to finish adds in order (an atomic ticket
+  after a fence; `last_block_reduces`: up to 2 token tiles), or beyond, a second launch (`_reduce_kernel`, the same
+  order: the same bits). Outputs go through the Epilogue (rows split, bias, residual;
   a 16-row tile is one gate/up group: a lane holds a gate row and its up row). The plan depends on the matrix's
   shape only, never on n: a token's outputs are the same sums in the same order whatever the other tokens, bit for
   bit.
@@ -62,24 +66,26 @@ from lucekv.kernels.cuda._numba import (
     WARP,
     await_grid,
     bits_f32,
-    block_sum,
     blocks,
     copy_async16,
     copy_async_commit,
     copy_async_wait_all,
     copy_async_wait_one,
     cuda,
+    device_zeros,
     half2_floats,
     jit_bounded,
     jit_inlined,
     jit_kernel,
-    load1,
     load4,
     load_f32x4,
+    load_f32x4_l2,
     load_matrix_x4,
     mma_s8_16816,
     mma_s8_16832,
     sm_count,
+    warp_shfl_xor,
+    warp_sum,
 )
 from lucekv.kernels.cuda.matvec import HI_STEPS, _nearest, _pack4, _unrolled
 from lucekv.kernels.cuda.packed import (
@@ -102,14 +108,16 @@ RUNS = {"q4": 4, "q6": 2, "q8": 2}  # runs per step: a row's 64 bytes of q4 code
 MAX_WARPS = 8
 RESIDENT_WARPS = 16  # warps an SM holds at the kernels' launch bounds (128 registers a thread)
 MIN_STEPS = 4  # steps of a split of the columns, at least
-QUANTIZE_THREADS = 128  # threads of a token's block, a 32-column run each in turn
-QUANTIZE_WARPS = QUANTIZE_THREADS // WARP
+LAST_BLOCK_TILES = 2  # token tiles up to which a row tile's last block adds the splits' sums (`last_block_reduces`)
+QUANTIZE_THREADS = 128  # threads of a token's block, RUN_LANES to a 32-column run, 16 runs at a time
+RUN_LANES = 8  # lanes that quantize a run together, 4 columns (one 16-byte load) each
 REDUCE_THREADS = 128
 LOW_NIBBLES = np.uint32(0x0F0F0F0F)
 SIGN_BITS = np.uint32(0x80808080)
 Q6_BYTES = np.uint32(0x20202020)  # Q6_OFFSET in each byte
 MAGIC = np.int32(0x4B400000)  # the bits of 1.5 * 2^23: C of the mmas, whose sums of a part and run stay below 2^22
 MAGIC_FLOAT = np.float32(12582912.0)
+_ZEROS4 = (np.float32(0),) * 4
 
 
 class QuantizedX(NamedTuple):
@@ -128,6 +136,24 @@ class QuantizedX(NamedTuple):
     @property
     def n_pad(self) -> int:
         return self.scales.shape[1] // 2
+
+
+class FloatX(NamedTuple):
+    """x float32 [n, cols] of up to TOKEN_TILE tokens for a product whose blocks quantize it themselves, each its
+    columns a step at a time, as `quantize` would (no launch before the product: `float_x`); xnorm as
+    `_quantize_kernel` takes it."""
+
+    x: object
+    xnorm: tuple
+    parts: int
+
+    @property
+    def n(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def n_pad(self) -> int:
+        return TOKEN_TILE
 
 
 def serves(w: DeviceMatrix, n: int) -> bool:
@@ -149,9 +175,34 @@ def grouped(w: DeviceMatrix) -> bool:
 
 
 def mmq(w: DeviceMatrix, x, out, stream=0, parts: int = PARTS) -> None:
-    """out[n, rows] (a device array or an Epilogue) = x[n, cols] @ W.T, x quantized here in `parts` (see
-    `quantize`)."""
-    product(w, quantize(x, scratch(*x.shape, parts, stream), stream), out, stream)
+    """out[n, rows] (a device array or an Epilogue) = x[n, cols] @ W.T, x quantized in `parts` (see `quantize`) by
+    the product's blocks where they do (`quantizes_itself`), else here."""
+    n = x.shape[0]
+    qx = float_x(x, parts) if quantizes_itself(n) else quantize(x, scratch(n, x.shape[1], parts, stream), stream)
+    product(w, qx, out, stream)
+
+
+def quantizes_itself(n: int) -> bool:
+    """Whether a product of n tokens takes x as floats (`float_x`), its blocks quantizing it: one token tile (a step's
+    x of 8 tokens is q4's 4 runs x 8 tokens, a run to 8 lanes: one 16-byte load a thread of 8 warps). The ~7 us
+    quantize launch before a verify block's or a decode batch's every product saved; beyond, every block would
+    quantize more tokens than its lanes take in one load."""
+    return n <= TOKEN_TILE
+
+
+def float_x(x, parts: int = PARTS, norm: tuple | None = None) -> FloatX:
+    """x [n, cols] (float32, n up to TOKEN_TILE, cols a multiple of 64) for products that quantize it in `parts`
+    themselves; norm: (weight [cols], eps) for RMSNorm(x) * weight (as `quantize`)."""
+    n, cols = x.shape
+    if cols % (2 * RUN) or not 1 <= n <= TOKEN_TILE or parts not in (1, 2):
+        raise ValueError(f"mmq's blocks quantize 1..{TOKEN_TILE} tokens of a multiple of {2 * RUN} columns in 1 or 2 "
+                         f"int8 parts, not {x.shape} in {parts}")
+    return FloatX(x, _xnorm(x, norm), parts)
+
+
+def _xnorm(x, norm: tuple | None) -> tuple:
+    """`_quantize_kernel`'s xnorm: (weight, eps, True) of a norm, else a stand-in."""
+    return (x[0], np.float32(0), False) if norm is None else (norm[0], np.float32(norm[1]), True)
 
 
 def padded(n: int) -> int:
@@ -177,8 +228,7 @@ def quantize(x, into: QuantizedX, stream=0, norm: tuple | None = None) -> Quanti
     qx = into._replace(n=n)
     if qx.n_pad != padded(n) or qx.words.shape[1] != cols // 4 or qx.scales.shape[0] != cols // RUN:
         raise ValueError(f"scratch of shapes {qx.words.shape}, {qx.scales.shape} for x of {x.shape}")
-    xnorm = (x[0], np.float32(0), False) if norm is None else (norm[0], np.float32(norm[1]), True)
-    _quantize_kernel[qx.n_pad, QUANTIZE_THREADS, stream](x, xnorm, qx.words, qx.scales)
+    _quantize_kernel[qx.n_pad, QUANTIZE_THREADS, stream](x, _xnorm(x, norm), qx.words, qx.scales)
     return qx
 
 
@@ -191,69 +241,73 @@ def x_word(run, k):
 
 @jit_kernel
 def _quantize_kernel(x, xnorm, words, scales):
-    """Block t: token t (a padding token: zeros), its runs a thread each in turn, normalized first where xnorm says
-    so (RMSNorm as `norm.rmsnorm` defines it, the row's squares summed by this block); two parts where `words` has
-    rows for them."""
+    """Block t: token t (a padding token: zeros), RUN_LANES lanes a run (`_run_words`), normalized first where xnorm
+    says so (RMSNorm as `norm.rmsnorm` defines it, each warp summing the row's squares itself: `_inv_rms`); two parts
+    where `words` has rows for them."""
     await_grid()
     t = cuda.blockIdx.x
     runs, n_pad = scales.shape[0], scales.shape[1] // 2
     real = t < x.shape[0]
     norm_w, eps, on = xnorm
-    inv_rms = np.float32(1)
-    if on:
-        sums = cuda.shared.array(QUANTIZE_WARPS, np.float32)
-        ss = np.float32(0)
-        for r in range(cuda.threadIdx.x, runs if real else 0, cuda.blockDim.x):
-            for k in range(RUN // 4):
-                v0, v1, v2, v3 = load_f32x4(x, t, RUN * r + 4 * k)
-                ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
-        inv_rms = np.float32(1) / math.sqrt(block_sum(ss, sums) / np.float32(x.shape[1]) + eps)
-    xv = cuda.local.array(RUN, np.float32)
-    for r in range(cuda.threadIdx.x, runs, cuda.blockDim.x):
-        if real:
-            for k in range(RUN // 4):
-                xv[4 * k], xv[4 * k + 1], xv[4 * k + 2], xv[4 * k + 3] = load_f32x4(x, t, RUN * r + 4 * k)
-            if on:
-                for k in range(RUN // 4):
-                    w0, w1, w2, w3 = load1(norm_w, RUN * r + 4 * k), load1(norm_w, RUN * r + 4 * k + 1), \
-                        load1(norm_w, RUN * r + 4 * k + 2), load1(norm_w, RUN * r + 4 * k + 3)
-                    xv[4 * k] *= inv_rms * w0
-                    xv[4 * k + 1] *= inv_rms * w1
-                    xv[4 * k + 2] *= inv_rms * w2
-                    xv[4 * k + 3] *= inv_rms * w3
-        else:
-            for k in range(RUN):
-                xv[k] = np.float32(0)
-        _quantize_run(xv, words, scales, t, r, n_pad)
+    inv_rms = _inv_rms(x, t, real, eps) if on else np.float32(1)
+    two = words.shape[0] > n_pad
+    k = cuda.threadIdx.x % RUN_LANES  # this lane's word of the run
+    for first in range(0, runs, cuda.blockDim.x // RUN_LANES):
+        r = first + cuda.threadIdx.x // RUN_LANES
+        c = RUN * r + 4 * k
+        v0, v1, v2, v3 = load_f32x4(x, t, c) if real and r < runs else _ZEROS4
+        if on and real and r < runs:
+            w0, w1, w2, w3 = load4(norm_w, c)
+            v0, v1, v2, v3 = _normed(v0, v1, v2, v3, inv_rms, w0, w1, w2, w3)
+        hi, lo, scale, minus_sum = _run_words(v0, v1, v2, v3, two)
+        if r < runs:
+            words[t, x_word(r, k)] = hi
+            if two:
+                words[n_pad + t, x_word(r, k)] = lo
+            if k == 0:
+                scales[r, 2 * t], scales[r, 2 * t + 1] = scale, minus_sum
 
 
 @cuda.jit(device=True, inline=True)
-def _quantize_run(xv, words, scales, t, r, n_pad):
-    """Run r of token t (its 32 values in xv) into words / scales: hi codes in row t, lo codes in row n_pad + t where
-    `words` has them (as matvec._quantize_x)."""
-    amax = np.float32(0)
-    total = np.float32(0)
-    for k in range(RUN):
-        amax = max(amax, abs(xv[k]))
-        total += xv[k]
+def _inv_rms(x, t, real, eps):
+    """1 / RMS of token t's row (eps added), for every lane of the calling warp: lane l's squares of columns 4l.., 4l
+    + 128.. in order, then the warp's butterfly. One warp's sum, in one order, wherever it is computed: so the
+    products that quantize x themselves (`_kernel`) get `_quantize_kernel`'s bits."""
+    ss = np.float32(0)
+    for c in range(4 * (cuda.threadIdx.x % WARP), x.shape[1] if real else 0, 4 * WARP):
+        v0, v1, v2, v3 = load_f32x4(x, t, c)
+        ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
+    return np.float32(1) / math.sqrt(warp_sum(ss) / np.float32(x.shape[1]) + eps)
+
+
+@cuda.jit(device=True, inline=True)
+def _normed(v0, v1, v2, v3, inv_rms, w0, w1, w2, w3):
+    """Four columns of x (v0..v3) times inv_rms x their norm weights (w0..w3)."""
+    return v0 * (inv_rms * w0), v1 * (inv_rms * w1), v2 * (inv_rms * w2), v3 * (inv_rms * w3)
+
+
+@cuda.jit(device=True, inline=True)
+def _run_words(v0, v1, v2, v3, two):
+    """A run quantized by its RUN_LANES lanes (an aligned group of a warp), lane k holding its columns 4k..4k + 3
+    (v0..v3): this lane's word of hi codes and of lo codes (two parts, else 0) and the run's scale and minus its sum
+    (the same on every lane of the group). d = max|x| / 127, hi = round(x / d), lo = round((x - d hi) / u), u = d /
+    256 (as matvec._quantize_x). Called in block-uniform control flow (the simulator's shuffles are barriers)."""
+    amax = max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3)))
+    total = v0 + v1 + v2 + v3
+    for offset in (4, 2, 1):
+        amax = max(amax, warp_shfl_xor(amax, offset))
+        total += warp_shfl_xor(total, offset)
     inv = HI_STEPS / amax if amax > np.float32(0) else np.float32(0)
     d = amax / HI_STEPS
-    two = words.shape[0] > n_pad
+    h0, h1, h2, h3 = _nearest(v0 * inv), _nearest(v1 * inv), _nearest(v2 * inv), _nearest(v3 * inv)
+    if not two:
+        return _pack4(h0, h1, h2, h3), np.uint32(0), d, -total
     lo_inv = inv * np.float32(256)
-    for k in range(RUN // 4):
-        h0 = _nearest(xv[4 * k] * inv)
-        h1 = _nearest(xv[4 * k + 1] * inv)
-        h2 = _nearest(xv[4 * k + 2] * inv)
-        h3 = _nearest(xv[4 * k + 3] * inv)
-        words[t, x_word(r, k)] = _pack4(h0, h1, h2, h3)
-        if two:
-            lo0 = min(_nearest((xv[4 * k] - np.float32(h0) * d) * lo_inv), 127)
-            lo1 = min(_nearest((xv[4 * k + 1] - np.float32(h1) * d) * lo_inv), 127)
-            lo2 = min(_nearest((xv[4 * k + 2] - np.float32(h2) * d) * lo_inv), 127)
-            lo3 = min(_nearest((xv[4 * k + 3] - np.float32(h3) * d) * lo_inv), 127)
-            words[n_pad + t, x_word(r, k)] = _pack4(lo0, lo1, lo2, lo3)
-    scales[r, 2 * t] = d / np.float32(256) if two else d
-    scales[r, 2 * t + 1] = -total
+    lo0 = min(_nearest((v0 - np.float32(h0) * d) * lo_inv), 127)
+    lo1 = min(_nearest((v1 - np.float32(h1) * d) * lo_inv), 127)
+    lo2 = min(_nearest((v2 - np.float32(h2) * d) * lo_inv), 127)
+    lo3 = min(_nearest((v3 - np.float32(h3) * d) * lo_inv), 127)
+    return _pack4(h0, h1, h2, h3), _pack4(lo0, lo1, lo2, lo3), d / np.float32(256), -total
 
 
 # ---- a lane's A fragments of a pair of runs, from its warp's staged step: words of rows g (lo) and g + 8 (hi) --
@@ -311,7 +365,8 @@ STAGED_WORDS = {"q4": (4, 0), "q6": (4, 2), "q8": (8, 0)}  # (code words, high w
 
 class Plan(NamedTuple):
     """How `product` cuts a matrix: blocks of `warps` warps of TILE_ROWS rows each, `splits` blocks sharing a row
-    tile's columns (their partial sums added in order by a second launch, `_reduce_kernel`)."""
+    tile's columns in ranges of whole RUNS[kind] steps, steps // splits each and one more for the first steps %
+    splits (`_kernel`)."""
 
     warps: int
     splits: int
@@ -319,45 +374,68 @@ class Plan(NamedTuple):
 
 def plan(w: DeviceMatrix) -> Plan:
     """Row tiles of MAX_WARPS warps (every warp of a block reads the same x at once: one L2 read per block), and as
-    many splits of the columns (powers of two, MIN_STEPS steps each at least) as a wave of resident blocks holds. The
-    shape alone decides: a token's sums must be in the same order whatever n."""
+    many splits of the columns (any number, MIN_STEPS steps each at least) as fill a wave of resident blocks: the
+    1.5B's down product (12 row tiles, 70 steps) takes 17 (204 blocks), where powers of two dividing the steps gave
+    it 2 (24 blocks on 132 SMs). The shape alone decides: a token's sums must be in the same order whatever n."""
     steps = w.cols // (RUN * RUNS[w.kind])
     warps = min(MAX_WARPS, blocks(w.rows, TILE_ROWS))
     tiles = blocks(w.rows, TILE_ROWS * warps)
     slots = sm_count() * max(RESIDENT_WARPS // warps, 1)
-    splits = 1
-    while 2 * splits * tiles <= slots and steps % (2 * splits) == 0 and steps // (2 * splits) >= MIN_STEPS:
-        splits *= 2
-    return Plan(warps, splits)
+    return Plan(warps, max(1, min(slots // tiles, steps // MIN_STEPS)))
 
 
-def partials(w: DeviceMatrix, n: int, stream=0):
+class Partials(NamedTuple):
+    """Scratch of a product whose columns `plan` splits: the splits' sums float32 [splits, n_pad, rows rounded up to
+    4] (16-byte rows: the last block reads them 4 rows at a time), and a ticket per row tile int32 (zeros: the
+    blocks of a row tile count themselves in, and its last one sets it back to 0 for the next product)."""
+
+    sums: object
+    tickets: object
+
+
+def partials(w: DeviceMatrix, n: int, stream=0) -> Partials | None:
     """Scratch for the partial sums of a product of n tokens of w where `plan` splits its columns, else None."""
-    splits = plan(w).splits
-    return None if splits == 1 else cuda.device_array((splits, padded(n), w.rows), np.float32, stream=stream)
+    p = plan(w)
+    if p.splits == 1:
+        return None
+    sums = cuda.device_array((p.splits, padded(n), blocks(w.rows, 4) * 4), np.float32, stream=stream)
+    return Partials(sums, device_zeros((blocks(w.rows, TILE_ROWS * p.warps),), np.int32, stream))
 
 
-def product(w: DeviceMatrix, qx: QuantizedX, out, stream=0, scratch_sums=None) -> None:
-    """out (an array [n, rows] or an Epilogue) = the product of w and the quantized x (see `serves`); scratch_sums:
-    `partials(w, n)` (made here if None)."""
-    if not serves(w, qx.n) or qx.words.shape[1] * 4 != w.cols:
-        raise ValueError(f"mmq does not take {qx.n} tokens of {qx.words.shape[1] * 4} columns of a {w.kind} "
+def product(w: DeviceMatrix, qx: QuantizedX | FloatX, out, stream=0, scratch_sums=None) -> None:
+    """out (an array [n, rows] or an Epilogue) = the product of w and x, quantized (`quantize`) or as floats that
+    the product's blocks quantize (`float_x`) (see `serves`); scratch_sums: `partials(w, n)` (made here if None)."""
+    floats = isinstance(qx, FloatX)
+    cols = qx.x.shape[1] if floats else qx.words.shape[1] * 4
+    if not serves(w, qx.n) or cols != w.cols:
+        raise ValueError(f"mmq does not take {qx.n} tokens of {cols} columns of a {w.kind} "
                          f"{w.rows}x{w.cols} matrix in blocks of {1 << w.block_log2}")
     ep = as_epilogue(out)
     p = plan(w)
     by_step, tiles = grouped(w), qx.n_pad // TOKEN_TILE
-    kernel = _kernel(w.kind, w.block_log2 == 4, w.has_bias, by_step, tiles, qx.parts)
+    kernel = _kernel(w.kind, w.block_log2 == 4, w.has_bias, by_step, tiles, qx.parts, p.warps if floats else 0)
     grid = (blocks(w.rows, TILE_ROWS * p.warps), p.splits)
     # a step's sub words of a row in one load: 4 or 8 bytes (a stand-in where not grouped)
     subs = w.subs.view(sub_type(w.kind, w.block_log2, w.has_bias, tiles, qx.parts)) if by_step else w.codes
+    xa, xb = (qx.x, qx.xnorm) if floats else (qx.words, qx.scales)
     if p.splits == 1:
-        kernel[grid, p.warps * WARP, stream](w.quant, subs, qx.words, qx.scales, ep, qx.n, _no_sums())
+        kernel[grid, p.warps * WARP, stream](w.quant, subs, xa, xb, ep, qx.n, _no_partials())
         return
-    sums = partials(w, qx.n, stream) if scratch_sums is None else scratch_sums
-    if sums.shape != (p.splits, qx.n_pad, w.rows):
-        raise ValueError(f"partial sums of shape {sums.shape} for {p.splits} splits of {qx.n} tokens x {w.rows} rows")
-    kernel[grid, p.warps * WARP, stream](w.quant, subs, qx.words, qx.scales, ep, qx.n, sums)
-    _reduce_kernel[blocks(qx.n * w.rows, REDUCE_THREADS), REDUCE_THREADS, stream](sums, ep, qx.n)
+    part = partials(w, qx.n, stream) if scratch_sums is None else scratch_sums
+    if part.sums.shape[:2] != (p.splits, qx.n_pad) or part.sums.shape[2] < w.rows or part.tickets.size != grid[0]:
+        raise ValueError(f"partial sums of shape {part.sums.shape}, {part.tickets.size} tickets for {p.splits} "
+                         f"splits of {qx.n} tokens x {w.rows} rows")
+    kernel[grid, p.warps * WARP, stream](w.quant, subs, xa, xb, ep, qx.n, part)
+    if not last_block_reduces(tiles):
+        _reduce_kernel[blocks(qx.n * w.rows, REDUCE_THREADS), REDUCE_THREADS, stream](part.sums, ep, qx.n, w.rows)
+
+
+def last_block_reduces(tiles: int) -> bool:
+    """Whether the splits' sums of a product of `tiles` token tiles are added by each row tile's last block to finish
+    (`_kernel`: no second launch, ~5 us on an H100) rather than by `_reduce_kernel`: up to LAST_BLOCK_TILES, where
+    that block's reads at L2 (splits x tokens x its rows) stay small; beyond, one block reading them all would take
+    longer than a launch spread over the GPU. The same sums in the same order either way: the same bits."""
+    return tiles <= LAST_BLOCK_TILES
 
 
 def _step_runs(kind: str, tiles: int, parts: int) -> int:
@@ -374,17 +452,16 @@ def sub_type(kind: str, block_log2: int, bias: bool, tiles: int, parts: int):
 
 
 @functools.cache
-def _no_sums():
+def _no_partials() -> Partials:
     """The partial sums' stand-in where the columns are not split (never read or written)."""
-    return cuda.device_array((1, 1, 1), np.float32)
+    return Partials(cuda.device_array((1, 1, 4), np.float32), cuda.device_array(1, np.int32))
 
 
 @jit_kernel
-def _reduce_kernel(sums, ep, n):
+def _reduce_kernel(sums, ep, n, rows):
     """Thread i: row i % rows of token i // rows, its splits' partial sums added in order, to ep (a gated product's
     gate rows take their up rows', TILE_ROWS // 2 further; the up rows' threads store nothing)."""
     await_grid()
-    rows = sums.shape[2]
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i >= n * rows:
         return
@@ -402,6 +479,64 @@ def _reduce_kernel(sums, ep, n):
         put_gated(ep, t, r, v, u)
     else:
         put(ep, t, r, v)
+
+
+@cuda.jit(device=True, inline=True)
+def _last_block_adds(part, ep, n, last):
+    """After a block of a split product stored its partial sums: the row tile's last block to get here adds every
+    split's sums of its rows in order (as `_reduce_kernel` adds them: the same bits) and puts them into ep, then sets
+    the tile's ticket back to 0 (a graph replays the product with the same tickets). A thread takes 4 rows of a token
+    at a time (a gated product's 4 gate rows and their up rows), read at L2."""
+    tile = cuda.blockIdx.x
+    done = cuda.shared.array(1, np.int32)
+    cuda.threadfence()  # this block's sums are visible to the tile's last block before it counts this one
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        done[0] = cuda.atomic.add(part.tickets, tile, 1) == cuda.gridDim.y - 1
+    cuda.syncthreads()
+    if not done[0]:
+        return
+    quads = cuda.blockDim.x // WARP * TILE_ROWS // 4
+    gated = ep.gate != NO_GATE
+    for i in range(cuda.threadIdx.x, n * quads, cuda.blockDim.x):
+        t, r = i // quads, (tile * quads + i % quads) * 4
+        if r > last or (gated and r % TILE_ROWS >= TILE_ROWS // 2):
+            continue
+        v0, v1, v2, v3 = _split_sums(part.sums, t, r)
+        if gated:
+            u0, u1, u2, u3 = _split_sums(part.sums, t, r + TILE_ROWS // 2)
+            put_gated(ep, t, r, v0, u0)
+            put_gated(ep, t, r + 1, v1, u1)
+            put_gated(ep, t, r + 2, v2, u2)
+            put_gated(ep, t, r + 3, v3, u3)
+        else:
+            put(ep, t, r, v0)
+            for c, v in ((1, v1), (2, v2), (3, v3)):
+                if r + c <= last:
+                    put(ep, t, r + c, v)
+    if cuda.threadIdx.x == 0:
+        part.tickets[tile] = 0
+
+
+@cuda.jit(device=True, inline=True)
+def _split_sums(sums, t, r):
+    """Rows r..r + 3 of token t, every split's sums added in order from 0; four splits' loads at a time in flight
+    (one chain of L2 latencies per split is what would cost)."""
+    v0 = v1 = v2 = v3 = np.float32(0)
+    splits = sums.shape[0]
+    for k in range(0, splits - splits % 4, 4):
+        a0, a1, a2, a3 = load_f32x4_l2(sums, k, t, r)
+        b0, b1, b2, b3 = load_f32x4_l2(sums, k + 1, t, r)
+        c0, c1, c2, c3 = load_f32x4_l2(sums, k + 2, t, r)
+        d0, d1, d2, d3 = load_f32x4_l2(sums, k + 3, t, r)
+        v0 = v0 + a0 + b0 + c0 + d0
+        v1 = v1 + a1 + b1 + c1 + d1
+        v2 = v2 + a2 + b2 + c2 + d2
+        v3 = v3 + a3 + b3 + c3 + d3
+    for k in range(splits - splits % 4, splits):
+        a0, a1, a2, a3 = load_f32x4_l2(sums, k, t, r)
+        v0, v1, v2, v3 = v0 + a0, v1 + a1, v2 + a2, v3 + a3
+    return v0, v1, v2, v3
 
 
 @cuda.jit(device=True, inline=True)
@@ -490,10 +625,12 @@ def _halves_products(a, xh, xl, lo, hi, d0, neg0, d1, neg1, acc, j, bias, two):
 
 
 @functools.cache
-def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, parts: int):
+def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, parts: int, quantizing: int = 0):
     """The product of `tiles` token tiles for `kind` (halves: 16-column blocks, two k16 mmas a run; bias: the matrix
     has biases; by_step: scale words loaded once a step, see `grouped`; parts: x's int8 parts): block (b, k) does
-    rows b * 16 warps.. (16 a warp) over the k-th of the grid's y splits of the steps."""
+    rows b * 16 warps.. (16 a warp) over the k-th of the grid's y splits of the steps. x comes quantized
+    (`QuantizedX`: words, scales), or, where `quantizing` gives the blocks' warps (one token tile), as floats that
+    each block quantizes itself step by step (`FloatX`: x, xnorm)."""
     two = parts == 2
     pair_fragments = _PAIRS[kind]
     runs = _step_runs(kind, tiles, parts)
@@ -505,6 +642,8 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
     step_words = 2 * row_words  # a lane's words of a step: rows g and g + 8
     outputs = 4 * tiles  # a lane's accumulators: per token tile rows g, g + 8 x two tokens
     products = _halves_products if halves else _block_products
+    reduces = last_block_reduces(tiles)
+    plan_step = RUNS[kind] // runs  # the kernel's steps in a step of `plan` (whole RUNS[kind] runs)
 
     @cuda.jit(device=True, inline=True)
     def load_step(w, subs, rows, step, buf, prev, fresh):
@@ -530,6 +669,7 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
                     buf[o + 2 * u], buf[o + 2 * u + 1] = block_words(w, r, first + u)
 
     code_words, high_words = STAGED_WORDS[kind]
+    plan_step_words = code_words * RUNS[kind]  # a row's code words of a step of `plan`
     code_chunks = runs * code_words // 4  # 16-byte chunks of a row's step: its code words, then its high words
     row_chunks = code_chunks + runs * high_words // 4
     # an odd number of chunks a staged row, so that ldmatrix's 8 rows of 16 bytes fall on distinct banks
@@ -589,6 +729,86 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
         for i in range(cuda.threadIdx.x, x_scales // 4, cuda.blockDim.x):
             copy_async16(xs_s, b * x_scales + 4 * i, xs, step * runs + i // (n_pad // 2), 4 * (i % (n_pad // 2)))
 
+    @cuda.jit(device=True, inline=True)
+    def copy_first(xw, xs, begin, end, xr, inv_s, xw_s, xs_s):
+        stage_x(xw, xs, begin, 0, xw_s, xs_s)
+
+    @cuda.jit(device=True, inline=True)
+    def copy_next(xw, xs, s, end, b, xr, inv_s, xw_s, xs_s):
+        stage_x(xw, xs, s, b, xw_s, xs_s)
+
+    # where the blocks quantize x: a step's units (token u % n_pad, run u // n_pad of the step), RUN_LANES lanes a
+    # unit, the block's lane groups taking units g, g + groups, .. (`per_thread` of them, one where 8 warps quantize
+    # q4's 4 runs of 8 tokens); a unit's 4 columns of x, then the norm's 4 weights, in xr
+    groups = max(quantizing, 1) * WARP // RUN_LANES
+    units = n_pad * runs
+    per_thread = blocks(units, groups)
+    fetched = 8 * per_thread  # xr's size
+
+    @cuda.jit(device=True, inline=True)
+    def fetch_x(x, xnorm, step, xr):
+        """Start loading this thread's columns of x (and the norm's weights, where it normalizes) of a step into
+        xr, to be used a step of products later (`put_x`); padding tokens get zeros."""
+        norm_w, _, on = xnorm
+        k = cuda.threadIdx.x % RUN_LANES
+        for j in range(per_thread):
+            u = cuda.threadIdx.x // RUN_LANES + j * groups
+            c = RUN * (step * runs + u // n_pad) + 4 * k
+            real = u < units and u % n_pad < x.shape[0]
+            xr[8 * j], xr[8 * j + 1], xr[8 * j + 2], xr[8 * j + 3] = load_f32x4(x, u % n_pad, c) if real else _ZEROS4
+            if on:
+                xr[8 * j + 4], xr[8 * j + 5], xr[8 * j + 6], xr[8 * j + 7] = load4(norm_w, c) if real else _ZEROS4
+
+    @cuda.jit(device=True, inline=True)
+    def put_x(x, xnorm, xr, inv_s, b, xw_s, xs_s):
+        """This thread's units of the step fetched into xr, normalized where xnorm says so and quantized as
+        `_quantize_kernel` quantizes them (the same device functions: the same bits), into shared buffer b in
+        `stage_x`'s layout."""
+        _, _, on = xnorm
+        k = cuda.threadIdx.x % RUN_LANES
+        for j in range(per_thread):
+            u = cuda.threadIdx.x // RUN_LANES + j * groups
+            t, run = u % n_pad, u // n_pad
+            v0, v1, v2, v3 = xr[8 * j], xr[8 * j + 1], xr[8 * j + 2], xr[8 * j + 3]
+            if on and u < units and t < x.shape[0]:
+                v0, v1, v2, v3 = _normed(v0, v1, v2, v3, inv_s[t], xr[8 * j + 4], xr[8 * j + 5], xr[8 * j + 6],
+                                         xr[8 * j + 7])
+            hi, lo, scale, minus_sum = _run_words(v0, v1, v2, v3, two)
+            if u < units:
+                at = b * x_words + ((run >> 1) * n_pad + t) * 16 + 4 * (k & 3) + 2 * (run & 1) + (k >> 2)
+                xw_s[at] = hi
+                if two:
+                    xw_s[at + lo_words] = lo
+                if k == 0:
+                    xs_s[b * x_scales + run * 2 * n_pad + 2 * t] = scale
+                    xs_s[b * x_scales + run * 2 * n_pad + 2 * t + 1] = minus_sum
+
+    @cuda.jit(device=True, inline=True)
+    def quantize_first(x, xnorm, begin, end, xr, inv_s, xw_s, xs_s):
+        """The tokens' 1 / RMS where xnorm says so (a warp a token, as `_quantize_kernel`), the first step of x
+        quantized into buffer 0, and the second's loads started."""
+        _, eps, on = xnorm
+        if on:
+            warp = cuda.threadIdx.x // WARP
+            for t0 in range(0, n_pad, quantizing):
+                inv_rms = _inv_rms(x, t0 + warp, t0 + warp < x.shape[0], eps)
+                if cuda.threadIdx.x % WARP == 0 and t0 + warp < n_pad:
+                    inv_s[t0 + warp] = inv_rms
+            cuda.syncthreads()
+        fetch_x(x, xnorm, begin, xr)
+        put_x(x, xnorm, xr, inv_s, 0, xw_s, xs_s)
+        if begin + 1 < end:
+            fetch_x(x, xnorm, begin + 1, xr)
+
+    @cuda.jit(device=True, inline=True)
+    def quantize_next(x, xnorm, s, end, b, xr, inv_s, xw_s, xs_s):
+        """Step s of x (fetched a step ago) quantized into buffer b, and step s + 1's loads started."""
+        put_x(x, xnorm, xr, inv_s, b, xw_s, xs_s)
+        if s + 1 < end:
+            fetch_x(x, xnorm, s + 1, xr)
+
+    x_first, x_next = (quantize_first, quantize_next) if quantizing else (copy_first, copy_next)
+
     @jit_inlined
     def tile_run(args, j):
         """Token tile j's products of the step's run u: acc[4j..4j+3] (row g tokens 2q, 2q + 1, row g + 8 the
@@ -626,27 +846,30 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
     pairs_step = _unrolled(pair_step, pairs)
 
     @cuda.jit(device=True, inline=True)
-    def stage(w, xw, xs, s, b, first, last, lane, w_s, xw_s, xs_s):
-        """Start copying step s's codes (the warp's rows) and x (the block's share) into buffers b: one group."""
+    def stage(w, xa, xb, s, end, b, first, last, lane, w_s, xr, inv_s, xw_s, xs_s):
+        """Start copying step s's codes (the warp's rows) into buffers b, and x (the block's share: copied, or
+        quantized from xr): one group."""
         stage_w(w, s, 2 * (cuda.threadIdx.x // WARP) + b, first, last, lane, w_s)
-        stage_x(xw, xs, s, b, xw_s, xs_s)
+        x_next(xa, xb, s, end, b, xr, inv_s, xw_s, xs_s)
         copy_async_commit()
 
     @cuda.jit(device=True, inline=True)
-    def next_step(w, subs, rows, buf, prev, xw, xs, s, end, b, first, last, lane, w_s, xw_s, xs_s):
+    def next_step(w, subs, rows, buf, prev, xa, xb, s, end, b, first, last, lane, w_s, xr, inv_s, xw_s, xs_s):
         """Step s's scale words into buf (prev: the step before's) and its codes and x into shared buffers b where
         s < end (the step before's copies then waited for), else the last copies waited for; a barrier (the step
         before's staged for all)."""
         if s < end:
             load_step(w, subs, rows, s, buf, prev, False)
-            stage(w, xw, xs, s, b, first, last, lane, w_s, xw_s, xs_s)
+            stage(w, xa, xb, s, end, b, first, last, lane, w_s, xr, inv_s, xw_s, xs_s)
             copy_async_wait_one()
         else:
             copy_async_wait_all()
         cuda.syncthreads()
 
-    def kernel(w, subs, xw, xs, ep, n, sums):
+    def kernel(w, subs, xa, xb, ep, n, part):
         acc = cuda.local.array(outputs, np.float32)
+        xr = cuda.local.array(fetched, np.float32)
+        inv_s = cuda.shared.array(n_pad, np.float32)
         buf_a = cuda.local.array(step_words, np.uint32)
         buf_b = cuda.local.array(step_words, np.uint32)
         w_s = cuda.shared.array(w_shape, np.uint32, alignment=ALIGN_16)
@@ -659,23 +882,29 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
         first = (cuda.blockIdx.x * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP) * TILE_ROWS
         last = w.codes.shape[0] - 1
         rows = (min(first + g, last), min(first + 8 + g, last))  # rows past the end load a real row, stored nowhere
-        per_split = xs.shape[0] // cuda.gridDim.y // runs
-        begin = cuda.blockIdx.y * per_split
-        end = begin + per_split
+        # the plan's steps, split k taking `fewer` of them or, the first `longer` splits, one more (the form with the
+        # fewest registers: `k steps // splits` bounds spilled 8 bytes more at 64 tokens, ptxas sm_90)
+        steps, k = w.codes.shape[1] // plan_step_words, cuda.blockIdx.y
+        fewer = steps // cuda.gridDim.y
+        longer = steps - fewer * cuda.gridDim.y
+        begin = (k * fewer + min(k, longer)) * plan_step
+        end = begin + (fewer + (k < longer)) * plan_step
         load_step(w, subs, rows, begin, buf_a, buf_b, True)  # constant weights: in flight before the wait
         stage_w(w, begin, 2 * (cuda.threadIdx.x // WARP), first, last, lane, w_s)
         await_grid()
-        stage_x(xw, xs, begin, 0, xw_s, xs_s)
+        x_first(xa, xb, begin, end, xr, inv_s, xw_s, xs_s)
         copy_async_commit()
         # even steps: scale words in buf_a, codes and x in shared buffers 0; odd: buf_b, 1. Each step's loads and
         # copies are in flight while the step before computes; a barrier after a step's products keeps its buffers
         # until every warp is done
         for s in range(begin, end, 2):
-            next_step(w, subs, rows, buf_b, buf_a, xw, xs, s + 1, end, 1, first, last, lane, w_s, xw_s, xs_s)
+            next_step(w, subs, rows, buf_b, buf_a, xa, xb, s + 1, end, 1, first, last, lane, w_s, xr, inv_s, xw_s,
+                      xs_s)
             pairs_step((w, w_s, xw_s, xs_s, 0, buf_a, acc, lane), 0)
             cuda.syncthreads()
             if s + 1 < end:
-                next_step(w, subs, rows, buf_a, buf_b, xw, xs, s + 2, end, 0, first, last, lane, w_s, xw_s, xs_s)
+                next_step(w, subs, rows, buf_a, buf_b, xa, xb, s + 2, end, 0, first, last, lane, w_s, xr, inv_s,
+                          xw_s, xs_s)
                 pairs_step((w, w_s, xw_s, xs_s, 1, buf_b, acc, lane), 0)
                 cuda.syncthreads()
         gated = ep.gate != NO_GATE
@@ -684,13 +913,16 @@ def _kernel(kind: str, halves: bool, bias: bool, by_step: bool, tiles: int, part
                 r, t = first + g + 8 * (i >> 1), TOKEN_TILE * j + 2 * q + (i & 1)
                 if cuda.gridDim.y > 1:
                     if t < n and r <= last:
-                        sums[cuda.blockIdx.y, t, r] = acc[4 * j + i]
+                        part.sums[cuda.blockIdx.y, t, r] = acc[4 * j + i]
                 elif gated:  # rows g and g + 8 of a tile: a gate row and its up row
                     if i < 2 and t < n and r <= last:
                         put_gated(ep, t, r, acc[4 * j + i], acc[4 * j + i + 2])
                 elif t < n and r <= last:
                     put(ep, t, r, acc[4 * j + i])
+        if reduces and cuda.gridDim.y > 1:
+            _last_block_adds(part, ep, n, last)
 
     kernel.__name__ = kernel.__qualname__ = (f"_mmq_{kind}{'_halves' * halves}{'_bias' * bias}{'_by_step' * by_step}"
-                                             f"_tokens{TOKEN_TILE * tiles}_parts{parts}")
+                                             f"_tokens{TOKEN_TILE * tiles}_parts{parts}"
+                                             f"{f'_quantizing{quantizing}' * bool(quantizing)}")
     return jit_bounded(kernel, MAX_WARPS * WARP, RESIDENT_WARPS // MAX_WARPS)
