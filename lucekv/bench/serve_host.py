@@ -20,6 +20,7 @@ take with nobody else running) and the CPU seconds per output token of the engin
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -32,7 +33,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -51,12 +52,40 @@ N_CTX = 1024
 COUNTS = ("steps", "rows", "pieces", "device_s", "asleep_s", "gil_wait_s", "releases")
 
 
+@dataclass(frozen=True)
+class DeviceTimes:
+    """The modelled device's ms: a decode step's by batch bucket, a prompt piece's."""
+
+    step_ms: dict[int, float] = field(default_factory=lambda: dict(STEP_MS))
+    prefill_ms_per_token: float = PREFILL_MS_PER_TOKEN
+
+    def decode_ms(self, rows: int) -> float:
+        """A decode step of `rows` rows: its batch bucket's (the graph it replays, cuda.row_bucket); past the
+        table's last bucket, in proportion."""
+        bucket = 1 << (rows - 1).bit_length()
+        last = max(self.step_ms)
+        return self.step_ms.get(bucket) or self.step_ms[last] * bucket / last
+
+    def piece_ms(self, tokens: int) -> float:
+        return self.step_ms[1] + self.prefill_ms_per_token * tokens
+
+    def flags(self) -> list[str]:
+        return ["--step-ms", ",".join(f"{k}:{v}" for k, v in self.step_ms.items()),
+                "--prefill-ms-per-token", str(self.prefill_ms_per_token)]
+
+    @classmethod
+    def parse(cls, step_ms: str | None, prefill_ms_per_token: float) -> DeviceTimes:
+        table = dict(STEP_MS) if not step_ms else \
+            {int(k): float(v) for k, v in (item.split(":") for item in step_ms.split(","))}
+        return cls(table, prefill_ms_per_token)
+
+
 class GpuTimedBackend(InstantBackend):
     """InstantBackend whose forwards take a GPU's time on a modelled device that runs its work in order."""
 
-    def __init__(self, vocab_size: int, n_slots: int, step_ms: dict[int, float] = STEP_MS):
+    def __init__(self, vocab_size: int, n_slots: int, device: DeviceTimes):
         super().__init__(vocab_size, n_slots)
-        self.step_ms = step_ms
+        self.device = device
         self._busy_until = 0.0  # perf_counter when the device has run what is queued
         self._ahead_done: deque[float] = deque()  # when each run-ahead step is done
         self.quick_alone, self.sleep_alone = _calibrate()
@@ -64,19 +93,19 @@ class GpuTimedBackend(InstantBackend):
         self.stats = dict.fromkeys(COUNTS, 0.0)
 
     def forward(self, tokens, positions, slots, all_logits=False, tables=None):
-        done = self._launch(self.step_ms[1] + PREFILL_MS_PER_TOKEN * len(tokens))
+        done = self._launch(self.device.piece_ms(len(tokens)))
         out = super().forward(tokens, positions, slots, all_logits, tables)
         self._wait(done)
         return out
 
     def decode_rows(self, tokens, positions, slots, tables, sampled):
-        done = self._launch(decode_ms(self.step_ms, len(tokens)), len(tokens))
+        done = self._launch(self.device.decode_ms(len(tokens)), len(tokens))
         out = super().decode_rows(tokens, positions, slots, tables, sampled)
         self._wait(done)
         return out
 
     def decode_ahead(self, position, slot, token=None, table=None):
-        self._ahead_done.append(self._launch(self.step_ms[1], 1))
+        self._ahead_done.append(self._launch(self.device.decode_ms(1), 1))
         super().decode_ahead(position, slot, token, table)
 
     def next_token(self) -> int:
@@ -120,12 +149,6 @@ class GpuTimedBackend(InstantBackend):
         self.stats["releases"] += 1
 
 
-def decode_ms(step_ms: dict[int, float], rows: int) -> float:
-    """The device's time of a decode step of `rows` rows: its batch bucket's (the graph it replays, cuda.row_bucket)."""
-    bucket = 1 << (rows - 1).bit_length()
-    return step_ms.get(bucket) or step_ms[max(step_ms)] * bucket / max(step_ms)
-
-
 def _calibrate() -> tuple[float, float]:
     """Median seconds of a quick GIL-releasing call, and a 1 ms sleep's overrun, with no other thread running."""
     quick, late = [], []
@@ -158,13 +181,13 @@ def thread_cpu_s(engine_thread: int) -> dict[str, float]:
 # ---- the server process ------------------------------------------------------------------------------------------
 
 
-def serve(model: Path, port: int, max_batch: int, stats_path: Path, switch_interval: float | None) -> None:
+def serve(model: Path, device: DeviceTimes, port: int, max_batch: int, stats_path: Path,
+          switch_interval: float | None) -> None:
     """Serve the timed engine on `port`; SIGUSR1 writes the backend's stats and the threads' CPU time to stats_path."""
     from lucekv.server.app import serve as serve_engine
     from lucekv.server.config import SERVE_ENGINE, ServeConfig
 
-    engine = instant_engine(model, N_CTX, sequences=max_batch + 1, backend=GpuTimedBackend)  # + the idle one's
-    engine.backend.reference = reference_ids(engine.tokenizer)
+    engine = timed_engine(model, device, max_batch)
     config = ServeConfig(host="127.0.0.1", port=port, engine=replace(SERVE_ENGINE, max_queue=256))
 
     def write_stats(*_) -> None:
@@ -210,24 +233,49 @@ def requests_of(reference: list[int], n: int, seed: int) -> list[BenchRequest]:
     return out
 
 
-def in_process_step_ms(model: Path, concurrency: int) -> float:
-    """The timed engine's decode step at `concurrency` rows driven in this process (`bench steps`' way, no server):
-    the device's time and the engine's own host time."""
-    from lucekv.bench.steps import steps_at
-
-    engine = instant_engine(model, N_CTX, sequences=2 * concurrency + 1, backend=GpuTimedBackend)
+def timed_engine(model: Path, device: DeviceTimes, max_batch: int):
+    """An engine of `model`'s tokenizer and shape on a GpuTimedBackend, room for max_batch sequences (and the idle
+    one's), its scripted text the reference."""
+    engine = instant_engine(model, N_CTX, sequences=max_batch + 1,
+                            backend=functools.partial(GpuTimedBackend, device=device))
     engine.backend.reference = reference_ids(engine.tokenizer)
-    return steps_at(engine, concurrency, 128, 64, 0)["step_ms_median"]
+    return engine
 
 
-def measure(model: Path, concurrency: int, requests: list[BenchRequest], switch_interval: float | None,
-            step_ms: dict[int, float]) -> dict:
+def in_process(model: Path, device: DeviceTimes, concurrency: int, requests: list[BenchRequest]) -> dict:
+    """The same requests, `concurrency` at a time, through the timed engine in this process (Engine.submit / step, no
+    server): what the server's figures would be if it added nothing. Timed as the client times them."""
+    from lucekv.bench.serve import Timing
+    from lucekv.engine.sampling import SamplingParams
+
+    engine = timed_engine(model, device, concurrency)
+    todo, running, timings = deque(requests), {}, []
+    t0 = time.perf_counter()
+    while todo or running:
+        while todo and len(running) < concurrency:
+            r = todo.popleft()
+            params = SamplingParams(temperature=0.0, max_tokens=r.output_tokens, ignore_eos=True)
+            running[engine.submit(r.prompt_ids, params)] = Timing(0.0, time.perf_counter(), 0)  # total: the send
+        engine.step()
+        now = time.perf_counter()
+        for request, t in list(running.items()):
+            while request.out:
+                t.tokens += len(request.out.popleft().token_ids)
+                t.ttft = t.ttft or now - t.total
+            if request.done:
+                t.total = now - t.total
+                timings.append(running.pop(request))
+    return figures(timings, time.perf_counter() - t0)
+
+
+def measure(model: Path, device: DeviceTimes, concurrency: int, requests: list[BenchRequest],
+            switch_interval: float | None) -> dict:
     from lucekv.client import Client
 
     port = free_port()
     stats_path = Path(f"/tmp/lucekv-serve-host-{os.getpid()}-{port}.json")
     cmd = [sys.executable, "-m", "lucekv.bench.serve_host", "--serve-port", str(port), "--model", str(model),
-           "--max-batch", str(concurrency), "--stats", str(stats_path)]
+           "--max-batch", str(concurrency), "--stats", str(stats_path), *device.flags()]
     if switch_interval is not None:
         cmd += ["--switch-interval", str(switch_interval)]
     proc = wait_serving(subprocess.Popen(cmd, stderr=subprocess.DEVNULL), port)
@@ -246,14 +294,15 @@ def measure(model: Path, concurrency: int, requests: list[BenchRequest], switch_
     server["cpu_s"] = {k: v - before["cpu_s"][k] for k, v in after["cpu_s"].items()}
     row = {"concurrency": concurrency, **figures(timings, wall)}
     tokens = row["output_tokens"]
-    device_ms = decode_ms(step_ms, concurrency)
-    in_process_ms = in_process_step_ms(model, concurrency)
+    device_ms = device.decode_ms(concurrency)
+    alone = in_process(model, device, concurrency, requests)
     client_cpu = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
     steps = server["steps"]  # decode steps (a step may hold prompt pieces too)
     step_s = server["clock_s"] / steps
     engine_cpu_s = server["cpu_s"]["engine"] / steps
-    row |= {"device_step_ms": device_ms, "in_process_step_ms": in_process_ms,
-            "tpot_over_in_process_ms": row["tpot_ms_p50"] - in_process_ms,
+    row |= {"device_step_ms": device_ms, "in_process": alone,
+            "tpot_p50_over_in_process_ms": row["tpot_ms_p50"] - alone["tpot_ms_p50"],
+            "tok_s_over_in_process": row["output_tok_s"] / alone["output_tok_s"],
             "server_steps": steps, "rows_per_step": server["rows"] / steps, "prompt_pieces": server["pieces"],
             # the engine thread's time per step on the server: on the device, running, and neither (the GIL, a core)
             "engine_ms_per_step": {"wall": step_s * 1e3, "device_wait": server["asleep_s"] / steps * 1e3,
@@ -268,7 +317,8 @@ def measure(model: Path, concurrency: int, requests: list[BenchRequest], switch_
             "calibration_us": {"quick_call": after["quick_alone_us"], "sleep_overrun": after["sleep_late_alone_us"]}}
     e = row["engine_ms_per_step"]
     print(f"C={concurrency}: {row['output_tok_s']:.0f} tok/s, TPOT p50 {row['tpot_ms_p50']:.2f} ms (device "
-          f"{device_ms:.2f}, in process {in_process_ms:.2f}); engine thread ms/step: " +
+          f"{device_ms:.2f}; in process {alone['output_tok_s']:.0f} tok/s, TPOT p50 {alone['tpot_ms_p50']:.2f}); "
+          "engine thread ms/step: " +
           ", ".join(f"{k} {v:.2f}" for k, v in e.items()) + "; CPU us/token: " +
           ", ".join(f"{k} {v:.0f}" for k, v in row["cpu_us_per_output_token"].items()), file=sys.stderr)
     return row
@@ -287,19 +337,20 @@ def server_stats(proc: subprocess.Popen, path: Path) -> dict:
     raise RuntimeError("the server wrote no stats")
 
 
-def run(model: Path, concurrencies: list[int], switch_interval: float | None, seed: int) -> dict:
+def run(model: Path, device: DeviceTimes, concurrencies: list[int], switch_interval: float | None, seed: int
+        ) -> dict:
     from lucekv.bench.decode import git_commit, machine
     from lucekv.model.gguf import open_gguf
     from lucekv.model.tokenizer import Tokenizer
 
     reference = reference_ids(Tokenizer.from_metadata(open_gguf(model).metadata)).tolist()
     result = {"bench": "serve_host", "commit": git_commit(), "machine": machine(), "model": model.name,
-              "load_avg_1_5_15_min_at_start": list(os.getloadavg()), "step_ms": STEP_MS,
-              "prefill_ms_per_token": PREFILL_MS_PER_TOKEN, "quick_releases": QUICK_RELEASES,
+              "load_avg_1_5_15_min_at_start": list(os.getloadavg()), "device": asdict(device),
+              "quick_releases": QUICK_RELEASES,
               "command": " ".join(["python -m lucekv.bench.serve_host", *sys.argv[1:]]), "rows": []}
     for c in concurrencies:
         requests = requests_of(reference, max(16, 2 * c), seed)
-        result["rows"].append(measure(model, c, requests, switch_interval, STEP_MS))
+        result["rows"].append(measure(model, device, c, requests, switch_interval))
     result["load_avg_1_5_15_min_at_end"] = list(os.getloadavg())
     return result
 
@@ -312,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="its tokenizer and shape (no weights are read)")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--switch-interval", type=float, help="the server's sys.setswitchinterval (default: serve's own)")
+    ap.add_argument("--step-ms", help="the device's decode step ms by batch bucket, 'ROWS:MS,...' (default: the 8B "
+                    "shape's on the H100, STEP_MS)")
+    ap.add_argument("--prefill-ms-per-token", type=float, default=PREFILL_MS_PER_TOKEN)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--serve-port", type=int, help=argparse.SUPPRESS)  # the server process
@@ -319,10 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stats", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     model = resolve_model(a.model)
+    device = DeviceTimes.parse(a.step_ms, a.prefill_ms_per_token)
     if a.serve_port:
-        serve(model, a.serve_port, a.max_batch, a.stats, a.switch_interval)
+        serve(model, device, a.serve_port, a.max_batch, a.stats, a.switch_interval)
         return 0
-    report(run(model, [int(c) for c in a.concurrency.split(",")], a.switch_interval, a.seed), a.json)
+    report(run(model, device, [int(c) for c in a.concurrency.split(",")], a.switch_interval, a.seed), a.json)
     return 0
 
 

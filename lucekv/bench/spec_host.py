@@ -19,7 +19,7 @@ import pstats
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -92,7 +92,7 @@ class InstantBackend:
 
 
 def instant_engine(model: Path, n_ctx: int, mode_default: str = "off", sequences: int = 2,
-                   backend: type[InstantBackend] = InstantBackend) -> engine_module.Engine:
+                   backend: Callable[[int, int], InstantBackend] = InstantBackend) -> engine_module.Engine:
     """An Engine of `model`'s tokenizer and shape on an InstantBackend (or a subclass), its pool room for `sequences`
     whole contexts."""
     original = engine_module._make_backend
