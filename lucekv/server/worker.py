@@ -61,8 +61,9 @@ class Job:
         return deliver_all([(self, item)])
 
     async def _take_items(self) -> list[object]:
-        """Every item delivered since the last call, in order (waiting for one). A deque and a future: an asyncio.Queue
-        costs the loop several times the Python per item, and the loop's time is taken from the engine thread's."""
+        """Every item delivered since the last call, in order (waiting for one). A deque and a future: lighter on the
+        loop than an asyncio.Queue (the loop's time is taken from the engine thread's: the GIL), and what piled up
+        while the reader was busy comes at once."""
         while not self._items:
             self._arrived = self._loop.create_future()
             await self._arrived
@@ -123,11 +124,10 @@ class GenerationJob(Job):
             end = next((i for i, item in enumerate(items) if item is _END or isinstance(item, BaseException)), None)
             if deltas := items[:end]:
                 yield joined(deltas)
-            if end is None:
-                continue
-            if isinstance(items[end], BaseException):
-                raise items[end]
-            return
+            if end is not None:
+                if isinstance(items[end], BaseException):
+                    raise items[end]
+                return
 
 
 class EngineCall(Job):
