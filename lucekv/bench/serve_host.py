@@ -178,6 +178,15 @@ def thread_cpu_s(engine_thread: int) -> dict[str, float]:
     return out
 
 
+def timed_engine(model: Path, device: DeviceTimes, max_batch: int):
+    """An engine of `model`'s tokenizer and shape on a GpuTimedBackend, room for max_batch sequences (and the idle
+    one's), its scripted text the reference."""
+    engine = instant_engine(model, N_CTX, sequences=max_batch + 1,
+                            backend=functools.partial(GpuTimedBackend, device=device))
+    engine.backend.reference = reference_ids(engine.tokenizer)
+    return engine
+
+
 # ---- the server process ------------------------------------------------------------------------------------------
 
 
@@ -192,12 +201,12 @@ def serve(model: Path, device: DeviceTimes, port: int, max_batch: int, stats_pat
 
     def write_stats(*_) -> None:
         b = engine.backend
-        stats_path.with_suffix(".part").write_text(json.dumps({**b.stats, "clock_s": time.perf_counter(),
-                                                               "cpu_s": thread_cpu_s(b.engine_thread),
-                                          "switch_interval_s": sys.getswitchinterval(),
-                                          "quick_alone_us": b.quick_alone * 1e6, "sleep_late_alone_us":
-                                          b.sleep_alone * 1e6}))
-        stats_path.with_suffix(".part").rename(stats_path)
+        stats = {**b.stats, "clock_s": time.perf_counter(), "cpu_s": thread_cpu_s(b.engine_thread),
+                 "switch_interval_s": sys.getswitchinterval(), "quick_alone_us": b.quick_alone * 1e6,
+                 "sleep_late_alone_us": b.sleep_alone * 1e6}
+        part = stats_path.with_suffix(".part")  # renamed when whole: the reader never sees half of it
+        part.write_text(json.dumps(stats))
+        part.rename(stats_path)
 
     signal.signal(signal.SIGUSR1, write_stats)
 
@@ -231,15 +240,6 @@ def requests_of(reference: list[int], n: int, seed: int) -> list[BenchRequest]:
         length, at = rng.randint(32, 256), rng.randrange(0, 256)
         out.append(BenchRequest(reference[at : at + length], rng.randint(64, 256)))
     return out
-
-
-def timed_engine(model: Path, device: DeviceTimes, max_batch: int):
-    """An engine of `model`'s tokenizer and shape on a GpuTimedBackend, room for max_batch sequences (and the idle
-    one's), its scripted text the reference."""
-    engine = instant_engine(model, N_CTX, sequences=max_batch + 1,
-                            backend=functools.partial(GpuTimedBackend, device=device))
-    engine.backend.reference = reference_ids(engine.tokenizer)
-    return engine
 
 
 def in_process(model: Path, device: DeviceTimes, concurrency: int, requests: list[BenchRequest]) -> dict:
