@@ -83,6 +83,11 @@
 #                                      (~6 min each, a call each); `serve build` first builds llama-server (~6 min).
 #                                      Needs .anchors/sharegpt.json: lucekv bench serve --sample-only
 #                                      --save-dataset .anchors/sharegpt.json --num-requests 128
+#   bash bench/gpu_session.sh serve-host 8b|smollm2  what the serving path adds to a step, on this machine's CPU
+#                                      (the GPU is not used): python -m lucekv.bench.serve_host, a server whose backend
+#                                      waits the H100's step times of the 8B shape or of smollm2, over gRPC at 1..64
+#                                      streams beside the same requests in process, at serve's 0.2 ms GIL switch
+#                                      interval and at 1 ms (~5-6 min each, a call each)
 #   bash bench/gpu_session.sh startup  lucekv bench startup on the 8B shape: the engine started in a fresh process
 #                                      twice over one empty kernel cache (cold, then warm: the kernels the first
 #                                      compiled, from disk), each start's time and kernels loaded / compiled, then
@@ -345,6 +350,19 @@ steps)
   peak_mib "$OUT/mem-steps-$NAME.txt" python3 -m lucekv.cli bench steps --model $M --backend cuda \
     --concurrency 1,2,4,8,16,32 --gil-probe --contend ${MMQ:+--mmq-tokens $MMQ} --json "$OUT/steps-$NAME.json" \
     2>&1 >/dev/null | grep --line-buffered -v -i warning | tee "$OUT/steps-$NAME.log"
+  ;;
+serve-host)
+  M=/tmp/serve-host-tokenizer.gguf  # a tokenizer and a shape: no weights are read
+  [ -f $M ] || python3 -c "from lucekv.model.synth import write_synthetic_gguf as w; w('$M', 'llama', n_ctx=2048)"
+  case "${2:-8b}" in
+  8b) DEVICE="" ;;
+  smollm2) DEVICE="--step-ms 1:0.98,2:1.59,4:1.82,8:2.11,16:2.4,32:4.23,64:7.9 --prefill-ms-per-token 0.02" ;;
+  esac
+  for si in 0.0002 0.001; do
+    python3 -m lucekv.bench.serve_host --model $M --concurrency 1,4,16,64 $DEVICE --switch-interval $si \
+      --json "$OUT/serve-host-${2:-8b}-si$si.json" 2>&1 >/dev/null | grep --line-buffered "^C=" \
+      | tee -a "$OUT/serve-host-${2:-8b}.log"
+  done
   ;;
 startup)
   M8=/tmp/qwen3-8b-shape.gguf

@@ -203,7 +203,8 @@ def add_steps_bench(bench_sub: argparse._SubParsersAction, default_model: str) -
     steps.add_argument("--repeats", type=int, default=5, help="time-to-first-token runs per length (default 5)")
     steps.add_argument("--gil-probe", action="store_true", help="CUDA: whether each device wait lets go of the GIL")
     steps.add_argument("--contend", action="store_true",
-                       help="measure each concurrency again beside a thread running Python (the GIL's hand-offs)")
+                       help="measure each concurrency again beside a thread running Python (the GIL's hand-offs, at "
+                       "serve's switch interval)")
     steps.add_argument("--json", help="also write the result here")
     add_engine_flags(steps)
     steps.set_defaults(func=cmd_bench)

@@ -184,7 +184,11 @@ def free_port() -> int:
 
 def start_lucekv(path: Path, port: int, flags: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "lucekv.cli", "serve", "--model", str(path), "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return wait_serving(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port)
+
+
+def wait_serving(proc: subprocess.Popen, port: int) -> subprocess.Popen:
+    """`proc` once its server on `port` answers SERVING (terminated if it does not within STARTUP_TIMEOUT_S)."""
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:

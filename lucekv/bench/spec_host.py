@@ -19,7 +19,7 @@ import pstats
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -91,12 +91,14 @@ class InstantBackend:
             raise RuntimeError("the instant backend holds whole contexts: nothing pages")
 
 
-def instant_engine(model: Path, n_ctx: int, mode_default: str = "off") -> engine_module.Engine:
-    """An Engine of `model`'s tokenizer and shape on an InstantBackend (whole contexts, one sequence's pool)."""
+def instant_engine(model: Path, n_ctx: int, mode_default: str = "off", sequences: int = 2,
+                   backend: Callable[[int, int], InstantBackend] = InstantBackend) -> engine_module.Engine:
+    """An Engine of `model`'s tokenizer and shape on an InstantBackend (or a subclass), its pool room for `sequences`
+    whole contexts."""
     original = engine_module._make_backend
 
     def make(name, g, spec, kv_dtype, n_ctx_, *_options):  # (the pool, batch and backend options: none apply)
-        return InstantBackend(spec.vocab_size, (-(-n_ctx_ // CHUNK_TOKENS) + 1) * CHUNK_TOKENS * 2), None
+        return backend(spec.vocab_size, (-(-n_ctx_ // CHUNK_TOKENS) + 1) * CHUNK_TOKENS * sequences), None
 
     engine_module._make_backend = make
     try:

@@ -26,6 +26,7 @@ from pathlib import Path
 import lucekv
 from lucekv.bench.decode import file_sha256, git_commit, machine, prompt_ids, report
 from lucekv.engine.sampling import SamplingParams
+from lucekv.server.app import SWITCH_INTERVAL_S
 
 
 class CallTimes:
@@ -107,7 +108,8 @@ def time_to_first_token(engine, tokens: int, repeats: int, first_run: int) -> di
 def steps_at(engine, concurrency: int, prompt_tokens: int, gen_tokens: int, first_run: int,
              contend: bool = False) -> dict:
     """C requests decoding together: the steps where all C decode, and the backend's calls in them, per step; with
-    `contend`, beside a thread running Python all along (as a server's gRPC thread may: `busy_thread`)."""
+    `contend`, beside a thread running Python all along (as a server's gRPC thread may: `busy_thread`), at the GIL
+    switch interval `lucekv serve` sets."""
     tokenize = engine.tokenizer.encode
 
     def batch(run0: int, max_tokens: int) -> list:
@@ -119,7 +121,8 @@ def steps_at(engine, concurrency: int, prompt_tokens: int, gen_tokens: int, firs
     step_s: list[float] = []
     timer = CallTimes(call_targets(engine))
     inside, calls = dict.fromkeys(timer.seconds, 0.0), dict.fromkeys(timer.seconds, 0)
-    with timer, busy_thread(contend):
+    interval = SWITCH_INTERVAL_S if contend else sys.getswitchinterval()
+    with timer, busy_thread(contend), switch_interval(interval):
         while not all(r.done for r in requests):
             steady = all(r.n_out >= 1 and not r.done for r in requests)
             before = timer.snapshot()
@@ -134,7 +137,8 @@ def steps_at(engine, concurrency: int, prompt_tokens: int, gen_tokens: int, firs
                     calls[key] += after[1][key] - before[1][key]
     n = len(step_s)
     median = statistics.median(step_s)
-    return {"concurrency": concurrency, "steps": n, "step_ms_median": median * 1e3,
+    return {"concurrency": concurrency, "switch_interval_ms": interval * 1e3, "steps": n,
+            "step_ms_median": median * 1e3,
             "step_ms_p90": sorted(step_s)[int(0.9 * (n - 1))] * 1e3, "step_ms_mean": sum(step_s) / n * 1e3,
             "tok_s_at_median": concurrency / median,
             "per_step_ms": {k: v / n * 1e3 for k, v in inside.items() if calls[k]},
@@ -142,11 +146,22 @@ def steps_at(engine, concurrency: int, prompt_tokens: int, gen_tokens: int, firs
 
 
 @contextlib.contextmanager
+def switch_interval(seconds: float):
+    """sys.setswitchinterval(seconds) while the block runs."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+@contextlib.contextmanager
 def busy_thread(on: bool = True):
     """A second thread running Python (counting) while the block runs. Each time the engine thread lets go of the GIL
     (any driver call through cuda.bindings does, a wait or not) this thread may take it, and the engine thread gets it
     back only when this one is made to drop it: after the switch interval (sys.getswitchinterval(), 5 ms by
-    default). A step's time beside it, against alone, is what those hand-offs cost."""
+    default; `steps_at` sets serve's). A step's time beside it, against alone, is what those hand-offs cost."""
     count = [0]  # what it has counted: yielded
     if not on:
         yield count

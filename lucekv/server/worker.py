@@ -53,11 +53,23 @@ class Job:
         self.cancelled = threading.Event()
         self.submitted_at = time.perf_counter()
         self._loop = asyncio.get_running_loop()
-        self._items: asyncio.Queue[object] = asyncio.Queue()
+        self._items: deque[object] = deque()  # delivered and not read yet
+        self._arrived: asyncio.Future[None] | None = None  # what the reader awaits while there are none
 
     def deliver(self, item: object) -> bool:
         """Called on the worker thread; False when the server's loop is gone and nobody is listening."""
         return deliver_all([(self, item)])
+
+    async def _take_items(self) -> list[object]:
+        """Every item delivered since the last call, in order (waiting for one). A deque and a future: lighter on the
+        loop than an asyncio.Queue (the loop's time is taken from the engine thread's: the GIL), and what piled up
+        while the reader was busy comes at once."""
+        while not self._items:
+            self._arrived = self._loop.create_future()
+            await self._arrived
+        items = list(self._items)
+        self._items.clear()
+        return items
 
     def release_lease(self) -> None:
         """Give the session's lease back (once): before the caller hears the work is done, so that its next call
@@ -83,7 +95,9 @@ def deliver_all(items: list[tuple[Job, object]]) -> bool:
 
 def _put_all(items: list[tuple[Job, object]]) -> None:
     for job, item in items:
-        job._items.put_nowait(item)
+        job._items.append(item)
+        if job._arrived is not None and not job._arrived.done():
+            job._arrived.set_result(None)
 
 
 class GenerationJob(Job):
@@ -103,11 +117,17 @@ class GenerationJob(Job):
         self.held: GenerationDelta | None = None  # the last delta, until the session is idle (and written back)
 
     async def deltas(self) -> AsyncIterator[GenerationDelta]:
-        """The generation's output; re-raises on the loop whatever the engine raised."""
-        while (item := await self._items.get()) is not _END:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        """The generation's output; re-raises on the loop whatever the engine raised. The deltas that arrived since
+        the caller last asked come as one (`joined`): a caller behind the engine catches up in one message."""
+        while True:
+            items = await self._take_items()
+            end = next((i for i, item in enumerate(items) if item is _END or isinstance(item, BaseException)), None)
+            if deltas := items[:end]:
+                yield joined(deltas)
+            if end is not None:
+                if isinstance(items[end], BaseException):
+                    raise items[end]
+                return
 
 
 class EngineCall(Job):
@@ -118,10 +138,21 @@ class EngineCall(Job):
         self.fn = fn
 
     async def result(self) -> Any:
-        item = await self._items.get()
+        item = (await self._take_items())[0]
         if isinstance(item, BaseException):
             raise item
         return item
+
+
+def joined(deltas: list[GenerationDelta]) -> GenerationDelta:
+    """Consecutive deltas of one generation as one: their tokens, text and logprobs in order, the last one's finish
+    reason and usage (only the last delta has them)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    logprobs = [lp for d in deltas for lp in d.logprobs or ()] if any(d.logprobs for d in deltas) else None
+    last = deltas[-1]
+    return GenerationDelta([t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), logprobs,
+                           last.finish_reason, last.usage)
 
 
 class EngineWorker:
