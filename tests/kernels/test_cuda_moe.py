@@ -93,22 +93,30 @@ def test_spark_products_read_cold_experts_from_the_host_copy_and_filled_slots_ex
     spark = store.experts(0, packed, rows)
     x = cuda.to_device(rng.standard_normal((2, cols)).astype(np.float32))
 
-    def routed(table) -> np.ndarray:
+    weights = cuda.device_array((1, 3), np.float32)
+    made = moe.Routing(store.routed_rows[0], weights)
+    # logits whose top-3 is 2, 5, 7: the products pick the experts themselves (a decode step's routing)
+    picking = moe.Routing(store.routed_rows[0], weights, cuda.to_device(np.array([[0, 0, 3, 0, 0, 2, 0, 1]],
+                                                                                  np.float32)), True)
+
+    def routed(table, routing=made) -> np.ndarray:
         out = cuda.device_array((3, rows), np.float32)
-        moe.routed_matvecs(table, rows, x[:1], store.routed_rows[0], out, x_per_slot=False)
+        moe.routed_matvecs(table, rows, x[:1], routing, out, x_per_slot=False)
         return out.copy_to_host()
 
-    def summed(table) -> np.ndarray:  # the down products' launch: rows of every chosen expert summed back
+    def summed(table, routing=made) -> np.ndarray:  # the down products' launch: rows of every chosen expert summed back
         out = cuda.device_array((1, rows), np.float32)
-        moe.routed_sum(table, rows, x_slots, store.routed_rows[0], weights, x[:1, :rows], out)
+        moe.routed_sum(table, rows, x_slots, routing, x[:1, :rows], out)
         return out.copy_to_host()
 
-    store.routed_rows[0].copy_to_device(np.array([[2, 5, 7]], np.int32))  # as a one-token step's router leaves them
+    store.routed_rows[0].copy_to_device(np.array([[0, 0, 0]], np.int32))
+    np.testing.assert_array_equal(routed(spark, picking), routed(resident, picking))  # 2, 7 cold
+    assert store.routed_rows[0].copy_to_host().tolist() == [[2, 5, 7]]  # as a one-token step leaves them
     want = routed(resident)
-    np.testing.assert_array_equal(routed(spark), want)  # 2, 7 cold
+    np.testing.assert_array_equal(routed(spark), want)
     x_slots = cuda.to_device(rng.standard_normal((3, cols)).astype(np.float32))
-    weights = cuda.to_device(np.array([[0.5, 0.3, 0.2]], np.float32))
     np.testing.assert_array_equal(summed(spark), summed(resident))
+    np.testing.assert_array_equal(summed(spark, picking), summed(resident))
     store.observe_now()  # the step boundary: 2 copied into the spare slot, not shown until its copy has completed
     assert store.slots.remap[0, 2] == 2 and store.remap.copy_to_host()[0, 2] == COLD
     store.observe_now()
@@ -206,8 +214,9 @@ def check_routed_sum(qtype, n_expert: int, rows: int, cols: int, k: int, seed: i
     x = rng.standard_normal((k, cols)).astype(np.float32)  # one token's activations, a row per chosen expert
     residual, gate, values = (rng.standard_normal((1, w)).astype(np.float32) for w in (rows, 1, rows))
     d_ids, d_weights, d_x, d_residual = (cuda.to_device(a) for a in (ids, weights, x, residual))
+    routing = moe.Routing(d_ids, d_weights)
     outs = cuda.device_array((k, rows), np.float32)
-    moe.routed_matvecs(experts, rows, d_x, d_ids, outs, x_per_slot=True)
+    moe.routed_matvecs(experts, rows, d_x, routing, outs, x_per_slot=True)
     ref = residual[0].astype(np.float64)
     for s, e in enumerate(ids[0]):
         ref += weights[0, s] * (dequantize_rows(packed, e * rows, (e + 1) * rows).astype(np.float64) @ x[s])
@@ -216,7 +225,7 @@ def check_routed_sum(qtype, n_expert: int, rows: int, cols: int, k: int, seed: i
         want, got = cuda.device_array((1, rows), np.float32), cuda.device_array((1, rows), np.float32)
         moe.combine(outs, cuda.to_device(np.arange(k, dtype=np.int32).reshape(1, k)), d_weights, d_residual, want,
                     d_shared)
-        moe.routed_sum(experts, rows, d_x, d_ids, d_weights, d_residual, got, d_shared)
+        moe.routed_sum(experts, rows, d_x, routing, d_residual, got, d_shared)
         if k * -(-cols // matvec.SEGMENT) <= matvec.MAX_WARPS:
             np.testing.assert_array_equal(got.copy_to_host(), want.copy_to_host())
         else:
@@ -258,7 +267,6 @@ def test_router_top_k_and_grouping_are_exact():
     x[0] = router[3] * 3  # token 0 picks 3 and 7, equal
     ids = cuda.device_array((6, k), np.int32)
     weights = cuda.device_array((6, k), np.float32)
-    counter = cuda.to_device(np.zeros(6, np.int32))
     logits = cuda.device_array((6, n_expert), np.float32)
     parts = cuda.device_array(moe.router_parts(6, n_expert, n_embd), np.float32)
     w = upload(pack(router, Q.F32, router.shape))
@@ -268,11 +276,10 @@ def test_router_top_k_and_grouping_are_exact():
             if prefill:
                 moe.route_prefill(w, cuda.to_device(x), parts, logits, ids, weights, renormalise)
             else:
-                moe.route(w, cuda.to_device(x), None, logits, counter, ids, weights, renormalise)
+                moe.route(w, cuda.to_device(x), None, logits, ids, weights, renormalise)
             np.testing.assert_array_equal(ids.copy_to_host(), ref_ids)
             np.testing.assert_allclose(weights.copy_to_host(), ref_w, rtol=1e-5)
             assert ids.copy_to_host()[0, :2].tolist() == [3, 7]
-        assert (counter.copy_to_host() == 0).all()  # left zero for the next launch
 
     slots = np.array([[2, 0], [2, 1], [0, 2], [2, 0]], np.int32)
     starts = cuda.device_array(5, np.int32)
@@ -283,6 +290,49 @@ def test_router_top_k_and_grouping_are_exact():
     assert src.copy_to_host().tolist() == [0, 2, 3, 1, 0, 1, 2, 3]  # expert 0: tokens 0, 2, 3; 1: 1; 2: 0, 1, 2, 3
     assert pos.copy_to_host().tolist() == [[4, 0], [5, 3], [1, 6], [7, 2]]
     assert tiles.copy_to_host().tolist() == [[0, 0], [1, 3], [2, 4]] + [[-1, 0]] * (len(tiles) - 3)
+
+
+@needs_kernels
+def test_products_pick_the_routers_top_k_themselves():
+    """A decode step's routing (moe.Routing with the router's logits): each block of the routed products and of
+    routed_sum takes its token's top-k itself, the routed products' first block writes ids and weights: route's
+    picks (a launch of their own) bit for bit, renormalised or not, ties to the lower id across lanes (3, 7) and
+    within one (3, 35: lane l holds experts l, l + 32), and the products of those picks bit for bit; two tokens."""
+    from lucekv.kernels.cpu.quants import pack
+    from lucekv.kernels.cuda import moe
+    from lucekv.kernels.cuda.packed import upload
+    from tests.kernels.test_cuda_kernels import random_packed
+
+    n, n_expert, cols, rows, k = 2, 40, 32, 8, 4
+    rng = np.random.default_rng(9)
+    router = rng.standard_normal((n_expert, cols)).astype(np.float32)
+    router[7] = router[35] = router[3]
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    x[0] = router[3] * 0.3  # token 0: 3, 7 and 35 first, equal
+    experts = moe.resident(upload(random_packed(rng, Q.Q8_0, n_expert * rows, cols)), n_expert)
+    d_router, d_x = upload(pack(router, Q.F32, router.shape)), cuda.to_device(x)
+    d_slots = cuda.to_device(rng.standard_normal((n * k, cols)).astype(np.float32))
+    d_residual = cuda.to_device(rng.standard_normal((n, rows)).astype(np.float32))
+    for renormalise in (False, True):
+        logits = cuda.device_array((n, n_expert), np.float32)
+        ids, weights = cuda.device_array((n, k), np.int32), cuda.device_array((n, k), np.float32)
+        moe.route(d_router, d_x, None, logits, ids, weights, renormalise)
+        picking = moe.Routing(cuda.device_array((n, k), np.int32), cuda.device_array((n, k), np.float32), logits,
+                              renormalise)
+        outs = []
+        for routing in (moe.Routing(ids, weights), picking):
+            out, summed = cuda.device_array((n * k, rows), np.float32), cuda.device_array((n, rows), np.float32)
+            moe.routed_matvecs(experts, rows, d_x, routing, out, x_per_slot=False)
+            moe.routed_sum(experts, rows, d_slots, routing, d_residual, summed)
+            outs.append((out.copy_to_host(), summed.copy_to_host()))
+        ref_ids, ref_w = moe_reference.route(x.astype(np.float64), router.astype(np.float64), k, renormalise)
+        np.testing.assert_array_equal(ids.copy_to_host(), ref_ids)
+        np.testing.assert_allclose(weights.copy_to_host(), ref_w, rtol=1e-5)
+        assert ids.copy_to_host()[0, :3].tolist() == [3, 7, 35]
+        np.testing.assert_array_equal(picking.ids.copy_to_host(), ids.copy_to_host())
+        np.testing.assert_array_equal(picking.weights.copy_to_host(), weights.copy_to_host())
+        for made, picked in zip(*outs, strict=True):
+            np.testing.assert_array_equal(picked, made)
 
 
 @needs_kernels
@@ -455,11 +505,13 @@ def test_upcycled_distinct_experts_on_cuda_equal_the_cpu_layer_by_layer_gpu(tmp_
     path = write_upcycled_gguf(tmp_path / "moe.gguf", model_path("smollm2-135m"), distinct=True)
     g = open_gguf(path)
     spec = ModelSpec.from_gguf(g)
-    calls, routed, own_moe, own_route, own_route_prefill = [], [], CudaOps.moe_ffn, moe.route, moe.route_prefill
+    calls, routed, own_moe, own_routed_matvecs, own_route_prefill = ([], [], CudaOps.moe_ffn, moe.routed_matvecs,
+                                                                     moe.route_prefill)
 
-    def route(*args, **kwargs):
-        own_route(*args, **kwargs)
-        routed.append(args[5])  # the ids the router wrote
+    def routed_matvecs(*args, **kwargs):  # a decode step's: the gate/up product picks the experts, writes the ids
+        own_routed_matvecs(*args, **kwargs)
+        if args[3].picking:
+            routed.append(args[3].ids)
 
     def route_prefill(*args, **kwargs):
         own_route_prefill(*args, **kwargs)
@@ -471,7 +523,7 @@ def test_upcycled_distinct_experts_on_cuda_equal_the_cpu_layer_by_layer_gpu(tmp_
         calls.append((m.layer, x.copy_to_host(), routed.pop().copy_to_host(), out.copy_to_host()))
         return out
 
-    monkeypatch.setattr(moe, "route", route)
+    monkeypatch.setattr(moe, "routed_matvecs", routed_matvecs)
     monkeypatch.setattr(moe, "route_prefill", route_prefill)
     monkeypatch.setattr(CudaOps, "moe_ffn", recorded)
     backend = CudaBackend(g, spec, "f32", 256, use_graph=False)

@@ -3,12 +3,14 @@ expert.
 
 A layer's experts are stacked matrices (DeviceMatrix of n_expert * rows rows, expert e's rows e * rows ..): a kernel
 takes expert e as a view of those rows (`expert_rows`), so the dense products' bodies and tiles run on it unchanged.
-- `route`: one kernel for the router's logits (one block per expert row, its columns over the block's threads; the
-  token's RMSNorm taken by every block),
-  then the softmax and the top-k by the token's last block to finish (an arrival counter, reset by that block, so
-  that a replayed graph finds it at zero): expert ids and their weights stay on the device.
-- Decode (`routed_matvecs`): the dense matvec bodies over the chosen experts, the expert ids read on the device, so
-  a decode step stays one captured graph; one grid row per token, blocks by (slot, row block of the expert).
+- The router: `router_logits` (one block per expert row, its columns over the block's threads; the token's RMSNorm
+  taken by every block), then the softmax's top-k (`_pick`: one warp, the keys in registers): by a launch of its
+  own (`route`), or, in a decode step, by each block of the products that read the chosen experts (`Routing`
+  with logits), so that no launch waits for a top-k taken after all the router's blocks. Expert ids and their
+  weights stay on the device.
+- Decode (`routed_matvecs`): the dense matvec bodies over the chosen experts, the expert ids read (or picked) on the
+  device, so a decode step stays one captured graph; one grid row per token, blocks by (slot, row block of the
+  expert).
 - Prefill (`grouped_experts`: `group`, `gather`, `grouped_matmul`): the token-slots sorted by expert on the device
   (per block of slots a histogram and each slot's rank, then a scan and a stable placement by every block), the
   normalized inputs gathered in that order as float16 pairs (as matmul.stage_halves stages a dense product's x),
@@ -37,11 +39,15 @@ import numpy as np
 from lucekv.kernels.cuda import matmul as mm
 from lucekv.kernels.cuda import matvec as mv
 from lucekv.kernels.cuda._numba import (
+    NEG_INF,
+    SIMULATOR,
     WARP,
     await_grid,
+    bits_f32,
     block_sum,
     blocks,
     cuda,
+    f32_bits,
     jit_bounded,
     jit_kernel,
     warp_max,
@@ -49,7 +55,8 @@ from lucekv.kernels.cuda._numba import (
 )
 from lucekv.kernels.cuda.packed import GATE_ROWS, DeviceMatrix, Quant, as_epilogue, element_decoder, epilogue, put
 
-MAX_EXPERTS = 256  # the router's top-k holds a token's logits in registers: 8 per lane
+ID_BITS = 8  # the top-k's keys hold an expert in their low 8 bits (see _pick)
+MAX_EXPERTS = 1 << ID_BITS  # the top-k holds a token's logits in registers: 8 per lane
 PER_LANE = MAX_EXPERTS // WARP
 PARTIALS, PRODUCT_WARPS = mv.PARTIALS, mv.MAX_WARPS  # the matvec bodies' shared arrays
 # a router block takes an expert row over its threads, ROUTER_COLUMNS columns a thread held in registers, their loads
@@ -67,12 +74,14 @@ ROUTER_TILE_THREADS = 256  # a thread per 2 tokens x 2 experts
 ROUTER_STRIDE = ROUTER_TILE + 1  # its shared rows, padded so that the staging's stores hit 32 banks
 GROUP_SLOTS = MAX_EXPERTS  # token-slots per block of the grouping, a thread each (and a thread per expert)
 THREADS = 256
-TAKEN = np.float32(-1)  # a probability already picked (probabilities are >= 0)
+TAKEN = np.int64(-1)  # the key of an expert already picked, or of none (every key of an expert is >= 0)
 
 
-def unsupported(n_expert: int, n_embd: int) -> str | None:
+def unsupported(n_expert: int, n_embd: int, k: int = 1) -> str | None:
     if n_expert > MAX_EXPERTS:
         return f"{n_expert} experts (the CUDA router takes up to {MAX_EXPERTS})"
+    if k > WARP:
+        return f"{k} experts a token (the CUDA top-k takes up to {WARP}: a lane a pick)"
     if n_embd > ROUTER_COLUMNS * ROUTER_MAX_THREADS:
         return f"n_embd {n_embd} (the CUDA router takes up to {ROUTER_COLUMNS * ROUTER_MAX_THREADS})"
     return None
@@ -138,21 +147,53 @@ def resident(w: DeviceMatrix, n_expert: int, stream=0) -> ExpertTable:
 # ---- the router -------------------------------------------------------------------------------------------
 
 
-def route(router: DeviceMatrix, x, norm: tuple | None, logits, counter, ids, weights, renormalise: bool,
-          stream=0) -> None:
+@dataclass
+class Routing:
+    """Each token's chosen experts as the routed products take them: ids [n, k] (int32) and weights [n, k] (float32)
+    made before them (`route`, `route_prefill`), or, where `logits` is set (the router's [n, n_expert], from
+    `router_logits`), picked by the products themselves: each block takes its token's top-k of the logits (`_pick`,
+    one warp) before it reads its experts, and the gate/up product's first block of each token writes ids and weights
+    for the kernels after it (the routing counts and Spark's cache read the ids). A decode step's router is then a
+    plain product, without the arrival counter, fences and last block that took the top-k after all the others (a
+    serial tail between the router's 128 blocks of the 30B-A3B shape and the gate/up product's loads)."""
+
+    ids: object
+    weights: object
+    logits: object = None
+    renormalise: bool = False
+
+    @property
+    def picking(self) -> bool:
+        return self.logits is not None
+
+    def args(self) -> tuple:
+        """The kernels' (ids, weights, logits, renormalise); made picks pass weights as the logits, never read."""
+        return self.ids, self.weights, self.weights if self.logits is None else self.logits, self.renormalise
+
+
+def route(router: DeviceMatrix, x, norm: tuple | None, logits, ids, weights, renormalise: bool, stream=0) -> None:
     """ids [n, k] (int32) and weights [n, k] (float32) of each row of x [n, n_embd]: the k most probable experts of
     the softmax of router @ h, most probable first (the lower id among equals), weighted by their probabilities
     (divided by their sum where `renormalise`); h = RMSNorm(x) * norm[0] with norm = (weight, eps), or x.
-    logits: float32 scratch [>= n, n_expert]; counter: int32 [>= n], zeros (the kernel leaves them zero)."""
+    logits: float32 scratch [>= n, n_expert]. Two launches: `router_logits`, then a warp per token picks."""
+    if why := unsupported(router.rows, router.cols, ids.shape[1]):
+        raise ValueError(why)
+    router_logits(router, x, norm, logits, stream)
+    _top_k[x.shape[0], WARP, stream](logits, ids, weights, renormalise)
+
+
+def router_logits(router: DeviceMatrix, x, norm: tuple | None, logits, stream=0) -> None:
+    """logits[t] = router @ h[t] for each row of x [n, n_embd], h as `route` says (logits: float32 [>= n, n_expert]):
+    one block per expert row, its columns over the block's threads (a prefill's block takes ROUTER_PREFILL_ROWS rows
+    in turn), the token's RMSNorm taken by every block."""
     n_expert = router.rows
-    if unsupported(n_expert, router.cols):
-        raise ValueError(unsupported(n_expert, router.cols))
+    if why := unsupported(n_expert, router.cols):
+        raise ValueError(why)
     xnorm = (x, np.float32(0), False) if norm is None else (norm[0].reshape(1, -1), np.float32(norm[1]), True)
     n = x.shape[0]
     rows = 1 if n == 1 else ROUTER_PREFILL_ROWS
     threads = blocks(blocks(router.cols, ROUTER_COLUMNS), WARP) * WARP
-    _ROUTERS[router.kind][(blocks(n_expert, rows), n), threads, stream](
-        router.quant, x, xnorm, logits, counter, ids, weights, renormalise, rows)
+    _ROUTERS[router.kind][(blocks(n_expert, rows), n), threads, stream](router.quant, x, xnorm, logits, rows)
 
 
 def _make_router(kind: str):
@@ -165,9 +206,8 @@ def _make_router(kind: str):
             c = cuda.threadIdx.x + j * cuda.blockDim.x
             wv[j] = at(w, e, c) if c < cols else np.float32(0)
 
-    def kernel(w, x, xnorm, logits, counter, ids, weights, renormalise, rows):
+    def kernel(w, x, xnorm, logits, rows):
         sums = cuda.shared.array(ROUTER_WARPS, np.float32)
-        last = cuda.shared.array(1, np.int32)
         h = cuda.local.array(ROUTER_COLUMNS, np.float32)
         wv = cuda.local.array(ROUTER_COLUMNS, np.float32)
         t = cuda.blockIdx.y
@@ -197,82 +237,108 @@ def _make_router(kind: str):
             acc = block_sum(acc, sums)
             if cuda.threadIdx.x == 0:
                 logits[t, e] = acc
-        cuda.threadfence()  # the logits are visible to the token's last block before it counts this one
-        cuda.syncthreads()
-        if cuda.threadIdx.x == 0:
-            last[0] = cuda.atomic.add(counter, t, 1) == cuda.gridDim.x - 1
-        cuda.syncthreads()
-        if last[0]:
-            cuda.threadfence()
-            _top_k(logits, t, n_expert, ids, weights, renormalise)
-            if cuda.threadIdx.x == 0:
-                counter[t] = 0
 
-    kernel.__name__ = kernel.__qualname__ = f"_route_{kind}"
+    kernel.__name__ = kernel.__qualname__ = f"_router_{kind}"
     return jit_kernel(kernel)
-
-
-@cuda.jit(device=True, inline=True)
-def _top_k(logits, t, n_expert, ids, weights, renormalise):
-    """The top-k of token t's softmax, as `route` says. Every warp of the block computes it (the simulator's warp
-    reductions are block-wide barriers); thread 0 writes it. Lane l holds experts l, l + 32, ..."""
-    p = cuda.local.array(PER_LANE, np.float32)
-    lane = cuda.threadIdx.x % WARP
-    top = -np.float32(np.inf)
-    for j in range(PER_LANE):
-        e = lane + WARP * j
-        if e < n_expert:  # other blocks wrote the logits: read at L2 (an atomic), never a stale L1 line
-            p[j] = cuda.atomic.add(logits, (t, e), np.float32(0))
-            top = max(top, p[j])
-    top = warp_max(top)
-    total = np.float32(0)
-    for j in range(PER_LANE):
-        p[j] = math.exp(p[j] - top) if lane + WARP * j < n_expert else TAKEN
-        total += max(p[j], np.float32(0))
-    total = warp_sum(total)
-    picked = np.float32(0)
-    k = ids.shape[1]
-    for r in range(k):
-        best, best_j = TAKEN, 0
-        for j in range(PER_LANE):
-            if p[j] > best:  # the first (lowest expert) of equals
-                best, best_j = p[j], j
-        value = warp_max(best)
-        mine = lane + WARP * best_j if best == value else MAX_EXPERTS
-        e = -warp_max(-mine)  # the lowest expert holding the largest probability
-        if lane + WARP * best_j == e:
-            p[best_j] = TAKEN
-        weight = value / total
-        picked += weight
-        if cuda.threadIdx.x == 0:
-            ids[t, r] = e
-            weights[t, r] = weight
-    if renormalise and cuda.threadIdx.x == 0:
-        for r in range(k):
-            weights[t, r] /= picked
 
 
 _ROUTERS = {kind: _make_router(kind) for kind in ("q4", "q6", "q8", "f32")}
 
 
+@cuda.jit(device=True, inline=True)
+def _pick(logits, t, k, renormalise):
+    """Token t's top-k of the softmax of logits[t] (n_expert wide), as `route` says, by one warp: lane r < k gets
+    pick r's (expert, weight). Lane l holds experts l, l + 32, .. as keys, a probability's bits above ID_BITS bits of
+    MAX_EXPERTS - 1 - its expert (probabilities are >= 0: their bits order as they do), so that one warp maximum a
+    pick finds the most probable, the lower expert among equals; the keys stay in registers (loops unrolled, no
+    index by a variable). The probabilities, their sum and the weights are the float32 operations of the CPU
+    backend's route, in the same order within a lane."""
+    n_expert = logits.shape[1]
+    lane = cuda.threadIdx.x % WARP
+    p = cuda.local.array(PER_LANE, np.float32)
+    keys = cuda.local.array(PER_LANE, np.int64)
+    top = NEG_INF
+    for j in range(PER_LANE):
+        p[j] = logits[t, lane + WARP * j] if lane + WARP * j < n_expert else NEG_INF
+        top = max(top, p[j])
+    top = warp_max(top)
+    total = np.float32(0)
+    for j in range(PER_LANE):
+        keys[j] = TAKEN
+        if lane + WARP * j < n_expert:
+            p[j] = math.exp(p[j] - top)
+            total += p[j]
+            keys[j] = (np.int64(f32_bits(p[j])) << ID_BITS) | (MAX_EXPERTS - 1 - lane - WARP * j)
+    total = warp_sum(total)
+    expert, weight, picked = -1, np.float32(0), np.float32(0)
+    for r in range(k):
+        best = keys[0]
+        for j in range(1, PER_LANE):
+            best = max(best, keys[j])
+        best = warp_max(best)
+        for j in range(PER_LANE):
+            if keys[j] == best:  # (this lane's, alone: keys are distinct)
+                keys[j] = TAKEN
+        w = bits_f32(best >> ID_BITS) / total
+        picked += w
+        if lane == r:
+            expert, weight = MAX_EXPERTS - 1 - (best & (MAX_EXPERTS - 1)), w
+    if renormalise:
+        weight /= picked
+    return expert, weight
+
+
+@cuda.jit(device=True, inline=True)
+def _pick_row(logits, t, ids, weights, renormalise):
+    """Token t's picks (`_pick`, the calling warp) into ids[t] and weights[t]."""
+    k = ids.shape[1]
+    expert, weight = _pick(logits, t, k, renormalise)
+    lane = cuda.threadIdx.x % WARP
+    if lane < k:
+        ids[t, lane] = expert
+        weights[t, lane] = weight
+
+
+@cuda.jit(device=True, inline=True)
+def _pick_into(logits, t, k, renormalise, chosen, chosen_weights):
+    """Token t's picks (`_pick`) into the block's shared chosen and chosen_weights ([>= k]), then a barrier. On the
+    GPU the block's first warp alone picks (the gate/up product runs 768 blocks at once at the 30B-A3B shape: every
+    warp picking would cost issue slots for nothing); in the simulator every warp does (its warp reductions are
+    block-wide barriers)."""
+    if SIMULATOR or cuda.threadIdx.x < WARP:
+        expert, weight = _pick(logits, t, k, renormalise)
+        if cuda.threadIdx.x < k:
+            chosen[cuda.threadIdx.x] = expert
+            chosen_weights[cuda.threadIdx.x] = weight
+    cuda.syncthreads()
+
+
+@jit_kernel
+def _top_k(logits, ids, weights, renormalise):
+    """Token blockIdx.x's picks, by one warp."""
+    await_grid()
+    _pick_row(logits, cuda.blockIdx.x, ids, weights, renormalise)
+
+
 # ---- decode: the chosen experts' products ---------------------------------------------------------------------
 
 
-def routed_matvecs(experts: ExpertTable, rows_per_expert: int, x, ids, out, x_per_slot: bool, stream=0,
-                   norm: tuple | None = None, rows_per_block: int | None = None) -> None:
+def routed_matvecs(experts: ExpertTable, rows_per_expert: int, x, routing: Routing, out, x_per_slot: bool,
+                   stream=0, norm: tuple | None = None, rows_per_block: int | None = None) -> None:
     """out[t * k + s] = expert ids[t, s] of the experts (rows rows_per_expert) times x[t] (x[t * k + s] where
-    `x_per_slot`), for each token t of ids [n, k]; out: a device array or an Epilogue (a gated one for interleaved
-    gate/up experts). norm: (weight, eps) to normalize x first (`matvec.fuses_norm`). rows_per_block: a block's rows
-    instead of the matvec's choice (`block_rows`; benchmarks compare)."""
-    n, k = ids.shape
+    `x_per_slot`), for each token t of the routing's ids [n, k] (picked by the kernel's blocks where it is
+    `picking`: its first block of each token writes them and the weights); out: a device array or an Epilogue (a
+    gated one for interleaved gate/up experts). norm: (weight, eps) to normalize x first (`matvec.fuses_norm`).
+    rows_per_block: a block's rows instead of the matvec's choice (`block_rows`; benchmarks compare)."""
+    n, k = routing.ids.shape
     ep = as_epilogue(out)
     w = experts.table
     if w.kind == "f32":
-        if ep.gate or norm is not None:
-            raise ValueError("float experts take plain products of normalized inputs")
+        if ep.gate or norm is not None or routing.picking:
+            raise ValueError("float experts take plain products of normalized inputs, their experts picked before")
         grid = (k * blocks(rows_per_expert, mv.F32_ROWS_PER_BLOCK), n)
         _routed_f32[grid, mv.F32_ROWS_PER_BLOCK * WARP, stream](w.codes, experts.host.codes, experts.remap,
-                                                                rows_per_expert, x, ids, x_per_slot, ep)
+                                                                rows_per_expert, x, routing.ids, x_per_slot, ep)
         return
     if norm is not None and not mv.fuses_norm(w):
         raise ValueError(f"no fused RMSNorm for a {w.kind} matrix of {w.cols} columns")
@@ -282,32 +348,46 @@ def routed_matvecs(experts: ExpertTable, rows_per_expert: int, x, ids, out, x_pe
     n_warps = blocks(segments, n_pass)
     rows = block_rows(w, k * rows_per_expert, bool(ep.gate), n_warps, rows_per_block)
     per_expert = blocks(rows_per_expert, rows)
-    _ROUTED[w.kind, experts.placed][(k * per_expert, n), n_warps * WARP, stream](
-        *experts.args(), rows_per_expert, x, xnorm, ep, n_pass, rows, per_expert, ids, x_per_slot)
+    _ROUTED[w.kind, experts.placed, routing.picking][(k * per_expert, n), n_warps * WARP, stream](
+        *experts.args(), rows_per_expert, x, xnorm, ep, n_pass, rows, per_expert, *routing.args(), x_per_slot)
 
 
-def _make_routed(kind: str, placed: bool):
+def _make_routed(kind: str, placed: bool, picking: bool):
     body = mv._BODIES[kind, "rows"]
 
-    def kernel(table, host, remap, rows_per_expert, x, xnorm, ep, n_pass, rows_per_block, per_expert, ids, x_per_slot):
-        await_grid()  # the expert ids are the router's output: no weight can be loaded before
+    def kernel(table, host, remap, rows_per_expert, x, xnorm, ep, n_pass, rows_per_block, per_expert, ids, weights,
+               logits, renormalise, x_per_slot):
+        await_grid()  # the expert ids (or the logits) are the router's output: no weight can be loaded before
         part = cuda.shared.array(PARTIALS, np.float32)
         sums = cuda.shared.array(PRODUCT_WARPS, np.float32)
         t = cuda.blockIdx.y
+        k = ids.shape[1]
         slot = cuda.blockIdx.x // per_expert
-        row = t * ids.shape[1] + slot
-        if placed:  # a constant: the other branch is compiled out
-            w = resident_rows(table, host, remap, ids[t, slot], rows_per_expert)
+        row = t * k + slot
+        if picking:  # a constant, as placed: the other branch is compiled out
+            chosen = cuda.shared.array(WARP, np.int32)
+            chosen_weights = cuda.shared.array(WARP, np.float32)
+            _pick_into(logits, t, k, renormalise, chosen, chosen_weights)
+            e = chosen[slot]
+            if cuda.blockIdx.x == 0 and cuda.threadIdx.x < k:  # the token's picks, for the kernels after this one
+                ids[t, cuda.threadIdx.x] = chosen[cuda.threadIdx.x]
+                weights[t, cuda.threadIdx.x] = chosen_weights[cuda.threadIdx.x]
         else:
-            w = expert_rows(table, ids[t, slot], rows_per_expert)
+            e = ids[t, slot]
+        if placed:
+            w = resident_rows(table, host, remap, e, rows_per_expert)
+        else:
+            w = expert_rows(table, e, rows_per_expert)
         body(w, x, row if x_per_slot else t, xnorm, ep, row, n_pass, rows_per_block, cuda.blockIdx.x % per_expert,
              part, sums)
 
-    kernel.__name__ = kernel.__qualname__ = f"_routed_{kind}" + ("_placed" if placed else "")
+    kernel.__name__ = kernel.__qualname__ = (f"_routed_{kind}" + ("_placed" if placed else "")
+                                             + ("_picking" if picking else ""))
     return mv._bounded(kernel)
 
 
-_ROUTED = {(kind, placed): _make_routed(kind, placed) for kind in ("q4", "q6", "q8") for placed in (False, True)}
+_ROUTED = {(kind, placed, picking): _make_routed(kind, placed, picking) for kind in ("q4", "q6", "q8")
+           for placed in (False, True) for picking in (False, True)}
 
 
 @jit_kernel
@@ -353,18 +433,19 @@ def block_rows(w: DeviceMatrix, rows: int, gated: bool, warps: int, given: int |
     return given
 
 
-def routed_sum(experts: ExpertTable, rows_per_expert: int, x, ids, weights, residual, out, shared=None,
+def routed_sum(experts: ExpertTable, rows_per_expert: int, x, routing: Routing, residual, out, shared=None,
                stream=0, rows_per_block: int | None = None) -> None:
-    """out[t] = residual[t] + the sum over s, in rank order, of weights[t, s] * (expert ids[t, s] times x[t * k + s]),
+    """out[t] = residual[t] + the sum over s, in rank order, of weights[t, s] * (expert ids[t, s] times x[t * k + s])
+    (the routing's, or picked by each block where it is `picking`: it writes none),
     plus the shared expert as `combine` adds it: `routed_matvecs` and `combine` in one launch (where `sums_routed`).
     A block takes a few rows of every chosen expert, a warp (or a few) per slot over the columns, as the dense matvec's
     warps own column segments, and sums its rows itself in rank order: no atomics, bit-stable, and bit for bit the
     two launches' sums where a slot's warps cover its columns in one pass (k x segments <= MAX_WARPS).
     rows_per_block: as `routed_matvecs`'.
-    The kernel reads ids, and loads its first rows of weights, before it waits for the kernel before it (overlapped
-    launches, see _numba): ids must come from an earlier launch than that one (the router's, before the gate/up
-    product)."""
-    n, k = ids.shape
+    The kernel reads ids (or picks from the logits), and loads its first rows of weights, before it waits for the
+    kernel before it (overlapped launches, see _numba): they must come from an earlier launch than that one (the
+    router's, before the gate/up product)."""
+    n, k = routing.ids.shape
     w = experts.table
     if not sums_routed(experts, k):
         raise ValueError(f"routed_sum: {k} {w.kind} experts a token (quantized, up to {mv.MAX_WARPS})")
@@ -372,25 +453,33 @@ def routed_sum(experts: ExpertTable, rows_per_expert: int, x, ids, weights, resi
     warps = min(segments, mv.MAX_WARPS // k)  # per slot
     n_pass = blocks(segments, warps)
     rows = block_rows(w, rows_per_expert, False, k * warps, rows_per_block)
-    gate, values = (weights, residual) if shared is None else shared
-    _ROUTED_SUM[w.kind, experts.placed][(blocks(rows_per_expert, rows), n), k * warps * WARP, stream](
-        *experts.args(), rows_per_expert, x, (x, np.float32(0), False), ids, weights, residual, gate, values,
+    gate, values = (routing.weights, residual) if shared is None else shared
+    kernel = _ROUTED_SUM[w.kind, experts.placed, routing.picking]
+    kernel[(blocks(rows_per_expert, rows), n), k * warps * WARP, stream](
+        *experts.args(), rows_per_expert, x, (x, np.float32(0), False), *routing.args(), residual, gate, values,
         shared is not None, out, warps, n_pass, rows)
 
 
-def _make_routed_sum(kind: str, placed: bool):
+def _make_routed_sum(kind: str, placed: bool, picking: bool):
     stream_rows = mv.STREAMS[kind]
 
-    def kernel(table, host, remap, rows_per_expert, x, xnorm, ids, weights, residual, gate, shared, has_shared, out,
-               warps, n_pass, rows_per_block):
+    def kernel(table, host, remap, rows_per_expert, x, xnorm, ids, weights, logits, renormalise, residual, gate,
+               shared, has_shared, out, warps, n_pass, rows_per_block):
         part = cuda.shared.array(PARTIALS, np.float32)
         sums = cuda.shared.array(PRODUCT_WARPS, np.float32)
+        chosen = cuda.shared.array(WARP, np.int32)
+        chosen_weights = cuda.shared.array(WARP, np.float32)
         t = cuda.blockIdx.y
         k = ids.shape[1]
         warp = cuda.threadIdx.x // WARP
         slot = warp // warps
-        e = ids[t, slot]  # before the wait: the router wrote it two launches back (see routed_sum)
-        if placed:  # a constant: the other branch is compiled out
+        # before the wait: the router wrote ids or logits two launches back (see routed_sum)
+        if picking:  # a constant, as placed: the other branch is compiled out
+            _pick_into(logits, t, k, renormalise, chosen, chosen_weights)
+            e = chosen[slot]
+        else:
+            e = ids[t, slot]
+        if placed:
             w = resident_rows(table, host, remap, e, rows_per_expert)
         else:
             w = expert_rows(table, e, rows_per_expert)
@@ -407,14 +496,16 @@ def _make_routed_sum(kind: str, placed: bool):
                     value = np.float32(0)  # slot s's row: its warps' partials in order, as `matvec` sums them
                     for j in range(s * warps, (s + 1) * warps):
                         value += part[j * mv.MAX_ROWS_PER_BLOCK + i]
-                    acc += value * weights[t, s]
+                    acc += value * (chosen_weights[s] if picking else weights[t, s])
                 out[t, r] = _sum_back(acc, t, r, residual, gate, shared, has_shared)
 
-    kernel.__name__ = kernel.__qualname__ = f"_routed_sum_{kind}" + ("_placed" if placed else "")
+    kernel.__name__ = kernel.__qualname__ = (f"_routed_sum_{kind}" + ("_placed" if placed else "")
+                                             + ("_picking" if picking else ""))
     return mv._bounded(kernel)
 
 
-_ROUTED_SUM = {(kind, placed): _make_routed_sum(kind, placed) for kind in mv.TOKEN_KINDS for placed in (False, True)}
+_ROUTED_SUM = {(kind, placed, picking): _make_routed_sum(kind, placed, picking) for kind in mv.TOKEN_KINDS
+               for placed in (False, True) for picking in (False, True)}
 
 
 # ---- prefill: grouped by expert -------------------------------------------------------------------------------
@@ -430,11 +521,11 @@ def route_prefill(router: DeviceMatrix, h, parts, logits, ids, weights, renormal
     (parts: float32 scratch of `router_parts`' shape; a 512-token prompt of 128 experts at n_embd 2048 is 512 blocks
     of 32 tokens x 32 experts x 256 columns), then per token one warp sums the parts in split order (no atomics: a
     replayed graph gives the eager logits bit for bit) into logits (scratch [>= n, n_expert]) and takes the top-k.
-    (`route`'s arrival-counted blocks, each token's rows in turn, are for one token.)"""
+    (`router_logits`' blocks, each token's rows in turn, are for one token.)"""
     n, cols = h.shape
     n_expert = router.rows
-    if unsupported(n_expert, ids.shape[1]):
-        raise ValueError(unsupported(n_expert, ids.shape[1]))
+    if why := unsupported(n_expert, cols, ids.shape[1]):
+        raise ValueError(why)
     splits = blocks(cols, ROUTER_SPLIT)
     if parts.shape[0] < splits or parts.shape[1] < n or parts.shape[2] != n_expert:
         raise ValueError(f"route_prefill: parts {parts.shape} for {router_parts(n, n_expert, cols)}")
@@ -494,7 +585,7 @@ def _put_part(parts, z, t, e, v):
 @jit_kernel
 def _sum_top_k(parts, splits, logits, ids, weights, renormalise):
     """Token blockIdx.x's logits, its parts summed in split order, then its top-k (one warp: lane l's experts are
-    l, l + 32, .., those `_top_k` reads back)."""
+    l, l + 32, .., those `_pick` reads back)."""
     await_grid()
     t = cuda.blockIdx.x
     n_expert = parts.shape[2]
@@ -503,7 +594,7 @@ def _sum_top_k(parts, splits, logits, ids, weights, renormalise):
         for z in range(splits):
             v += parts[z, t, e]
         logits[t, e] = v
-    _top_k(logits, t, n_expert, ids, weights, renormalise)
+    _pick_row(logits, t, ids, weights, renormalise)
 
 
 @dataclass
