@@ -292,24 +292,22 @@ def test_router_top_k_and_grouping_are_exact():
     assert tiles.copy_to_host().tolist() == [[0, 0], [1, 3], [2, 4]] + [[-1, 0]] * (len(tiles) - 3)
 
 
-@needs_kernels
-def test_products_pick_the_routers_top_k_themselves():
+def check_picking(n_expert: int, cols: int, rows: int, k: int, qtype=Q.Q8_0, n: int = 2, seed: int = 9) -> None:
     """A decode step's routing (moe.Routing with the router's logits): each block of the routed products and of
     routed_sum takes its token's top-k itself, the routed products' first block writes ids and weights: route's
     picks (a launch of their own) bit for bit, renormalised or not, ties to the lower id across lanes (3, 7) and
-    within one (3, 35: lane l holds experts l, l + 32), and the products of those picks bit for bit; two tokens."""
+    within one (3, 35: lane l holds experts l, l + 32), and the products of those picks bit for bit."""
     from lucekv.kernels.cpu.quants import pack
     from lucekv.kernels.cuda import moe
     from lucekv.kernels.cuda.packed import upload
     from tests.kernels.test_cuda_kernels import random_packed
 
-    n, n_expert, cols, rows, k = 2, 40, 32, 8, 4
-    rng = np.random.default_rng(9)
+    rng = np.random.default_rng(seed)
     router = rng.standard_normal((n_expert, cols)).astype(np.float32)
     router[7] = router[35] = router[3]
     x = rng.standard_normal((n, cols)).astype(np.float32)
-    x[0] = router[3] * 0.3  # token 0: 3, 7 and 35 first, equal
-    experts = moe.resident(upload(random_packed(rng, Q.Q8_0, n_expert * rows, cols)), n_expert)
+    x[0] = router[3] * np.float32(3 / cols)  # token 0: 3, 7 and 35 first, equal
+    experts = moe.resident(upload(random_packed(rng, qtype, n_expert * rows, cols)), n_expert)
     d_router, d_x = upload(pack(router, Q.F32, router.shape)), cuda.to_device(x)
     d_slots = cuda.to_device(rng.standard_normal((n * k, cols)).astype(np.float32))
     d_residual = cuda.to_device(rng.standard_normal((n, rows)).astype(np.float32))
@@ -333,6 +331,12 @@ def test_products_pick_the_routers_top_k_themselves():
         np.testing.assert_array_equal(picking.weights.copy_to_host(), weights.copy_to_host())
         for made, picked in zip(*outs, strict=True):
             np.testing.assert_array_equal(picked, made)
+
+
+@needs_kernels
+def test_products_pick_the_routers_top_k_themselves():
+    """check_picking over 40 experts (two a lane), top-4, two tokens."""
+    check_picking(n_expert=40, cols=32, rows=8, k=4)
 
 
 @needs_kernels
@@ -428,6 +432,14 @@ def test_routed_sum_at_qwen3_30b_a3b_shapes_gpu(qtype):
     bit, within rounding of float64."""
     check_routed_sum(qtype, n_expert=A3B["n_expert"], rows=A3B["n_embd"], cols=A3B["n_ff_expert"],
                      k=A3B["n_expert_used"])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_products_pick_at_qwen3_30b_a3b_shapes_gpu():
+    """check_picking at 128 experts, top-8, 2048 columns (Q4_K experts of 64 rows): on the GPU a block's first warp
+    alone picks (the simulator's every warp), routed_sum's blocks of 16 warps among them."""
+    check_picking(n_expert=A3B["n_expert"], cols=A3B["n_embd"], rows=64, k=A3B["n_expert_used"], qtype=Q.Q4_K)
 
 
 @pytest.mark.gpu
