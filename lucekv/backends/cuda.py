@@ -476,10 +476,9 @@ class CudaOps:
                            put(pack_stacked(down), n_embd), n_ff, routed)
 
     def moe_ffn(self, x, m: MoeWeights, norm):
-        """One token (or float experts): the chosen experts' products as matvecs, experts picked on the device (by
-        the products' blocks themselves from the router's logits, `moe.Routing`), the down products summing
-        themselves back (`moe.routed_sum`). More: tokens grouped by expert on the device, each expert's run through
-        the tensor-core tile."""
+        """One token (or float experts): the chosen experts' products as matvecs, experts picked on the device, the
+        down products summing themselves back (`moe.routed_sum`). More: tokens grouped by expert on the device, each
+        expert's run through the tensor-core tile."""
         spec, e, s = self.spec, m.experts, self.stream
         n, k, n_embd = x.shape[0], spec.n_expert_used, spec.n_embd
         if n == 1 and e.routed is not None:
@@ -491,30 +490,27 @@ class CudaOps:
         weights = self._empty(n, k)
         logits = self._empty(n, spec.n_expert)
         gate = GELU if spec.arch.activation == "gelu_tanh" else SILU
-        act_out = self._empty(n * k, e.n_ff)
-        if n == 1 and e.gate_up is not None and moe.sums_routed(e.down, k):
-            # the router's logits alone, its top-k taken by the products' blocks (the gate/up's first block writes
-            # ids and weights); the down products sum themselves back into the residual (no combine launch), the
-            # shared expert's products before them
-            fused = (norm, spec.rms_eps) if fuses_norm(e.gate_up.table) else None
-            source = x if fused else self.rmsnorm(x, norm)
-            moe.router_logits(e.router, x, (norm, spec.rms_eps), logits, stream=s)
-            routing = moe.Routing(ids, weights, logits, spec.arch.norm_topk)
-            shared = self._shared_expert(x, m, norm)
-            moe.routed_matvecs(e.gate_up, 2 * e.n_ff, source, routing, epilogue((act_out,), gate=gate),
-                               x_per_slot=False, stream=s, norm=fused)
-            self._count_routing(ids, m.layer)
-            out = self._empty(n, n_embd)
-            moe.routed_sum(e.down, n_embd, act_out, routing, x, out, shared, stream=s)
-            return out
-        h = self.rmsnorm(x, norm)
+        sums_back = n == 1 and e.gate_up is not None and moe.sums_routed(e.down, k)
+        fused = (norm, spec.rms_eps) if sums_back and fuses_norm(e.gate_up.table) else None  # the kernels' RMSNorm
+        h = x if fused else self.rmsnorm(x, norm)
         if n == 1:
-            moe.route(e.router, h, None, logits, ids, weights, spec.arch.norm_topk, stream=s)
+            moe.route(e.router, h, fused, logits, ids, weights, spec.arch.norm_topk, stream=s)
         else:
             parts = self._alloc(moe.router_parts(n, spec.n_expert, n_embd), np.float32)
             moe.route_prefill(e.router, h, parts, logits, ids, weights, spec.arch.norm_topk, stream=s)
-        self._count_routing(ids, m.layer)
+        if self.routing_counts is not None:
+            expert_counts.count_experts(ids, self.positions, self.routing_counts[m.layer], stream=s)
         routing = moe.Routing(ids, weights)
+        act_out = self._empty(n * k, e.n_ff)
+        if sums_back:
+            # the down products sum themselves back into the residual (no combine launch), the shared expert's
+            # products before them
+            shared = self._shared_expert(x, m, norm)
+            moe.routed_matvecs(e.gate_up, 2 * e.n_ff, h, routing, epilogue((act_out,), gate=gate), x_per_slot=False,
+                               stream=s, norm=fused)
+            out = self._empty(n, n_embd)
+            moe.routed_sum(e.down, n_embd, act_out, routing, x, out, shared, stream=s)
+            return out
         outs = self._empty(n * k, n_embd)
         if e.gate_up is None:  # float experts
             parts = [self._empty(n * k, e.n_ff) for _ in range(2)]
@@ -539,11 +535,6 @@ class CudaOps:
             return None
         sh = m.shared
         return self.linear(sh.gate, x, norm=norm), self.linear(sh.down, self.gated_linear(x, sh.gate_up, norm))
-
-    def _count_routing(self, ids, layer: int) -> None:
-        """The layer's routing counts += the tokens' picks ids, where the routing is counted (--spark-record)."""
-        if self.routing_counts is not None:
-            expert_counts.count_experts(ids, self.positions, self.routing_counts[layer], stream=self.stream)
 
     def _slot_rows(self, n: int, k: int):
         """[n, k] int32: token t's slot s at row t * k + s (the routed products' order), made once per shape."""

@@ -4,13 +4,10 @@ expert.
 A layer's experts are stacked matrices (DeviceMatrix of n_expert * rows rows, expert e's rows e * rows ..): a kernel
 takes expert e as a view of those rows (`expert_rows`), so the dense products' bodies and tiles run on it unchanged.
 - The router: `router_logits` (one block per expert row, its columns over the block's threads; the token's RMSNorm
-  taken by every block), then the softmax's top-k (`_pick`: one warp, the keys in registers): by a launch of its
-  own (`route`), or, in a decode step, by each block of the products that read the chosen experts (`Routing`
-  with logits), so that no launch waits for a top-k taken after all the router's blocks. Expert ids and their
-  weights stay on the device.
-- Decode (`routed_matvecs`): the dense matvec bodies over the chosen experts, the expert ids read (or picked) on the
-  device, so a decode step stays one captured graph; one grid row per token, blocks by (slot, row block of the
-  expert).
+  taken by every block), then the softmax's top-k by a launch of its own (`route`: `_top_k`, one warp a token, the
+  keys in registers). Expert ids and their weights stay on the device.
+- Decode (`routed_matvecs`): the dense matvec bodies over the chosen experts, the expert ids read on the device, so
+  a decode step stays one captured graph; one grid row per token, blocks by (slot, row block of the expert).
 - Prefill (`grouped_experts`: `group`, `gather`, `grouped_matmul`): the token-slots sorted by expert on the device
   (per block of slots a histogram and each slot's rank, then a scan and a stable placement by every block), the
   normalized inputs gathered in that order as float16 pairs (as matmul.stage_halves stages a dense product's x),
@@ -40,7 +37,6 @@ from lucekv.kernels.cuda import matmul as mm
 from lucekv.kernels.cuda import matvec as mv
 from lucekv.kernels.cuda._numba import (
     NEG_INF,
-    SIMULATOR,
     WARP,
     await_grid,
     bits_f32,
@@ -149,26 +145,11 @@ def resident(w: DeviceMatrix, n_expert: int, stream=0) -> ExpertTable:
 
 @dataclass
 class Routing:
-    """Each token's chosen experts as the routed products take them: ids [n, k] (int32) and weights [n, k] (float32)
-    made before them (`route`, `route_prefill`), or, where `logits` is set (the router's [n, n_expert], from
-    `router_logits`), picked by the products themselves: each block takes its token's top-k of the logits (`_pick`,
-    one warp) before it reads its experts, and the gate/up product's first block of each token writes ids and weights
-    for the kernels after it (the routing counts and Spark's cache read the ids). A decode step's router is then a
-    plain product, without the arrival counter, fences and last block that took the top-k after all the others (a
-    serial tail between the router's 128 blocks of the 30B-A3B shape and the gate/up product's loads)."""
+    """Each token's chosen experts as the routed products take them: ids [n, k] (int32) and weights [n, k] (float32),
+    made before them (`route`, `route_prefill`)."""
 
     ids: object
     weights: object
-    logits: object = None
-    renormalise: bool = False
-
-    @property
-    def picking(self) -> bool:
-        return self.logits is not None
-
-    def args(self) -> tuple:
-        """The kernels' (ids, weights, logits, renormalise); made picks pass weights as the logits, never read."""
-        return self.ids, self.weights, self.weights if self.logits is None else self.logits, self.renormalise
 
 
 def route(router: DeviceMatrix, x, norm: tuple | None, logits, ids, weights, renormalise: bool, stream=0) -> None:
@@ -299,20 +280,6 @@ def _pick_row(logits, t, ids, weights, renormalise):
         weights[t, lane] = weight
 
 
-@cuda.jit(device=True, inline=True)
-def _pick_into(logits, t, k, renormalise, chosen, chosen_weights):
-    """Token t's picks (`_pick`) into the block's shared chosen and chosen_weights ([>= k]), then a barrier. On the
-    GPU the block's first warp alone picks (the gate/up product runs 768 blocks at once at the 30B-A3B shape: every
-    warp picking would cost issue slots for nothing); in the simulator every warp does (its warp reductions are
-    block-wide barriers)."""
-    if SIMULATOR or cuda.threadIdx.x < WARP:
-        expert, weight = _pick(logits, t, k, renormalise)
-        if cuda.threadIdx.x < k:
-            chosen[cuda.threadIdx.x] = expert
-            chosen_weights[cuda.threadIdx.x] = weight
-    cuda.syncthreads()
-
-
 @jit_kernel
 def _top_k(logits, ids, weights, renormalise):
     """Token blockIdx.x's picks, by one warp."""
@@ -326,16 +293,15 @@ def _top_k(logits, ids, weights, renormalise):
 def routed_matvecs(experts: ExpertTable, rows_per_expert: int, x, routing: Routing, out, x_per_slot: bool,
                    stream=0, norm: tuple | None = None, rows_per_block: int | None = None) -> None:
     """out[t * k + s] = expert ids[t, s] of the experts (rows rows_per_expert) times x[t] (x[t * k + s] where
-    `x_per_slot`), for each token t of the routing's ids [n, k] (picked by the kernel's blocks where it is
-    `picking`: its first block of each token writes them and the weights); out: a device array or an Epilogue (a
-    gated one for interleaved gate/up experts). norm: (weight, eps) to normalize x first (`matvec.fuses_norm`).
-    rows_per_block: a block's rows instead of the matvec's choice (`block_rows`; benchmarks compare)."""
+    `x_per_slot`), for each token t of the routing's ids [n, k]; out: a device array or an Epilogue (a gated one for
+    interleaved gate/up experts). norm: (weight, eps) to normalize x first (`matvec.fuses_norm`). rows_per_block: a
+    block's rows instead of the matvec's choice (`block_rows`; benchmarks compare)."""
     n, k = routing.ids.shape
     ep = as_epilogue(out)
     w = experts.table
     if w.kind == "f32":
-        if ep.gate or norm is not None or routing.picking:
-            raise ValueError("float experts take plain products of normalized inputs, their experts picked before")
+        if ep.gate or norm is not None:
+            raise ValueError("float experts take plain products of normalized inputs")
         grid = (k * blocks(rows_per_expert, mv.F32_ROWS_PER_BLOCK), n)
         _routed_f32[grid, mv.F32_ROWS_PER_BLOCK * WARP, stream](w.codes, experts.host.codes, experts.remap,
                                                                 rows_per_expert, x, routing.ids, x_per_slot, ep)
@@ -348,46 +314,32 @@ def routed_matvecs(experts: ExpertTable, rows_per_expert: int, x, routing: Routi
     n_warps = blocks(segments, n_pass)
     rows = block_rows(w, k * rows_per_expert, bool(ep.gate), n_warps, rows_per_block)
     per_expert = blocks(rows_per_expert, rows)
-    _ROUTED[w.kind, experts.placed, routing.picking][(k * per_expert, n), n_warps * WARP, stream](
-        *experts.args(), rows_per_expert, x, xnorm, ep, n_pass, rows, per_expert, *routing.args(), x_per_slot)
+    _ROUTED[w.kind, experts.placed][(k * per_expert, n), n_warps * WARP, stream](
+        *experts.args(), rows_per_expert, x, xnorm, ep, n_pass, rows, per_expert, routing.ids, x_per_slot)
 
 
-def _make_routed(kind: str, placed: bool, picking: bool):
+def _make_routed(kind: str, placed: bool):
     body = mv._BODIES[kind, "rows"]
 
-    def kernel(table, host, remap, rows_per_expert, x, xnorm, ep, n_pass, rows_per_block, per_expert, ids, weights,
-               logits, renormalise, x_per_slot):
-        await_grid()  # the expert ids (or the logits) are the router's output: no weight can be loaded before
+    def kernel(table, host, remap, rows_per_expert, x, xnorm, ep, n_pass, rows_per_block, per_expert, ids, x_per_slot):
+        await_grid()  # the expert ids are the router's output: no weight can be loaded before
         part = cuda.shared.array(PARTIALS, np.float32)
         sums = cuda.shared.array(PRODUCT_WARPS, np.float32)
         t = cuda.blockIdx.y
-        k = ids.shape[1]
         slot = cuda.blockIdx.x // per_expert
-        row = t * k + slot
-        if picking:  # a constant, as placed: the other branch is compiled out
-            chosen = cuda.shared.array(WARP, np.int32)
-            chosen_weights = cuda.shared.array(WARP, np.float32)
-            _pick_into(logits, t, k, renormalise, chosen, chosen_weights)
-            e = chosen[slot]
-            if cuda.blockIdx.x == 0 and cuda.threadIdx.x < k:  # the token's picks, for the kernels after this one
-                ids[t, cuda.threadIdx.x] = chosen[cuda.threadIdx.x]
-                weights[t, cuda.threadIdx.x] = chosen_weights[cuda.threadIdx.x]
+        row = t * ids.shape[1] + slot
+        if placed:  # a constant: the other branch is compiled out
+            w = resident_rows(table, host, remap, ids[t, slot], rows_per_expert)
         else:
-            e = ids[t, slot]
-        if placed:
-            w = resident_rows(table, host, remap, e, rows_per_expert)
-        else:
-            w = expert_rows(table, e, rows_per_expert)
+            w = expert_rows(table, ids[t, slot], rows_per_expert)
         body(w, x, row if x_per_slot else t, xnorm, ep, row, n_pass, rows_per_block, cuda.blockIdx.x % per_expert,
              part, sums)
 
-    kernel.__name__ = kernel.__qualname__ = (f"_routed_{kind}" + ("_placed" if placed else "")
-                                             + ("_picking" if picking else ""))
+    kernel.__name__ = kernel.__qualname__ = f"_routed_{kind}" + ("_placed" if placed else "")
     return mv._bounded(kernel)
 
 
-_ROUTED = {(kind, placed, picking): _make_routed(kind, placed, picking) for kind in ("q4", "q6", "q8")
-           for placed in (False, True) for picking in (False, True)}
+_ROUTED = {(kind, placed): _make_routed(kind, placed) for kind in ("q4", "q6", "q8") for placed in (False, True)}
 
 
 @jit_kernel
@@ -435,17 +387,17 @@ def block_rows(w: DeviceMatrix, rows: int, gated: bool, warps: int, given: int |
 
 def routed_sum(experts: ExpertTable, rows_per_expert: int, x, routing: Routing, residual, out, shared=None,
                stream=0, rows_per_block: int | None = None) -> None:
-    """out[t] = residual[t] + the sum over s, in rank order, of weights[t, s] * (expert ids[t, s] times x[t * k + s])
-    (the routing's, or picked by each block where it is `picking`: it writes none),
+    """out[t] = residual[t] + the sum over s, in rank order, of weights[t, s] * (expert ids[t, s] times x[t * k + s]),
     plus the shared expert as `combine` adds it: `routed_matvecs` and `combine` in one launch (where `sums_routed`).
     A block takes a few rows of every chosen expert, a warp (or a few) per slot over the columns, as the dense matvec's
     warps own column segments, and sums its rows itself in rank order: no atomics, bit-stable, and bit for bit the
     two launches' sums where a slot's warps cover its columns in one pass (k x segments <= MAX_WARPS).
     rows_per_block: as `routed_matvecs`'.
-    The kernel reads ids (or picks from the logits), and loads its first rows of weights, before it waits for the
-    kernel before it (overlapped launches, see _numba): they must come from an earlier launch than that one (the
-    router's, before the gate/up product)."""
-    n, k = routing.ids.shape
+    The kernel reads ids, and loads its first rows of weights, before it waits for the kernel before it (overlapped
+    launches, see _numba): ids must come from an earlier launch than that one (the router's, before the gate/up
+    product)."""
+    ids, weights = routing.ids, routing.weights
+    n, k = ids.shape
     w = experts.table
     if not sums_routed(experts, k):
         raise ValueError(f"routed_sum: {k} {w.kind} experts a token (quantized, up to {mv.MAX_WARPS})")
@@ -453,33 +405,25 @@ def routed_sum(experts: ExpertTable, rows_per_expert: int, x, routing: Routing, 
     warps = min(segments, mv.MAX_WARPS // k)  # per slot
     n_pass = blocks(segments, warps)
     rows = block_rows(w, rows_per_expert, False, k * warps, rows_per_block)
-    gate, values = (routing.weights, residual) if shared is None else shared
-    kernel = _ROUTED_SUM[w.kind, experts.placed, routing.picking]
-    kernel[(blocks(rows_per_expert, rows), n), k * warps * WARP, stream](
-        *experts.args(), rows_per_expert, x, (x, np.float32(0), False), *routing.args(), residual, gate, values,
+    gate, values = (weights, residual) if shared is None else shared
+    _ROUTED_SUM[w.kind, experts.placed][(blocks(rows_per_expert, rows), n), k * warps * WARP, stream](
+        *experts.args(), rows_per_expert, x, (x, np.float32(0), False), ids, weights, residual, gate, values,
         shared is not None, out, warps, n_pass, rows)
 
 
-def _make_routed_sum(kind: str, placed: bool, picking: bool):
+def _make_routed_sum(kind: str, placed: bool):
     stream_rows = mv.STREAMS[kind]
 
-    def kernel(table, host, remap, rows_per_expert, x, xnorm, ids, weights, logits, renormalise, residual, gate,
-               shared, has_shared, out, warps, n_pass, rows_per_block):
+    def kernel(table, host, remap, rows_per_expert, x, xnorm, ids, weights, residual, gate, shared, has_shared, out,
+               warps, n_pass, rows_per_block):
         part = cuda.shared.array(PARTIALS, np.float32)
         sums = cuda.shared.array(PRODUCT_WARPS, np.float32)
-        chosen = cuda.shared.array(WARP, np.int32)
-        chosen_weights = cuda.shared.array(WARP, np.float32)
         t = cuda.blockIdx.y
         k = ids.shape[1]
         warp = cuda.threadIdx.x // WARP
         slot = warp // warps
-        # before the wait: the router wrote ids or logits two launches back (see routed_sum)
-        if picking:  # a constant, as placed: the other branch is compiled out
-            _pick_into(logits, t, k, renormalise, chosen, chosen_weights)
-            e = chosen[slot]
-        else:
-            e = ids[t, slot]
-        if placed:
+        e = ids[t, slot]  # before the wait: the router wrote it two launches back (see routed_sum)
+        if placed:  # a constant: the other branch is compiled out
             w = resident_rows(table, host, remap, e, rows_per_expert)
         else:
             w = expert_rows(table, e, rows_per_expert)
@@ -496,16 +440,14 @@ def _make_routed_sum(kind: str, placed: bool, picking: bool):
                     value = np.float32(0)  # slot s's row: its warps' partials in order, as `matvec` sums them
                     for j in range(s * warps, (s + 1) * warps):
                         value += part[j * mv.MAX_ROWS_PER_BLOCK + i]
-                    acc += value * (chosen_weights[s] if picking else weights[t, s])
+                    acc += value * weights[t, s]
                 out[t, r] = _sum_back(acc, t, r, residual, gate, shared, has_shared)
 
-    kernel.__name__ = kernel.__qualname__ = (f"_routed_sum_{kind}" + ("_placed" if placed else "")
-                                             + ("_picking" if picking else ""))
+    kernel.__name__ = kernel.__qualname__ = f"_routed_sum_{kind}" + ("_placed" if placed else "")
     return mv._bounded(kernel)
 
 
-_ROUTED_SUM = {(kind, placed, picking): _make_routed_sum(kind, placed, picking) for kind in mv.TOKEN_KINDS
-               for placed in (False, True) for picking in (False, True)}
+_ROUTED_SUM = {(kind, placed): _make_routed_sum(kind, placed) for kind in mv.TOKEN_KINDS for placed in (False, True)}
 
 
 # ---- prefill: grouped by expert -------------------------------------------------------------------------------
