@@ -12,8 +12,8 @@
 #                                      512-token prefill's kernels, each inside its graph); `moe ffn`: one layer's MoE
 #                                      FFN at prefill, random experts in memory (no file; per-kernel us, ~3-5 min);
 #                                      `moe speed`: one MoE layer's decode kernels at the A3B shape, random experts in
-#                                      memory (no file): each kernel's µs and GB/s, a layer before / after routed_sum
-#                                      (~1-2 min with the compiles)
+#                                      memory (no file): each kernel's µs and GB/s, a layer's chain with combine and
+#                                      with routed_sum (the step's path: equal outputs) (~2 min with the compiles)
 #   bash bench/gpu_session.sh spark    Spark (issue 24): `spark write` writes the 30B-A3B-shaped Q4_K_M file with a
 #                                      Zipf-skewed router (~5 min, a call of its own); `spark tests`: Spark's gpu and
 #                                      kernel tests (128 greedy tokens of the k-means-routed upcycled smollm2 at 30/50%

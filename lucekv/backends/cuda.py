@@ -171,7 +171,6 @@ class CudaKVPool(SlotMap):
 
 
 MAX_STACK = 3  # matrices one product fills (an Epilogue's outputs)
-ROUTE_COUNTERS = 512  # tokens the MoE router's counters cover at first (a prefill chunk's)
 # prompt pieces (one sequence, last logits) shorter than prefill_chunk replay the graph of the first of these widths
 # that holds them, padded: powers of two up to 128, where a product reads its weights once whatever the rows (padding
 # nearly free), then steps of half the width (a piece pays at most 1.5x its rows); each width kept costs its
@@ -268,7 +267,6 @@ class CudaOps:
         self._pool: dict[tuple, list] = {}  # the current segment's
         self._taken: dict[tuple, int] = {}  # arrays of each (shape, dtype) the current segment has taken
         self._pooled_tokens = 0  # the token count the pools' arrays are shaped for
-        self._counter = None  # the MoE router's (see _route_counter)
         self.spark: SparkStore | None = None  # where the experts live when not all on the GPU
         # per MoE layer, the device counts [n_expert] its routing adds each token's experts to (see count_routing)
         self.routing_counts: list | None = None
@@ -492,38 +490,34 @@ class CudaOps:
         weights = self._empty(n, k)
         logits = self._empty(n, spec.n_expert)
         gate = GELU if spec.arch.activation == "gelu_tanh" else SILU
-        h = None  # norm(x), where a kernel does not normalize x itself
-        if n == 1 and e.gate_up is not None and fuses_norm(e.gate_up.table):
-            moe.route(e.router, x, (norm, spec.rms_eps), logits, self._route_counter(n), ids, weights,
-                      spec.arch.norm_topk, stream=s)
+        sums_back = n == 1 and e.gate_up is not None and moe.sums_routed(e.down, k)
+        fused = (norm, spec.rms_eps) if sums_back and fuses_norm(e.gate_up.table) else None  # the kernels' RMSNorm
+        h = x if fused else self.rmsnorm(x, norm)
+        if n == 1:
+            moe.route(e.router, h, fused, logits, ids, weights, spec.arch.norm_topk, stream=s)
         else:
-            h = self.rmsnorm(x, norm)
-            if n == 1:
-                moe.route(e.router, h, None, logits, self._route_counter(n), ids, weights, spec.arch.norm_topk,
-                          stream=s)
-            else:
-                parts = self._alloc(moe.router_parts(n, spec.n_expert, n_embd), np.float32)
-                moe.route_prefill(e.router, h, parts, logits, ids, weights, spec.arch.norm_topk, stream=s)
+            parts = self._alloc(moe.router_parts(n, spec.n_expert, n_embd), np.float32)
+            moe.route_prefill(e.router, h, parts, logits, ids, weights, spec.arch.norm_topk, stream=s)
         if self.routing_counts is not None:
             expert_counts.count_experts(ids, self.positions, self.routing_counts[m.layer], stream=s)
+        routing = moe.Routing(ids, weights)
         act_out = self._empty(n * k, e.n_ff)
-        if n == 1 and e.gate_up is not None and moe.sums_routed(e.down, k):
+        if sums_back:
             # the down products sum themselves back into the residual (no combine launch), the shared expert's
             # products before them
             shared = self._shared_expert(x, m, norm)
-            source, fused = (x, (norm, spec.rms_eps)) if h is None else (h, None)
-            moe.routed_matvecs(e.gate_up, 2 * e.n_ff, source, ids, epilogue((act_out,), gate=gate), x_per_slot=False,
+            moe.routed_matvecs(e.gate_up, 2 * e.n_ff, h, routing, epilogue((act_out,), gate=gate), x_per_slot=False,
                                stream=s, norm=fused)
             out = self._empty(n, n_embd)
-            moe.routed_sum(e.down, n_embd, act_out, ids, weights, x, out, shared, stream=s)
+            moe.routed_sum(e.down, n_embd, act_out, routing, x, out, shared, stream=s)
             return out
         outs = self._empty(n * k, n_embd)
         if e.gate_up is None:  # float experts
             parts = [self._empty(n * k, e.n_ff) for _ in range(2)]
             for w, part in zip((e.gate, e.up), parts, strict=True):
-                moe.routed_matvecs(w, e.n_ff, h, ids, part, x_per_slot=False, stream=s)
+                moe.routed_matvecs(w, e.n_ff, h, routing, part, x_per_slot=False, stream=s)
             act.gated_act(*parts, gate == GELU, act_out, stream=s)
-            moe.routed_matvecs(e.down, n_embd, act_out, ids, outs, x_per_slot=True, stream=s)
+            moe.routed_matvecs(e.down, n_embd, act_out, routing, outs, x_per_slot=True, stream=s)
             pos = self._slot_rows(n, k)
         else:
             grouping = moe.Grouping.allocate(self._alloc, n, k, spec.n_expert, n_embd, e.n_ff)
@@ -541,12 +535,6 @@ class CudaOps:
             return None
         sh = m.shared
         return self.linear(sh.gate, x, norm=norm), self.linear(sh.down, self.gated_linear(x, sh.gate_up, norm))
-
-    def _route_counter(self, n: int):
-        """The router's per-token arrival counters: zeros, which every route launch leaves zero."""
-        if self._counter is None or self._counter.shape[0] < n:
-            self._counter = device_zeros((max(n, ROUTE_COUNTERS),), np.int32, self.stream)
-        return self._counter
 
     def _slot_rows(self, n: int, k: int):
         """[n, k] int32: token t's slot s at row t * k + s (the routed products' order), made once per shape."""
@@ -754,7 +742,7 @@ class CudaBackend(RunAhead):
         placement of another model is refused."""
         if why := attention.unsupported(spec.n_head, spec.n_kv_head, spec.head_dim):
             raise UnsupportedModelError(f"the CUDA backend cannot run {spec.name}: {why}")
-        if spec.n_expert and (why := moe.unsupported(spec.n_expert, spec.n_embd)):
+        if spec.n_expert and (why := moe.unsupported(spec.n_expert, spec.n_embd, spec.n_expert_used)):
             raise UnsupportedModelError(f"the CUDA backend cannot run {spec.name}: {why}")
         super().__init__()
         self.spec = spec

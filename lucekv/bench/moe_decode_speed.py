@@ -7,11 +7,12 @@ built in memory (no model file).
 Kernels run as the decode step runs them: captured as CUDA graphs with the step's programmatic edges
 (backends.cuda.capture_graph) and replayed, the median over replays. `alone`: each kernel by itself, LAUNCHES
 launches over --copies copies of a layer's weights, each launch with experts of its own picked at random (so that
-no launch finds another's experts in L2), µs per launch and GB/s of the weight bytes it must read (the chosen
-experts', the router's). `chain`: CHAIN layers one after another, each layer's output the next one's input and its
-router picking its experts, µs per layer: `before`, route -> gate/up -> down -> combine (the step before routed_sum),
-`after`, route -> gate/up -> routed_sum; each also with every edge programmatic (the step keeps the edges out of
-kernels that fill the GPU plain). The two chains' outputs must be equal bit for bit; the first layer's output is
+no launch finds another's experts in L2), µs per launch and GB/s of the
+weight bytes it must read (the chosen experts', the router's). `chain`: CHAIN layers one after another, each layer's
+output the next one's input and its router picking its experts, µs per layer: `combine`, route -> gate/up -> down ->
+combine (the step before routed_sum), `made`, route -> gate/up -> routed_sum (route: the router's logits, then a
+launch that picks; the decode step's path); each also with every edge programmatic (the step keeps the edges
+out of kernels that fill the GPU plain). The chains' outputs must be equal bit for bit; the first layer's output is
 checked against float64 numpy (given the device's picks).
 """
 
@@ -69,11 +70,12 @@ class Step:
     """A layer's decode kernels on fixed device arrays (a graph's launches hold their addresses)."""
 
     def __init__(self, layer: Layer, x, ids=None):
+        """ids [1, K]: the experts to take, or None: the router's."""
         self.layer, self.x = layer, x
         self.ids = cuda.device_array((1, K), np.int32) if ids is None else cuda.to_device(ids)
         self.weights = cuda.to_device(np.full((1, K), 1 / K, np.float32))
         self.logits = cuda.device_array((1, N_EXPERT), np.float32)
-        self.counter = cuda.to_device(np.zeros(1, np.int32))
+        self.routing = moe.Routing(self.ids, self.weights)
         self.act = cuda.device_array((K, N_FF), np.float32)
         self.outs = cuda.device_array((K, N_EMBD), np.float32)
         self.slot_rows = cuda.to_device(np.arange(K, dtype=np.int32).reshape(1, K))
@@ -82,27 +84,30 @@ class Step:
 
     def route(self, stream) -> None:
         m = self.layer
-        moe.route(m.d_router, self.x, (m.d_norm, EPS), self.logits, self.counter, self.ids, self.weights, True,
-                  stream=stream)
+        moe.route(m.d_router, self.x, (m.d_norm, EPS), self.logits, self.ids, self.weights, True, stream=stream)
+
+    def router_logits(self, stream) -> None:
+        moe.router_logits(self.layer.d_router, self.x, (self.layer.d_norm, EPS), self.logits, stream=stream)
 
     def gate_up(self, stream) -> None:
         m = self.layer
-        moe.routed_matvecs(m.d_gate_up, 2 * N_FF, self.x, self.ids, epilogue((self.act,), gate=SILU),
+        moe.routed_matvecs(m.d_gate_up, 2 * N_FF, self.x, self.routing, epilogue((self.act,), gate=SILU),
                            x_per_slot=False, stream=stream, norm=(m.d_norm, EPS),
                            rows_per_block=self.rows_per_block.get("gate_up"))
 
     def down(self, stream) -> None:
-        moe.routed_matvecs(self.layer.d_down, N_EMBD, self.act, self.ids, self.outs, x_per_slot=True, stream=stream)
+        moe.routed_matvecs(self.layer.d_down, N_EMBD, self.act, self.routing, self.outs, x_per_slot=True,
+                           stream=stream)
 
     def combine(self, stream) -> None:
         moe.combine(self.outs, self.slot_rows, self.weights, self.x, self.out, stream=stream)
 
     def routed_sum(self, stream) -> None:
-        moe.routed_sum(self.layer.d_down, N_EMBD, self.act, self.ids, self.weights, self.x, self.out, stream=stream,
+        moe.routed_sum(self.layer.d_down, N_EMBD, self.act, self.routing, self.x, self.out, stream=stream,
                        rows_per_block=self.rows_per_block.get("routed_sum"))
 
 
-PATHS = {"before": ("route", "gate_up", "down", "combine"), "after": ("route", "gate_up", "routed_sum")}
+PATHS = {"combine": ("route", "gate_up", "down", "combine"), "made": ("route", "gate_up", "routed_sum")}
 # rows per block tried besides the kernels' own choice (whole register buffers: GROUP rows of q4 4, q6 2; gate/up:
 # 16 rows, 8 of gate and their 8 of up)
 SWEEP = {"gate_up": (16, 32, 64), "routed_sum": (4, 8, 16, 32)}
@@ -122,7 +127,8 @@ def weight_bytes(layer: Layer) -> dict[str, int]:
     """Bytes each kernel must read of the weights: the router's, the chosen experts' (K of N_EXPERT)."""
     gate_up = layer.d_gate_up.table.nbytes * K // N_EXPERT
     down = layer.d_down.table.nbytes * K // N_EXPERT
-    return {"route": layer.d_router.nbytes, "gate_up": gate_up, "down": down, "combine": 0, "routed_sum": down}
+    return {"route": layer.d_router.nbytes, "router_logits": layer.d_router.nbytes, "gate_up": gate_up,
+            "down": down, "combine": 0, "routed_sum": down}
 
 
 def stream_us(nbytes: int, replays: int, stream) -> float:
@@ -144,7 +150,8 @@ def bench_alone(layers: list[Layer], rng: np.random.Generator, replays: int, str
         step.act.copy_to_device(rng.standard_normal((K, N_FF)).astype(np.float32))
         steps.append(step)
     result = {}
-    for kernel in ("gate_up", "down", "combine", "routed_sum", "route"):  # (the router last: it rewrites the picks)
+    # (the routers last: they rewrite the picks)
+    for kernel in ("gate_up", "down", "combine", "routed_sum", "route", "router_logits"):
         nbytes = weight_bytes(layers[0])[kernel]
         us = graph_us(stream, [getattr(s, kernel) for s in steps], replays) / LAUNCHES
         result[kernel] = {"us": us, "gbps": nbytes / (us * 1e3) if nbytes else None, "weight_bytes": nbytes}
@@ -197,7 +204,7 @@ def bench_chains(layers: list[Layer], rng: np.random.Generator, replays: int, st
         result[f"{path}_kernels_per_layer"] = len(PATHS[path])
         outs[path] = steps[-1].out.copy_to_host()  # (every replay runs the chain from x0)
         first = steps[0]
-        if path == "after":
+        if path == "made":
             ref = reference(first.layer, x0[0], first.ids.copy_to_host()[0], first.weights.copy_to_host()[0])
             got = first.out.copy_to_host()[0].astype(np.float64)
             result["max_rel_err_vs_float64"] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref - x0[0])))
@@ -206,10 +213,11 @@ def bench_chains(layers: list[Layer], rng: np.random.Generator, replays: int, st
                 if rows % (2 * GROUP[layers[0].d_down.kind]) == 0:
                     for st in steps:
                         st.rows_per_block = {"routed_sum": rows}
-                    result[f"after_us_per_layer_at_{rows}_rows_per_block"] = graph_us(stream, launches, replays) / CHAIN
-                    outs[f"after at {rows} rows per block"] = steps[-1].out.copy_to_host()
-    result["after_equals_before"] = all(np.array_equal(out, outs["before"]) for out in outs.values())
-    result["speedup"] = result["before_us_per_layer"] / result["after_us_per_layer"]
+                    at = graph_us(stream, launches, replays) / CHAIN
+                    result[f"made_us_per_layer_at_{rows}_rows_per_block"] = at
+                    outs[f"made at {rows} rows per block"] = steps[-1].out.copy_to_host()
+    result["outputs_equal"] = all(np.array_equal(out, outs["combine"]) for out in outs.values())
+    result["speedup"] = result["combine_us_per_layer"] / result["made_us_per_layer"]
     return result
 
 
@@ -240,14 +248,14 @@ def main() -> None:
             sweep = {k.split("_")[2]: us for k, us in v.items() if k.startswith("us_at_")}
             if sweep:
                 print(f"  {kernel} by rows per block: " + ", ".join(f"{r} {us:.1f} µs" for r, us in sweep.items()))
-        print(f"  a layer: before (route, gate/up, down, combine) {chains['before_us_per_layer']:.1f} µs, after "
-              f"(route, gate/up, routed_sum) {chains['after_us_per_layer']:.1f} µs ({chains['speedup']:.2f}x); "
-              f"outputs equal: {chains['after_equals_before']}, error vs float64 "
-              f"{chains['max_rel_err_vs_float64']:.1e}; every edge programmatic: before "
-              f"{chains['before_us_per_layer_all_edges_programmatic']:.1f}, after "
-              f"{chains['after_us_per_layer_all_edges_programmatic']:.1f} µs", flush=True)
-        at = {k.split("_")[5]: us for k, us in chains.items() if k.startswith("after_us_per_layer_at_")}
-        print("  a layer after, by routed_sum's rows per block: "
+        print("  a layer: " + ", ".join(f"{path} ({', '.join(PATHS[path])}) {chains[f'{path}_us_per_layer']:.1f} µs"
+                                        for path in PATHS)
+              + f"; made {chains['speedup']:.2f}x combine; outputs equal: {chains['outputs_equal']}, error vs "
+              f"float64 {chains['max_rel_err_vs_float64']:.1e}; every edge programmatic: " + ", ".join(
+                  f"{path} {chains[f'{path}_us_per_layer_all_edges_programmatic']:.1f}" for path in PATHS) + " µs",
+              flush=True)
+        at = {k.split("_")[5]: us for k, us in chains.items() if k.startswith("made_us_per_layer_at_")}
+        print("  a layer made, by routed_sum's rows per block: "
               + ", ".join(f"{r} {us:.1f} µs" for r, us in at.items()))
         del layers
     write_json(a.json, result)

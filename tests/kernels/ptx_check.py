@@ -114,17 +114,16 @@ CHECKS["matmul_f32"] = (matmul._matmul_f32, (F2, F2, EP))
 for kind, quant in (*QUANTS.items(), ("f32", _quant(np.float32, np.uint8, np.uint8))):
     CHECKS[f"embed_{kind}"] = (embed._KERNELS[kind], (quant, I1, F32, F2))
 for kind, quant in (("q4", Q4_K), ("f32", _quant(np.float32, np.uint8, np.uint8))):
-    CHECKS[f"moe_route_{kind}"] = (moe._ROUTERS[kind], (quant, F2, XNORM, F2, I1, I2, F2, B, I64))
-for kind, quant in QUANTS.items():
-    routed = (quant, quant, I1, I64, F2, XNORM, EP, I64, I64, I64, I2, B)  # an ExpertTable's (table, host, remap)
-    for placed in (False, True):
-        CHECKS[f"moe_routed_{kind}" + "_placed" * placed] = (moe._ROUTED[kind, placed], routed)
+    CHECKS[f"moe_router_{kind}"] = (moe._ROUTERS[kind], (quant, F2, XNORM, F2, I64))
+CHECKS["moe_top_k"] = (moe._top_k, (F2, I2, F2, B))
+for (kind, _), kernel in moe._ROUTED.items():  # an ExpertTable's (table, host, remap) first
+    routed = (QUANTS[kind], QUANTS[kind], I1, I64, F2, XNORM, EP, I64, I64, I64, I2, B)
+    CHECKS[f"moe{kernel.py_func.__name__}"] = (kernel, routed)
 for (kind, *_), kernel in moe._GROUPED.items():
     CHECKS["moe" + kernel.py_func.__name__] = (kernel, (QUANTS[kind], QUANTS[kind], I1, I64, F32, U2, I1, I2, EP))
-for kind, quant in QUANTS.items():
-    summed = (quant, quant, I1, I64, F2, XNORM, I2, F2, F2, F2, F2, B, F2, I64, I64, I64)
-    for placed in (False, True):
-        CHECKS[f"moe_routed_sum_{kind}" + "_placed" * placed] = (moe._ROUTED_SUM[kind, placed], summed)
+for (kind, _), kernel in moe._ROUTED_SUM.items():
+    summed = (QUANTS[kind], QUANTS[kind], I1, I64, F2, XNORM, I2, F2, F2, F2, F2, B, F2, I64, I64, I64)
+    CHECKS[f"moe{kernel.py_func.__name__}"] = (kernel, summed)
 for kind, halves, bias, grouped in (("q4", False, True, True), ("q6", True, False, True), ("q6", False, True, False),
                                    ("q8", False, False, False)):
     for tiles in (1, 4, 8):  # Q4_K, Q6_K, Q5_1, Q8_0; x in one int8 part or two

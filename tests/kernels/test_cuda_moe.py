@@ -93,21 +93,22 @@ def test_spark_products_read_cold_experts_from_the_host_copy_and_filled_slots_ex
     spark = store.experts(0, packed, rows)
     x = cuda.to_device(rng.standard_normal((2, cols)).astype(np.float32))
 
+    routing = moe.Routing(store.routed_rows[0], cuda.to_device(np.array([[0.5, 0.3, 0.2]], np.float32)))
+
     def routed(table) -> np.ndarray:
         out = cuda.device_array((3, rows), np.float32)
-        moe.routed_matvecs(table, rows, x[:1], store.routed_rows[0], out, x_per_slot=False)
+        moe.routed_matvecs(table, rows, x[:1], routing, out, x_per_slot=False)
         return out.copy_to_host()
 
     def summed(table) -> np.ndarray:  # the down products' launch: rows of every chosen expert summed back
         out = cuda.device_array((1, rows), np.float32)
-        moe.routed_sum(table, rows, x_slots, store.routed_rows[0], weights, x[:1, :rows], out)
+        moe.routed_sum(table, rows, x_slots, routing, x[:1, :rows], out)
         return out.copy_to_host()
 
     store.routed_rows[0].copy_to_device(np.array([[2, 5, 7]], np.int32))  # as a one-token step's router leaves them
     want = routed(resident)
     np.testing.assert_array_equal(routed(spark), want)  # 2, 7 cold
     x_slots = cuda.to_device(rng.standard_normal((3, cols)).astype(np.float32))
-    weights = cuda.to_device(np.array([[0.5, 0.3, 0.2]], np.float32))
     np.testing.assert_array_equal(summed(spark), summed(resident))
     store.observe_now()  # the step boundary: 2 copied into the spare slot, not shown until its copy has completed
     assert store.slots.remap[0, 2] == 2 and store.remap.copy_to_host()[0, 2] == COLD
@@ -206,8 +207,9 @@ def check_routed_sum(qtype, n_expert: int, rows: int, cols: int, k: int, seed: i
     x = rng.standard_normal((k, cols)).astype(np.float32)  # one token's activations, a row per chosen expert
     residual, gate, values = (rng.standard_normal((1, w)).astype(np.float32) for w in (rows, 1, rows))
     d_ids, d_weights, d_x, d_residual = (cuda.to_device(a) for a in (ids, weights, x, residual))
+    routing = moe.Routing(d_ids, d_weights)
     outs = cuda.device_array((k, rows), np.float32)
-    moe.routed_matvecs(experts, rows, d_x, d_ids, outs, x_per_slot=True)
+    moe.routed_matvecs(experts, rows, d_x, routing, outs, x_per_slot=True)
     ref = residual[0].astype(np.float64)
     for s, e in enumerate(ids[0]):
         ref += weights[0, s] * (dequantize_rows(packed, e * rows, (e + 1) * rows).astype(np.float64) @ x[s])
@@ -216,7 +218,7 @@ def check_routed_sum(qtype, n_expert: int, rows: int, cols: int, k: int, seed: i
         want, got = cuda.device_array((1, rows), np.float32), cuda.device_array((1, rows), np.float32)
         moe.combine(outs, cuda.to_device(np.arange(k, dtype=np.int32).reshape(1, k)), d_weights, d_residual, want,
                     d_shared)
-        moe.routed_sum(experts, rows, d_x, d_ids, d_weights, d_residual, got, d_shared)
+        moe.routed_sum(experts, rows, d_x, routing, d_residual, got, d_shared)
         if k * -(-cols // matvec.SEGMENT) <= matvec.MAX_WARPS:
             np.testing.assert_array_equal(got.copy_to_host(), want.copy_to_host())
         else:
@@ -244,7 +246,8 @@ def test_routed_sum_of_wide_experts_takes_passes():
 
 @needs_kernels
 def test_router_top_k_and_grouping_are_exact():
-    """route and route_prefill: ids and weights of a softmax top-k, ties to the lower id, weights renormalised;
+    """route and route_prefill: ids and weights of a softmax top-k, ties to the lower id across lanes (3, 7) and
+    within one (3, 35: lane l holds experts l, l + 32), weights renormalised or not;
     group: a stable placement by expert, the tile map of each expert's rows, tiles past the last marked -1."""
     from lucekv.kernels.cpu.quants import pack
     from lucekv.kernels.cuda import moe
@@ -253,12 +256,11 @@ def test_router_top_k_and_grouping_are_exact():
     n_expert, n_embd, k = 40, 32, 4
     rng = np.random.default_rng(2)
     router = rng.standard_normal((n_expert, n_embd)).astype(np.float32)
-    router[7] = router[3]  # a tie: expert 3 must come first
+    router[7] = router[35] = router[3]  # ties: expert 3 must come first, then 7
     x = rng.standard_normal((6, n_embd)).astype(np.float32)
-    x[0] = router[3] * 3  # token 0 picks 3 and 7, equal
+    x[0] = router[3] * np.float32(3 / n_embd)  # token 0 picks 3, 7 and 35, equal
     ids = cuda.device_array((6, k), np.int32)
     weights = cuda.device_array((6, k), np.float32)
-    counter = cuda.to_device(np.zeros(6, np.int32))
     logits = cuda.device_array((6, n_expert), np.float32)
     parts = cuda.device_array(moe.router_parts(6, n_expert, n_embd), np.float32)
     w = upload(pack(router, Q.F32, router.shape))
@@ -268,11 +270,10 @@ def test_router_top_k_and_grouping_are_exact():
             if prefill:
                 moe.route_prefill(w, cuda.to_device(x), parts, logits, ids, weights, renormalise)
             else:
-                moe.route(w, cuda.to_device(x), None, logits, counter, ids, weights, renormalise)
+                moe.route(w, cuda.to_device(x), None, logits, ids, weights, renormalise)
             np.testing.assert_array_equal(ids.copy_to_host(), ref_ids)
             np.testing.assert_allclose(weights.copy_to_host(), ref_w, rtol=1e-5)
-            assert ids.copy_to_host()[0, :2].tolist() == [3, 7]
-        assert (counter.copy_to_host() == 0).all()  # left zero for the next launch
+            assert ids.copy_to_host()[0, :3].tolist() == [3, 7, 35]
 
     slots = np.array([[2, 0], [2, 1], [0, 2], [2, 0]], np.int32)
     starts = cuda.device_array(5, np.int32)
@@ -459,7 +460,7 @@ def test_upcycled_distinct_experts_on_cuda_equal_the_cpu_layer_by_layer_gpu(tmp_
 
     def route(*args, **kwargs):
         own_route(*args, **kwargs)
-        routed.append(args[5])  # the ids the router wrote
+        routed.append(args[4])  # the ids the router wrote
 
     def route_prefill(*args, **kwargs):
         own_route_prefill(*args, **kwargs)

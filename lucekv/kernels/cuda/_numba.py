@@ -17,7 +17,8 @@ Compatibility shims live here and nowhere else:
   moves such loads above `griddepcontrol.wait` (seen in sm_90 SASS), where under overlapped launches
   (below) they read the grid before's output before it is written. `dot4_u8s8` / `dot4_s8s8`
   (`dp4a`: four byte products summed into an int32 in one instruction), `half2_floats` / `bits_f32`
-  (words of a K/V tile, staged as raw 32-bit words, back to floats), and `load4` / `store4` / `load1`
+  (words of a K/V tile, staged as raw 32-bit words, back to floats), `f32_bits` (a float's bits as an int32: the
+  MoE top-k's sort keys), and `load4` / `store4` / `load1`
   (1-D array elements, four at a time in 16-byte accesses, without the wraparound arithmetic: in
   unrolled shared-memory loops that arithmetic is most of the instructions). `load_f32x4_l2` reads 16 bytes at L2
   (`ld.global.cg`): the partial sums that other blocks of the same grid wrote (a last block's reduce).
@@ -117,6 +118,9 @@ if SIMULATOR:
 
     def bits_f32(word):
         return np.array([int(word)], np.uint32).view(np.float32)[0]
+
+    def f32_bits(v):
+        return np.array([v], np.float32).view(np.int32)[0]
 
     def load4(a, i):
         return a[i], a[i + 1], a[i + 2], a[i + 3]
@@ -453,6 +457,14 @@ else:
             return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.uint32), ir.FloatType())
 
         return types.float32(word), codegen
+
+    @intrinsic
+    def f32_bits(typingctx, v):
+        """The bits of the float32 `v` as an int32 (`bits_f32` backwards): for v >= 0 they order as the floats do."""
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.float32), I32)
+
+        return types.int32(v), codegen
 
     def _item_pointer(context, builder, sig, args):
         """Pointer to a[i] of the 1-D array a (args[0], args[1]) without numba's negative-index wraparound."""

@@ -3,10 +3,9 @@ expert.
 
 A layer's experts are stacked matrices (DeviceMatrix of n_expert * rows rows, expert e's rows e * rows ..): a kernel
 takes expert e as a view of those rows (`expert_rows`), so the dense products' bodies and tiles run on it unchanged.
-- `route`: one kernel for the router's logits (one block per expert row, its columns over the block's threads; the
-  token's RMSNorm taken by every block),
-  then the softmax and the top-k by the token's last block to finish (an arrival counter, reset by that block, so
-  that a replayed graph finds it at zero): expert ids and their weights stay on the device.
+- The router: `router_logits` (one block per expert row, its columns over the block's threads; the token's RMSNorm
+  taken by every block), then the softmax's top-k by a launch of its own (`route`: `_top_k`, one warp a token, the
+  keys in registers). Expert ids and their weights stay on the device.
 - Decode (`routed_matvecs`): the dense matvec bodies over the chosen experts, the expert ids read on the device, so
   a decode step stays one captured graph; one grid row per token, blocks by (slot, row block of the expert).
 - Prefill (`grouped_experts`: `group`, `gather`, `grouped_matmul`): the token-slots sorted by expert on the device
@@ -37,11 +36,14 @@ import numpy as np
 from lucekv.kernels.cuda import matmul as mm
 from lucekv.kernels.cuda import matvec as mv
 from lucekv.kernels.cuda._numba import (
+    NEG_INF,
     WARP,
     await_grid,
+    bits_f32,
     block_sum,
     blocks,
     cuda,
+    f32_bits,
     jit_bounded,
     jit_kernel,
     warp_max,
@@ -49,7 +51,8 @@ from lucekv.kernels.cuda._numba import (
 )
 from lucekv.kernels.cuda.packed import GATE_ROWS, DeviceMatrix, Quant, as_epilogue, element_decoder, epilogue, put
 
-MAX_EXPERTS = 256  # the router's top-k holds a token's logits in registers: 8 per lane
+ID_BITS = 8  # the top-k's keys hold an expert in their low 8 bits (see _pick)
+MAX_EXPERTS = 1 << ID_BITS  # the top-k holds a token's logits in registers: 8 per lane
 PER_LANE = MAX_EXPERTS // WARP
 PARTIALS, PRODUCT_WARPS = mv.PARTIALS, mv.MAX_WARPS  # the matvec bodies' shared arrays
 # a router block takes an expert row over its threads, ROUTER_COLUMNS columns a thread held in registers, their loads
@@ -67,12 +70,14 @@ ROUTER_TILE_THREADS = 256  # a thread per 2 tokens x 2 experts
 ROUTER_STRIDE = ROUTER_TILE + 1  # its shared rows, padded so that the staging's stores hit 32 banks
 GROUP_SLOTS = MAX_EXPERTS  # token-slots per block of the grouping, a thread each (and a thread per expert)
 THREADS = 256
-TAKEN = np.float32(-1)  # a probability already picked (probabilities are >= 0)
+TAKEN = np.int64(-1)  # the key of an expert already picked, or of none (every key of an expert is >= 0)
 
 
-def unsupported(n_expert: int, n_embd: int) -> str | None:
+def unsupported(n_expert: int, n_embd: int, k: int = 1) -> str | None:
     if n_expert > MAX_EXPERTS:
         return f"{n_expert} experts (the CUDA router takes up to {MAX_EXPERTS})"
+    if k > WARP:
+        return f"{k} experts a token (the CUDA top-k takes up to {WARP}: a lane a pick)"
     if n_embd > ROUTER_COLUMNS * ROUTER_MAX_THREADS:
         return f"n_embd {n_embd} (the CUDA router takes up to {ROUTER_COLUMNS * ROUTER_MAX_THREADS})"
     return None
@@ -138,21 +143,38 @@ def resident(w: DeviceMatrix, n_expert: int, stream=0) -> ExpertTable:
 # ---- the router -------------------------------------------------------------------------------------------
 
 
-def route(router: DeviceMatrix, x, norm: tuple | None, logits, counter, ids, weights, renormalise: bool,
-          stream=0) -> None:
+@dataclass
+class Routing:
+    """Each token's chosen experts as the routed products take them: ids [n, k] (int32) and weights [n, k] (float32),
+    made before them (`route`, `route_prefill`)."""
+
+    ids: object
+    weights: object
+
+
+def route(router: DeviceMatrix, x, norm: tuple | None, logits, ids, weights, renormalise: bool, stream=0) -> None:
     """ids [n, k] (int32) and weights [n, k] (float32) of each row of x [n, n_embd]: the k most probable experts of
     the softmax of router @ h, most probable first (the lower id among equals), weighted by their probabilities
     (divided by their sum where `renormalise`); h = RMSNorm(x) * norm[0] with norm = (weight, eps), or x.
-    logits: float32 scratch [>= n, n_expert]; counter: int32 [>= n], zeros (the kernel leaves them zero)."""
+    logits: float32 scratch [>= n, n_expert]. Two launches: `router_logits`, then a warp per token picks."""
+    if why := unsupported(router.rows, router.cols, ids.shape[1]):
+        raise ValueError(why)
+    router_logits(router, x, norm, logits, stream)
+    _top_k[x.shape[0], WARP, stream](logits, ids, weights, renormalise)
+
+
+def router_logits(router: DeviceMatrix, x, norm: tuple | None, logits, stream=0) -> None:
+    """logits[t] = router @ h[t] for each row of x [n, n_embd], h as `route` says (logits: float32 [>= n, n_expert]):
+    one block per expert row, its columns over the block's threads (a prefill's block takes ROUTER_PREFILL_ROWS rows
+    in turn), the token's RMSNorm taken by every block."""
     n_expert = router.rows
-    if unsupported(n_expert, router.cols):
-        raise ValueError(unsupported(n_expert, router.cols))
+    if why := unsupported(n_expert, router.cols):
+        raise ValueError(why)
     xnorm = (x, np.float32(0), False) if norm is None else (norm[0].reshape(1, -1), np.float32(norm[1]), True)
     n = x.shape[0]
     rows = 1 if n == 1 else ROUTER_PREFILL_ROWS
     threads = blocks(blocks(router.cols, ROUTER_COLUMNS), WARP) * WARP
-    _ROUTERS[router.kind][(blocks(n_expert, rows), n), threads, stream](
-        router.quant, x, xnorm, logits, counter, ids, weights, renormalise, rows)
+    _ROUTERS[router.kind][(blocks(n_expert, rows), n), threads, stream](router.quant, x, xnorm, logits, rows)
 
 
 def _make_router(kind: str):
@@ -165,9 +187,8 @@ def _make_router(kind: str):
             c = cuda.threadIdx.x + j * cuda.blockDim.x
             wv[j] = at(w, e, c) if c < cols else np.float32(0)
 
-    def kernel(w, x, xnorm, logits, counter, ids, weights, renormalise, rows):
+    def kernel(w, x, xnorm, logits, rows):
         sums = cuda.shared.array(ROUTER_WARPS, np.float32)
-        last = cuda.shared.array(1, np.int32)
         h = cuda.local.array(ROUTER_COLUMNS, np.float32)
         wv = cuda.local.array(ROUTER_COLUMNS, np.float32)
         t = cuda.blockIdx.y
@@ -197,74 +218,85 @@ def _make_router(kind: str):
             acc = block_sum(acc, sums)
             if cuda.threadIdx.x == 0:
                 logits[t, e] = acc
-        cuda.threadfence()  # the logits are visible to the token's last block before it counts this one
-        cuda.syncthreads()
-        if cuda.threadIdx.x == 0:
-            last[0] = cuda.atomic.add(counter, t, 1) == cuda.gridDim.x - 1
-        cuda.syncthreads()
-        if last[0]:
-            cuda.threadfence()
-            _top_k(logits, t, n_expert, ids, weights, renormalise)
-            if cuda.threadIdx.x == 0:
-                counter[t] = 0
 
-    kernel.__name__ = kernel.__qualname__ = f"_route_{kind}"
+    kernel.__name__ = kernel.__qualname__ = f"_router_{kind}"
     return jit_kernel(kernel)
-
-
-@cuda.jit(device=True, inline=True)
-def _top_k(logits, t, n_expert, ids, weights, renormalise):
-    """The top-k of token t's softmax, as `route` says. Every warp of the block computes it (the simulator's warp
-    reductions are block-wide barriers); thread 0 writes it. Lane l holds experts l, l + 32, ..."""
-    p = cuda.local.array(PER_LANE, np.float32)
-    lane = cuda.threadIdx.x % WARP
-    top = -np.float32(np.inf)
-    for j in range(PER_LANE):
-        e = lane + WARP * j
-        if e < n_expert:  # other blocks wrote the logits: read at L2 (an atomic), never a stale L1 line
-            p[j] = cuda.atomic.add(logits, (t, e), np.float32(0))
-            top = max(top, p[j])
-    top = warp_max(top)
-    total = np.float32(0)
-    for j in range(PER_LANE):
-        p[j] = math.exp(p[j] - top) if lane + WARP * j < n_expert else TAKEN
-        total += max(p[j], np.float32(0))
-    total = warp_sum(total)
-    picked = np.float32(0)
-    k = ids.shape[1]
-    for r in range(k):
-        best, best_j = TAKEN, 0
-        for j in range(PER_LANE):
-            if p[j] > best:  # the first (lowest expert) of equals
-                best, best_j = p[j], j
-        value = warp_max(best)
-        mine = lane + WARP * best_j if best == value else MAX_EXPERTS
-        e = -warp_max(-mine)  # the lowest expert holding the largest probability
-        if lane + WARP * best_j == e:
-            p[best_j] = TAKEN
-        weight = value / total
-        picked += weight
-        if cuda.threadIdx.x == 0:
-            ids[t, r] = e
-            weights[t, r] = weight
-    if renormalise and cuda.threadIdx.x == 0:
-        for r in range(k):
-            weights[t, r] /= picked
 
 
 _ROUTERS = {kind: _make_router(kind) for kind in ("q4", "q6", "q8", "f32")}
 
 
+@cuda.jit(device=True, inline=True)
+def _pick(logits, t, k, renormalise):
+    """Token t's top-k of the softmax of logits[t] (n_expert wide), as `route` says, by one warp: lane r < k gets
+    pick r's (expert, weight). Lane l holds experts l, l + 32, .. as keys, a probability's bits above ID_BITS bits of
+    MAX_EXPERTS - 1 - its expert (probabilities are >= 0: their bits order as they do), so that one warp maximum a
+    pick finds the most probable, the lower expert among equals; the keys stay in registers (loops unrolled, no
+    index by a variable). The probabilities, their sum and the weights are the float32 operations of the CPU
+    backend's route, in the same order within a lane."""
+    n_expert = logits.shape[1]
+    lane = cuda.threadIdx.x % WARP
+    p = cuda.local.array(PER_LANE, np.float32)
+    keys = cuda.local.array(PER_LANE, np.int64)
+    top = NEG_INF
+    for j in range(PER_LANE):
+        p[j] = logits[t, lane + WARP * j] if lane + WARP * j < n_expert else NEG_INF
+        top = max(top, p[j])
+    top = warp_max(top)
+    total = np.float32(0)
+    for j in range(PER_LANE):
+        keys[j] = TAKEN
+        if lane + WARP * j < n_expert:
+            p[j] = math.exp(p[j] - top)
+            total += p[j]
+            keys[j] = (np.int64(f32_bits(p[j])) << ID_BITS) | (MAX_EXPERTS - 1 - lane - WARP * j)
+    total = warp_sum(total)
+    expert, weight, picked = -1, np.float32(0), np.float32(0)
+    for r in range(k):
+        best = keys[0]
+        for j in range(1, PER_LANE):
+            best = max(best, keys[j])
+        best = warp_max(best)
+        for j in range(PER_LANE):
+            if keys[j] == best:  # (this lane's, alone: keys are distinct)
+                keys[j] = TAKEN
+        w = bits_f32(best >> ID_BITS) / total
+        picked += w
+        if lane == r:
+            expert, weight = MAX_EXPERTS - 1 - (best & (MAX_EXPERTS - 1)), w
+    if renormalise:
+        weight /= picked
+    return expert, weight
+
+
+@cuda.jit(device=True, inline=True)
+def _pick_row(logits, t, ids, weights, renormalise):
+    """Token t's picks (`_pick`, the calling warp) into ids[t] and weights[t]."""
+    k = ids.shape[1]
+    expert, weight = _pick(logits, t, k, renormalise)
+    lane = cuda.threadIdx.x % WARP
+    if lane < k:
+        ids[t, lane] = expert
+        weights[t, lane] = weight
+
+
+@jit_kernel
+def _top_k(logits, ids, weights, renormalise):
+    """Token blockIdx.x's picks, by one warp."""
+    await_grid()
+    _pick_row(logits, cuda.blockIdx.x, ids, weights, renormalise)
+
+
 # ---- decode: the chosen experts' products ---------------------------------------------------------------------
 
 
-def routed_matvecs(experts: ExpertTable, rows_per_expert: int, x, ids, out, x_per_slot: bool, stream=0,
-                   norm: tuple | None = None, rows_per_block: int | None = None) -> None:
+def routed_matvecs(experts: ExpertTable, rows_per_expert: int, x, routing: Routing, out, x_per_slot: bool,
+                   stream=0, norm: tuple | None = None, rows_per_block: int | None = None) -> None:
     """out[t * k + s] = expert ids[t, s] of the experts (rows rows_per_expert) times x[t] (x[t * k + s] where
-    `x_per_slot`), for each token t of ids [n, k]; out: a device array or an Epilogue (a gated one for interleaved
-    gate/up experts). norm: (weight, eps) to normalize x first (`matvec.fuses_norm`). rows_per_block: a block's rows
-    instead of the matvec's choice (`block_rows`; benchmarks compare)."""
-    n, k = ids.shape
+    `x_per_slot`), for each token t of the routing's ids [n, k]; out: a device array or an Epilogue (a gated one for
+    interleaved gate/up experts). norm: (weight, eps) to normalize x first (`matvec.fuses_norm`). rows_per_block: a
+    block's rows instead of the matvec's choice (`block_rows`; benchmarks compare)."""
+    n, k = routing.ids.shape
     ep = as_epilogue(out)
     w = experts.table
     if w.kind == "f32":
@@ -272,7 +304,7 @@ def routed_matvecs(experts: ExpertTable, rows_per_expert: int, x, ids, out, x_pe
             raise ValueError("float experts take plain products of normalized inputs")
         grid = (k * blocks(rows_per_expert, mv.F32_ROWS_PER_BLOCK), n)
         _routed_f32[grid, mv.F32_ROWS_PER_BLOCK * WARP, stream](w.codes, experts.host.codes, experts.remap,
-                                                                rows_per_expert, x, ids, x_per_slot, ep)
+                                                                rows_per_expert, x, routing.ids, x_per_slot, ep)
         return
     if norm is not None and not mv.fuses_norm(w):
         raise ValueError(f"no fused RMSNorm for a {w.kind} matrix of {w.cols} columns")
@@ -283,7 +315,7 @@ def routed_matvecs(experts: ExpertTable, rows_per_expert: int, x, ids, out, x_pe
     rows = block_rows(w, k * rows_per_expert, bool(ep.gate), n_warps, rows_per_block)
     per_expert = blocks(rows_per_expert, rows)
     _ROUTED[w.kind, experts.placed][(k * per_expert, n), n_warps * WARP, stream](
-        *experts.args(), rows_per_expert, x, xnorm, ep, n_pass, rows, per_expert, ids, x_per_slot)
+        *experts.args(), rows_per_expert, x, xnorm, ep, n_pass, rows, per_expert, routing.ids, x_per_slot)
 
 
 def _make_routed(kind: str, placed: bool):
@@ -353,7 +385,7 @@ def block_rows(w: DeviceMatrix, rows: int, gated: bool, warps: int, given: int |
     return given
 
 
-def routed_sum(experts: ExpertTable, rows_per_expert: int, x, ids, weights, residual, out, shared=None,
+def routed_sum(experts: ExpertTable, rows_per_expert: int, x, routing: Routing, residual, out, shared=None,
                stream=0, rows_per_block: int | None = None) -> None:
     """out[t] = residual[t] + the sum over s, in rank order, of weights[t, s] * (expert ids[t, s] times x[t * k + s]),
     plus the shared expert as `combine` adds it: `routed_matvecs` and `combine` in one launch (where `sums_routed`).
@@ -364,6 +396,7 @@ def routed_sum(experts: ExpertTable, rows_per_expert: int, x, ids, weights, resi
     The kernel reads ids, and loads its first rows of weights, before it waits for the kernel before it (overlapped
     launches, see _numba): ids must come from an earlier launch than that one (the router's, before the gate/up
     product)."""
+    ids, weights = routing.ids, routing.weights
     n, k = ids.shape
     w = experts.table
     if not sums_routed(experts, k):
@@ -430,11 +463,11 @@ def route_prefill(router: DeviceMatrix, h, parts, logits, ids, weights, renormal
     (parts: float32 scratch of `router_parts`' shape; a 512-token prompt of 128 experts at n_embd 2048 is 512 blocks
     of 32 tokens x 32 experts x 256 columns), then per token one warp sums the parts in split order (no atomics: a
     replayed graph gives the eager logits bit for bit) into logits (scratch [>= n, n_expert]) and takes the top-k.
-    (`route`'s arrival-counted blocks, each token's rows in turn, are for one token.)"""
+    (`router_logits`' blocks, each token's rows in turn, are for one token.)"""
     n, cols = h.shape
     n_expert = router.rows
-    if unsupported(n_expert, ids.shape[1]):
-        raise ValueError(unsupported(n_expert, ids.shape[1]))
+    if why := unsupported(n_expert, cols, ids.shape[1]):
+        raise ValueError(why)
     splits = blocks(cols, ROUTER_SPLIT)
     if parts.shape[0] < splits or parts.shape[1] < n or parts.shape[2] != n_expert:
         raise ValueError(f"route_prefill: parts {parts.shape} for {router_parts(n, n_expert, cols)}")
@@ -494,7 +527,7 @@ def _put_part(parts, z, t, e, v):
 @jit_kernel
 def _sum_top_k(parts, splits, logits, ids, weights, renormalise):
     """Token blockIdx.x's logits, its parts summed in split order, then its top-k (one warp: lane l's experts are
-    l, l + 32, .., those `_top_k` reads back)."""
+    l, l + 32, .., those `_pick` reads back)."""
     await_grid()
     t = cuda.blockIdx.x
     n_expert = parts.shape[2]
@@ -503,7 +536,7 @@ def _sum_top_k(parts, splits, logits, ids, weights, renormalise):
         for z in range(splits):
             v += parts[z, t, e]
         logits[t, e] = v
-    _top_k(logits, t, n_expert, ids, weights, renormalise)
+    _pick_row(logits, t, ids, weights, renormalise)
 
 
 @dataclass
