@@ -30,6 +30,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -273,7 +274,7 @@ def measure(model: Path, device: DeviceTimes, concurrency: int, requests: list[B
     from lucekv.client import Client
 
     port = free_port()
-    stats_path = Path(f"/tmp/lucekv-serve-host-{os.getpid()}-{port}.json")
+    stats_path = Path(tempfile.gettempdir()) / f"lucekv-serve-host-{os.getpid()}-{port}.json"
     cmd = [sys.executable, "-m", "lucekv.bench.serve_host", "--serve-port", str(port), "--model", str(model),
            "--max-batch", str(concurrency), "--stats", str(stats_path), *device.flags()]
     if switch_interval is not None:
