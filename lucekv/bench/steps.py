@@ -210,24 +210,19 @@ def gil_probe(engine, busy_ms: float = 50.0) -> dict:
     }
     sleep_kernel[1, 1, stream](10)  # compiled before any timing
     synchronize(stream)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)  # the counter takes a free GIL at once
-    try:
-        with busy_thread() as count:
+    with switch_interval(1e-4), busy_thread() as count:  # the counter takes a free GIL at once
+        c0, t0 = count[0], time.perf_counter()
+        time.sleep(busy_ms / 1e3)  # the GIL free: the counter's full rate
+        rate = (count[0] - c0) / (time.perf_counter() - t0)
+        result: dict = {"counter_per_s_gil_free": rate, "busy_ms": busy_ms, "waits": {}}
+        for name, wait in waits.items():
+            sleep_kernel[1, 1, stream](int(busy_ms * 1e3))
             c0, t0 = count[0], time.perf_counter()
-            time.sleep(busy_ms / 1e3)  # the GIL free: the counter's full rate
-            rate = (count[0] - c0) / (time.perf_counter() - t0)
-            result: dict = {"counter_per_s_gil_free": rate, "busy_ms": busy_ms, "waits": {}}
-            for name, wait in waits.items():
-                sleep_kernel[1, 1, stream](int(busy_ms * 1e3))
-                c0, t0 = count[0], time.perf_counter()
-                wait()
-                seconds = time.perf_counter() - t0
-                ran = (count[0] - c0) / (rate * seconds)
-                result["waits"][name] = {"wait_ms": seconds * 1e3, "counter_share": ran,
-                                         "lets_go_of_gil": bool(ran > 0.5)}
-    finally:
-        sys.setswitchinterval(interval)
+            wait()
+            seconds = time.perf_counter() - t0
+            ran = (count[0] - c0) / (rate * seconds)
+            result["waits"][name] = {"wait_ms": seconds * 1e3, "counter_share": ran,
+                                     "lets_go_of_gil": bool(ran > 0.5)}
     return result
 
 
