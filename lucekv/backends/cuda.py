@@ -640,9 +640,9 @@ class CudaOps:
             return None
         pool = self._pools.setdefault("mmq_sums", {})
         key = (splits, mmq.padded(n), w.rows)
-        if key not in pool:
-            pool[key] = [mmq.partials(w, n, self.stream)]
-        return pool[key][0]
+        if key not in pool:  # its arrays, as every pool holds (pool_bytes counts them)
+            pool[key] = list(mmq.partials(w, n, self.stream))
+        return mmq.Partials(*pool[key])
 
     def _halves(self, n: int, cols: int, order: tuple[int, int]):
         """A matmul's scratch for its x as float16 pairs in a staged `order` (matmul.stage_halves): one per shape,
