@@ -210,18 +210,20 @@ def test_quantize_normalizes_x_where_asked():
 
 
 @needs_kernels
-@pytest.mark.parametrize(("qtype", "rows", "cols", "parts", "norm"), [
-    (Q.Q4_K, 20, 256, 2, True),  # 2 warps, 4 units a thread, normalized; 2 splits
-    (Q.Q6_K, 48, 512, 1, False),  # 3 warps (a lane group without a unit), 5 uneven splits of 8 steps
+@pytest.mark.parametrize(("qtype", "rows", "cols", "parts", "norm", "threads"), [
+    (Q.Q4_K, 20, 256, 2, True, 32),  # 2 warps, 4 units a thread, normalized; 2 splits; 2 quantize blocks a token
+    (Q.Q6_K, 48, 512, 1, False, 96),  # 3 warps (a lane group without a unit), 5 uneven splits of 8 steps; 2 quantize
+    # blocks a token, the second with runs for a third of its lanes
 ], ids=str)
-def test_blocks_quantize_x_as_the_quantize_launch_does(monkeypatch, qtype, rows, cols, parts, norm):
+def test_blocks_quantize_x_as_the_quantize_launch_does(monkeypatch, qtype, rows, cols, parts, norm, threads):
     """Up to 8 tokens the product's blocks quantize x themselves, step by step (`float_x`): the codes and scales of
-    `quantize`'s launch, so the same outputs bit for bit."""
+    `quantize`'s launch (blocks of `threads` a token's runs), so the same outputs bit for bit."""
     from lucekv.kernels.cuda import mmq
     from lucekv.kernels.cuda.packed import upload
 
     monkeypatch.setattr(mmq, "MIN_STEPS", 1)
     monkeypatch.setattr(mmq, "sm_count", lambda: 1)  # (the simulator's; on a GPU too)
+    monkeypatch.setattr(mmq, "QUANTIZE_THREADS", threads)
     rng = np.random.default_rng(9)
     m = random_packed(rng, qtype, rows, cols)
     x = rng.standard_normal((3, cols)).astype(np.float32) * 3
