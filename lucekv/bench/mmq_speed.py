@@ -91,7 +91,7 @@ def module(file: str | None, last_block_tiles: tuple[int, int] | None):
     if last_block_tiles is not None:
         name += f"_lbt{last_block_tiles[1]}"
     spec = importlib.util.spec_from_file_location(name, path)
-    loaded = importlib.util.module_from_spec(spec)
+    loaded = sys.modules[name] = importlib.util.module_from_spec(spec)  # (as an import: for whatever looks it up)
     spec.loader.exec_module(loaded)
     if last_block_tiles is not None:
         loaded.LAST_BLOCK_TILES = last_block_tiles[1]
