@@ -108,7 +108,8 @@ RUNS = {"q4": 4, "q6": 2, "q8": 2}  # runs per step: a row's 64 bytes of q4 code
 MAX_WARPS = 8
 RESIDENT_WARPS = 16  # warps an SM holds at the kernels' launch bounds (128 registers a thread)
 MIN_STEPS = 4  # steps of a split of the columns, at least
-LAST_BLOCK_TILES = 2  # token tiles up to which a row tile's last block adds the splits' sums (`last_block_reduces`)
+LAST_BLOCK_TILES = 1  # token tiles up to which a row tile's last block adds the splits' sums (`last_block_reduces`;
+# 2 measured 21 us slower an 8B layer at 16 tokens on an H100: bench/results/h100-mmq-speed-8b-layers.json)
 QUANTIZE_THREADS = 128  # threads of a block of `_quantize_kernel`: RUN_LANES to a 32-column run, 16 runs of a token
 RUN_LANES = 8  # lanes that quantize a run together, 4 columns (one 16-byte load) each
 REDUCE_THREADS = 128
