@@ -105,12 +105,13 @@ def _llama_moe(path: Path, attn: str):
     llama.cpp names mapped to transformers', q and k rows put back in Hugging Face's order (llama.cpp's converter
     interleaves each head's two rotary halves), gate and up experts concatenated as Mixtral keeps them."""
     import torch
-    from gguf import GGUFReader
     from gguf.quants import dequantize
     from transformers import MixtralConfig, MixtralForCausalLM
     from transformers.initialization import no_init_weights
 
-    reader = GGUFReader(path)
+    from lucekv.model.gguf import Reader
+
+    reader = Reader(path)
     meta = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("tokenizer.")}
     if meta.get("llama.rope.scaling.type", "none") != "none" or "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise ValueError(f"{path.name}: the Mixtral reference rotates plainly; this file scales its RoPE")

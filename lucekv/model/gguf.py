@@ -16,6 +16,20 @@ from lucekv.errors import ModelError, UnsupportedModelError
 GGUF_MAGIC = b"GGUF"
 
 
+class Reader(GGUFReader):
+    """gguf's reader over a plain ndarray of the file's memory map. The reader slices its `data` for every value it
+    reads (three slices a string), and each slice of an np.memmap runs memmap's `__array_finalize__` in Python: a
+    plain view of the same map reads the same bytes, smollm2's 49K-token vocabulary in 1.2 s of CPU instead of 4.1."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, mapped: np.ndarray) -> None:
+        self._data = mapped.view(np.ndarray)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -64,7 +78,7 @@ class GGUFFile:
                 f"{'them' if len(unused) > 1 else 'it'}")
 
 
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+def read_metadata(reader: Reader) -> dict[str, Any]:
     """All key/value pairs as plain Python values (str, int, float, bool, lists of those)."""
     return {key: field.contents() for key, field in reader.fields.items()}
 
@@ -78,7 +92,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
     if magic != GGUF_MAGIC:
         raise ModelError(f"{path.name} is not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
     try:
-        reader = GGUFReader(path, "r")
+        reader = Reader(path, "r")
     except Exception as e:  # gguf raises ValueError, IndexError, struct errors on damaged headers
         raise ModelError(f"{path.name} is truncated or corrupt: {type(e).__name__}: {e}") from e
     file_size = path.stat().st_size

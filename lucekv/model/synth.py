@@ -29,7 +29,6 @@ from gguf import (
     MODEL_TENSOR,
     TENSOR_NAMES,
     GGMLQuantizationType,
-    GGUFReader,
     GGUFValueType,
     GGUFWriter,
     RopeScalingType,
@@ -38,7 +37,7 @@ from gguf import (
 from gguf.quants import dequantize, quantize
 
 from lucekv.model.arch import ModelSpec
-from lucekv.model.gguf import open_gguf
+from lucekv.model.gguf import Reader, open_gguf
 
 Q = GGMLQuantizationType
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
@@ -263,7 +262,7 @@ def write_upcycled_gguf(path: str | Path, dense: str | Path, *, n_expert: int = 
 
     `routers`: each layer's router rows (F32 [n_expert, n_embd], e.g. `kmeans_routers`) instead of random ones,
     `router_label` naming them in general.name."""
-    reader = GGUFReader(dense)
+    reader = Reader(dense)
     arch = str(reader.fields["general.architecture"].contents())
     if arch != "llama":
         raise ValueError(f"{Path(dense).name}: only llama files upcycle (Mixtral-style), not {arch}")

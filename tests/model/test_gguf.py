@@ -4,12 +4,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 import lucekv
 from lucekv.errors import ModelError, UnsupportedModelError
 from lucekv.model.arch import ModelSpec
-from lucekv.model.gguf import open_gguf
+from lucekv.model.gguf import Reader, open_gguf
 from lucekv.model.synth import write_synthetic_gguf
 
 
@@ -26,6 +26,17 @@ def test_reads_metadata_tensors_and_a_stable_fingerprint(tiny, tmp_path):
     assert open_gguf(tiny).fingerprint == g.fingerprint
     other = write_synthetic_gguf(tmp_path / "other.gguf", "qwen2", n_layer=3)
     assert open_gguf(other).fingerprint != g.fingerprint
+
+
+def test_the_plain_view_reader_reads_what_ggufs_own_reader_reads(tiny):
+    """Reader (gguf's reader over a plain ndarray of the memory map, for speed) gives every field and tensor as
+    gguf's GGUFReader does, the tokenizer's string arrays included, and still reads through the map."""
+    ours, theirs = Reader(tiny), GGUFReader(tiny)
+    assert type(ours.data) is np.ndarray and isinstance(ours.data.base, np.memmap)
+    assert {k: f.contents() for k, f in ours.fields.items()} == {k: f.contents() for k, f in theirs.fields.items()}
+    assert any(isinstance(f.contents(), list) and isinstance(f.contents()[0], str) for f in ours.fields.values())
+    assert [(t.name, t.data_offset) for t in ours.tensors] == [(t.name, t.data_offset) for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors, strict=True))
 
 
 def test_missing_file(tmp_path):
