@@ -160,7 +160,8 @@ class DecodeStep:
             self._sized = (n, rows, 0)
         if run > self._sized[2]:
             run = max(run, 2 * self._sized[2])  # a run grows a token a step: doubled, not each step
-            heads = self._sized[1] * spec.n_head // spec.n_kv_head  # (row, q head) pairs of an attention task at most
+            # (row, q head) pairs of an attention task at most
+            heads = min(self._sized[1], k.ATTENTION_ROWS) * spec.n_head // spec.n_kv_head
             self.attn_scratch = np.empty((n, heads * (run + k.LANES + 1)), np.float32)
             self._sized = (n, rows, run)
 

@@ -47,6 +47,9 @@ OP_NAMES = ("qkv", "kv", "attention", "wo", "gate_up", "down", "post_norm", "cap
 N_HEAD, N_KV_HEAD, HEAD_DIM, ROPE_DIM, NEOX, GELU, N_EMBD, OUTPUT, OUTPUT_NORM, N_FF = range(10)
 DIM_FIELDS = 10
 CHUNK_ROWS = 64  # rows of a product one thread takes at a time (a multiple of matvec.ROW_GROUP)
+# rows of one run an attention task takes at most: a prompt piece's rows are several tasks (its threads share them,
+# and a task's scores, rows x q heads x slots, stay small), a short verify block's one
+ATTENTION_ROWS = 16
 # float32 scratch rows shared by the threads (`shared`) and private to each (`private[t]`)
 S_Q, S_K, S_V, S_ATTN, S_Y, S_GATE, S_UP = range(7)
 SHARED_ROWS = 7
@@ -101,8 +104,9 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
                 c = _done_claim(work, phase, n, t)
         phase = _wait(work, phase, n, OP_QKV, trace, t)
         # per row and kv head: k norm, RoPE, K and V into the pool, the kv head's q heads' norm and RoPE; then attention
-        # by rows sharing a run of slots and kv head. Where every row shares one run (a row alone, a verify block, a
-        # tree), each attention task does its rows' K/V first (no other task reads them): one phase, not two
+        # by rows sharing a run of slots and kv head. Where one task a kv head takes every row (a row alone, a verify
+        # block or tree of up to ATTENTION_ROWS), each task does its rows' K/V first (no other task reads them): one
+        # phase, not two
         n = _attention_tasks(runs, n_kv, -1)[0]
         one_run = n == n_kv
         if not one_run:
@@ -465,13 +469,13 @@ def _new_kv(layer, r, kvh, lt, k_all, v_all, q_all, k_pool, v_pool, slots, rope_
 
 @njit(cache=True, nogil=True)
 def _attention_tasks(runs, n_kv, c):
-    """Attention task c: (first row, row past the last, kv head) of rows sharing a run of slots (consecutive rows with
-    the same run: they read the same K and V); c < 0: (the number of tasks, 0, 0)."""
+    """Attention task c: (first row, row past the last, kv head) of at most ATTENTION_ROWS rows sharing a run of slots
+    (consecutive rows with the same run: they read the same K and V); c < 0: (the number of tasks, 0, 0)."""
     n_rows = runs.shape[0]
     r0, total = 0, 0
     while r0 < n_rows:
         r1 = r0 + 1
-        while r1 < n_rows and runs[r1, 0] == runs[r0, 0] and runs[r1, 1] == runs[r0, 1]:
+        while r1 < min(n_rows, r0 + ATTENTION_ROWS) and runs[r1, 0] == runs[r0, 0] and runs[r1, 1] == runs[r0, 1]:
             r1 += 1
         if 0 <= c < n_kv:
             return r0, r1, c
