@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import lucekv
-from lucekv.kernels.cpu.step import embed_rows, round_to_f16
+from lucekv.kernels.cpu.step import TILES, embed_rows, round_to_f16
 from lucekv.kvflash.pager import CHUNK_TOKENS
 from lucekv.model.decoder import forward
 from lucekv.model.synth import write_synthetic_gguf
@@ -150,14 +150,17 @@ def test_step_embeddings_from_the_arena_equal_the_op_by_op_ones(arch, qtype, ove
     assert np.array_equal(got, backend.ops.embed(table, tokens, scale))
 
 
-@pytest.mark.parametrize("arch,qtype,overrides", [CASES[0], CASES[3]], ids=["llama", "gemma3"])
-def test_a_prompt_gives_the_same_rows_however_it_is_cut_into_pieces(arch, qtype, overrides, tmp_path):
+@pytest.mark.parametrize("arch,qtype,overrides,tiles", [(*CASES[0], False), (*CASES[0], True), (*CASES[3], False)],
+                         ids=["llama", "llama-tiles", "gemma3"])
+def test_a_prompt_gives_the_same_rows_however_it_is_cut_into_pieces(arch, qtype, overrides, tiles, tmp_path):
     """A prompt's K/V rows and last logits do not depend on how it is cut into pieces (a reused prefix leaves the rest
     of a prompt to compute, from any position; one token may be left): every token's numbers are its own, bit for
-    bit, on any thread count."""
+    bit, on any thread count. `tiles`: pieces of 16 tokens or more through the tile kernels (where the CPU has VNNI;
+    here their generic IR), shorter ones through the row kernels."""
     path = write_synthetic_gguf(tmp_path / f"{arch}.gguf", arch, qtype=qtype, qtype_overrides=overrides,
                                 n_layer=6 if arch == "gemma3" else 2, sliding_window=8)
     backend = lucekv.load(path, backend="cpu", kv_dtype="f16").backend
+    backend.decode_step.dims[TILES] = tiles
     n = 2 * CHUNK_TOKENS + 22
     ids = (np.arange(n, dtype=np.int32) * 7 + 5) % 200 + 3
     pos = np.arange(n, dtype=np.int32)
