@@ -3,13 +3,15 @@
 The model's matrices live in one flat byte arena (`codes`) and one float32 arena (`scales`), described by a table
 (`mats`, one row per matrix); norms and biases in a third arena (`vecs`); each layer is a row of `layers` naming
 its matrices and vectors. `decode_step` runs on every thread of the step at once: each op's work (rows of a
-product in chunks, attention's kv heads) goes to whichever thread takes it next, and a thread waits at the end of
+product in chunks, attention's rows by kv head) goes to whichever thread takes it next, and a thread waits at the end of
 an op only for chunks still in flight (5 ops a layer: 6 for rows of several runs, 2 more with post-norms). The
 products are matvec.py's `group_rows` on the weights grouped by 16 rows (quants.group_rows): each input row
 quantized once per op to int16 codes by 32-blocks, integer products with the weights' codes (intdot.py), every row
-of x through a group's codes while they are in cache; each row's arithmetic is its own (its own int16 scales, its
-own attention), so a row gives the same numbers in any batch, and its products those of its prefill tiles. Nothing
-here allocates per token: scratch comes in from the caller.
+of x through a group's codes while they are in cache, or, for 16 rows or more where the CPU has VNNI, the prompt's
+tile kernels (matvec._tile_rows: the same numbers, faster on many rows); each row's arithmetic is its own (its own
+int16 scales, its own attention), so a row gives the same numbers in any batch: a prompt piece's, a verify block's
+and decode rows' alike. Nothing here allocates per token (but the tile kernels' small buffers a chunk): scratch comes in
+from the caller.
 
 numba's on-disk cache keys a function on its own file only: after editing matvec.py, intdot.py, kv_tiles.py or
 sync.py, delete lucekv/kernels/cpu/__pycache__/step.* (a fresh checkout compiles everything anew).
