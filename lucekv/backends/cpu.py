@@ -339,7 +339,7 @@ class CpuDraftOps(CpuOps):
 
 class CpuBackend(RunAhead):
     name = "cpu"
-    prefill_chunk = 256  # tokens per prefill forward: bounds the attention score matrix
+    prefill_chunk = 256  # tokens per prefill forward: bounds the scratch of its rows (DecodeStep)
     max_tree_block = 63  # a draft tree's verify block: its ancestor masks are int64 (bits 0 .. 62)
 
     def __init__(self, g: GGUFFile, spec: ModelSpec, kv_dtype: str = "f16", pool_size: int | None = None):
@@ -368,18 +368,18 @@ class CpuBackend(RunAhead):
         sequence's blocks in logical order, one for all the tokens or one per token (decode rows: the logits of
         every row); None: a sequence alone in the pool (see CpuOps.begin_step).
 
-        all_logits (every token's logits: a decode step, alone or in rows, or a verify block) takes the decode step,
-        each token a row whose numbers do not depend on the others, so the three give the same logits bit for bit.
-        A prompt piece (the last logits only) goes op by op, its products matvec.prompt_rows (each token's numbers
-        its own) whatever its length: its K/V must not depend on how the scheduler cut the prompt into pieces (the
-        step is ~2e-4 off that path). One token without a table (a draft model's step, the profilers) takes the step
-        too."""
+        Every forward takes the decode step where the model has one (dense): each token a row whose numbers are a
+        function of its own token, position and the K/V it attends to, whatever else the forward holds. So a prompt's
+        K/V do not depend on how it was cut into pieces (a reused prefix leaves the rest to compute from any
+        position), a decoded token's K/V are those a prompt holding it gets, and decode rows, verify blocks and
+        prompt pieces give the same logits bit for bit (issue 25). The op-by-op path (an MoE model's) computes a
+        piece's tokens together: its BLAS products and attention blocks vary in the last bits with the piece."""
         self.pool.assign(slots, positions)
         self.ops.begin_step(len(tokens), tables)
-        if self.decode_step is not None and (all_logits or (tables is None and len(tokens) == 1)):
-            return self._step(tokens, positions, slots, len(tokens) if all_logits else 1)
-        rows = tables is not None and len(tables) == len(tokens)
-        return self._op_forward(tokens, positions, slots, all_logits or rows)
+        every = all_logits or (tables is not None and len(tables) == len(tokens))  # decode rows: every row's logits
+        if self.decode_step is not None:
+            return self._step(tokens, positions, slots, len(tokens) if every else 1)
+        return self._op_forward(tokens, positions, slots, every)
 
     def _step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, n_logits: int) -> np.ndarray:
         """The decode step over the ops' slots (begin_step or begin_tree), the features of `capture_layers` kept."""

@@ -12,6 +12,7 @@ import numba
 import numpy as np
 
 from lucekv.kernels.cpu import step as k
+from lucekv.kernels.cpu.matvec import TILES
 from lucekv.kernels.cpu.quants import GROUP_ROWS, PackedMatrix, group_rows
 from lucekv.model.arch import ModelSpec
 from lucekv.model.decoder import Weights
@@ -108,10 +109,10 @@ class DecodeStep:
             for i, lw in enumerate(weights.layers)], np.int64)
         self.dims = np.zeros(k.DIM_FIELDS, np.int64)
         self.dims[[k.N_HEAD, k.N_KV_HEAD, k.HEAD_DIM, k.ROPE_DIM, k.NEOX, k.GELU, k.N_EMBD, k.OUTPUT,
-                   k.OUTPUT_NORM, k.N_FF]] = (
+                   k.OUTPUT_NORM, k.N_FF, k.TILES]] = (
             spec.n_head, spec.n_kv_head, spec.head_dim, spec.rope_dim, spec.arch.rope_style == "neox",
             spec.arch.activation != "silu", spec.n_embd, a.matrix(weights.output), a.vector(weights.output_norm),
-            weights.layers[0].gate_up[0].rows)
+            weights.layers[0].gate_up[0].rows, TILES)
         self.vecs = a.vectors()
         self.rope_table = np.empty((0, len(self.inv_freqs), 2, spec.rope_dim // 2), np.float32)  # see _rope_rows
         self.attn_scales = np.array([r.attn_scale for r in ropes], np.float32)
@@ -160,7 +161,8 @@ class DecodeStep:
             self._sized = (n, rows, 0)
         if run > self._sized[2]:
             run = max(run, 2 * self._sized[2])  # a run grows a token a step: doubled, not each step
-            heads = self._sized[1] * spec.n_head // spec.n_kv_head  # (row, q head) pairs of an attention task at most
+            # (row, q head) pairs of an attention task at most
+            heads = min(self._sized[1], k.ATTENTION_ROWS) * spec.n_head // spec.n_kv_head
             self.attn_scratch = np.empty((n, heads * (run + k.LANES + 1)), np.float32)
             self._sized = (n, rows, run)
 

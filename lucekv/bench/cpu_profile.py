@@ -4,7 +4,8 @@ step reads against this machine's measured memory bandwidth.
     python -m lucekv.bench.cpu_profile --model smollm2-135m [--tokens 32] [--context 128] [--json OUT]
     python -m lucekv.bench.cpu_profile --model qwen2.5-coder-0.5b --prefill 128 [--json OUT]
 
-With --prefill N: where a prompt of N tokens (one forward, op by op) goes instead, per op and kernel.
+With --prefill N: where a prompt of N tokens (one forward: a dense model's decode step, else op by op) goes
+instead, per op and kernel.
 
 Inside the step (`phases`): each thread's time per op of the step (from the end of one phase to the end of its
 share of the next: busy) and at the op's end waiting for the others (wait), from the CPU's cycle counter at each
@@ -227,7 +228,7 @@ def profile(model: str, tokens: int, context: int, kv_dtype: str) -> dict:
 
 
 def profile_prefill(model: str, tokens: int, kv_dtype: str, repeats: int = 3) -> dict:
-    """A prompt of `tokens` tokens through the backend op by op (what the engine's prefill runs): the best of
+    """A prompt of `tokens` tokens through the backend (what the engine's prefill runs): the best of
     `repeats` untimed forwards, then one timed per op and kernel (the same work: the same slots again)."""
     import lucekv
     from lucekv.bench.decode import prompt_ids

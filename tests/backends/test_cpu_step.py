@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
 import lucekv
-from lucekv.kernels.cpu.step import embed_rows, round_to_f16
+from lucekv.kernels.cpu.step import TILES, embed_rows, round_to_f16
 from lucekv.kvflash.pager import CHUNK_TOKENS
 from lucekv.model.decoder import forward
 from lucekv.model.synth import write_synthetic_gguf
@@ -91,14 +93,10 @@ def test_verify_block_equals_its_tokens_one_at_a_time(arch, qtype, overrides, tm
     backend.ops.begin_step(len(block[0]), [table])
     ref = forward(backend.spec, backend.weights, backend.ops, *block, all_logits=True)
     assert np.abs(got - ref).max() <= STEP_BOUND * np.abs(ref).max()
-    # a prompt piece of one token (the last logits only) goes op by op, as a longer piece does
-    one = ids[start:start + 1], pos[start:start + 1], slots[start:start + 1]
+    # a prompt piece (the last logits only) is rows of the step too: a piece of one token gives its row's logits
     backend.pool.truncate(start)
-    piece = backend.forward(*one, tables=[table])
-    backend.pool.truncate(start)
-    backend.pool.assign(one[2], one[1])
-    backend.ops.begin_step(1, [table])
-    assert np.array_equal(piece, forward(backend.spec, backend.weights, backend.ops, *one))
+    assert np.array_equal(backend.forward(ids[start:start + 1], pos[start:start + 1], slots[start:start + 1],
+                                          tables=[table]), got[:1])
 
 
 def test_prefill_with_fewer_kv_heads_than_threads(tmp_path):
@@ -150,3 +148,38 @@ def test_step_embeddings_from_the_arena_equal_the_op_by_op_ones(arch, qtype, ove
     embed_rows(a.codes, a.scales, a.table, step.token_embd, tokens, step.embed_scale, got)
     scale = float(np.sqrt(backend.spec.n_embd)) if backend.spec.arch.embed_scale else 1.0
     assert np.array_equal(got, backend.ops.embed(table, tokens, scale))
+
+
+@pytest.mark.parametrize("arch,qtype,overrides,tiles", [(*CASES[0], False), (*CASES[0], True), (*CASES[3], False)],
+                         ids=["llama", "llama-tiles", "gemma3"])
+def test_a_prompt_gives_the_same_rows_however_it_is_cut_into_pieces(arch, qtype, overrides, tiles, tmp_path):
+    """A prompt's K/V rows and last logits do not depend on how it is cut into pieces (a reused prefix leaves the rest
+    of a prompt to compute, from any position; one token may be left): every token's numbers are its own, bit for
+    bit, on any thread count. `tiles`: pieces of 16 tokens or more through the tile kernels (where the CPU has VNNI;
+    here their generic IR), shorter ones through the row kernels."""
+    path = write_synthetic_gguf(tmp_path / f"{arch}.gguf", arch, qtype=qtype, qtype_overrides=overrides,
+                                n_layer=6 if arch == "gemma3" else 2, sliding_window=8)
+    backend = lucekv.load(path, backend="cpu", kv_dtype="f16").backend
+    backend.decode_step.dims[TILES] = tiles
+    n = 2 * CHUNK_TOKENS + 22
+    ids = (np.arange(n, dtype=np.int32) * 7 + 5) % 200 + 3
+    pos = np.arange(n, dtype=np.int32)
+    table = np.array([2, 0, 1], np.int32)  # logical blocks in scattered pool blocks, as the engine's
+    slots = table[pos // CHUNK_TOKENS] * CHUNK_TOKENS + pos % CHUNK_TOKENS
+
+    def prefill(cuts: list[int], threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        backend.pool.truncate(0)
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            for s, e in pairwise(cuts):
+                logits = backend.forward(ids[s:e], pos[s:e], slots[s:e], tables=[table[:-(-e // CHUNK_TOKENS)]])
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        return logits, backend.pool.k_all[:, slots].copy(), backend.pool.v_all[:, slots].copy()
+
+    whole = prefill([0, n], 1)
+    for cuts, threads in (([0, n], 2), ([0, 1, n], 1), ([0, n - 1, n], 2), ([0, 70, n], 2),
+                          ([0, CHUNK_TOKENS, 2 * CHUNK_TOKENS, n], 1), ([0, 5, 100, n], 2)):
+        got = prefill(cuts, threads)
+        for name, a, b in zip(("logits", "K", "V"), got, whole, strict=True):
+            assert np.array_equal(a, b), f"{name} of cuts {cuts}, {threads} threads"

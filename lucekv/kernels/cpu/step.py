@@ -3,13 +3,15 @@
 The model's matrices live in one flat byte arena (`codes`) and one float32 arena (`scales`), described by a table
 (`mats`, one row per matrix); norms and biases in a third arena (`vecs`); each layer is a row of `layers` naming
 its matrices and vectors. `decode_step` runs on every thread of the step at once: each op's work (rows of a
-product in chunks, attention's kv heads) goes to whichever thread takes it next, and a thread waits at the end of
+product in chunks, attention's rows by kv head) goes to whichever thread takes it next, and a thread waits at the end of
 an op only for chunks still in flight (5 ops a layer: 6 for rows of several runs, 2 more with post-norms). The
 products are matvec.py's `group_rows` on the weights grouped by 16 rows (quants.group_rows): each input row
 quantized once per op to int16 codes by 32-blocks, integer products with the weights' codes (intdot.py), every row
-of x through a group's codes while they are in cache; each row's arithmetic is its own (its own int16 scales, its
-own attention), so a row gives the same numbers in any batch, and its products those of its prefill tiles. Nothing
-here allocates per token: scratch comes in from the caller.
+of x through a group's codes while they are in cache, or, for 16 rows or more where the CPU has VNNI, the prompt's
+tile kernels (matvec._tile_rows: the same numbers, faster on many rows); each row's arithmetic is its own (its own
+int16 scales, its own attention), so a row gives the same numbers in any batch: a prompt piece's, a verify block's
+and decode rows' alike. Nothing here allocates per token (but the tile kernels' small buffers a chunk): scratch comes in
+from the caller.
 
 numba's on-disk cache keys a function on its own file only: after editing matvec.py, intdot.py, kv_tiles.py or
 sync.py, delete lucekv/kernels/cpu/__pycache__/step.* (a fresh checkout compiles everything anew).
@@ -25,9 +27,19 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from lucekv.kernels.cpu.intdot import X_BLOCK, quantize_x16
+from lucekv.kernels.cpu.intdot import TILE_TOKENS, X_BLOCK, quantize_x16
 from lucekv.kernels.cpu.kv_tiles import LANES, exp_weights, key_scores, value_sums
-from lucekv.kernels.cpu.matvec import INT_Q4, INT_Q8, INT_Q8_16, _f32_rows, block_sums, float32_of, group_rows
+from lucekv.kernels.cpu.matvec import (
+    INT_Q4,
+    INT_Q8,
+    INT_Q8_16,
+    _f32_rows,
+    _tile_rows,
+    block_sums,
+    float32_of,
+    group_rows,
+    prepare_tiles,
+)
 from lucekv.kernels.cpu.quants import GROUP_ROWS
 from lucekv.kernels.cpu.sync import atomic_add, atomic_load, cycles, wait_at_least
 
@@ -44,14 +56,18 @@ LAYER_FIELDS = 18
 OP_QKV, OP_KV, OP_ATTENTION, OP_WO, OP_GATE_UP, OP_DOWN, OP_POST_NORM, OP_CAPTURE, OP_OUTPUT = range(9)
 OP_NAMES = ("qkv", "kv", "attention", "wo", "gate_up", "down", "post_norm", "capture", "output")
 # model dims (`dims`)
-N_HEAD, N_KV_HEAD, HEAD_DIM, ROPE_DIM, NEOX, GELU, N_EMBD, OUTPUT, OUTPUT_NORM, N_FF = range(10)
-DIM_FIELDS = 10
+# TILES: products of TILE_TOKENS rows or more through the prompt's tile kernels (matvec.TILES), the same numbers
+N_HEAD, N_KV_HEAD, HEAD_DIM, ROPE_DIM, NEOX, GELU, N_EMBD, OUTPUT, OUTPUT_NORM, N_FF, TILES = range(11)
+DIM_FIELDS = 11
 CHUNK_ROWS = 64  # rows of a product one thread takes at a time (a multiple of matvec.ROW_GROUP)
+# rows of one run an attention task takes at most: a prompt piece's rows are several tasks (its threads share them,
+# and a task's scores, rows x q heads x slots, stay small), a short verify block's one
+ATTENTION_ROWS = 16
 # float32 scratch rows shared by the threads (`shared`) and private to each (`private[t]`)
 S_Q, S_K, S_V, S_ATTN, S_Y, S_GATE, S_UP = range(7)
 SHARED_ROWS = 7
-P_H, P_XS16, P_XS32, P_KBITS, P_XD = range(5)
-PRIVATE_ROWS = 5
+P_H, P_XS16, P_XS32, P_KBITS, P_XD, P_TILE_XP, P_TILE_XD, P_TILE_XS32, P_TILE_XS16 = range(9)  # P_TILE_*: tiles' x
+PRIVATE_ROWS = 9
 
 GELU_C = np.float32(np.sqrt(2.0 / np.pi))
 
@@ -78,6 +94,7 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
     d, n_rows = dims[N_EMBD], x.shape[0]
     group = n_head // n_kv
     mine, xq = private[t], private_q[t]
+    tiles = dims[TILES] != 0 and n_rows >= TILE_TOKENS
     h = _rows(mine[P_H], n_rows, d)
     q_all, k_all = _rows(shared[S_Q], n_rows, n_head * hd), _rows(shared[S_K], n_rows, n_kv * hd)
     v_all, attn = _rows(shared[S_V], n_rows, n_kv * hd), _rows(shared[S_ATTN], n_rows, n_head * hd)
@@ -88,7 +105,7 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
         # q, k, v of the attention norm of x
         n = _chunks(mats, lt[WQ]) + _chunks(mats, lt[WK]) + _chunks(mats, lt[WV])
         if _open(work, phase, n):
-            _norm_and_prepare(x, vecs, lt[ATTN_NORM], h, mine, xq, eps)
+            _norm_and_prepare(x, vecs, lt[ATTN_NORM], h, mine, xq, eps, tiles)
             c = _claim(work, phase, n, t)
             while c < n:
                 j = 0  # which of q, k, v chunk c belongs to
@@ -97,12 +114,13 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
                     j += 1
                 m = lt[WQ + j]
                 _product(codes, scales, mats, m, h, mine, xq, _rows(shared[S_Q + j], n_rows, mats[m, ROWS]),
-                         vecs, lt[Q_BIAS + j], c * CHUNK_ROWS)
+                         vecs, lt[Q_BIAS + j], c * CHUNK_ROWS, tiles)
                 c = _done_claim(work, phase, n, t)
         phase = _wait(work, phase, n, OP_QKV, trace, t)
         # per row and kv head: k norm, RoPE, K and V into the pool, the kv head's q heads' norm and RoPE; then attention
-        # by rows sharing a run of slots and kv head. Where every row shares one run (a row alone, a verify block, a
-        # tree), each attention task does its rows' K/V first (no other task reads them): one phase, not two
+        # by rows sharing a run of slots and kv head. Where one task a kv head takes every row (a row alone, a verify
+        # block or tree of up to ATTENTION_ROWS), each task does its rows' K/V first (no other task reads them): one
+        # phase, not two
         n = _attention_tasks(runs, n_kv, -1)[0]
         one_run = n == n_kv
         if not one_run:
@@ -125,24 +143,24 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
         phase = _wait(work, phase, n, OP_ATTENTION, trace, t)
         # x += [post-norm of] W_o attn
         phase = _residual_product(work, phase, codes, scales, mats, lt[WO], attn, mine, xq, x, y, vecs,
-                                  lt[POST_ATTN_NORM], eps, OP_WO, trace, t)
+                                  lt[POST_ATTN_NORM], eps, OP_WO, trace, t, tiles)
         # act(W_gate h) * (W_up h), h the FFN norm of x
         n_ff = mats[lt[WGATE], ROWS]
         gate, up = _rows(shared[S_GATE], n_rows, n_ff), _rows(shared[S_UP], n_rows, n_ff)
         n = _chunks(mats, lt[WGATE])
         if _open(work, phase, n):
-            _norm_and_prepare(x, vecs, lt[FFN_NORM], h, mine, xq, eps)
+            _norm_and_prepare(x, vecs, lt[FFN_NORM], h, mine, xq, eps, tiles)
             c = _claim(work, phase, n, t)
             while c < n:
-                _product(codes, scales, mats, lt[WGATE], h, mine, xq, gate, vecs, -1, c * CHUNK_ROWS)
-                _product(codes, scales, mats, lt[WUP], h, mine, xq, up, vecs, -1, c * CHUNK_ROWS)
+                _product(codes, scales, mats, lt[WGATE], h, mine, xq, gate, vecs, -1, c * CHUNK_ROWS, tiles)
+                _product(codes, scales, mats, lt[WUP], h, mine, xq, up, vecs, -1, c * CHUNK_ROWS, tiles)
                 for r in range(n_rows):
                     _gated_act(gate[r], up[r], c * CHUNK_ROWS, min((c + 1) * CHUNK_ROWS, n_ff), dims[GELU])
                 c = _done_claim(work, phase, n, t)
         phase = _wait(work, phase, n, OP_GATE_UP, trace, t)
         # x += [post-norm of] W_down of that
         phase = _residual_product(work, phase, codes, scales, mats, lt[WDOWN], gate, mine, xq, x, y, vecs,
-                                  lt[POST_FFN_NORM], eps, OP_DOWN, trace, t)
+                                  lt[POST_FFN_NORM], eps, OP_DOWN, trace, t, tiles)
         if capture_at[layer] >= 0:  # the layer's output, copied before the next layer's residual changes x
             c = _claim(work, phase, n_rows, t)
             while c < n_rows:
@@ -156,10 +174,11 @@ def decode_step(t, work, codes, scales, mats, vecs, layers, attn_scales, dims, e
         h_out = _rows(mine[P_H], n_out, d)
         for r in range(n_out):
             _rmsnorm(x[n_rows - n_out + r], vecs, dims[OUTPUT_NORM], h_out[r], eps)
-        _prepare(h_out, mine, xq)
+        tiles = dims[TILES] != 0 and n_out >= TILE_TOKENS
+        _prepare(h_out, mine, xq, tiles)
         c = _claim(work, phase, n, t)
         while c < n:
-            _product(codes, scales, mats, dims[OUTPUT], h_out, mine, xq, logits, vecs, -1, c * CHUNK_ROWS)
+            _product(codes, scales, mats, dims[OUTPUT], h_out, mine, xq, logits, vecs, -1, c * CHUNK_ROWS, tiles)
             c = _done_claim(work, phase, n, t)
     _wait(work, phase, n, OP_OUTPUT, trace, t)
     if trace.shape[0]:
@@ -304,23 +323,23 @@ def _add_rows(x, y, r0):
 
 
 @njit(cache=True, nogil=True)
-def _norm_and_prepare(x, vecs, norm_at, h, mine, xq, eps):
+def _norm_and_prepare(x, vecs, norm_at, h, mine, xq, eps, tiles):
     """h = each row of x RMS-normed by the vector at vecs[norm_at:], prepared for this thread's products."""
     for r in range(x.shape[0]):
         _rmsnorm(x[r], vecs, norm_at, h[r], eps)
-    _prepare(h, mine, xq)
+    _prepare(h, mine, xq, tiles)
 
 
 @njit(cache=True, nogil=True)
 def _residual_product(work, phase, codes, scales, mats, m, inputs, mine, xq, x, y, vecs, post_norm, eps, op, trace,
-                      t):
+                      t, tiles):
     """x += [post-norm of] W_m inputs, W_m's chunks of rows claimed by the threads; returns the phase after it."""
     n = _chunks(mats, m)
     if _open(work, phase, n):
-        _prepare(inputs, mine, xq)
+        _prepare(inputs, mine, xq, tiles)
         c = _claim(work, phase, n, t)
         while c < n:
-            _product(codes, scales, mats, m, inputs, mine, xq, y, vecs, -1, c * CHUNK_ROWS)
+            _product(codes, scales, mats, m, inputs, mine, xq, y, vecs, -1, c * CHUNK_ROWS, tiles)
             if post_norm < 0:
                 _add_rows(x, y, c * CHUNK_ROWS)
             c = _done_claim(work, phase, n, t)
@@ -362,10 +381,14 @@ def _rmsnorm(x, vecs, w_at, out, eps):
 
 
 @njit(cache=True, nogil=True)
-def _prepare(xs, mine, xq):
+def _prepare(xs, mine, xq, tiles):
     """What the row kernels need of inputs xs [n, cols] besides xs, per row: 16- and 32-block sums, and the row as
-    int16 codes (in xq) with their per-block scales (mine[P_XD])."""
+    int16 codes (in xq) with their per-block scales (mine[P_XD]); with `tiles`, what the tile kernels need instead
+    (matvec.prepare_tiles: the same codes, scales and sums, by groups of TILE_TOKENS rows)."""
     n, cols = xs.shape
+    if tiles:
+        prepare_tiles(xs, 0, -(-n // TILE_TOKENS), *_tile_x(mine, n, cols))
+        return
     n_blocks = cols // X_BLOCK
     xd = _rows(mine[P_XD], n, n_blocks)
     for t in range(n):
@@ -376,9 +399,20 @@ def _prepare(xs, mine, xq):
 
 
 @njit(cache=True, nogil=True)
-def _product(codes, scales, mats, m, xs, mine, xq, out, vecs, bias_at, r0):
+def _tile_x(mine, n, cols):
+    """The tile kernels' x of n rows of `cols` in this thread's scratch: xp, xd, xsum32, xsum16 (prepare_tiles)."""
+    groups = -(-n // TILE_TOKENS)
+    return (mine[P_TILE_XP][:groups * cols // 2 * TILE_TOKENS].view(np.int32).reshape(groups, -1),
+            mine[P_TILE_XD][:groups * cols // X_BLOCK * TILE_TOKENS].reshape(groups, -1),
+            mine[P_TILE_XS32][:groups * cols // 32 * TILE_TOKENS].reshape(groups, -1),
+            mine[P_TILE_XS16][:groups * cols // 16 * TILE_TOKENS].reshape(groups, -1))
+
+
+@njit(cache=True, nogil=True)
+def _product(codes, scales, mats, m, xs, mine, xq, out, vecs, bias_at, r0, tiles):
     """Rows r0..r0 + CHUNK_ROWS (or the last) of out = xs W_m^T, xs [n, cols] and out [n, rows] (+ the bias at
-    vecs[bias_at:] where bias_at >= 0)."""
+    vecs[bias_at:] where bias_at >= 0); with `tiles` (x prepared for them), through the tile kernels: each row's
+    numbers are the row kernels', bit for bit (intdot: lane by lane the same arithmetic)."""
     rows, cols = mats[m, ROWS], mats[m, COLS]
     n = xs.shape[0]
     r1 = min(r0 + CHUNK_ROWS, rows)
@@ -394,18 +428,31 @@ def _product(codes, scales, mats, m, xs, mine, xq, out, vecs, bias_at, r0):
         by16 = cols // nb == 16
         args = (INT_Q4 if kind == KIND_Q4 else INT_Q8_16 if by16 else INT_Q8, with_bias,
                 codes[at:at + groups * cc * GROUP_ROWS].reshape(groups, cc * GROUP_ROWS))
-        x = (xq[:n * cols].view(np.int32).reshape(n, cols // 2), _rows(mine[P_XD], n, cols // X_BLOCK),
-             _rows(mine[P_XS16 if by16 else P_XS32], n, nb), out, r0, r1)
+        x = (xs, mine, xq, by16, out, r0, r1, tiles)
         if mats[m, HALVES]:
-            group_rows(*args, _factors(scales, mats[m, SCALE_AT], groups, nb, True, np.uint16),
-                       _factors(scales, mats[m, BIAS_AT], groups, nb, with_bias, np.uint16), *x)
+            _grouped_product(*args, _factors(scales, mats[m, SCALE_AT], groups, nb, True, np.uint16),
+                             _factors(scales, mats[m, BIAS_AT], groups, nb, with_bias, np.uint16), *x)
         else:
-            group_rows(*args, _factors(scales, mats[m, SCALE_AT], groups, nb, True, np.float32),
-                       _factors(scales, mats[m, BIAS_AT], groups, nb, with_bias, np.float32), *x)
+            _grouped_product(*args, _factors(scales, mats[m, SCALE_AT], groups, nb, True, np.float32),
+                             _factors(scales, mats[m, BIAS_AT], groups, nb, with_bias, np.float32), *x)
     if bias_at >= 0:
         for t in range(n):
             for r in range(r0, r1):
                 out[t, r] += vecs[bias_at + r]
+
+
+@njit(cache=True, nogil=True)
+def _grouped_product(layout, with_bias, codes, scale, bias, xs, mine, xq, by16, out, r0, r1, tiles):
+    """Rows r0..r1 of out = xs W^T, W grouped (group_rows' form), x as _prepare left it: the row kernels, or the tile
+    kernels with `tiles`."""
+    n, cols = xs.shape
+    if tiles:
+        xp, xd, xsum32, xsum16 = _tile_x(mine, n, cols)
+        _tile_rows(layout, True, codes, scale, bias, with_bias, xp, xd, xsum16 if by16 else xsum32, out, r0, r1)
+    else:
+        group_rows(layout, with_bias, codes, scale, bias, xq[:n * cols].view(np.int32).reshape(n, cols // 2),
+                   _rows(mine[P_XD], n, cols // X_BLOCK), _rows(mine[P_XS16 if by16 else P_XS32], n,
+                                                                 scale.shape[1] // GROUP_ROWS), out, r0, r1)
 
 
 @njit(cache=True, nogil=True)
@@ -465,13 +512,13 @@ def _new_kv(layer, r, kvh, lt, k_all, v_all, q_all, k_pool, v_pool, slots, rope_
 
 @njit(cache=True, nogil=True)
 def _attention_tasks(runs, n_kv, c):
-    """Attention task c: (first row, row past the last, kv head) of rows sharing a run of slots (consecutive rows with
-    the same run: they read the same K and V); c < 0: (the number of tasks, 0, 0)."""
+    """Attention task c: (first row, row past the last, kv head) of at most ATTENTION_ROWS rows sharing a run of slots
+    (consecutive rows with the same run: they read the same K and V); c < 0: (the number of tasks, 0, 0)."""
     n_rows = runs.shape[0]
     r0, total = 0, 0
     while r0 < n_rows:
         r1 = r0 + 1
-        while r1 < n_rows and runs[r1, 0] == runs[r0, 0] and runs[r1, 1] == runs[r0, 1]:
+        while r1 < min(n_rows, r0 + ATTENTION_ROWS) and runs[r1, 0] == runs[r0, 0] and runs[r1, 1] == runs[r0, 1]:
             r1 += 1
         if 0 <= c < n_kv:
             return r0, r1, c
