@@ -67,7 +67,7 @@
 #   bash bench/gpu_session.sh mvrows layers  mmq_speed: an 8B layer's integer tensor-core products at 8/16/32 tokens
 #                                      for this tree's mmq.py beside .anchors/mmq_before.py and .anchors/mmq_mmq3.py
 #                                      (git show e74b59c:lucekv/kernels/cuda/mmq.py, 490e4a4's), each with the
-#                                      row tile's last block adding the splits only up to 1 token tile, and with x
+#                                      row tile's last block adding the splits up to 2 token tiles (today 1), and with x
 #                                      quantized by before's launch (issue 25; ~4-5 min, mostly compiling in parallel)
 #   bash bench/gpu_session.sh mvrows mmq  the integer tensor-core products' tests on the hardware (the s8 mma fragment
 #                                      layouts, products against float64 and an exact oracle, the backend's route;
@@ -207,7 +207,7 @@ mvrows)
   fi
   if [ "${2:-}" = layers ]; then
     python3 -m lucekv.bench.mmq_speed --tokens 8,16,32 --module before=.anchors/mmq_before.py \
-      --module mmq3=.anchors/mmq_mmq3.py --last-block-tiles 1 --quantize-from before --json "$OUT/mmq-speed-8b.json" \
+      --module mmq3=.anchors/mmq_mmq3.py --last-block-tiles 2 --quantize-from before --json "$OUT/mmq-speed-8b.json" \
       2>&1 | grep -v -i warning
     exit 0
   fi
