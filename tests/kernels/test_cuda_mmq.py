@@ -143,7 +143,7 @@ def run_mmq(m: PackedMatrix, x: np.ndarray, parts: int = 2) -> np.ndarray:
     (Q.Q6_K, 16, 256, 9),  # q6 in 16-blocks (two k16 mmas a run), 2 token tiles
     (Q.Q8_0, 5, 128, 2),  # q8 in 32-blocks
     (Q.Q5_1, 17, 128, 4),  # q6 in 32-blocks with a bias
-    (Q.Q4_0, 16, 512, 2),  # q4 without a bias, 4 warps
+    (Q.Q4_0, 16, 256, 2),  # q4 without a bias
     (Q.Q5_K, 16, 256, 2),  # q6 in 32-blocks with a bias, scale words a step
     (Q.Q3_K, 16, 256, 2),  # q6 in 16-blocks
 ], ids=lambda v: getattr(v, "name", str(v)))
@@ -159,9 +159,9 @@ def test_mmq(qtype, rows, cols, n, parts):
 
 @needs_kernels
 def test_columns_split_over_blocks(monkeypatch):
-    """Uneven splits of the columns (4 of 6 steps: 2, 2, 1, 1), their sums added by the row tile's last block (up
-    to 2 token tiles) or by the second launch (3): the same bits for a token either way; the tickets back at 0
-    after the product (a graph replays it). Then a gated product in 2 splits."""
+    """Uneven splits of the columns (4 of 5 steps: 2, 1, 1, 1), their sums added by the row tile's last block (1
+    token tile) or by the second launch (2): the same bits for a token either way; the tickets back at 0 after the
+    product (a graph replays it). Then a gated product in 2 splits."""
     from lucekv.kernels.cpu.quants import interleave_rows
     from lucekv.kernels.cuda import mmq
     from lucekv.kernels.cuda.packed import GATE_ROWS, SILU, epilogue, upload
@@ -170,13 +170,13 @@ def test_columns_split_over_blocks(monkeypatch):
     monkeypatch.setattr(mmq, "sm_count", lambda: 1)  # (the simulator's; on a GPU too)
     monkeypatch.setattr(mmq, "RESIDENT_WARPS", 8)  # 4 blocks of two warps a wave
     rng = np.random.default_rng(6)
-    m = random_packed(rng, Q.Q8_0, 20, 384)
-    x = rng.standard_normal((17, 384)).astype(np.float32)
+    m = random_packed(rng, Q.Q8_0, 20, 320)
+    x = rng.standard_normal((9, 320)).astype(np.float32)
     w = upload(m)
     assert mmq.plan(w) == (2, 4) and mmq.last_block_reduces(1) and not mmq.last_block_reduces(2)
     scratch = mmq.partials(w, 3)
     first = cuda.device_array((3, m.rows), np.float32)
-    mmq.product(w, mmq.quantize(cuda.to_device(x[:3]), mmq.scratch(3, 384)), first, scratch_sums=scratch)
+    mmq.product(w, mmq.quantize(cuda.to_device(x[:3]), mmq.scratch(3, 320)), first, scratch_sums=scratch)
     assert not scratch.tickets.copy_to_host().any()  # ready for the next product
     every = run_mmq(m, x)
     assert rel_err(every, oracle(m, x)) <= 1e-5
@@ -248,10 +248,10 @@ def test_two_parts_agree_with_each_tokens_one_token_matvec():
     from lucekv.kernels.cuda.packed import upload
 
     rng = np.random.default_rng(7)
-    m = random_packed(rng, Q.Q4_K, 20, 512)
-    x = rng.standard_normal((3, 512)).astype(np.float32)
+    m = random_packed(rng, Q.Q4_K, 20, 256)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
     got = run_mmq(m, x)
-    for t in range(3):
+    for t in range(2):
         out = cuda.device_array((1, m.rows), np.float32)
         matvec(upload(m), cuda.to_device(x[t:t + 1]), out)
         assert rel_err(got[t:t + 1], out.copy_to_host().astype(np.float64)) <= 2e-6
